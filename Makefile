@@ -1,0 +1,26 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each builds the
+# virtual environment it needs first (torch pinned to the CPU build of 2.13.0 here;
+# a GPU host installs the CUDA build of the same version).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint
+
+$(VENV)/installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/installed
+	$(PY) -m worker demo
+
+lint: $(VENV)/installed
+	$(PY) -m ruff check worker stages tests
+	$(PY) -m ruff format --check worker stages tests
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest

@@ -1,0 +1,1 @@
+"""The default image pipeline: preprocess, model and postprocess, plugged into `worker`."""

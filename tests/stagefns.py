@@ -1,0 +1,63 @@
+"""Stage functions for engine tests; module-level so child processes can import them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def sleepy_writer(delay_s: float) -> Callable[[Any, torch.Tensor], Any]:
+    def write(value: Any, out: torch.Tensor) -> Any:
+        time.sleep(delay_s)
+        out.fill_(int(value) % 256)
+        return value
+
+    return write
+
+
+def sleepy_reader(delay_s: float) -> Callable[[torch.Tensor, Sequence[Any]], list[Any]]:
+    def read(batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
+        time.sleep(delay_s * len(values))
+        return [(value, int(row.flatten()[0])) for value, row in zip(values, batch, strict=True)]
+
+    return read
+
+
+def faulty_writer() -> Callable[[Any, torch.Tensor], Any]:
+    """Dies, segfaults, hangs or raises on the values named so; copies others through."""
+
+    def write(value: Any, out: torch.Tensor) -> Any:
+        if value == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if value == "segfault":
+            ctypes.string_at(0)
+        if value == "hang":
+            time.sleep(3600)
+        if value == "raise":
+            raise RuntimeError("bad input")
+        out.fill_(1)
+        return f"ok:{value}"
+
+    return write
+
+
+def kill_once_reader(marker_path: str) -> Callable[[torch.Tensor, Sequence[Any]], list[Any]]:
+    """Dies on its first batch only (a marker file remembers), then answers."""
+
+    def read(batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
+        if not os.path.exists(marker_path):
+            open(marker_path, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return list(values)
+
+    return read
+
+
+def broken_setup() -> Callable[..., Any]:
+    raise RuntimeError("model file is corrupt")

@@ -1,0 +1,91 @@
+"""The same contract for the SQS/S3 adapters (against moto) and the in-memory fakes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from worker.aws import S3BlobStore, SqsJobSource
+from worker.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.ports import MissingObject, S3Location
+
+
+@pytest.fixture(params=["moto", "fake"])
+def parts(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Any, Any, Any]]:
+    """(job source, blob store, a function that sends a message body)."""
+    if request.param == "fake":
+        fake = InMemoryJobSource()
+        yield fake, InMemoryBlobStore(), fake.send
+        return
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "t",
+        "AWS_SECRET_ACCESS_KEY": "t",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with mock_aws():
+        sqs, s3 = boto3.client("sqs"), boto3.client("s3")
+        queue_url = sqs.create_queue(QueueName="jobs")["QueueUrl"]
+        dlq_url = sqs.create_queue(QueueName="dead")["QueueUrl"]
+        s3.create_bucket(Bucket="bkt")
+        source = SqsJobSource(sqs, queue_url, dlq_url)
+        source.dlq_url = dlq_url  # type: ignore[attr-defined]
+        yield (
+            source,
+            S3BlobStore(s3),
+            lambda body: sqs.send_message(QueueUrl=queue_url, MessageBody=body),
+        )
+
+
+def test_received_message_is_invisible_until_released(parts: tuple[Any, Any, Any]) -> None:
+    """A lease hides the message; release makes it visible again at once, counted."""
+    source, _, send = parts
+    send(json.dumps({"n": 1}))
+    [message] = source.receive(10, 0, 30)
+    assert message.receive_count == 1 and json.loads(message.body) == {"n": 1}
+    assert source.receive(10, 0, 30) == []
+    source.release(message.receipt_handle)
+    [again] = source.receive(10, 0, 30)
+    assert again.message_id == message.message_id and again.receive_count == 2
+
+
+def test_extend_reports_stale_handles_and_ack_deletes(parts: tuple[Any, Any, Any]) -> None:
+    """Renewing a deleted message's handle is reported per entry, not raised."""
+    source, _, send = parts
+    for n in range(12):
+        send(str(n))
+    messages = source.receive(10, 0, 30) + source.receive(10, 0, 30)
+    assert len(messages) == 12
+    handles = [m.receipt_handle for m in messages]
+    source.ack(handles[0])
+    failures = source.extend(handles, 60)
+    assert list(failures) == [handles[0]]
+
+
+def test_dead_letter_moves_message_with_reason(parts: tuple[Any, Any, Any]) -> None:
+    """A dead-lettered message leaves the queue."""
+    source, _, send = parts
+    send("junk")
+    [message] = source.receive(1, 0, 30)
+    assert source.dead_letter(message, "not JSON")
+    assert source.receive(10, 0, 0) == []
+    with pytest.raises(Exception, match="ReceiptHandleIsInvalid"):
+        source.release(message.receipt_handle)
+
+
+def test_blob_round_trip_and_missing_key(parts: tuple[Any, Any, Any]) -> None:
+    """Objects read back as written; a missing key is `MissingObject`."""
+    _, blobs, _ = parts
+    location = S3Location.parse("s3://bkt/a/b.bin")
+    blobs.put(location, b"\x00\x01", "application/octet-stream")
+    assert blobs.get(location) == b"\x00\x01"
+    with pytest.raises(MissingObject):
+        blobs.get(S3Location.parse("s3://bkt/nope"))

@@ -1,0 +1,157 @@
+"""The daemon in-process against the in-memory fakes: routing, bad inputs, demand."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from stages.synthetic import samples
+from worker.daemon import Daemon, ExitCode
+from worker.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.ports import ReceivedMessage
+from worker.settings import Settings
+
+
+class CountingSource(InMemoryJobSource):
+    """Remembers the most messages it ever had out at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = 0
+        self.most_out = 0
+        self.asked: list[int] = []
+
+    def receive(
+        self, max_messages: int, wait_s: int, visibility_timeout_s: int
+    ) -> list[ReceivedMessage]:
+        self.asked.append(max_messages)
+        received = super().receive(max_messages, wait_s, visibility_timeout_s)
+        self.out += len(received)
+        self.most_out = max(self.most_out, self.out)
+        return received
+
+    def ack(self, receipt_handle: str) -> None:
+        super().ack(receipt_handle)
+        self.out -= 1
+
+    def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
+        self.out -= 1
+        return super().dead_letter(message, reason)
+
+
+def _images(blobs: InMemoryBlobStore, count: int) -> list[str]:
+    uris = []
+    for number, (_, data) in enumerate(samples(count, seed=5)):
+        uri = f"s3://bkt/img/{number}"
+        blobs.objects[uri] = data
+        uris.append(uri)
+    return uris
+
+
+def _run(
+    source: InMemoryJobSource, blobs: InMemoryBlobStore, tmp_path: Path, **fields: Any
+) -> None:
+    settings = Settings(
+        queue_url="q", drain=True, receive_wait_seconds=0, log_dir=tmp_path, **fields
+    )
+    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
+
+
+def _output(blobs: InMemoryBlobStore, job_id: str, name: str) -> Any:
+    data = blobs.objects[f"s3://bkt/out/{job_id}/{name}"]
+    if name == "results.jsonl":
+        return [json.loads(line) for line in data.splitlines()]
+    return json.loads(data) if name == "job.json" else data.decode()
+
+
+def test_bad_inputs_fail_alone_and_the_job_is_partial(tmp_path: Path) -> None:
+    """A corrupt file, a truncated JPEG, a missing key and a decompression bomb each get
+    an error record; the other items of the job and other jobs are untouched."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    good = _images(blobs, 4)
+    jpeg = next(data for _, data in samples(10, seed=9) if data[:2] == b"\xff\xd8")
+    blobs.objects["s3://bkt/bad/garbage"] = b"definitely not an image"
+    blobs.objects["s3://bkt/bad/truncated"] = jpeg[: len(jpeg) // 3]
+    blobs.objects["s3://bkt/bad/bomb"] = _png_header_claiming(30_000, 30_000)
+    inputs = [
+        good[0],
+        "s3://bkt/bad/garbage",
+        good[1],
+        "s3://bkt/bad/missing",
+        "s3://bkt/bad/truncated",
+        "s3://bkt/bad/bomb",
+        good[2],
+    ]
+    source.send(json.dumps({"job_id": "mixed", "inputs": inputs, "output": "s3://bkt/out/mixed/"}))
+    source.send(
+        json.dumps({"job_id": "clean", "inputs": [good[3]], "output": "s3://bkt/out/clean/"})
+    )
+    _run(source, blobs, tmp_path)
+
+    results = _output(blobs, "mixed", "results.jsonl")
+    assert [r["input"] for r in results] == inputs
+    failed = {r["index"]: r["error"] for r in results if "error" in r}
+    assert set(failed) == {1, 3, 4, 5}
+    assert failed[3]["type"] == "MissingObject"
+    assert failed[5]["type"] == "ImageTooLarge"
+    assert all("label" in r for r in results if r["index"] in {0, 2, 6})
+    summary = _output(blobs, "mixed", "job.json")
+    assert (summary["status"], summary["succeeded"], summary["failed"]) == ("partial", 3, 4)
+    assert _output(blobs, "clean", "job.json")["status"] == "succeeded"
+    assert _output(blobs, "mixed", "job.log").count('"item_failed"') == 4
+    assert len(source) == 0
+
+
+def _png_header_claiming(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (width, height)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_poison_messages_are_dead_lettered_and_the_daemon_goes_on(tmp_path: Path) -> None:
+    """Broken messages go to the DLQ with a reason; good jobs around them still finish."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    good = _images(blobs, 1)
+    blobs.objects["s3://bkt/empty.txt"] = b"\n"
+    source.send("{not json")
+    source.send(
+        json.dumps({"job_id": "../../etc/passwd", "inputs": good, "output": "s3://bkt/out/x/"})
+    )
+    source.send(json.dumps({"manifest": "s3://bkt/empty.txt", "output": "s3://bkt/out/x/"}))
+    source.send(json.dumps({"manifest": "s3://bkt/none.txt", "output": "s3://bkt/out/x/"}))
+    source.send(json.dumps({"inputs": good, "output": "s3://elsewhere/out/x/"}))
+    source.send(json.dumps({"job_id": "fine", "inputs": good, "output": "s3://bkt/out/fine/"}))
+    _run(source, blobs, tmp_path, allowed_buckets=frozenset({"bkt"}))
+    reasons = sorted(reason for _, reason in source.dead_letters)
+    assert len(reasons) == 5
+    assert any("not UTF-8 JSON" in r for r in reasons)
+    assert any("job_id" in r for r in reasons)
+    assert any("no inputs" in r for r in reasons)
+    assert any("does not exist" in r for r in reasons)
+    assert any("not allowed: elsewhere" in r for r in reasons)
+    assert _output(blobs, "fine", "job.json")["status"] == "succeeded"
+    assert len(source) == 0
+
+
+def test_pulls_on_demand_and_never_holds_more_than_max_jobs(tmp_path: Path) -> None:
+    """With 40 one-item jobs queued, the daemon never holds more than max_jobs messages
+    and never asks for more than it has room for; results are packed across jobs."""
+    source, blobs = CountingSource(), InMemoryBlobStore()
+    uris = _images(blobs, 40)
+    for number, uri in enumerate(uris):
+        source.send(
+            json.dumps(
+                {"job_id": f"j{number}", "inputs": [uri], "output": f"s3://bkt/out/j{number}/"}
+            )
+        )
+    _run(source, blobs, tmp_path, max_jobs=5, batch_size=4, prefetch_batches=1)
+    assert 0 < source.most_out <= 5
+    assert max(source.asked) <= 5
+    for number, uri in enumerate(uris):
+        [result] = _output(blobs, f"j{number}", "results.jsonl")
+        assert result["input"] == uri
+    assert len(source) == 0

@@ -1,0 +1,170 @@
+"""End to end: the daemon as a subprocess against a moto server over HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, Aws, run_daemon
+from worker import demo
+from worker.demo import upload_samples
+
+pytestmark = pytest.mark.e2e
+
+
+def _send(aws: Aws, queue_url: str, body: dict[str, Any] | str) -> None:
+    text = body if isinstance(body, str) else json.dumps(body)
+    aws.sqs.send_message(QueueUrl=queue_url, MessageBody=text)
+
+
+def _results(aws: Aws, output: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in read_output(aws, output, "results.jsonl").splitlines()]
+
+
+def read_output(aws: Aws, output: str, name: str) -> bytes:
+    return demo.read_output(aws.s3, output, name)
+
+
+def _last_modified(aws: Aws, output: str, name: str) -> Any:
+    bucket, _, prefix = output.removeprefix("s3://").partition("/")
+    return aws.s3.head_object(Bucket=bucket, Key=prefix + name)["LastModified"]
+
+
+def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path) -> None:
+    """20 jobs (1-input, 50-input and a 2,000-input manifest) plus one poison message:
+    every job gets one result line per input, in order, its log and its summary
+    (written last); the queue ends empty, the poison is dead-lettered with its reason,
+    and the default model is right on at least 95% of the images."""
+    stack = aws.stack()
+    labels = upload_samples(aws.s3, stack.bucket, 2000, seed=11)
+    uris = list(labels)
+    manifest_uri = f"s3://{stack.bucket}/manifests/big.txt"
+    aws.s3.put_object(Bucket=stack.bucket, Key="manifests/big.txt", Body="\n".join(uris).encode())
+
+    jobs: dict[str, list[str]] = {}
+    for number in range(10):
+        jobs[f"one-{number}"] = [uris[number * 7]]
+    for number in range(9):
+        jobs[f"fifty-{number}"] = uris[number * 50 : number * 50 + 50][::-1]
+    for job_id, inputs in jobs.items():
+        _send(
+            aws,
+            stack.queue_url,
+            {"job_id": job_id, "inputs": inputs, "output": f"s3://{stack.bucket}/out/{job_id}/"},
+        )
+    jobs["manifest"] = uris
+    enqueue = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "enqueue",
+            "--queue-url",
+            stack.queue_url,
+            "--job-id",
+            "manifest",
+            "--manifest",
+            manifest_uri,
+            "--output",
+            f"s3://{stack.bucket}/out/manifest/",
+        ],
+        env=aws.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert enqueue.stdout.strip() == "manifest"
+    _send(aws, stack.queue_url, "this is not json")
+
+    log_dir = tmp_path / "logs"
+    run = run_daemon(
+        aws,
+        [
+            "--queue-url",
+            stack.queue_url,
+            "--dlq-url",
+            stack.dlq_url,
+            "--drain",
+            "--receive-wait-seconds",
+            "1",
+            "--log-dir",
+            str(log_dir),
+        ],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    correct = total = 0
+    for job_id, inputs in jobs.items():
+        output = f"s3://{stack.bucket}/out/{job_id}/"
+        results = _results(aws, output)
+        assert [r["index"] for r in results] == list(range(len(inputs)))
+        assert [r["input"] for r in results] == inputs
+        summary = json.loads(read_output(aws, output, "job.json"))
+        assert (
+            summary["status"] == "succeeded"
+            and summary["items"] == len(inputs) == summary["succeeded"]
+        )
+        assert summary["attempt"] == 1
+        events = [
+            json.loads(line)["event"] for line in read_output(aws, output, "job.log").splitlines()
+        ]
+        assert events[0] == "job_received" and "job_finished" in events
+        assert (log_dir / f"{job_id}.log").is_file()
+        assert _last_modified(aws, output, "job.json") >= _last_modified(
+            aws, output, "results.jsonl"
+        )
+        correct += sum(r["label"] == labels[r["input"]] for r in results)
+        total += len(results)
+    assert correct / total >= 0.95, correct / total
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+    dead = aws.sqs.receive_message(QueueUrl=stack.dlq_url, MessageAttributeNames=["All"])[
+        "Messages"
+    ]
+    assert dead[0]["Body"] == "this is not json"
+    assert "not UTF-8 JSON" in dead[0]["MessageAttributes"]["reason"]["StringValue"]
+
+
+def test_job_longer_than_four_visibility_timeouts_is_received_once(
+    aws: Aws, tmp_path: Path
+) -> None:
+    """The heartbeat keeps a slow job's message invisible: with a 2 s visibility timeout
+    and a job lasting over 8 s, the message is received once and deleted at the end."""
+    stack = aws.stack(visibility_timeout_s=2)
+    uris = list(upload_samples(aws.s3, stack.bucket, 9, seed=3))
+    output = f"s3://{stack.bucket}/out/slow/"
+    _send(aws, stack.queue_url, {"job_id": "slow", "inputs": uris, "output": output})
+    run = run_daemon(
+        aws,
+        [
+            "--queue-url",
+            stack.queue_url,
+            "--drain",
+            "--receive-wait-seconds",
+            "1",
+            "--visibility-timeout-seconds",
+            "2",
+            "--heartbeat-interval-seconds",
+            "0.5",
+            "--batch-size",
+            "1",
+            "--model",
+            "tests.slow_model:factory",
+            "--log-dir",
+            str(tmp_path),
+        ],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(read_output(aws, output, "job.json"))
+    assert summary["duration_s"] >= 4 * 2
+    assert summary["attempt"] == 1 and summary["status"] == "succeeded"
+    received = [json.loads(line) for line in run.stdout.splitlines() if '"job_received"' in line]
+    assert len(received) == 1
+    assert len(_results(aws, output)) == 9
+    assert aws.queue_depth(stack.queue_url) == (0, 0)

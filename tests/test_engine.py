@@ -1,0 +1,286 @@
+"""The pipeline engine: batching, error isolation, crash recovery, overlap."""
+
+from __future__ import annotations
+
+import functools
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests import stagefns
+from worker.channel import Channel, Closed
+from worker.engine import (
+    Item,
+    ItemError,
+    Pipeline,
+    ProcessStage,
+    StageSetupError,
+    TensorArena,
+    ThreadStage,
+    isolate_failures,
+)
+from worker.ledger import Job
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.lost: list[str] = []
+        self.broken: list[str] = []
+
+    def stage_ran(self, stage: str, items: Sequence[Item], duration_s: float, events: Any) -> None:
+        self.calls.append((stage, len(items)))
+
+    def worker_lost(self, stage: str, items: Sequence[Item], reason: str) -> None:
+        self.lost.append(reason)
+
+    def stage_broken(self, stage: str, error: BaseException) -> None:
+        self.broken.append(str(error))
+
+
+def run_items(pipeline: Pipeline, items: list[Item]) -> list[Item]:
+    for item in items:
+        pipeline.submit(item)
+    return [pipeline.next_result() for _ in items]
+
+
+def test_channel_close_wakes_blocked_reader() -> None:
+    """A reader blocked on an empty channel gets Closed when the channel closes."""
+    channel: Channel[int] = Channel(1)
+    import threading
+
+    outcome: list[str] = []
+
+    def read() -> None:
+        try:
+            channel.get()
+        except Closed:
+            outcome.append("closed")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.05)
+    channel.close()
+    reader.join(2)
+    assert outcome == ["closed"]
+
+
+def test_get_batch_returns_partial_batch_after_wait() -> None:
+    """A lone item is handed out after max_wait, not held until the batch fills."""
+    channel: Channel[int] = Channel(10)
+    channel.put(1)
+    started = time.monotonic()
+    assert channel.get_batch(8, 0.05) == [1]
+    assert 0.04 <= time.monotonic() - started < 1
+
+
+def test_isolate_failures_bisects_to_the_bad_items() -> None:
+    """Only the items that fail on their own get errors; the rest get outputs."""
+    calls: list[list[int]] = []
+
+    def call(positions: list[int]) -> list[int]:
+        calls.append(positions)
+        if {3, 6} & set(positions):
+            raise ValueError("boom")
+        return [p * 10 for p in positions]
+
+    outcomes = isolate_failures(call, 8, "model")
+    assert [o for o in outcomes if not isinstance(o, ItemError)] == [0, 10, 20, 40, 50, 70]
+    assert isinstance(outcomes[3], ItemError) and outcomes[3].message == "boom"
+    assert isinstance(outcomes[6], ItemError) and outcomes[6].stage == "model"
+    assert len(calls) < 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    job_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=12),
+    batch_size=st.integers(1, 17),
+    workers=st.integers(1, 3),
+    seed=st.integers(0, 1000),
+)
+def test_packing_and_splitting_route_every_result_home(
+    job_sizes: list[int], batch_size: int, workers: int, seed: int
+) -> None:
+    """Items of many jobs, interleaved, packed and split into batches that finish out of
+    order, still land at their own job and index, once each."""
+    rng = random.Random(seed)
+
+    def shuffled_compute(values: list[tuple[str, int]]) -> list[str]:
+        time.sleep(rng.random() / 2000)  # finish batches out of order across workers
+        return [f"{job}/{index}" for job, index in values]
+
+    stage = ThreadStage(
+        "infer", shuffled_compute, workers=workers, batch_size=batch_size, max_batch_wait_ms=1
+    )
+    items = [
+        Item(f"job{j}", i, (f"job{j}", i)) for j, size in enumerate(job_sizes) for i in range(size)
+    ]
+    rng.shuffle(items)
+    with Pipeline([stage], RecordingObserver()) as pipeline:
+        results = run_items(pipeline, items)
+
+    jobs = {f"job{j}": _job(f"job{j}", size) for j, size in enumerate(job_sizes)}
+    for item in results:
+        jobs[item.job].results[item.index] = {"value": item.value}
+    for key, job in jobs.items():
+        assert [r["value"] if r else None for r in job.results] == [
+            f"{key}/{i}" for i in range(len(job.inputs))
+        ]
+
+
+def _job(key: str, size: int) -> Job:
+    from unittest.mock import MagicMock
+
+    return Job(
+        key=key,
+        job_id=key,
+        message=MagicMock(),
+        inputs=["x"] * size,
+        receipt_handle="",
+        attempt=1,
+        log=MagicMock(),
+    )
+
+
+def test_error_items_flow_to_the_end_untouched() -> None:
+    """An item that failed in one stage passes the later stages as an error record."""
+
+    def fail_odd(values: list[int]) -> list[int]:
+        if any(v % 2 for v in values):
+            raise ValueError("odd")
+        return values
+
+    later_saw: list[int] = []
+
+    def later(values: list[int]) -> list[int]:
+        later_saw.extend(values)
+        return values
+
+    stages = [ThreadStage("first", fail_odd), ThreadStage("second", later)]
+    with Pipeline(stages, RecordingObserver()) as pipeline:
+        results = run_items(pipeline, [Item("j", i, i) for i in range(6)])
+    errors = {r.index: r.error for r in results if r.error}
+    assert set(errors) == {1, 3, 5}
+    assert all(e.stage == "first" and e.type == "ValueError" for e in errors.values() if e)
+    assert sorted(later_saw) == [0, 2, 4]
+
+
+def _process_pipeline(
+    writer: Any,
+    reader: Any,
+    *,
+    batch_size: int = 4,
+    timeout_s: float = 30,
+    observer: RecordingObserver | None = None,
+) -> Pipeline:
+    stages = [
+        ProcessStage("preprocess", writer, workers=2, arena_mode="write", timeout_s=timeout_s),
+        ProcessStage(
+            "inference", reader, batch_size=batch_size, max_batch_wait_ms=5, arena_mode="read"
+        ),
+    ]
+    return Pipeline(stages, observer or RecordingObserver(), TensorArena((2, 2), slots=16))
+
+
+def test_process_stages_move_tensors_through_the_arena() -> None:
+    """A writer fills each item's shared slot in place; the reader sees those bytes."""
+    pipeline = _process_pipeline(
+        functools.partial(stagefns.sleepy_writer, 0.0),
+        functools.partial(stagefns.sleepy_reader, 0.0),
+    )
+    with pipeline:
+        results = run_items(pipeline, [Item("j", i, i * 7) for i in range(40)])
+    assert sorted(r.value for r in results) == sorted((i * 7, (i * 7) % 256) for i in range(40))
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "segfault"])
+def test_worker_that_dies_is_replaced_and_the_item_fails_alone(fault: str) -> None:
+    """A writer process that dies on one input is restarted; that input fails after its
+    retries, the others all succeed, and the reader's process is never restarted."""
+    observer = RecordingObserver()
+    pipeline = _process_pipeline(
+        stagefns.faulty_writer, functools.partial(stagefns.sleepy_reader, 0.0), observer=observer
+    )
+    values = ["a", "b", fault, "c", "raise", "d"]
+    with pipeline:
+        results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+    by_index = {r.index: r for r in results}
+    assert by_index[2].error is not None and by_index[2].error.type == "WorkerDied"
+    assert by_index[4].error is not None and by_index[4].error.message == "bad input"
+    assert {by_index[i].value for i in (0, 1, 3, 5)} == {
+        ("ok:a", 1),
+        ("ok:b", 1),
+        ("ok:c", 1),
+        ("ok:d", 1),
+    }
+    assert len(observer.lost) == 3
+    assert all("preprocess" in reason for reason in observer.lost)
+
+
+def test_hung_worker_is_replaced_and_the_item_times_out() -> None:
+    """An input that makes preprocessing hang becomes an item error after the timeout."""
+    pipeline = _process_pipeline(
+        stagefns.faulty_writer, functools.partial(stagefns.sleepy_reader, 0.0), timeout_s=1.0
+    )
+    with pipeline:
+        results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(["a", "hang", "b"])])
+    errors = {r.index: r.error for r in results if r.error}
+    assert list(errors) == [1] and errors[1] is not None and errors[1].type == "WorkerHung"
+
+
+def test_batch_retried_after_inference_process_dies(tmp_path: Any) -> None:
+    """When the batch process dies, it is restarted and every item still gets its result."""
+    pipeline = _process_pipeline(
+        functools.partial(stagefns.sleepy_writer, 0.0),
+        functools.partial(stagefns.kill_once_reader, str(tmp_path / "died")),
+    )
+    with pipeline:
+        results = run_items(pipeline, [Item("j", i, i) for i in range(8)])
+    assert sorted(r.value for r in results) == list(range(8))
+    assert all(r.error is None for r in results)
+
+
+def test_setup_failure_is_reported_at_start() -> None:
+    """A stage whose set-up raises (a bad model) stops the pipeline from starting."""
+    pipeline = _process_pipeline(
+        stagefns.broken_setup, functools.partial(stagefns.sleepy_reader, 0.0)
+    )
+    with pytest.raises(StageSetupError, match="model file is corrupt"):
+        pipeline.start()
+
+
+def test_stages_overlap() -> None:
+    """Three stages of equal cost run concurrently: the wall time is close to one
+    stage's total, not the sum of the three."""
+    per_item_s, count = 0.02, 40
+
+    def fetch(values: list[int]) -> list[int]:
+        time.sleep(per_item_s * len(values))
+        return values
+
+    stages = [
+        ThreadStage("fetch", fetch),
+        ProcessStage(
+            "preprocess", functools.partial(stagefns.sleepy_writer, per_item_s), arena_mode="write"
+        ),
+        ProcessStage(
+            "inference",
+            functools.partial(stagefns.sleepy_reader, per_item_s),
+            batch_size=4,
+            max_batch_wait_ms=50,
+            arena_mode="read",
+        ),
+    ]
+    with Pipeline(stages, RecordingObserver(), TensorArena((2,), slots=16)) as pipeline:
+        started = time.perf_counter()
+        results = run_items(pipeline, [Item("j", i, i) for i in range(count)])
+        wall_s = time.perf_counter() - started
+    assert len(results) == count
+    slowest_stage_s, all_stages_s = per_item_s * count, 3 * per_item_s * count
+    assert wall_s < 1.5 * slowest_stage_s, (wall_s, slowest_stage_s)
+    assert wall_s < 0.5 * all_stages_s

@@ -1,0 +1,82 @@
+"""The job message schema and the poison rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.message import PoisonMessage, parse_job_message, parse_manifest
+
+NO_LIMIT: frozenset[str] = frozenset()
+
+
+def body(**fields: object) -> str:
+    return json.dumps({"inputs": ["s3://inputs/a.jpg"], "output": "s3://outputs/r/", **fields})
+
+
+def test_valid_message_parses() -> None:
+    """A message with inputs and an output parses, params included."""
+    message = parse_job_message(body(job_id="cats-1", params={"top_k": 2}), NO_LIMIT)
+    assert message.job_id == "cats-1" and message.params == {"top_k": 2}
+    assert str(message.output_location("job.json")) == "s3://outputs/r/job.json"
+
+
+def test_output_without_trailing_slash_is_a_prefix() -> None:
+    """'s3://outputs/r' and 's3://outputs/r/' name the same output folder."""
+    message = parse_job_message(body(output="s3://outputs/r"), NO_LIMIT)
+    assert str(message.output_location("results.jsonl")) == "s3://outputs/r/results.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ("not json", "not UTF-8 JSON"),
+        (b"\xff\xfe{}", "not UTF-8 JSON"),
+        (json.dumps({"output": "s3://outputs/r/"}), "exactly one of"),
+        (
+            json.dumps(
+                {
+                    "inputs": ["s3://inputs/a"],
+                    "manifest": "s3://inputs/m",
+                    "output": "s3://outputs/r/",
+                }
+            ),
+            "exactly one of",
+        ),
+        (body(job_id="../../etc/passwd"), "job_id"),
+        (body(extra=1), "extra"),
+        (body(inputs=[]), "inputs"),
+        (body(inputs=["http://x/y"]), "inputs.0"),
+        (json.dumps({"inputs": ["s3://inputs/a"]}), "output"),
+        (json.dumps([1, 2]), "body"),
+    ],
+)
+def test_poison_messages_say_why(raw: str | bytes, reason: str) -> None:
+    """Each broken message is rejected with a reason naming what is wrong."""
+    with pytest.raises(PoisonMessage, match=reason):
+        parse_job_message(raw, NO_LIMIT)
+
+
+def test_bucket_outside_allow_list_is_poison() -> None:
+    """With an allow-list, a message naming another bucket is rejected."""
+    with pytest.raises(PoisonMessage, match="not allowed: elsewhere"):
+        parse_job_message(body(output="s3://elsewhere/r/"), frozenset({"inputs", "outputs"}))
+    parse_job_message(body(), frozenset({"inputs", "outputs"}))
+
+
+def test_manifest_rules() -> None:
+    """A manifest lists URIs, skipping blanks and comments; empty, oversized or
+    malformed manifests are poison."""
+    assert parse_manifest(b"s3://inputs/a\n\n# note\ns3://inputs/b\n", NO_LIMIT, 10) == [
+        "s3://inputs/a",
+        "s3://inputs/b",
+    ]
+    with pytest.raises(PoisonMessage, match="no inputs"):
+        parse_manifest(b"\n# nothing\n", NO_LIMIT, 10)
+    with pytest.raises(PoisonMessage, match="over the limit"):
+        parse_manifest(b"s3://inputs/a\ns3://inputs/b\n", NO_LIMIT, 1)
+    with pytest.raises(PoisonMessage, match="line 2"):
+        parse_manifest(b"s3://inputs/a\nnot-a-uri\n", NO_LIMIT, 10)
+    with pytest.raises(PoisonMessage, match="not allowed"):
+        parse_manifest(b"s3://secret/a\n", frozenset({"inputs"}), 10)

@@ -1,0 +1,74 @@
+"""Settings: validated at start-up, from flags, environment and defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from tests.conftest import REPO
+from worker.cli import build_parser
+from worker.settings import Settings, settings_from_flags
+
+
+def test_defaults_are_valid() -> None:
+    """Only the queue URL is required."""
+    settings = Settings(queue_url="https://sqs/q")
+    assert (
+        settings.batch_size == 64
+        and settings.heartbeat_interval_seconds * 2 <= settings.visibility_timeout_seconds
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"heartbeat_interval_seconds": 40, "visibility_timeout_seconds": 60}, "at most half"),
+        ({"receive_batch": 11}, "less than or equal to 10"),
+        ({"receive_batch": 0}, "greater than or equal to 1"),
+        ({"receive_wait_seconds": 21}, "less than or equal to 20"),
+        ({"visibility_timeout_seconds": 43201}, "less than or equal to 43200"),
+        ({"batch_size": 0}, "greater than or equal to 1"),
+        ({"no_such_setting": 1}, "Extra inputs"),
+    ],
+)
+def test_bad_settings_are_refused(fields: dict[str, object], message: str) -> None:
+    """Lease geometry and SQS limits are checked once, with a readable message."""
+    with pytest.raises(ValidationError, match=message):
+        Settings(queue_url="q", **fields)  # type: ignore[arg-type]
+
+
+def test_flags_beat_environment_beat_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flag overrides its environment variable, which overrides the default."""
+    monkeypatch.setenv("WORKER_QUEUE_URL", "from-env")
+    monkeypatch.setenv("WORKER_BATCH_SIZE", "8")
+    monkeypatch.setenv("WORKER_ALLOWED_BUCKETS", "a, b")
+    args = build_parser().parse_args(["run", "--batch-size", "16", "--drain"])
+    settings = settings_from_flags(args)
+    assert (settings.queue_url, settings.batch_size, settings.drain) == ("from-env", 16, True)
+    assert settings.allowed_buckets == frozenset({"a", "b"})
+    assert settings.max_jobs == Settings.model_fields["max_jobs"].default
+
+
+def test_cli_reports_invalid_settings_and_exits_2() -> None:
+    """`run` with a bad setting names the flag and exits 2 before touching AWS."""
+    result = subprocess.run(
+        [sys.executable, "-m", "worker", "run", "--queue-url", "q", "--receive-batch", "50"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "--receive-batch" in result.stderr and "less than or equal to 10" in result.stderr
+
+
+def test_help_lists_every_setting_with_its_environment_variable() -> None:
+    """`run --help` documents each setting, its default and its variable."""
+    text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()  # type: ignore[union-attr]
+    for name in Settings.model_fields:
+        assert f"--{name.replace('_', '-')}" in text
+        assert f"WORKER_{name.upper()}" in text

@@ -1,0 +1,83 @@
+"""A bounded, closable FIFO channel between pipeline stages.
+
+`queue.Queue` cannot wake its blocked readers and writers on shutdown, so every stage
+would need sentinels or timeouts. Closing a `Channel` wakes them all with `Closed`,
+which is the one way threads of the engine learn that the pipeline is stopping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Closed(Exception):
+    """The channel was closed: the reader or writer should stop."""
+
+
+class Channel(Generic[T]):
+    """A FIFO of at most `capacity` entries; `put` blocks when full, `get` when empty."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self._capacity = capacity
+        self._entries: deque[T] = deque()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._not_full = threading.Condition(self._lock)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def put(self, entry: T) -> None:
+        """Append `entry`, waiting for room; raises `Closed` once closed."""
+        with self._not_full:
+            while len(self._entries) >= self._capacity and not self._closed:
+                self._not_full.wait()
+            if self._closed:
+                raise Closed
+            self._entries.append(entry)
+            self._not_empty.notify()
+
+    def get(self) -> T:
+        """Take the oldest entry, waiting for one; raises `Closed` once closed."""
+        return self.get_batch(1, 0.0)[0]
+
+    def get_batch(self, max_entries: int, max_wait_s: float) -> list[T]:
+        """Take 1 to `max_entries` entries.
+
+        Waits as long as needed for the first entry, then at most `max_wait_s` more for
+        the batch to fill, so a lone item is not held back waiting for company.
+        """
+        with self._not_empty:
+            while not self._entries and not self._closed:
+                self._not_empty.wait()
+            deadline = time.monotonic() + max_wait_s
+            while len(self._entries) < max_entries and not self._closed:
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    break
+                self._not_empty.wait(remaining_s)
+            if self._closed:
+                raise Closed
+            count = min(max_entries, len(self._entries))
+            batch = [self._entries.popleft() for _ in range(count)]
+            self._not_full.notify(count)
+            if self._entries:
+                self._not_empty.notify()
+            return batch
+
+    def close(self) -> None:
+        """Wake every waiter with `Closed`; entries still inside are dropped."""
+        with self._lock:
+            self._closed = True
+            self._entries.clear()
+            self._not_empty.notify_all()
+            self._not_full.notify_all()

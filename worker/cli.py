@@ -1,0 +1,165 @@
+"""The command line: `run` the daemon, `enqueue` a job, or run the `demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from worker import aws
+from worker.joblog import configure_daemon_logging
+from worker.message import JobMessage
+from worker.plugins import PluginError
+from worker.settings import add_settings_flags, settings_from_flags
+
+EXIT_USAGE = 2
+WAIT_POLL_S = 1.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description="A pipelined SQS batch-inference worker: jobs from SQS, inputs from S3, "
+        "a torch model in between, results to S3.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser(
+        "run",
+        help="run the daemon",
+        description="Pull jobs from the queue and run them until signalled (SIGTERM/SIGINT: "
+        "finish in-flight jobs within --grace-seconds, release the rest, exit 0) or, with "
+        "--drain, until the queue is empty. AWS access follows boto3's usual configuration "
+        "(AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, credentials).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_settings_flags(run)
+
+    enqueue = commands.add_parser(
+        "enqueue",
+        help="send a job message",
+        description="Send one job to the queue and print its job id.",
+    )
+    enqueue.add_argument(
+        "--queue-url",
+        default=os.environ.get("WORKER_QUEUE_URL"),
+        help="the jobs queue (env WORKER_QUEUE_URL)",
+    )
+    enqueue.add_argument("--output", required=True, help="s3:// prefix for the job's outputs")
+    enqueue.add_argument("--job-id", help="job id (default: a new uuid)")
+    enqueue.add_argument("--manifest", help="s3:// URI of a file listing one input URI per line")
+    enqueue.add_argument("--params", default="{}", help="JSON object of pipeline parameters")
+    enqueue.add_argument(
+        "--wait", action="store_true", help="follow the job until job.json appears"
+    )
+    enqueue.add_argument(
+        "--timeout-seconds", type=float, default=3600, help="give up waiting after this"
+    )
+    enqueue.add_argument("inputs", nargs="*", metavar="URI", help="s3:// input URIs")
+
+    demo = commands.add_parser(
+        "demo",
+        help="run everything locally against a moto server",
+        description="Start a local moto server, create a queue, dead-letter queue and bucket, "
+        "upload generated sample images, enqueue jobs of several sizes, run the daemon until "
+        "the queue is drained, and print what each job produced.",
+    )
+    demo.add_argument("--out", default="demo-out", help="where logs and downloaded results go")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        sys.exit(_run(args))
+    if args.command == "enqueue":
+        sys.exit(_enqueue(args))
+    from worker.demo import run_demo
+
+    sys.exit(run_demo(args.out))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from worker.daemon import Daemon
+    from worker.engine import StageSetupError
+
+    try:
+        settings = settings_from_flags(args)
+    except ValidationError as error:
+        print(f"invalid settings:\n{_explain(error)}", file=sys.stderr)
+        return EXIT_USAGE
+    configure_daemon_logging()
+    source = aws.SqsJobSource(aws.sqs_client(), settings.queue_url, settings.dlq_url)
+    blobs = aws.S3BlobStore(aws.s3_client(settings.fetch_concurrency + 8))
+    try:
+        daemon = Daemon(settings, source, blobs)
+        return daemon.run().code
+    except (PluginError, StageSetupError) as error:
+        print(f"cannot start: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for problem in error.errors():
+        where = ".".join(map(str, problem["loc"]))
+        flag = f"--{where.replace('_', '-')}: " if where else ""
+        lines.append(f"  {flag}{problem['msg']}")
+    return "\n".join(lines)
+
+
+def _enqueue(args: argparse.Namespace) -> int:
+    if not args.queue_url:
+        print("--queue-url (or WORKER_QUEUE_URL) is required", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        message = JobMessage(
+            job_id=args.job_id or uuid.uuid4().hex,
+            inputs=args.inputs or None,
+            manifest=args.manifest,
+            output=args.output,
+            params=json.loads(args.params),
+        )
+    except (ValidationError, json.JSONDecodeError) as error:
+        print(f"invalid job: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    aws.sqs_client().send_message(
+        QueueUrl=args.queue_url, MessageBody=message.model_dump_json(exclude_none=True)
+    )
+    print(message.job_id)
+    if args.wait:
+        return _wait(message, args.timeout_seconds)
+    return 0
+
+
+def _wait(message: JobMessage, timeout_s: float) -> int:
+    """Follow a job until its job.json appears, showing elapsed time, then its summary."""
+    s3 = aws.s3_client(2)
+    where = message.output_location("job.json")
+    started = time.monotonic()
+    spinner = "|/-\\"
+    while time.monotonic() - started < timeout_s:
+        try:
+            body = s3.get_object(Bucket=where.bucket, Key=where.key)["Body"].read()
+        except s3.exceptions.NoSuchKey:
+            elapsed = time.monotonic() - started
+            print(
+                f"\r{spinner[int(elapsed) % 4]} waiting for {where} ({elapsed:.0f} s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(WAIT_POLL_S)
+            continue
+        summary = json.loads(body)
+        print(file=sys.stderr)
+        print(json.dumps(summary, indent=2))
+        return 0 if summary["status"] == "succeeded" else 1
+    print(f"\ntimed out waiting for {where}", file=sys.stderr)
+    return 1

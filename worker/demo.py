@@ -1,0 +1,194 @@
+"""The embedded demo: the whole product on one machine, against a local moto server.
+
+The helpers here (a stack of queue, dead-letter queue and bucket; sample images) are
+also what the end-to-end tests build on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import boto3
+
+from stages.synthetic import samples
+from worker import aws
+from worker.ports import S3Location
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_sqs import SQSClient
+
+LOCAL_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+DEMO_MAX_RECEIVE_COUNT = 3
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A jobs queue with its dead-letter queue, and a bucket."""
+
+    queue_url: str
+    dlq_url: str
+    bucket: str
+
+
+@contextmanager
+def local_moto_server() -> Iterator[str]:
+    """A moto server on a free loopback port; yields its endpoint URL, stops it after."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def create_stack(sqs: SQSClient, s3: S3Client, name: str, visibility_timeout_s: int = 60) -> Stack:
+    """Queue, dead-letter queue (redrive after a few receives) and bucket named `name`."""
+    dlq_url = sqs.create_queue(QueueName=f"{name}-dlq")["QueueUrl"]
+    dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"][
+        "QueueArn"
+    ]
+    redrive = {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(DEMO_MAX_RECEIVE_COUNT)}
+    queue_url = sqs.create_queue(
+        QueueName=name,
+        Attributes={
+            "VisibilityTimeout": str(visibility_timeout_s),
+            "RedrivePolicy": json.dumps(redrive),
+        },
+    )["QueueUrl"]
+    s3.create_bucket(Bucket=name)
+    return Stack(queue_url, dlq_url, name)
+
+
+def upload_samples(s3: S3Client, bucket: str, count: int, seed: int = 0) -> dict[str, str]:
+    """Upload `count` synthetic images; returns each one's URI with its true label."""
+    labelled = [
+        (f"s3://{bucket}/images/{seed}-{number:05d}.img", label, data)
+        for number, (label, data) in enumerate(samples(count, seed))
+    ]
+
+    def put(entry: tuple[str, str, bytes]) -> None:
+        location = S3Location.parse(entry[0])
+        s3.put_object(Bucket=location.bucket, Key=location.key, Body=entry[2])
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, labelled))
+    return {uri: label for uri, label, _ in labelled}
+
+
+def read_output(s3: S3Client, output: str, name: str) -> bytes:
+    location = S3Location.parse(output.rstrip("/") + "/" + name)
+    return s3.get_object(Bucket=location.bucket, Key=location.key)["Body"].read()
+
+
+def run_demo(out: str) -> int:
+    """Run the demo end to end and print a table of what each job produced."""
+    out_dir = Path(out)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    os.environ.update(LOCAL_AWS_ENV)
+    with local_moto_server() as endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        print(f"moto server at {endpoint}")
+        session = boto3.session.Session()
+        sqs, s3 = session.client("sqs"), session.client("s3")
+        stack = create_stack(sqs, s3, "demo")
+        labels = upload_samples(s3, stack.bucket, 400)
+        print(f"uploaded {len(labels)} sample images to s3://{stack.bucket}/images/")
+        jobs = _enqueue_demo_jobs(sqs, s3, stack, list(labels))
+        print(f"enqueued {len(jobs)} jobs; running the daemon until the queue is drained...")
+        started = time.monotonic()
+        exit_code = _run_daemon(stack, out_dir)
+        print(
+            f"daemon exited with {exit_code} after {time.monotonic() - started:.1f} s "
+            f"(its log: {out_dir / 'daemon.log'})\n"
+        )
+        _print_table(s3, jobs, labels, out_dir)
+    return exit_code
+
+
+def _enqueue_demo_jobs(
+    sqs: SQSClient, s3: S3Client, stack: Stack, uris: list[str]
+) -> dict[str, str]:
+    sizes = {"single-1": 1, "single-2": 1, "single-3": 1, "small-1": 3, "small-2": 5, "medium": 50}
+    jobs: dict[str, str] = {}
+    start = 0
+    for job_id, size in sizes.items():
+        output = f"s3://{stack.bucket}/results/{job_id}/"
+        body = {"job_id": job_id, "inputs": uris[start : start + size], "output": output}
+        sqs.send_message(QueueUrl=stack.queue_url, MessageBody=json.dumps(body))
+        jobs[job_id] = output
+        start += size
+    manifest_key = "manifests/large.txt"
+    s3.put_object(Bucket=stack.bucket, Key=manifest_key, Body="\n".join(uris).encode())
+    output = f"s3://{stack.bucket}/results/large/"
+    large_job = {
+        "job_id": "large",
+        "manifest": f"s3://{stack.bucket}/{manifest_key}",
+        "output": output,
+        "params": {"top_k": 2},
+    }
+    sqs.send_message(QueueUrl=stack.queue_url, MessageBody=json.dumps(large_job))
+    jobs["large"] = output
+    return jobs
+
+
+def _run_daemon(stack: Stack, out_dir: Path) -> int:
+    from worker.daemon import Daemon
+    from worker.joblog import configure_daemon_logging
+    from worker.settings import Settings
+
+    settings = Settings(
+        queue_url=stack.queue_url,
+        dlq_url=stack.dlq_url,
+        drain=True,
+        receive_wait_seconds=1,
+        log_dir=out_dir / "logs",
+        batch_size=32,
+    )
+    with (out_dir / "daemon.log").open("w") as daemon_log:
+        configure_daemon_logging(daemon_log)
+        source = aws.SqsJobSource(aws.sqs_client(), stack.queue_url, stack.dlq_url)
+        blobs = aws.S3BlobStore(aws.s3_client(settings.fetch_concurrency + 8))
+        return Daemon(settings, source, blobs).run().code
+
+
+def _print_table(s3: S3Client, jobs: dict[str, str], labels: dict[str, str], out_dir: Path) -> None:
+    columns = f"{'job':<10} {'status':<10} {'items':>6} {'failed':>6}"
+    header = f"{columns} {'correct':>8} {'time s':>7}  outputs"
+    print(header)
+    print("-" * len(header))
+    for job_id, output in jobs.items():
+        summary: dict[str, Any] = json.loads(read_output(s3, output, "job.json"))
+        results = [
+            json.loads(line) for line in read_output(s3, output, "results.jsonl").splitlines()
+        ]
+        correct = sum(r.get("label") == labels[r["input"]] for r in results)
+        local = out_dir / "results" / job_id
+        local.mkdir(parents=True)
+        for name in ("results.jsonl", "job.log", "job.json"):
+            (local / name).write_bytes(read_output(s3, output, name))
+        print(
+            f"{job_id:<10} {summary['status']:<10} {summary['items']:>6} {summary['failed']:>6} "
+            f"{correct / len(results):>8.1%} {summary['duration_s']:>7.2f}  {output}"
+        )
+    print(f"\nresults, job logs and summaries copied to {out_dir / 'results'}/<job>/")
+    sys.stdout.flush()

@@ -1,0 +1,72 @@
+"""The lease keeper: keeps every in-flight message invisible until its job is done.
+
+One ticker renews all leases in batched calls (as aws-dotnet-messaging does) rather than
+one timer per message. The finisher takes a job out of the ledger *before* it deletes
+the message, so a renewal never races a delete (bbc/sqs-consumer#260); a renewal that
+still meets a deleted handle concerns a job no longer in the ledger and is ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+
+from worker.ledger import Ledger
+from worker.ports import JobSource
+
+log = structlog.get_logger()
+
+LEASE_LOST_CODES = frozenset(
+    {"ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"}
+)
+
+
+class LeaseKeeper:
+    """Renews the leases of the ledger's jobs every `interval_s`, on its own thread."""
+
+    def __init__(
+        self, ledger: Ledger, source: JobSource, visibility_timeout_s: int, interval_s: float
+    ):
+        self._ledger = ledger
+        self._source = source
+        self._visibility_timeout_s = visibility_timeout_s
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            self.renew_all()
+
+    def renew_all(self) -> None:
+        """Extend every lease still ours; mark the ones SQS says we no longer hold."""
+        leases = self._ledger.leases()
+        if not leases:
+            return
+        try:
+            failures = self._source.extend(list(leases.values()), self._visibility_timeout_s)
+        except Exception as error:
+            # Half the timeout is still left: the next tick tries again.
+            log.warning("lease_renewal_failed", error=repr(error), leases=len(leases))
+            return
+        log.info("leases_extended", leases=len(leases) - len(failures), failed=len(failures))
+        for key, handle in leases.items():
+            code = failures.get(handle)
+            if code is None:
+                continue
+            if code in LEASE_LOST_CODES:
+                job = self._ledger.mark_lease_lost(key)
+                if job is not None:
+                    job.log.error("lease_lost", code=code)
+                    log.warning("lease_lost", job_id=job.job_id, code=code)
+            else:
+                log.warning("lease_renewal_failed", message_id=key, code=code)

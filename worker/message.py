@@ -1,0 +1,93 @@
+"""The job message: its schema, and the checks that make a message poison."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from worker.ports import S3Location
+
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/.*$"
+
+S3Uri = Annotated[str, Field(pattern=S3_URI_PATTERN)]
+
+
+class PoisonMessage(Exception):
+    """A message that can never succeed: it goes to the dead-letter queue with this reason."""
+
+
+class JobMessage(BaseModel):
+    """The SQS body of a job (DESIGN.md section 2)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    inputs: list[S3Uri] | None = Field(default=None, min_length=1)
+    manifest: S3Uri | None = None
+    output: S3Uri
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> JobMessage:
+        if (self.inputs is None) == (self.manifest is None):
+            raise ValueError("give exactly one of 'inputs' and 'manifest'")
+        return self
+
+    def output_location(self, name: str) -> S3Location:
+        """Where the output file `name` of this job goes."""
+        prefix = S3Location.parse(self.output)
+        key = prefix.key if not prefix.key or prefix.key.endswith("/") else prefix.key + "/"
+        return S3Location(prefix.bucket, key + name)
+
+    def buckets(self) -> set[str]:
+        """Every bucket the message names directly."""
+        uris = [self.output, *(self.inputs or []), *([self.manifest] if self.manifest else [])]
+        return {S3Location.parse(uri).bucket for uri in uris}
+
+
+def parse_job_message(body: str | bytes, allowed_buckets: frozenset[str]) -> JobMessage:
+    """Validate a message body; raises `PoisonMessage` with a readable reason."""
+    try:
+        text = body.decode("utf-8") if isinstance(body, bytes) else body
+        document = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise PoisonMessage(f"body is not UTF-8 JSON: {error}") from error
+    try:
+        message = JobMessage.model_validate(document)
+    except ValidationError as error:
+        details = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()
+        )
+        raise PoisonMessage(f"invalid job message: {details}") from error
+    check_buckets(message.buckets(), allowed_buckets)
+    return message
+
+
+def check_buckets(buckets: set[str], allowed_buckets: frozenset[str]) -> None:
+    """Raise `PoisonMessage` if a bucket is outside a non-empty allow-list."""
+    outside = sorted(buckets - allowed_buckets) if allowed_buckets else []
+    if outside:
+        raise PoisonMessage(f"bucket(s) not allowed: {', '.join(outside)}")
+
+
+def parse_manifest(text: bytes, allowed_buckets: frozenset[str], max_items: int) -> list[str]:
+    """The input URIs listed one per line (blank lines and '#' comments skipped)."""
+    try:
+        lines = text.decode("utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise PoisonMessage(f"manifest is not UTF-8: {error}") from error
+    uris = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not uris:
+        raise PoisonMessage("manifest lists no inputs")
+    if len(uris) > max_items:
+        raise PoisonMessage(f"manifest lists {len(uris)} inputs, over the limit of {max_items}")
+    for number, uri in enumerate(uris, start=1):
+        try:
+            S3Location.parse(uri)
+        except ValueError as error:
+            raise PoisonMessage(f"manifest line {number}: {error}") from error
+    check_buckets({S3Location.parse(uri).bucket for uri in uris}, allowed_buckets)
+    return uris

@@ -1,0 +1,105 @@
+"""Loading the user's pieces: the model, the preprocessor and the postprocessor.
+
+A reference is `module:attribute` (imported), or for the model also the path of a
+TorchScript file. Each is resolved once at start-up so a typo fails before any message
+is received.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
+
+
+class PluginError(Exception):
+    """A reference that does not name a usable object."""
+
+
+class Preprocessor(Protocol):
+    """Turns one input's bytes into a uint8 tensor of `output_shape`, written into `out`."""
+
+    @property
+    def output_shape(self) -> tuple[int, ...]: ...
+
+    def __call__(self, data: bytes, out: torch.Tensor) -> Any: ...
+
+
+Postprocessor = Callable[[Any, dict[str, Any]], dict[str, Any]]
+InferenceFn = Callable[[torch.Tensor, Sequence[Any]], list[Any]]
+
+
+def load_object(reference: str) -> Any:
+    """The object named by `module:attribute`."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise PluginError(f"{reference!r} is not of the form module:attribute")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise PluginError(f"cannot import {module_name!r} for {reference!r}: {error}") from error
+    try:
+        return getattr(module, attribute)
+    except AttributeError:
+        raise PluginError(f"module {module_name!r} has no attribute {attribute!r}") from None
+
+
+def load_preprocessor(reference: str) -> Preprocessor:
+    preprocessor = load_object(reference)
+    shape = getattr(preprocessor, "output_shape", None)
+    if not callable(preprocessor) or not shape:
+        raise PluginError(f"{reference} must be callable(data, out) with an output_shape")
+    return preprocessor  # type: ignore[no-any-return]
+
+
+def load_postprocessor(reference: str) -> Postprocessor:
+    postprocessor = load_object(reference)
+    if not callable(postprocessor):
+        raise PluginError(f"{reference} is not callable")
+    return postprocessor  # type: ignore[no-any-return]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` is the first GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(reference: str, device: torch.device) -> torch.nn.Module:
+    """A TorchScript file, or the module returned by a `module:factory`, on `device`."""
+    if reference.endswith(TORCHSCRIPT_SUFFIXES):
+        if not Path(reference).is_file():
+            raise PluginError(f"model file {reference} does not exist")
+        model = torch.jit.load(reference, map_location=device)
+    else:
+        model = load_object(reference)()
+    if not isinstance(model, torch.nn.Module):
+        raise PluginError(f"{reference} gave a {type(model).__name__}, not a torch.nn.Module")
+    return model.to(device).eval()
+
+
+def inference_setup(model_reference: str, device_name: str) -> InferenceFn:
+    """Runs once in the inference process: load the model, return the batch function."""
+    device = resolve_device(device_name)
+    model = load_model(model_reference, device)
+
+    def infer(batch: torch.Tensor, _values: Sequence[Any]) -> list[Any]:
+        with torch.inference_mode():
+            outputs = model(batch.to(device, non_blocking=True))
+        # Plain lists: pickling tensors here would send them through shared memory,
+        # which costs more than the few numbers per item it saves.
+        return outputs.float().cpu().tolist()  # type: ignore[no-any-return]
+
+    return infer
+
+
+def preprocess_setup(reference: str) -> Preprocessor:
+    """Runs once in each preprocessing process."""
+    torch.set_num_threads(1)
+    return load_preprocessor(reference)

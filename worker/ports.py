@@ -1,0 +1,73 @@
+"""The small interfaces the daemon talks to; AWS and in-memory versions implement them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+_S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<key>.*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class S3Location:
+    """A bucket and key (or key prefix)."""
+
+    bucket: str
+    key: str
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        """Split `s3://bucket/key`; raises ValueError for anything else."""
+        match = _S3_URI.match(uri)
+        if not match:
+            raise ValueError(f"not an s3://bucket/key URI: {uri!r}")
+        return cls(match["bucket"], match["key"])
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+class MissingObject(LookupError):
+    """The object (or its bucket) does not exist: retrying will not help."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedMessage:
+    """A message as received, with what the lease and the summary need."""
+
+    message_id: str
+    body: str
+    receipt_handle: str
+    receive_count: int
+
+
+class JobSource(Protocol):
+    """A queue of job messages with leases (SQS)."""
+
+    def receive(
+        self, max_messages: int, wait_s: int, visibility_timeout_s: int
+    ) -> list[ReceivedMessage]:
+        """Long-poll for up to `max_messages`, leased for `visibility_timeout_s`."""
+
+    def ack(self, receipt_handle: str) -> None:
+        """Delete a finished message."""
+
+    def release(self, receipt_handle: str) -> None:
+        """Make a message visible again at once (visibility 0) for another try."""
+
+    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
+        """Renew leases; returns the error code of each handle that could not be renewed."""
+
+    def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
+        """Move a message to the dead-letter queue with `reason`; False if there is none."""
+
+
+class BlobStore(Protocol):
+    """Object storage (S3)."""
+
+    def get(self, location: S3Location) -> bytes:
+        """The object's bytes; raises on a missing key or an I/O error."""
+
+    def put(self, location: S3Location, data: bytes, content_type: str) -> None:
+        """Write (or overwrite) an object."""

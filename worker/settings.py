@@ -1,0 +1,159 @@
+"""The daemon's settings: one typed object, validated once at start-up.
+
+Every field is also a command-line flag (`--batch-size`) and an environment variable
+(`WORKER_BATCH_SIZE`); a flag wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# SQS quotas (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/quotas-messages.html)
+SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
+SQS_MAX_RECEIVE_WAIT_S = 20
+SQS_MAX_MESSAGES_PER_RECEIVE = 10
+SQS_MAX_ENTRIES_PER_BATCH_CALL = 10
+
+
+class Settings(BaseSettings):
+    """Everything the daemon can be told; see the README for a longer word on each."""
+
+    model_config = SettingsConfigDict(env_prefix="WORKER_", frozen=True, extra="forbid")
+
+    queue_url: str = Field(description="SQS queue URL to pull jobs from (required).")
+    dlq_url: str | None = Field(
+        default=None,
+        description="Dead-letter queue URL for poison messages; without one they are left "
+        "to the queue's redrive policy.",
+    )
+    log_dir: Path = Field(default=Path("logs"), description="Where per-job log files are written.")
+    drain: bool = Field(
+        default=False,
+        description="Exit 0 once the queue is empty and nothing is in flight (batch mode).",
+    )
+
+    model: str = Field(
+        default="stages.model:default_classifier",
+        description="The model: 'module:factory' (a function returning a torch module) or a "
+        "TorchScript file 'path.pt'. It takes a uint8 NCHW batch on the device.",
+    )
+    preprocess: str = Field(
+        default="stages.preprocess:default_preprocessor",
+        description="'module:object': decodes one input's bytes into a uint8 tensor slot.",
+    )
+    postprocess: str = Field(
+        default="stages.postprocess:top_k",
+        description="'module:function': turns one model output row and the job's params "
+        "into the prediction fields of results.jsonl.",
+    )
+    device: str = Field(default="auto", description="torch device: auto, cpu, cuda, cuda:1, ...")
+
+    batch_size: int = Field(default=64, ge=1, le=4096, description="Items per inference batch.")
+    max_batch_wait_ms: float = Field(
+        default=20, ge=0, description="How long a partial batch waits for more items."
+    )
+    preprocess_workers: int = Field(
+        default=2, ge=1, le=256, description="Preprocessing (decode/resize) processes."
+    )
+    fetch_concurrency: int = Field(default=16, ge=1, le=512, description="Parallel S3 downloads.")
+    max_jobs: int = Field(default=32, ge=1, description="Most jobs (messages) held at once.")
+    prefetch_batches: int = Field(
+        default=4,
+        ge=1,
+        description="Receive more messages only while fewer than this many batches of items "
+        "are waiting ahead of inference.",
+    )
+    max_items_per_job: int = Field(
+        default=100_000, ge=1, description="Larger jobs are rejected as poison."
+    )
+    allowed_buckets: Annotated[frozenset[str], NoDecode] = Field(
+        default=frozenset(),
+        description="Comma-separated buckets that jobs may read and write; empty allows any.",
+    )
+
+    visibility_timeout_seconds: int = Field(
+        default=120,
+        ge=1,
+        le=SQS_MAX_VISIBILITY_TIMEOUT_S,
+        description="Lease length asked for on receive and on every renewal.",
+    )
+    heartbeat_interval_seconds: float = Field(
+        default=30, gt=0, description="How often in-flight leases are renewed."
+    )
+    receive_wait_seconds: int = Field(
+        default=SQS_MAX_RECEIVE_WAIT_S,
+        ge=0,
+        le=SQS_MAX_RECEIVE_WAIT_S,
+        description="Long-poll wait of each receive.",
+    )
+    receive_batch: int = Field(
+        default=SQS_MAX_MESSAGES_PER_RECEIVE,
+        ge=1,
+        le=SQS_MAX_MESSAGES_PER_RECEIVE,
+        description="Most messages asked for per receive.",
+    )
+    grace_seconds: float = Field(
+        default=100,
+        ge=0,
+        description="On SIGTERM, how long in-flight jobs may run before they are released.",
+    )
+    preprocess_timeout_seconds: float = Field(
+        default=30, gt=0, description="Per-item preprocessing limit; a hung worker is replaced."
+    )
+    inference_timeout_seconds: float = Field(
+        default=600, gt=0, description="Per-batch inference limit; a hung process is replaced."
+    )
+
+    @field_validator("allowed_buckets", mode="before")
+    @classmethod
+    def _split_buckets(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return frozenset(bucket.strip() for bucket in value.split(",") if bucket.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _lease_geometry(self) -> Settings:
+        # Half, so that one failed or late renewal still leaves the lease alive.
+        if self.heartbeat_interval_seconds * 2 > self.visibility_timeout_seconds:
+            raise ValueError(
+                f"heartbeat_interval_seconds ({self.heartbeat_interval_seconds}) must be at most "
+                f"half of visibility_timeout_seconds ({self.visibility_timeout_seconds}), so one "
+                "failed renewal does not lose the lease"
+            )
+        return self
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per settings field, with its description and default as help."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"WORKER_{name.upper()}"
+        default = "" if field.is_required() else f" [default: {_show(field.default)}]"
+        help_text = f"{field.description}{default} (env {env})"
+        if field.annotation is bool:
+            parser.add_argument(
+                flag, action="store_true", default=argparse.SUPPRESS, help=help_text
+            )
+        else:
+            parser.add_argument(
+                flag, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
+            )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, frozenset):
+        return ",".join(sorted(value)) or "any"
+    return str(value)
+
+
+def settings_from_flags(namespace: argparse.Namespace) -> Settings:
+    """Settings from the flags given, the environment, then the defaults."""
+    given = {
+        name: value for name, value in vars(namespace).items() if name in Settings.model_fields
+    }
+    return Settings(**given)
