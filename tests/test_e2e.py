@@ -22,6 +22,22 @@ def _send(aws: Aws, queue_url: str, body: dict[str, Any] | str) -> None:
     aws.sqs.send_message(QueueUrl=queue_url, MessageBody=text)
 
 
+def _enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "enqueue",
+        "--queue-url",
+        queue_url,
+        "--job-id",
+        job_id,
+        "--output",
+        output,
+        *more,
+    ]
+
+
 def _results(aws: Aws, output: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in read_output(aws, output, "results.jsonl").splitlines()]
 
@@ -59,20 +75,13 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
         )
     jobs["manifest"] = uris
     enqueue = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "worker",
-            "enqueue",
-            "--queue-url",
+        _enqueue_command(
             stack.queue_url,
-            "--job-id",
             "manifest",
+            f"s3://{stack.bucket}/out/manifest/",
             "--manifest",
             manifest_uri,
-            "--output",
-            f"s3://{stack.bucket}/out/manifest/",
-        ],
+        ),
         env=aws.env,
         cwd=REPO,
         capture_output=True,
@@ -135,11 +144,25 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
     aws: Aws, tmp_path: Path
 ) -> None:
     """The heartbeat keeps a slow job's message invisible: with a 2 s visibility timeout
-    and a job lasting over 8 s, the message is received once and deleted at the end."""
+    and a job lasting over 8 s, the message is received once and deleted at the end.
+    `enqueue --wait` follows it with a progress bar to its summary."""
     stack = aws.stack(visibility_timeout_s=2)
     uris = list(upload_samples(aws.s3, stack.bucket, 9, seed=3))
     output = f"s3://{stack.bucket}/out/slow/"
-    _send(aws, stack.queue_url, {"job_id": "slow", "inputs": uris, "output": output})
+    follower = subprocess.Popen(
+        [
+            *_enqueue_command(stack.queue_url, "slow", output),
+            "--wait",
+            "--timeout-seconds",
+            "120",
+            *uris,
+        ],
+        env=aws.env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run = run_daemon(
         aws,
         [
@@ -158,8 +181,11 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
             "tests.slow_model:factory",
             "--log-dir",
             str(tmp_path),
+            "--progress-interval-seconds",
+            "0.5",
         ],
     )
+    followed, progress_bar = follower.communicate(timeout=60)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(read_output(aws, output, "job.json"))
     assert summary["duration_s"] >= 4 * 2
@@ -168,3 +194,10 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
     assert len(received) == 1
     assert len(_results(aws, output)) == 9
     assert aws.queue_depth(stack.queue_url) == (0, 0)
+    assert follower.returncode == 0
+    assert (
+        followed.splitlines()[0] == "slow"
+        and json.loads("".join(followed.splitlines()[1:]))["items"] == 9
+    )
+    assert any(f"] {n}/9 items" in progress_bar for n in range(1, 9)), progress_bar
+    assert "] 9/9 items" in progress_bar

@@ -72,3 +72,11 @@ def test_help_lists_every_setting_with_its_environment_variable() -> None:
     for name in Settings.model_fields:
         assert f"--{name.replace('_', '-')}" in text
         assert f"WORKER_{name.upper()}" in text
+
+
+def test_readme_documents_every_setting() -> None:
+    """The README's settings table names every flag and environment variable."""
+    readme = (REPO / "README.md").read_text()
+    for name in Settings.model_fields:
+        assert f"`--{name.replace('_', '-')}`" in readme
+        assert f"`WORKER_{name.upper()}`" in readme

@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -139,27 +140,43 @@ def _enqueue(args: argparse.Namespace) -> int:
 
 
 def _wait(message: JobMessage, timeout_s: float) -> int:
-    """Follow a job until its job.json appears, showing elapsed time, then its summary."""
+    """Follow a job with a progress bar until its job.json appears; print the summary."""
     s3 = aws.s3_client(2)
-    where = message.output_location("job.json")
-    started = time.monotonic()
-    spinner = "|/-\\"
-    while time.monotonic() - started < timeout_s:
+
+    def read(name: str) -> dict[str, Any] | None:
+        where = message.output_location(name)
         try:
-            body = s3.get_object(Bucket=where.bucket, Key=where.key)["Body"].read()
+            return json.loads(s3.get_object(Bucket=where.bucket, Key=where.key)["Body"].read())  # type: ignore[no-any-return]
         except s3.exceptions.NoSuchKey:
-            elapsed = time.monotonic() - started
-            print(
-                f"\r{spinner[int(elapsed) % 4]} waiting for {where} ({elapsed:.0f} s)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-            time.sleep(WAIT_POLL_S)
-            continue
-        summary = json.loads(body)
-        print(file=sys.stderr)
-        print(json.dumps(summary, indent=2))
-        return 0 if summary["status"] == "succeeded" else 1
-    print(f"\ntimed out waiting for {where}", file=sys.stderr)
+            return None
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        summary = read("job.json")
+        if summary is not None:
+            _draw(summary["items"], summary["items"], summary["failed"], time.monotonic() - started)
+            print(file=sys.stderr)
+            print(json.dumps(summary, indent=2))
+            return 0 if summary["status"] == "succeeded" else 1
+        progress = read("progress.json") or {"items": 0, "finished": 0, "failed": 0}
+        _draw(
+            progress["finished"], progress["items"], progress["failed"], time.monotonic() - started
+        )
+        time.sleep(WAIT_POLL_S)
+    print(
+        f"\ntimed out after {timeout_s} s waiting for {message.output_location('job.json')}",
+        file=sys.stderr,
+    )
     return 1
+
+
+def _draw(finished: int, items: int, failed: int, elapsed_s: float, width: int = 30) -> None:
+    filled = width * finished // items if items else 0
+    total = str(items) if items else "?"
+    bar = "#" * filled + "." * (width - filled)
+    print(
+        f"\r[{bar}] {finished}/{total} items, {failed} failed, {elapsed_s:.0f} s",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )

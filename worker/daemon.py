@@ -132,6 +132,7 @@ class Daemon:
         threads = [
             threading.Thread(target=self._pull_loop, name="puller", daemon=True),
             threading.Thread(target=self._regroup_loop, name="regrouper", daemon=True),
+            threading.Thread(target=self._progress_loop, name="progress", daemon=True),
         ]
         for thread in threads:
             thread.start()
@@ -286,6 +287,30 @@ class Daemon:
         except Exception:
             log.exception("regrouper_failed")
             self._stop(ExitCode.BROKEN)
+
+    def _progress_loop(self) -> None:
+        """Publish each in-flight job's progress.json, for `enqueue --wait` and dashboards."""
+        while not self._exit.wait(self._settings.progress_interval_seconds):
+            for job in self._ledger.jobs():
+                finished = job.finished_items
+                if finished == job.progress_reported:
+                    continue
+                progress = {
+                    "job_id": job.job_id,
+                    "items": len(job.inputs),
+                    "finished": finished,
+                    "failed": job.failed,
+                }
+                try:
+                    self._blobs.put(
+                        job.message.output_location("progress.json"),
+                        json.dumps(progress).encode(),
+                        "application/json",
+                    )
+                except Exception as error:
+                    log.warning("progress_upload_failed", job_id=job.job_id, error=repr(error))
+                    continue
+                job.progress_reported = finished
 
     def _result(self, job: Job, item: Item) -> dict[str, Any]:
         """The results.jsonl record of one item: prediction fields, or its error."""

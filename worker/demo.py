@@ -7,6 +7,7 @@ also what the end-to-end tests build on.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -51,6 +52,7 @@ def local_moto_server() -> Iterator[str]:
     """A moto server on a free loopback port; yields its endpoint URL, stops it after."""
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -177,15 +179,16 @@ def _print_table(s3: S3Client, jobs: dict[str, str], labels: dict[str, str], out
     print(header)
     print("-" * len(header))
     for job_id, output in jobs.items():
-        summary: dict[str, Any] = json.loads(read_output(s3, output, "job.json"))
-        results = [
-            json.loads(line) for line in read_output(s3, output, "results.jsonl").splitlines()
-        ]
-        correct = sum(r.get("label") == labels[r["input"]] for r in results)
         local = out_dir / "results" / job_id
         local.mkdir(parents=True)
-        for name in ("results.jsonl", "job.log", "job.json"):
-            (local / name).write_bytes(read_output(s3, output, name))
+        files = {
+            name: read_output(s3, output, name) for name in ("results.jsonl", "job.log", "job.json")
+        }
+        for name, data in files.items():
+            (local / name).write_bytes(data)
+        summary: dict[str, Any] = json.loads(files["job.json"])
+        results = [json.loads(line) for line in files["results.jsonl"].splitlines()]
+        correct = sum(r.get("label") == labels[r["input"]] for r in results)
         print(
             f"{job_id:<10} {summary['status']:<10} {summary['items']:>6} {summary['failed']:>6} "
             f"{correct / len(results):>8.1%} {summary['duration_s']:>7.2f}  {output}"

@@ -54,6 +54,7 @@ class Job:
     succeeded: int = 0
     failed: int = 0
     lease_lost: bool = False
+    progress_reported: int = 0
     timings: dict[str, StageTiming] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ is received.
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
+EXPORT_SUFFIX = ".pt2"
 
 
 class PluginError(Exception):
@@ -72,13 +74,22 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(reference: str, device: torch.device) -> torch.nn.Module:
-    """A TorchScript file, or the module returned by a `module:factory`, on `device`."""
+    """A `torch.export` archive (.pt2), a TorchScript file, or a `module:factory`'s module."""
+    if reference.endswith((EXPORT_SUFFIX, *TORCHSCRIPT_SUFFIXES)) and not Path(reference).is_file():
+        raise PluginError(f"model file {reference} does not exist")
+    if reference.endswith(EXPORT_SUFFIX):
+        # Exported programs refuse .eval(); they are traced in inference mode already.
+        return torch.export.load(reference).module().to(device)
     if reference.endswith(TORCHSCRIPT_SUFFIXES):
-        if not Path(reference).is_file():
-            raise PluginError(f"model file {reference} does not exist")
-        model = torch.jit.load(reference, map_location=device)
+        with warnings.catch_warnings():
+            # torch 2.13 deprecates TorchScript, but models exported with it are common.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            model = torch.jit.load(reference, map_location=device)
     else:
-        model = load_object(reference)()
+        factory = load_object(reference)
+        if not callable(factory):
+            raise PluginError(f"{reference} is not callable")
+        model = factory()
     if not isinstance(model, torch.nn.Module):
         raise PluginError(f"{reference} gave a {type(model).__name__}, not a torch.nn.Module")
     return model.to(device).eval()

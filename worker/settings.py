@@ -39,8 +39,9 @@ class Settings(BaseSettings):
 
     model: str = Field(
         default="stages.model:default_classifier",
-        description="The model: 'module:factory' (a function returning a torch module) or a "
-        "TorchScript file 'path.pt'. It takes a uint8 NCHW batch on the device.",
+        description="The model: 'module:factory' (a function returning a torch module), a "
+        "torch.export archive 'path.pt2' or a TorchScript file 'path.pt'. It takes a uint8 "
+        "NCHW batch on the device.",
     )
     preprocess: str = Field(
         default="stages.preprocess:default_preprocessor",
@@ -101,6 +102,11 @@ class Settings(BaseSettings):
         default=100,
         ge=0,
         description="On SIGTERM, how long in-flight jobs may run before they are released.",
+    )
+    progress_interval_seconds: float = Field(
+        default=10,
+        gt=0,
+        description="How often each in-flight job's progress.json is refreshed (if changed).",
     )
     preprocess_timeout_seconds: float = Field(
         default=30, gt=0, description="Per-item preprocessing limit; a hung worker is replaced."

@@ -1,0 +1,89 @@
+"""Loading the model, preprocessor and postprocessor a user names."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.model import default_classifier
+from stages.postprocess import top_k
+from stages.preprocess import default_preprocessor
+from stages.synthetic import LABELS, samples
+from worker.plugins import PluginError, inference_setup, load_postprocessor, load_preprocessor
+
+
+def _batch(count: int) -> tuple[torch.Tensor, list[str]]:
+    batch = torch.empty((count, *default_preprocessor.output_shape), dtype=torch.uint8)
+    labels = []
+    for number, (label, data) in enumerate(samples(count, seed=21)):
+        default_preprocessor(data, batch[number])
+        labels.append(label)
+    return batch, labels
+
+
+def _save_torchscript(path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript is deprecated in 2.13
+        torch.jit.script(default_classifier()).save(str(path))
+
+
+def _save_export(path: Path) -> None:
+    example = (torch.zeros((2, *default_preprocessor.output_shape), dtype=torch.uint8),)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    program = torch.export.export(default_classifier(), example, dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
+
+
+@pytest.mark.parametrize(
+    ("name", "save"), [("shapes.pt", _save_torchscript), ("shapes.pt2", _save_export)]
+)
+def test_model_files_give_the_same_answers_as_the_factory(
+    tmp_path: Path, name: str, save: Callable[[Path], None]
+) -> None:
+    """`--model path.pt` (TorchScript), `--model path.pt2` (torch.export) and
+    `--model module:factory` answer alike."""
+    path = tmp_path / name
+    save(path)
+    batch, labels = _batch(16)
+    from_file = inference_setup(str(path), "cpu")(batch, [None] * 16)
+    from_factory = inference_setup("stages.model:default_classifier", "cpu")(batch, [None] * 16)
+    assert torch.allclose(torch.tensor(from_file), torch.tensor(from_factory), atol=1e-5)
+    predicted = [top_k(row, {})["label"] for row in from_file]
+    assert sum(p == t for p, t in zip(predicted, labels, strict=True)) >= 15
+    assert set(predicted) <= set(LABELS)
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        ("stages.model", "module:attribute"),
+        ("no_such_module:x", "cannot import"),
+        ("stages.model:nope", "no attribute"),
+        ("/missing/model.pt", "does not exist"),
+        ("stages.postprocess:DEFAULT_TOP_K", "not callable"),
+    ],
+)
+def test_bad_model_references_are_explained(reference: str, message: str) -> None:
+    """A model reference that cannot be loaded fails with what is wrong."""
+    with pytest.raises(PluginError, match=message):
+        inference_setup(reference, "cpu")
+
+
+def test_preprocessor_and_postprocessor_are_checked() -> None:
+    """The preprocessor must declare its output shape; the postprocessor be callable."""
+    assert load_preprocessor("stages.preprocess:default_preprocessor").output_shape == (3, 64, 64)
+    with pytest.raises(PluginError, match="output_shape"):
+        load_preprocessor("stages.postprocess:top_k")
+    with pytest.raises(PluginError, match="not callable"):
+        load_postprocessor("stages.postprocess:DEFAULT_TOP_K")
+
+
+def test_top_k_rejects_bad_params() -> None:
+    """`params.top_k` must be a positive integer."""
+    assert len(top_k([0.1, 0.7, 0.2, 0.0], {"top_k": 2})["topk"]) == 2
+    with pytest.raises(ValueError, match="top_k"):
+        top_k([0.1, 0.9], {"top_k": "2"})
