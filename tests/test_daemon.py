@@ -155,3 +155,33 @@ def test_pulls_on_demand_and_never_holds_more_than_max_jobs(tmp_path: Path) -> N
         [result] = _output(blobs, f"j{number}", "results.jsonl")
         assert result["input"] == uri
     assert len(source) == 0
+
+
+class FlakySource(InMemoryJobSource):
+    """Fails its first receive the way an SQS outage would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failures_left = 1
+
+    def receive(
+        self, max_messages: int, wait_s: int, visibility_timeout_s: int
+    ) -> list[ReceivedMessage]:
+        if self.failures_left:
+            self.failures_left -= 1
+            raise ConnectionError("sqs unreachable")
+        return super().receive(max_messages, wait_s, visibility_timeout_s)
+
+
+def test_failed_receive_is_not_an_empty_queue(tmp_path: Path) -> None:
+    """In drain mode a receive that fails backs off and tries again instead of exiting
+    as if the queue were empty."""
+    source, blobs = FlakySource(), InMemoryBlobStore()
+    [uri] = _images(blobs, 1)
+    source.send(
+        json.dumps(
+            {"job_id": "after-outage", "inputs": [uri], "output": "s3://bkt/out/after-outage/"}
+        )
+    )
+    _run(source, blobs, tmp_path)
+    assert _output(blobs, "after-outage", "job.json")["status"] == "succeeded"

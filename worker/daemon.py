@@ -189,22 +189,24 @@ class Daemon:
                 if self._stopping.is_set():
                     return
                 messages = self._receive(self._room())
-                if self._stopping.is_set():
-                    for message in messages:
-                        self._source.release(message.receipt_handle)
-                    return
+                if messages is None:
+                    continue
                 if not messages and self._settings.drain and not len(self._ledger):
                     self._stop(ExitCode.DRAINED)
                     return
                 for message in messages:
-                    self._admit(message)
+                    if self._stopping.is_set():
+                        self._source.release(message.receipt_handle)
+                    else:
+                        self._admit(message)
         except Closed:
             return
         except Exception:
             log.exception("puller_failed")
             self._stop(ExitCode.BROKEN)
 
-    def _receive(self, max_messages: int) -> list[ReceivedMessage]:
+    def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
+        """The messages received, or None when the receive failed (not an empty queue)."""
         settings = self._settings
         try:
             return self._source.receive(
@@ -214,7 +216,7 @@ class Daemon:
             # botocore already retried; back off instead of hammering a failing API.
             log.warning("receive_failed", error=repr(error), retry_in_s=RECEIVE_ERROR_BACKOFF_S)
             self._stopping.wait(RECEIVE_ERROR_BACKOFF_S)
-            return []
+            return None
 
     def _admit(self, message: ReceivedMessage) -> None:
         """Validate a message, enter it in the ledger and feed its items in."""
