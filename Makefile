@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint
+.PHONY: demo test lint bench bench-full
 
 $(VENV)/installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,9 +18,17 @@ demo: $(VENV)/installed
 	$(PY) -m worker demo
 
 lint: $(VENV)/installed
-	$(PY) -m ruff check worker stages tests
-	$(PY) -m ruff format --check worker stages tests
+	$(PY) -m ruff check worker stages bench tests
+	$(PY) -m ruff format --check worker stages bench tests
 	$(PY) -m mypy
 
 test: lint
 	$(PY) -m pytest
+
+# Not part of `make test`: minutes of CPU on purpose. Writes bench-out/report.json,
+# timeline.json (Chrome trace) and timeline.png.
+bench: $(VENV)/installed
+	$(PY) -m worker bench --quick --out bench-out
+
+bench-full: $(VENV)/installed
+	$(PY) -m worker bench --out bench-out

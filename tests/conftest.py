@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+from botocore.config import Config
 
-from worker.demo import LOCAL_AWS_ENV, Stack, create_stack, local_moto_server
+from worker.demo import LOCAL_AWS_ENV, Stack, create_stack, local_moto_server, read_output
 
 REPO = Path(__file__).resolve().parent.parent
+ORPHAN_GRACE_S = 10.0
 
 
 @dataclass
@@ -32,6 +37,52 @@ class Aws:
 
     def stack(self, visibility_timeout_s: int = 30) -> Stack:
         return create_stack(self.sqs, self.s3, f"t-{uuid.uuid4().hex[:12]}", visibility_timeout_s)
+
+    def with_endpoint(self, endpoint: str) -> Aws:
+        """The same clients; a daemon started with the result talks to `endpoint`."""
+        return replace(self, env={**self.env, "AWS_ENDPOINT_URL": endpoint})
+
+    def with_env(self, **more: str) -> Aws:
+        return replace(self, env={**self.env, **more})
+
+    def client(self, service: str) -> Any:
+        return boto3.session.Session(
+            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        ).client(service, endpoint_url=self.endpoint)
+
+    def send(self, queue_url: str, body: dict[str, Any] | str) -> None:
+        text = body if isinstance(body, str) else json.dumps(body)
+        self.sqs.send_message(QueueUrl=queue_url, MessageBody=text)
+
+    def read(self, output: str, name: str) -> bytes:
+        return read_output(self.s3, output, name)
+
+    def results(self, output: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.read(output, "results.jsonl").splitlines()]
+
+    def summary(self, output: str) -> dict[str, Any]:
+        return json.loads(self.read(output, "job.json"))  # type: ignore[no-any-return]
+
+    def log_events(self, output: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.read(output, "job.log").splitlines()]
+
+    def names(self, output: str) -> list[str]:
+        """The names of the objects under an output prefix."""
+        bucket, _, prefix = output.removeprefix("s3://").partition("/")
+        listing = self.s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+        return sorted(entry["Key"].removeprefix(prefix) for entry in listing)
+
+    def dead_letters(self, dlq_url: str) -> list[dict[str, Any]]:
+        """Every message on the dead-letter queue (left invisible for a minute)."""
+        messages: list[dict[str, Any]] = []
+        while batch := self.sqs.receive_message(
+            QueueUrl=dlq_url,
+            MaxNumberOfMessages=10,
+            MessageAttributeNames=["All"],
+            VisibilityTimeout=60,
+        ).get("Messages", []):
+            messages += batch
+        return messages
 
     def queue_depth(self, queue_url: str) -> tuple[int, int]:
         """(visible, in flight) messages."""
@@ -48,14 +99,20 @@ class Aws:
 @pytest.fixture(scope="session")
 def aws() -> Iterator[Aws]:
     with local_moto_server() as endpoint:
-        env = {**os.environ, **LOCAL_AWS_ENV, "AWS_ENDPOINT_URL": endpoint, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **LOCAL_AWS_ENV,
+            "AWS_ENDPOINT_URL": endpoint,
+            "PYTHONUNBUFFERED": "1",
+            "WORKER_METRICS_PORT": "0",  # tests that want the endpoint pick a free port
+        }
         session = boto3.session.Session(
             aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
         )
         yield Aws(
             endpoint,
             session.client("sqs", endpoint_url=endpoint),
-            session.client("s3", endpoint_url=endpoint),
+            session.client("s3", endpoint_url=endpoint, config=Config(max_pool_connections=32)),
             env,
         )
 
@@ -67,22 +124,121 @@ class DaemonRun:
     stderr: str
 
 
-def run_daemon(aws: Aws, args: list[str], timeout_s: float = 240, cwd: Path = REPO) -> DaemonRun:
-    """Run `python -m worker run ARGS` to completion as a real subprocess."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "worker", "run", *args],
-        env=aws.env,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    finally:
-        # Whatever happened, nothing of the daemon's outlives the test.
+class DaemonProcess:
+    """`python -m worker run ARGS` as a real subprocess in its own process group, with
+    its JSON log lines collected as they come so a test can act on them."""
+
+    def __init__(self, env: dict[str, str], args: list[str], cwd: Path = REPO):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "worker", "run", *args],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self._readers = [
+            threading.Thread(target=self._collect, args=(name,), daemon=True)
+            for name in self._lines
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _collect(self, name: str) -> None:
+        for line in getattr(self.process, name):
+            self._lines[name].append(line)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self._lines["stdout"])
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._lines["stderr"])
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        """The daemon's log events called `name`, so far."""
+        events = []
+        for line in list(self._lines["stdout"]):
+            with contextlib.suppress(json.JSONDecodeError):
+                event = json.loads(line)
+                if event.get("event") == name:
+                    events.append(event)
+        return events
+
+    def wait_for(self, name: str, count: int = 1, timeout_s: float = 120) -> list[dict[str, Any]]:
+        """Wait until the daemon has logged `name` `count` times; its events."""
+        deadline = time.monotonic() + timeout_s
+        while len(events := self.events(name)) < count:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {count} x {name}; stderr:\n{self.stderr[-3000:]}")
+            time.sleep(0.05)
+        return events
+
+    def send_signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self, timeout_s: float) -> int:
+        return self.process.wait(timeout_s)
+
+    def close(self) -> list[str]:
+        """Kill whatever is left; returns what was still running of the daemon's group."""
+        leftovers: list[str] = []
+        if self.process.poll() is not None:
+            # Children notice their parent's death by themselves; give them a moment.
+            deadline = time.monotonic() + ORPHAN_GRACE_S
+            while (leftovers := processes_in_group(self.pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    return DaemonRun(process.returncode, stdout, stderr)
+            os.killpg(self.pid, signal.SIGKILL)
+        self.process.wait()
+        for reader in self._readers:
+            reader.join(5)
+        for stream in (self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+        return leftovers
+
+
+def processes_in_group(pgid: int) -> list[str]:
+    """`ps`-style lines of the live (not zombie) processes in process group `pgid`."""
+    found = []
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            stat = stat_path.read_text()
+            state, _ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]
+            if int(group) == pgid and state not in "ZX":
+                found.append(stat[: stat.rindex(")") + 1])
+    return found
+
+
+@pytest.fixture
+def start_daemon(aws: Aws) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start daemons as subprocesses; after the test none of their processes may remain."""
+    started: list[DaemonProcess] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> DaemonProcess:
+        daemon = DaemonProcess(env or aws.env, args)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    leftovers = [line for daemon in started for line in daemon.close()]
+    assert not leftovers, f"processes left behind: {leftovers}"
+
+
+def run_daemon(aws: Aws, args: list[str], timeout_s: float = 240) -> DaemonRun:
+    """Run `python -m worker run ARGS` to completion; nothing of it may outlive it."""
+    daemon = DaemonProcess(aws.env, args)
+    try:
+        returncode = daemon.wait(timeout_s)
+    finally:
+        leftovers = daemon.close()
+    assert not leftovers, f"processes left behind: {leftovers}"
+    return DaemonRun(returncode, daemon.stdout, daemon.stderr)

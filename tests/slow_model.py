@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 from torch import nn
 
-SECONDS_PER_BATCH = 1.0
-
 
 class SlowUniform(nn.Module):
     """Sleeps, then answers 'circle' for everything."""
 
+    def __init__(self, seconds_per_batch: float):
+        super().__init__()
+        self.seconds_per_batch = seconds_per_batch
+
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        time.sleep(SECONDS_PER_BATCH)
+        time.sleep(self.seconds_per_batch)
         scores = torch.zeros(len(batch), 4)
         scores[:, 0] = 1.0
         return scores
 
 
 def factory() -> nn.Module:
-    return SlowUniform()
+    """1 s per batch, or SLOW_MODEL_SECONDS_PER_BATCH."""
+    return SlowUniform(float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "1")))

@@ -29,18 +29,23 @@ def sleepy_reader(delay_s: float) -> Callable[[torch.Tensor, Sequence[Any]], lis
     return read
 
 
+def inject_fault(name: str) -> None:
+    """Make this process die, segfault, hang or raise, as `name` says; else do nothing."""
+    if name == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if name == "segfault":
+        ctypes.string_at(0)
+    if name == "hang":
+        time.sleep(3600)
+    if name == "raise":
+        raise RuntimeError("bad input")
+
+
 def faulty_writer() -> Callable[[Any, torch.Tensor], Any]:
     """Dies, segfaults, hangs or raises on the values named so; copies others through."""
 
     def write(value: Any, out: torch.Tensor) -> Any:
-        if value == "sigkill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if value == "segfault":
-            ctypes.string_at(0)
-        if value == "hang":
-            time.sleep(3600)
-        if value == "raise":
-            raise RuntimeError("bad input")
+        inject_fault(value)
         out.fill_(1)
         return f"ok:{value}"
 
@@ -61,3 +66,14 @@ def kill_once_reader(marker_path: str) -> Callable[[torch.Tensor, Sequence[Any]]
 
 def broken_setup() -> Callable[..., Any]:
     raise RuntimeError("model file is corrupt")
+
+
+def memory_limited(max_batch: int) -> Callable[[Sequence[Any]], list[Any]]:
+    """Runs out of (GPU) memory on batches larger than `max_batch`, like a real model."""
+
+    def run(values: Sequence[Any]) -> list[Any]:
+        if len(values) > max_batch:
+            raise torch.OutOfMemoryError(f"cannot fit {len(values)} items (test)")
+        return list(values)
+
+    return run

@@ -54,7 +54,12 @@ def _run(
     source: InMemoryJobSource, blobs: InMemoryBlobStore, tmp_path: Path, **fields: Any
 ) -> None:
     settings = Settings(
-        queue_url="q", drain=True, receive_wait_seconds=0, log_dir=tmp_path, **fields
+        queue_url="q",
+        drain=True,
+        receive_wait_seconds=0,
+        log_dir=tmp_path,
+        metrics_port=0,
+        **fields,
     )
     assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
 
@@ -185,3 +190,75 @@ def test_failed_receive_is_not_an_empty_queue(tmp_path: Path) -> None:
     )
     _run(source, blobs, tmp_path)
     assert _output(blobs, "after-outage", "job.json")["status"] == "succeeded"
+
+
+def test_finished_jobs_are_announced_on_the_notify_queue(tmp_path: Path) -> None:
+    """With a notification target, each finished job's summary (its job.json) is sent
+    once it is complete; a failing target is logged and does not hold the job back."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    uris = _images(blobs, 2)
+    for job_id, uri in zip(["first", "second"], uris, strict=True):
+        source.send(
+            json.dumps({"job_id": job_id, "inputs": [uri], "output": f"s3://bkt/out/{job_id}/"})
+        )
+    sent: list[dict[str, Any]] = []
+    failures = [ConnectionError("notification queue unreachable")]
+
+    def notify(body: str) -> None:
+        if failures:
+            raise failures.pop()
+        sent.append(json.loads(body))
+
+    settings = Settings(
+        queue_url="q", drain=True, receive_wait_seconds=0, log_dir=tmp_path, metrics_port=0
+    )
+    assert Daemon(settings, source, blobs, notify=notify).run() is ExitCode.DRAINED
+    [announced] = sent
+    assert announced == _output(blobs, announced["job_id"], "job.json")
+    assert {_output(blobs, job, "job.json")["status"] for job in ["first", "second"]} == {
+        "succeeded"
+    }
+    assert len(source) == 0
+
+
+class StolenLeaseSource(InMemoryJobSource):
+    """On the first renewal, another consumer receives the message first, as when a
+    lease expired unnoticed: the daemon's receipt handle is stale from then on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stolen_handles: list[str] = []
+        self.acked: list[str] = []
+
+    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
+        with self._lock:  # reentrant: the daemon's own receive cannot slip in between
+            if not self.stolen_handles:
+                self.stolen_handles = list(receipt_handles)
+                super().extend(receipt_handles, 0)
+                super().receive(10, 0, 3600)
+            return super().extend(receipt_handles, visibility_timeout_s)
+
+    def ack(self, receipt_handle: str) -> None:
+        self.acked.append(receipt_handle)
+        super().ack(receipt_handle)
+
+
+def test_a_lost_lease_is_not_renewed_or_acked_with_the_stale_handle(tmp_path: Path) -> None:
+    """A renewal answered "receipt handle is invalid" means another daemon owns the job
+    now: the job still finishes (its keys are idempotent), but the stale handle is never
+    used again, and the message stays with its new owner."""
+    source, blobs = StolenLeaseSource(), InMemoryBlobStore()
+    [uri] = _images(blobs, 1)
+    source.send(json.dumps({"job_id": "stolen", "inputs": [uri], "output": "s3://bkt/out/s/"}))
+    _run(
+        source,
+        blobs,
+        tmp_path,
+        model="tests.slow_model:factory",
+        visibility_timeout_seconds=1,
+        heartbeat_interval_seconds=0.2,
+    )
+    [stale] = source.stolen_handles
+    assert stale not in source.acked
+    assert len(source) == 1
+    assert "lease_lost" in blobs.objects["s3://bkt/out/s/job.log"].decode()

@@ -11,15 +11,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Aws, run_daemon
-from worker import demo
 from worker.demo import upload_samples
 
 pytestmark = pytest.mark.e2e
-
-
-def _send(aws: Aws, queue_url: str, body: dict[str, Any] | str) -> None:
-    text = body if isinstance(body, str) else json.dumps(body)
-    aws.sqs.send_message(QueueUrl=queue_url, MessageBody=text)
 
 
 def _enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> list[str]:
@@ -36,14 +30,6 @@ def _enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> li
         output,
         *more,
     ]
-
-
-def _results(aws: Aws, output: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in read_output(aws, output, "results.jsonl").splitlines()]
-
-
-def read_output(aws: Aws, output: str, name: str) -> bytes:
-    return demo.read_output(aws.s3, output, name)
 
 
 def _last_modified(aws: Aws, output: str, name: str) -> Any:
@@ -68,8 +54,7 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
     for number in range(9):
         jobs[f"fifty-{number}"] = uris[number * 50 : number * 50 + 50][::-1]
     for job_id, inputs in jobs.items():
-        _send(
-            aws,
+        aws.send(
             stack.queue_url,
             {"job_id": job_id, "inputs": inputs, "output": f"s3://{stack.bucket}/out/{job_id}/"},
         )
@@ -90,7 +75,7 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
         check=True,
     )
     assert enqueue.stdout.strip() == "manifest"
-    _send(aws, stack.queue_url, "this is not json")
+    aws.send(stack.queue_url, "this is not json")
 
     log_dir = tmp_path / "logs"
     run = run_daemon(
@@ -112,18 +97,16 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
     correct = total = 0
     for job_id, inputs in jobs.items():
         output = f"s3://{stack.bucket}/out/{job_id}/"
-        results = _results(aws, output)
+        results = aws.results(output)
         assert [r["index"] for r in results] == list(range(len(inputs)))
         assert [r["input"] for r in results] == inputs
-        summary = json.loads(read_output(aws, output, "job.json"))
+        summary = json.loads(aws.read(output, "job.json"))
         assert (
             summary["status"] == "succeeded"
             and summary["items"] == len(inputs) == summary["succeeded"]
         )
         assert summary["attempt"] == 1
-        events = [
-            json.loads(line)["event"] for line in read_output(aws, output, "job.log").splitlines()
-        ]
+        events = [json.loads(line)["event"] for line in aws.read(output, "job.log").splitlines()]
         assert events[0] == "job_received" and "job_finished" in events
         assert (log_dir / f"{job_id}.log").is_file()
         assert _last_modified(aws, output, "job.json") >= _last_modified(
@@ -187,12 +170,12 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
     )
     followed, progress_bar = follower.communicate(timeout=60)
     assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads(read_output(aws, output, "job.json"))
+    summary = json.loads(aws.read(output, "job.json"))
     assert summary["duration_s"] >= 4 * 2
     assert summary["attempt"] == 1 and summary["status"] == "succeeded"
     received = [json.loads(line) for line in run.stdout.splitlines() if '"job_received"' in line]
     assert len(received) == 1
-    assert len(_results(aws, output)) == 9
+    assert len(aws.results(output)) == 9
     assert aws.queue_depth(stack.queue_url) == (0, 0)
     assert follower.returncode == 0
     assert (

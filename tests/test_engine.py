@@ -30,11 +30,13 @@ from worker.ledger import Job
 class RecordingObserver:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.events: list[str] = []
         self.lost: list[str] = []
         self.broken: list[str] = []
 
     def stage_ran(self, stage: str, items: Sequence[Item], duration_s: float, events: Any) -> None:
         self.calls.append((stage, len(items)))
+        self.events += [event["event"] for event in events]
 
     def worker_lost(self, stage: str, items: Sequence[Item], reason: str) -> None:
         self.lost.append(reason)
@@ -138,6 +140,7 @@ def _job(key: str, size: int) -> Job:
 
     return Job(
         key=key,
+        message_id=key,
         job_id=key,
         message=MagicMock(),
         inputs=["x"] * size,
@@ -243,6 +246,32 @@ def test_batch_retried_after_inference_process_dies(tmp_path: Any) -> None:
         results = run_items(pipeline, [Item("j", i, i) for i in range(8)])
     assert sorted(r.value for r in results) == list(range(8))
     assert all(r.error is None for r in results)
+
+
+def test_out_of_memory_splits_the_batch_and_lowers_the_batch_size_for_a_while() -> None:
+    """A batch that does not fit is retried in halves (no item fails), and the next
+    batches are no larger than what fitted until the cool-down ends."""
+    observer = RecordingObserver()
+    stage = ProcessStage(
+        "inference",
+        functools.partial(stagefns.memory_limited, 4),
+        batch_size=16,
+        max_batch_wait_ms=300,
+        oom_cooldown_s=1.5,
+    )
+    with Pipeline([stage], observer) as pipeline:
+        results = run_items(pipeline, [Item("j", i, i) for i in range(48)])
+        assert [r.value for r in sorted(results, key=lambda r: r.index)] == list(range(48))
+        assert all(r.error is None for r in results)
+        sizes = [size for _, size in observer.calls]
+        # The batch queued behind the first (pipelining) was gathered before the lesson.
+        assert sizes[0] == 16 and max(sizes[2:]) <= 4, sizes
+        assert "out_of_memory" in observer.events
+        time.sleep(1.6)
+        observer.calls.clear()
+        run_items(pipeline, [Item("j", i, i) for i in range(20)])
+        # The batch already being gathered when the cool-down ended is still small.
+        assert max(size for _, size in observer.calls) == 16, observer.calls
 
 
 def test_setup_failure_is_reported_at_start() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from worker.fakes import InMemoryJobSource
@@ -24,6 +25,7 @@ def _admit(ledger: Ledger, source: InMemoryJobSource, tmp_path: Path) -> Job:
     [message] = source.receive(1, 0, 30)
     job = Job(
         key=message.message_id,
+        message_id=message.message_id,
         job_id="j",
         inputs=["s3://bkt/a"],
         receipt_handle=message.receipt_handle,
@@ -43,7 +45,7 @@ def test_renewals_keep_a_message_invisible_past_its_timeout(tmp_path: Path) -> N
     source, ledger = InMemoryJobSource(clock), Ledger()
     source.send("{}")
     job = _admit(ledger, source, tmp_path)
-    keeper = LeaseKeeper(ledger, source, visibility_timeout_s=30, interval_s=15)
+    keeper = _keeper(ledger, source, clock)
     for _ in range(10):
         clock.now += 15
         keeper.renew_all()
@@ -61,7 +63,7 @@ def test_lost_lease_is_marked_and_no_longer_renewed(tmp_path: Path) -> None:
     job = _admit(ledger, source, tmp_path)
     clock.now += 31
     assert len(source.receive(1, 0, 30)) == 1  # someone else's receive
-    keeper = LeaseKeeper(ledger, source, visibility_timeout_s=30, interval_s=15)
+    keeper = _keeper(ledger, source, clock)
     keeper.renew_all()
     assert job.lease_lost and ledger.leases() == {}
     assert '"lease_lost"' in job.log.close().decode()
@@ -72,5 +74,49 @@ def test_lost_lease_is_marked_and_no_longer_renewed(tmp_path: Path) -> None:
 def test_nothing_in_flight_means_no_calls(tmp_path: Path) -> None:
     """An idle daemon makes no renewal calls."""
     source = InMemoryJobSource()
-    LeaseKeeper(Ledger(), source, 30, 15).renew_all()
+    _keeper(Ledger(), source, ManualClock()).renew_all()
     assert source.extend_calls == 0
+
+
+def test_a_job_nearing_the_lease_ceiling_is_released_not_renewed(tmp_path: Path) -> None:
+    """SQS hides a message for at most 12 hours from its receive: the keeper renews until
+    the next renewal would pass the ceiling, then hands the job over to be released
+    (and says so in the job's log) instead of letting SQS redeliver it silently."""
+    clock = ManualClock()
+    source, ledger = InMemoryJobSource(clock), Ledger()
+    source.send("{}")
+    job = _admit(ledger, source, tmp_path)
+    job.received_at = clock.now
+    released: list[Job] = []
+
+    def release(job: Job) -> None:
+        released.append(job)
+        ledger.remove(job.key)
+
+    keeper = _keeper(ledger, source, clock, max_lease_s=100, on_ceiling=release)
+    for _ in range(4):  # at 15, 30, 45, 60 s: 60 + 30 still fits in 100
+        clock.now += 15
+        keeper.renew_all()
+    assert released == [] and source.extend_calls == 4
+    clock.now += 15  # 75 + 30 would pass the ceiling
+    keeper.renew_all()
+    assert released == [job] and source.extend_calls == 4
+    assert '"lease_ceiling_reached"' in job.log.close().decode()
+
+
+def _keeper(
+    ledger: Ledger,
+    source: InMemoryJobSource,
+    clock: ManualClock,
+    max_lease_s: float = 12 * 3600,
+    on_ceiling: Callable[[Job], None] = lambda job: None,
+) -> LeaseKeeper:
+    return LeaseKeeper(
+        ledger,
+        source,
+        visibility_timeout_s=30,
+        interval_s=15,
+        max_lease_s=max_lease_s,
+        on_ceiling=on_ceiling,
+        clock=clock,
+    )

@@ -7,38 +7,55 @@ outlasted the retries.
 
 from __future__ import annotations
 
+import json
+import os
+import urllib.request
 from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from worker.ports import MissingObject, ReceivedMessage, S3Location
-from worker.settings import SQS_MAX_ENTRIES_PER_BATCH_CALL
+from worker.ports import MissingObject, ReceivedMessage, S3Location, ScaleInGuard
+from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_CALL
 
 if TYPE_CHECKING:
+    from mypy_boto3_autoscaling import AutoScalingClient
     from mypy_boto3_s3 import S3Client
     from mypy_boto3_sqs import SQSClient
 
 MAX_REASON_CHARS = 1000
+IMDS_DEFAULT_ENDPOINT = "http://169.254.169.254"
+IMDS_TOKEN_TTL_S = 60
+IMDS_TIMEOUT_S = 2.0
+ECS_AGENT_TIMEOUT_S = 5.0
+ASG_NAME_TAG = "aws:autoscaling:groupName"
 MISSING_OBJECT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "404"})
 
 
-def _config(max_pool_connections: int = 10) -> Config:
+def _config(max_attempts: int, max_pool_connections: int = 10) -> Config:
     return Config(
-        retries={"mode": "standard", "max_attempts": 8},
+        retries={"mode": "standard", "total_max_attempts": max_attempts},
         max_pool_connections=max_pool_connections,
     )
 
 
-def sqs_client() -> SQSClient:
+def sqs_client(max_attempts: int = DEFAULT_AWS_MAX_ATTEMPTS) -> SQSClient:
     """An SQS client from boto3's usual configuration (AWS_ENDPOINT_URL, region, ...)."""
-    return boto3.session.Session().client("sqs", config=_config())
+    return boto3.session.Session().client("sqs", config=_config(max_attempts))
 
 
-def s3_client(max_pool_connections: int) -> S3Client:
+def send_message(client: SQSClient, queue_url: str, body: str) -> None:
+    client.send_message(QueueUrl=queue_url, MessageBody=body)
+
+
+def autoscaling_client(max_attempts: int = DEFAULT_AWS_MAX_ATTEMPTS) -> AutoScalingClient:
+    return boto3.session.Session().client("autoscaling", config=_config(max_attempts))
+
+
+def s3_client(max_pool_connections: int, max_attempts: int = DEFAULT_AWS_MAX_ATTEMPTS) -> S3Client:
     """An S3 client with room for `max_pool_connections` concurrent requests."""
-    return boto3.session.Session().client("s3", config=_config(max_pool_connections))
+    return boto3.session.Session().client("s3", config=_config(max_attempts, max_pool_connections))
 
 
 class SqsJobSource:
@@ -132,3 +149,101 @@ class S3BlobStore:
         self._client.put_object(
             Bucket=location.bucket, Key=location.key, Body=data, ContentType=content_type
         )
+
+
+class ProtectionUnavailable(Exception):
+    """The environment offers no way to protect this machine (not EC2 ASG, not ECS)."""
+
+
+class AsgGuard:
+    """EC2 Auto Scaling: SetInstanceProtection on this instance."""
+
+    name = "asg"
+    renew_every_s: float | None = None  # protection of an instance does not expire
+
+    def __init__(self, client: AutoScalingClient, instance_id: str, group_name: str):
+        self._client = client
+        self.instance_id = instance_id
+        self.group_name = group_name
+
+    def set_protected(self, protected: bool) -> None:
+        self._client.set_instance_protection(
+            InstanceIds=[self.instance_id],
+            AutoScalingGroupName=self.group_name,
+            ProtectedFromScaleIn=protected,
+        )
+
+
+class EcsGuard:
+    """ECS task scale-in protection through the container agent's endpoint."""
+
+    name = "ecs"
+
+    def __init__(self, agent_uri: str, expires_minutes: int):
+        self._url = agent_uri.rstrip("/") + "/task-protection/v1/state"
+        self._expires_minutes = expires_minutes
+        # Renew at half the expiry, so one failed renewal still leaves it on.
+        self.renew_every_s: float | None = expires_minutes * 60 / 2
+
+    def set_protected(self, protected: bool) -> None:
+        body: dict[str, Any] = {"ProtectionEnabled": protected}
+        if protected:
+            body["ExpiresInMinutes"] = self._expires_minutes
+        request = urllib.request.Request(
+            self._url,
+            data=json.dumps(body).encode(),
+            method="PUT",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=ECS_AGENT_TIMEOUT_S) as reply:
+            answer = json.loads(reply.read() or b"{}")
+        if answer.get("failure") or answer.get("error"):
+            raise RuntimeError(f"ECS agent refused task protection: {answer}")
+
+
+def imds_get(path: str, endpoint: str | None = None) -> str:
+    """GET an instance metadata path with an IMDSv2 session token (token first)."""
+    base = (endpoint or os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT") or "").rstrip("/")
+    base = base or IMDS_DEFAULT_ENDPOINT
+    token_request = urllib.request.Request(
+        base + "/latest/api/token",
+        method="PUT",
+        headers={"X-aws-ec2-metadata-token-ttl-seconds": str(IMDS_TOKEN_TTL_S)},
+    )
+    with urllib.request.urlopen(token_request, timeout=IMDS_TIMEOUT_S) as reply:
+        token = reply.read().decode()
+    request = urllib.request.Request(base + path, headers={"X-aws-ec2-metadata-token": token})
+    with urllib.request.urlopen(request, timeout=IMDS_TIMEOUT_S) as reply:
+        return reply.read().decode()  # type: ignore[no-any-return]
+
+
+def scale_in_guard(
+    mode: str, asg_name: str | None, ecs_expires_minutes: int, max_attempts: int
+) -> ScaleInGuard | None:
+    """The guard for `mode` (auto, asg, ecs, off); None for off.
+
+    `auto` takes ECS when the agent's URI is set, else EC2 Auto Scaling when the instance
+    metadata service answers, else off. An explicit mode that cannot work raises
+    `ProtectionUnavailable`, so a misconfigured fleet fails at start, not at scale-in.
+    """
+    if mode == "off":
+        return None
+    agent_uri = os.environ.get("ECS_AGENT_URI")
+    if mode == "ecs" or (mode == "auto" and agent_uri):
+        if not agent_uri:
+            raise ProtectionUnavailable("--protection ecs, but ECS_AGENT_URI is not set")
+        return EcsGuard(agent_uri, ecs_expires_minutes)
+    if mode == "auto" and os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true":
+        return None
+    try:
+        instance_id = imds_get("/latest/meta-data/instance-id")
+        group = asg_name or imds_get(f"/latest/meta-data/tags/instance/{ASG_NAME_TAG}")
+    except OSError as error:
+        if mode == "auto":
+            return None
+        raise ProtectionUnavailable(
+            f"--protection asg, but the instance metadata service did not say which "
+            f"instance and group this is ({error}); is the instance in an Auto Scaling "
+            "group with instance metadata tags on, or is --asg-name missing?"
+        ) from error
+    return AsgGuard(autoscaling_client(max_attempts), instance_id, group)

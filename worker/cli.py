@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -17,10 +21,11 @@ from worker import aws
 from worker.joblog import configure_daemon_logging
 from worker.message import JobMessage
 from worker.plugins import PluginError
-from worker.settings import add_settings_flags, settings_from_flags
+from worker.settings import DEFAULT_METRICS_PORT, add_settings_flags, settings_from_flags
 
 EXIT_USAGE = 2
 WAIT_POLL_S = 1.0
+HEALTHCHECK_TIMEOUT_S = 4.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
         "the queue is drained, and print what each job produced.",
     )
     demo.add_argument("--out", default="demo-out", help="where logs and downloaded results go")
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure throughput, overlap, overhead, packing, hand-off and memory",
+        description="Run the benchmarks (in-process fakes for SQS and S3, S3 latency "
+        "injected, a stand-in device model) and print each figure as a ratio against a "
+        "baseline measured in the same run; writes report.json, timeline.json (Chrome "
+        "trace) and timeline.png to --out. About 7 minutes with --quick, 10 without, on 2 cores.",
+    )
+    bench.add_argument("--out", default="bench-out", help="where the report and timeline go")
+    bench.add_argument("--quick", action="store_true", help="smaller inputs, shorter runs")
+
+    healthcheck = commands.add_parser(
+        "healthcheck",
+        help="exit 0 if the local daemon is healthy (for HEALTHCHECK)",
+        description="Ask the daemon on this host for /healthz; exit 0 if healthy, 1 if not.",
+    )
+    healthcheck.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("WORKER_METRICS_PORT") or DEFAULT_METRICS_PORT),
+        help="the daemon's --metrics-port (env WORKER_METRICS_PORT)",
+    )
     return parser
 
 
@@ -81,6 +109,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_run(args))
     if args.command == "enqueue":
         sys.exit(_enqueue(args))
+    if args.command == "healthcheck":
+        sys.exit(_healthcheck(args.port))
+    if args.command == "bench":
+        from bench.run import main as run_bench
+
+        sys.exit(run_bench(Path(args.out), args.quick))
     from worker.demo import run_demo
 
     sys.exit(run_demo(args.out))
@@ -96,14 +130,38 @@ def _run(args: argparse.Namespace) -> int:
         print(f"invalid settings:\n{_explain(error)}", file=sys.stderr)
         return EXIT_USAGE
     configure_daemon_logging()
-    source = aws.SqsJobSource(aws.sqs_client(), settings.queue_url, settings.dlq_url)
-    blobs = aws.S3BlobStore(aws.s3_client(settings.fetch_concurrency + 8))
+    sqs = aws.sqs_client(settings.aws_max_attempts)
+    source = aws.SqsJobSource(sqs, settings.queue_url, settings.dlq_url)
+    blobs = aws.S3BlobStore(aws.s3_client(settings.s3_connections, settings.aws_max_attempts))
+    notify = None
+    if settings.notify_queue_url:
+        notify = functools.partial(aws.send_message, sqs, settings.notify_queue_url)
     try:
-        daemon = Daemon(settings, source, blobs)
+        guard = aws.scale_in_guard(
+            settings.protection,
+            settings.asg_name,
+            settings.ecs_protection_minutes,
+            settings.aws_max_attempts,
+        )
+        daemon = Daemon(settings, source, blobs, guard=guard, notify=notify)
         return daemon.run().code
-    except (PluginError, StageSetupError) as error:
+    except (PluginError, StageSetupError, aws.ProtectionUnavailable) as error:
         print(f"cannot start: {error}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _healthcheck(port: int) -> int:
+    try:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/healthz", timeout=HEALTHCHECK_TIMEOUT_S
+        ) as reply:
+            print(reply.read().decode().strip())
+            return 0
+    except urllib.error.HTTPError as error:
+        print(f"unhealthy: {error.read().decode().strip()}", file=sys.stderr)
+    except OSError as error:
+        print(f"no answer from the daemon on port {port}: {error}", file=sys.stderr)
+    return 1
 
 
 def _explain(error: ValidationError) -> str:
@@ -130,9 +188,7 @@ def _enqueue(args: argparse.Namespace) -> int:
     except (ValidationError, json.JSONDecodeError) as error:
         print(f"invalid job: {error}", file=sys.stderr)
         return EXIT_USAGE
-    aws.sqs_client().send_message(
-        QueueUrl=args.queue_url, MessageBody=message.model_dump_json(exclude_none=True)
-    )
+    aws.send_message(aws.sqs_client(), args.queue_url, message.model_dump_json(exclude_none=True))
     print(message.job_id)
     if args.wait:
         return _wait(message, args.timeout_seconds)

@@ -6,13 +6,18 @@
     finisher threads   upload results.jsonl, job.log, job.json (last) -> ack
     lease keeper       renews every in-flight lease well before it runs out
 
+    protection keeper  scale-in protection on while jobs are held (off after an idle grace)
+    metrics server     /metrics and /healthz
+
 The main thread only starts these, waits for a reason to stop (a signal, a drained
 queue, a broken stage) and then shuts down in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import json
 import os
 import signal
@@ -35,6 +40,7 @@ from worker.joblog import JobLog
 from worker.leases import LeaseKeeper
 from worker.ledger import Job, Ledger, StageTiming
 from worker.message import PoisonMessage, parse_job_message, parse_manifest
+from worker.metrics import Metrics, serving
 from worker.plugins import (
     Postprocessor,
     inference_setup,
@@ -42,13 +48,23 @@ from worker.plugins import (
     load_preprocessor,
     preprocess_setup,
 )
-from worker.ports import BlobStore, JobSource, MissingObject, ReceivedMessage, S3Location
+from worker.ports import (
+    BlobStore,
+    JobSource,
+    MissingObject,
+    ReceivedMessage,
+    S3Location,
+    ScaleInGuard,
+)
+from worker.protection import ProtectionKeeper
 from worker.settings import Settings
+from worker.timeline import Timeline
 
 log = structlog.get_logger()
 
-FINISHER_THREADS = 4
 RECEIVE_ERROR_BACKOFF_S = 5.0
+# A healthy daemon takes or finishes something at least every long poll or every batch.
+STALL_MARGIN_S = 60.0
 
 
 class ExitCode(StrEnum):
@@ -66,11 +82,23 @@ class ExitCode(StrEnum):
 class Daemon:
     """One worker daemon: a job source, a blob store and a pipeline built from settings."""
 
-    def __init__(self, settings: Settings, source: JobSource, blobs: BlobStore):
+    def __init__(
+        self,
+        settings: Settings,
+        source: JobSource,
+        blobs: BlobStore,
+        *,
+        guard: ScaleInGuard | None = None,
+        notify: Callable[[str], None] | None = None,
+        timeline: Timeline | None = None,
+    ):
         self._settings = settings
         self._source = source
         self._blobs = blobs
+        self._notify = notify
+        self._timeline = timeline
         self._ledger = Ledger()
+        self._metrics = Metrics()
         self._preprocessor = load_preprocessor(settings.preprocess)
         self._postprocess: Postprocessor = load_postprocessor(settings.postprocess)
         self._pipeline = self._build_pipeline()
@@ -79,8 +107,30 @@ class Daemon:
             source,
             settings.visibility_timeout_seconds,
             settings.heartbeat_interval_seconds,
+            max_lease_s=settings.max_lease_seconds,
+            on_ceiling=lambda job: self._release(job, "lease ceiling reached"),
+            on_renewed=self._metrics.leases_renewed,
         )
-        self._finishers = ThreadPoolExecutor(FINISHER_THREADS, thread_name_prefix="finisher")
+        self._protection = (
+            ProtectionKeeper(
+                self._ledger,
+                guard,
+                settings.idle_grace_seconds,
+                on_call=self._metrics.protection_called,
+            )
+            if guard
+            else None
+        )
+        self._progress_at = time.monotonic()
+        self._stall_after_s = (
+            settings.inference_timeout_seconds + settings.receive_wait_seconds + STALL_MARGIN_S
+        )
+        self._admissions = itertools.count(1)
+        # Each finished job is three sequential PUTs: with S3's tens of milliseconds per
+        # request, one-input jobs need as many finishers as downloads to keep up.
+        self._finishers = ThreadPoolExecutor(
+            settings.fetch_concurrency, thread_name_prefix="finisher"
+        )
         self._stopping = threading.Event()  # no more receiving
         self._hurry = threading.Event()  # cut the grace period short
         self._exit_reason: ExitCode | None = None
@@ -115,8 +165,16 @@ class Daemon:
             ),
         ]
         arena = TensorArena(self._preprocessor.output_shape, arena_slots)
-        observer = _JobObserver(self._ledger, lambda: self._stop(ExitCode.BROKEN))
-        return Pipeline(stages, observer=observer, arena=arena)
+        observer = _JobObserver(
+            self._ledger, self._metrics, self._timeline, lambda: self._stop(ExitCode.BROKEN)
+        )
+        pipeline = Pipeline(stages, observer=observer, arena=arena)
+        for stage in stages:
+            self._metrics.stage_queue_depth.labels(stage.name).set_function(
+                functools.partial(lambda name: pipeline.queue_depths()[name], stage.name)
+            )
+        self._metrics.jobs_in_flight.set_function(lambda: len(self._ledger))
+        return pipeline
 
     def _fetch_all(self, uris: list[str]) -> list[bytes]:
         return [self._blobs.get(S3Location.parse(uri)) for uri in uris]
@@ -127,21 +185,42 @@ class Daemon:
         """Serve until drained (with `drain`), signalled, or broken; then shut down."""
         self._install_signal_handlers()
         log.info("daemon_starting", settings=self._settings.model_dump(mode="json"))
-        self._pipeline.start()
-        self._leases.start()
-        threads = [
-            threading.Thread(target=self._pull_loop, name="puller", daemon=True),
-            threading.Thread(target=self._regroup_loop, name="regrouper", daemon=True),
-            threading.Thread(target=self._progress_loop, name="progress", daemon=True),
-        ]
-        for thread in threads:
-            thread.start()
-        log.info("daemon_started")
-        self._exit.wait()
-        reason = self._exit_reason or ExitCode.SIGNALLED
-        self._shutdown(reason)
+        with contextlib.ExitStack() as running:
+            if self._settings.metrics_port:
+                running.enter_context(
+                    serving(self._settings.metrics_port, self._metrics, self.health_problem)
+                )
+            self._pipeline.start()
+            self._leases.start()
+            if self._protection:
+                self._protection.start()
+            threads = [
+                threading.Thread(target=self._pull_loop, name="puller", daemon=True),
+                threading.Thread(target=self._regroup_loop, name="regrouper", daemon=True),
+                threading.Thread(target=self._progress_loop, name="progress", daemon=True),
+            ]
+            for thread in threads:
+                thread.start()
+            log.info("daemon_started")
+            self._exit.wait()
+            reason = self._exit_reason or ExitCode.SIGNALLED
+            self._shutdown(reason)
         log.info("daemon_stopped", reason=reason.value, exit_code=reason.code)
         return reason
+
+    def health_problem(self) -> str | None:
+        """Why the daemon is unhealthy (a stage down, no progress), or None."""
+        dead = self._pipeline.dead_stages()
+        if dead:
+            return f"stage worker down: {', '.join(dead)}"
+        idle_s = time.monotonic() - self._progress_at
+        if idle_s > self._stall_after_s:
+            return f"no progress for {idle_s:.0f} s"
+        return None
+
+    def stop(self) -> None:
+        """Shut down as on SIGTERM (for a daemon embedded in another program)."""
+        self._stop(ExitCode.SIGNALLED)
 
     def _stop(self, reason: ExitCode) -> None:
         if self._exit_reason is None:
@@ -167,11 +246,14 @@ class Daemon:
             grace_s = self._settings.grace_seconds
             log.info("draining_in_flight_jobs", jobs=len(self._ledger), grace_s=grace_s)
             self._ledger.wait_until(lambda: not len(self._ledger) or self._hurry.is_set(), grace_s)
+        self._ledger.close()
         for job in self._ledger.jobs():
             self._release(job, "shutdown")
         self._pipeline.close()
         self._finishers.shutdown(wait=True)
         self._leases.stop()
+        if self._protection:
+            self._protection.stop()
 
     # Pulling -----------------------------------------------------------------
 
@@ -185,20 +267,21 @@ class Daemon:
     def _pull_loop(self) -> None:
         try:
             while not self._stopping.is_set():
+                self._progress_at = time.monotonic()
                 self._ledger.wait_until(lambda: self._room() > 0 or self._stopping.is_set())
                 if self._stopping.is_set():
                     return
+                # Drained only if nothing was held for the whole receive: a job released
+                # while it waited may be visible again without this receive seeing it.
+                idle = not len(self._ledger)
                 messages = self._receive(self._room())
                 if messages is None:
                     continue
-                if not messages and self._settings.drain and not len(self._ledger):
+                if not messages and self._settings.drain and idle and not len(self._ledger):
                     self._stop(ExitCode.DRAINED)
                     return
                 for message in messages:
-                    if self._stopping.is_set():
-                        self._source.release(message.receipt_handle)
-                    else:
-                        self._admit(message)
+                    self._admit(message)
         except Closed:
             return
         except Exception:
@@ -240,7 +323,10 @@ class Daemon:
             return
         job_id = job_message.job_id or message.message_id
         job = Job(
-            key=message.message_id,
+            # Items of an earlier admission of this message (released, then redelivered
+            # here) may still be in the pipeline: they must not count for this one.
+            key=f"{message.message_id}#{next(self._admissions)}",
+            message_id=message.message_id,
             job_id=job_id,
             message=job_message,
             inputs=inputs,
@@ -248,8 +334,13 @@ class Daemon:
             attempt=message.receive_count,
             log=JobLog(settings.log_dir / f"{job_id}.log", job_id),
         )
-        self._ledger.admit(job)
-        job.log.info("job_received", items=len(inputs), attempt=job.attempt, message_id=job.key)
+        if not self._ledger.admit(job):
+            job.log.close()
+            self._source.release(message.receipt_handle)  # shutting down: give it back now
+            return
+        job.log.info(
+            "job_received", items=len(inputs), attempt=job.attempt, message_id=job.message_id
+        )
         log.info("job_received", job_id=job_id, items=len(inputs), attempt=job.attempt)
         for index, uri in enumerate(inputs):
             self._pipeline.submit(Item(job.key, index, uri))
@@ -265,6 +356,7 @@ class Daemon:
 
     def _reject(self, message: ReceivedMessage, reason: str) -> None:
         moved = self._source.dead_letter(message, reason)
+        self._metrics.jobs.labels("poison").inc()
         log.warning(
             "poison_message",
             message_id=message.message_id,
@@ -278,10 +370,13 @@ class Daemon:
         try:
             while True:
                 item = self._pipeline.next_result()
+                self._progress_at = time.monotonic()
                 job = self._ledger.get(item.job)
                 if job is None:
                     continue
-                finished = self._ledger.record(item.job, item.index, self._result(job, item))
+                result = self._result(job, item)
+                self._metrics.items.labels("failed" if "error" in result else "succeeded").inc()
+                finished = self._ledger.record(item.job, item.index, result)
                 if finished is not None:
                     self._finishers.submit(self._finish, finished)
         except Closed:
@@ -358,12 +453,25 @@ class Daemon:
             log.exception("job_upload_failed", job_id=job.job_id)
             self._release(job, f"upload failed: {error!r}")
             return
-        if self._ledger.remove(job.key) is None:
+        if not self._ledger.claim(job.key):
             return  # released by shutdown meanwhile: its lease is no longer ours to ack
-        if job.lease_lost:
-            log.warning("job_not_acked_lease_lost", job_id=job.job_id)
+        self._metrics.jobs.labels(summary["status"]).inc()
+        if self._notify:
+            try:
+                self._notify(json.dumps(summary))
+            except Exception as error:
+                log.warning("notify_failed", job_id=job.job_id, error=repr(error))
+        try:
+            if job.lease_lost:
+                log.warning("job_not_acked_lease_lost", job_id=job.job_id)
+                return
+            self._source.ack(job.receipt_handle)
+        except Exception as error:
+            # The message comes back after its timeout; redoing it rewrites the same keys.
+            log.warning("ack_failed", job_id=job.job_id, error=repr(error))
             return
-        self._source.ack(job.receipt_handle)
+        finally:
+            self._ledger.remove(job.key)
         log.info(
             "job_finished",
             job_id=job.job_id,
@@ -388,18 +496,20 @@ class Daemon:
 
     def _release(self, job: Job, reason: str) -> None:
         """Give a job back to the queue at once (visibility 0) for another try."""
-        if self._ledger.remove(job.key) is None:
+        if not self._ledger.claim(job.key):
             return
+        self._metrics.jobs.labels("released").inc()
         job.log.info("job_released", reason=reason)
         job.log.close()
         log.warning("job_released", job_id=job.job_id, reason=reason)
-        if job.lease_lost:
-            return
         try:
-            self._source.release(job.receipt_handle)
+            if not job.lease_lost:
+                self._source.release(job.receipt_handle)
         except Exception as error:
             # It will come back on its own when the visibility timeout runs out.
             log.warning("release_failed", job_id=job.job_id, error=repr(error))
+        finally:
+            self._ledger.remove(job.key)
 
 
 def _iso(epoch_s: float) -> str:
@@ -409,8 +519,16 @@ def _iso(epoch_s: float) -> str:
 class _JobObserver:
     """Turns engine reports into per-job timings and log lines."""
 
-    def __init__(self, ledger: Ledger, on_broken: Callable[[], None]):
+    def __init__(
+        self,
+        ledger: Ledger,
+        metrics: Metrics,
+        timeline: Timeline | None,
+        on_broken: Callable[[], None],
+    ):
         self._ledger = ledger
+        self._metrics = metrics
+        self._timeline = timeline
         self._on_broken = on_broken
 
     def _jobs_of(self, items: Sequence[Item]) -> list[tuple[Job, int]]:
@@ -421,6 +539,10 @@ class _JobObserver:
     def stage_ran(
         self, stage: str, items: Sequence[Item], duration_s: float, events: Sequence[dict[str, Any]]
     ) -> None:
+        if self._timeline is not None:
+            self._timeline.record(stage, len(items), duration_s)
+        self._metrics.stage_busy.labels(stage).inc(duration_s)
+        self._metrics.batch_items.labels(stage).observe(len(items))
         for job, count in self._jobs_of(items):
             job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
             if len(items) > 1:
@@ -436,6 +558,7 @@ class _JobObserver:
 
     def worker_lost(self, stage: str, items: Sequence[Item], reason: str) -> None:
         log.warning("worker_lost", stage=stage, reason=reason, items=len(items))
+        self._metrics.worker_restarts.labels(stage).inc()
         for job, count in self._jobs_of(items):
             job.log.error("worker_lost", stage=stage, reason=reason, job_items=count)
 

@@ -34,6 +34,8 @@ LOCAL_AWS_ENV = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_SESSION_TOKEN": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
+    # Not an EC2 instance: no instance metadata to wait for.
+    "AWS_EC2_METADATA_DISABLED": "true",
 }
 DEMO_MAX_RECEIVE_COUNT = 3
 
@@ -165,11 +167,12 @@ def _run_daemon(stack: Stack, out_dir: Path) -> int:
         receive_wait_seconds=1,
         log_dir=out_dir / "logs",
         batch_size=32,
+        metrics_port=0,
     )
     with (out_dir / "daemon.log").open("w") as daemon_log:
         configure_daemon_logging(daemon_log)
         source = aws.SqsJobSource(aws.sqs_client(), stack.queue_url, stack.dlq_url)
-        blobs = aws.S3BlobStore(aws.s3_client(settings.fetch_concurrency + 8))
+        blobs = aws.S3BlobStore(aws.s3_client(settings.s3_connections))
         return Daemon(settings, source, blobs).run().code
 
 

@@ -25,6 +25,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,12 @@ ArenaMode = Literal["write", "read"] | None
 MAX_ATTEMPTS_AFTER_CRASH = 3
 STOP_GRACE_S = 5.0
 OUTPUT_CAPACITY = 1024
+PIPELINED_BATCHES = 2
+# After an out-of-memory error, batches stay at the size that fitted for this long:
+# retrying the full size at once would only run out of memory again.
+OOM_COOLDOWN_S = 300.0
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +161,28 @@ class TensorArena:
         self._free.close()
 
 
+class BatchGatherer:
+    """Gathers arena slots into one reused batch buffer (pinned when there is a GPU, so
+    the copy to the device can be asynchronous).
+
+    Indexing the arena would allocate a fresh batch every time, which costs about ten
+    times the copy itself; the buffer is handed to the stage function as a view and is
+    overwritten by the next batch.
+    """
+
+    def __init__(self, arena: torch.Tensor):
+        self._arena = arena
+        self._buffer: torch.Tensor | None = None
+
+    def gather(self, slots: Sequence[int]) -> torch.Tensor:
+        if self._buffer is None or len(self._buffer) < len(slots):
+            buffer = torch.empty((len(slots), *self._arena.shape[1:]), dtype=self._arena.dtype)
+            self._buffer = buffer.pin_memory() if torch.cuda.is_available() else buffer
+        out = self._buffer[: len(slots)]
+        torch.index_select(self._arena, 0, torch.tensor(slots), out=out)
+        return out
+
+
 class _Stage:
     """What thread and process stages share: pulling batches and passing errors through."""
 
@@ -165,6 +194,23 @@ class _Stage:
         self.batch_size = batch_size
         self.max_batch_wait_s = max_batch_wait_ms / 1000
         self._threads: list[threading.Thread] = []
+        self._lowered_batch_size: tuple[int, float] | None = None  # (size, until monotonic)
+
+    def lower_batch_size(self, batch_size: int, for_s: float) -> None:
+        """Take at most `batch_size` items at a time for the next `for_s` seconds."""
+        self._lowered_batch_size = (batch_size, time.monotonic() + for_s)
+        log.warning("batch_size_lowered", stage=self.name, batch_size=batch_size, for_s=for_s)
+
+    def current_batch_size(self) -> int:
+        lowered = self._lowered_batch_size
+        if lowered is None:
+            return self.batch_size
+        batch_size, until = lowered
+        if time.monotonic() >= until:
+            self._lowered_batch_size = None
+            log.info("batch_size_restored", stage=self.name, batch_size=self.batch_size)
+            return self.batch_size
+        return batch_size
 
     @property
     def inbox_capacity(self) -> int:
@@ -183,27 +229,17 @@ class _Stage:
         for thread in self._threads:
             thread.join(STOP_GRACE_S)
 
+    def alive(self) -> bool:
+        """Whether every worker of the stage is up (False while one is being replaced)."""
+        return all(thread.is_alive() for thread in self._threads)
+
     def _spawn_thread(self, target: Callable[[], None], suffix: str) -> None:
         thread = threading.Thread(target=target, name=f"{self.name}-{suffix}", daemon=True)
         thread.start()
         self._threads.append(thread)
 
-    def _serve(self, run: Callable[[list[Item]], None]) -> None:
-        """Take batches until the inbox closes; run the live items, forward them all."""
-        try:
-            while True:
-                items = self._inbox.get_batch(self.batch_size, self.max_batch_wait_s)
-                live = [item for item in items if item.error is None]
-                if live:
-                    run(live)
-                self._after_batch(items)
-                for item in items:
-                    self._outbox.put(item)
-        except Closed:
-            return
-
-    def _after_batch(self, items: Sequence[Item]) -> None:
-        """Hook for stages that hold resources per item (arena readers)."""
+    def _next_batch(self) -> list[Item]:
+        return self._inbox.get_batch(self.current_batch_size(), self.max_batch_wait_s)
 
 
 class ThreadStage(_Stage):
@@ -229,7 +265,20 @@ class ThreadStage(_Stage):
     ) -> None:
         super().start(inbox, outbox, observer, arena)
         for number in range(self.workers):
-            self._spawn_thread(lambda: self._serve(self._run), str(number))
+            self._spawn_thread(self._serve, str(number))
+
+    def _serve(self) -> None:
+        """Take batches until the inbox closes; run the live items, forward them all."""
+        try:
+            while True:
+                items = self._next_batch()
+                live = [item for item in items if item.error is None]
+                if live:
+                    self._run(live)
+                for item in items:
+                    self._outbox.put(item)
+        except Closed:
+            return
 
     def _run(self, items: list[Item]) -> None:
         started = time.perf_counter()
@@ -264,20 +313,23 @@ class _ChildProcess:
         self._name = f"{stage.name}-{number}"
         self._process: Any = None
         self._conn: Connection | None = None
+        self._lifeline: Connection | None = None
+        self._ready = False
 
     def start(self) -> None:
         """Spawn the child and wait until its set-up is done."""
         context = torch_mp.get_context("spawn")
         parent_conn, child_conn = context.Pipe()
+        # Never written to: the child sees it close when this process dies, however it dies.
+        lifeline_reader, self._lifeline = context.Pipe(duplex=False)
         arena_tensor = self._stage.arena.tensor if self._stage.arena else None
         process = context.Process(
             target=_child_main,
             args=(
                 child_conn,
-                self._stage.setup,
-                self._stage.arena_mode,
+                lifeline_reader,
+                _ChildPlan(self._stage.name, self._stage.setup, self._stage.arena_mode),
                 arena_tensor,
-                self._stage.name,
             ),
             name=self._name,
             daemon=True,
@@ -285,6 +337,7 @@ class _ChildProcess:
         process.start()
         self._process = process
         child_conn.close()
+        lifeline_reader.close()
         self._conn = parent_conn
         try:
             status, detail = self._receive(self._stage.setup_timeout_s)
@@ -292,14 +345,24 @@ class _ChildProcess:
             raise StageSetupError(f"{self._name} did not start: {lost}") from lost
         if status != "ready":
             raise StageSetupError(f"{self._name} set-up failed:\n{detail}")
+        self._ready = True
+        log.info("stage_worker_started", stage=self._stage.name, worker=self._name, pid=detail)
 
-    def call(self, request: Any, timeout_s: float | None) -> Any:
-        """Send `request` and wait for the reply, the child's death, or the timeout."""
+    def alive(self) -> bool:
+        """Set up and running: False from a crash until its replacement is ready."""
+        process = self._process
+        return self._ready and process is not None and bool(process.is_alive())
+
+    def send(self, request: Any) -> None:
+        """Queue a request; the child answers requests in the order they were sent."""
         assert self._conn is not None
         try:
             self._conn.send(request)
         except (BrokenPipeError, ConnectionResetError) as error:
             raise WorkerDied(f"{self._name} pipe broke: {error}") from error
+
+    def receive(self, timeout_s: float | None) -> Any:
+        """The oldest unanswered request's reply; raises on the child's death or timeout."""
         return self._receive(timeout_s)
 
     def _receive(self, timeout_s: float | None) -> Any:
@@ -315,24 +378,30 @@ class _ChildProcess:
         self._process.join(STOP_GRACE_S)
         raise WorkerDied(f"{self._name} exited with code {self._process.exitcode}")
 
-    def stop(self) -> None:
-        """Ask the child to exit; terminate it, then kill it, if it does not."""
+    def stop(self, graceful: bool = True) -> None:
+        """Ask the child to exit (it ignores SIGTERM), and kill it if it does not."""
+        self._ready = False
         if self._process is None:
             return
         if self._conn is not None:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError, OSError):
-                self._conn.send(None)
+            if graceful:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError, OSError):
+                    self._conn.send(None)
             self._conn.close()
             self._conn = None
-        for escalate in (lambda: None, self._process.terminate, self._process.kill):
-            escalate()
+        if graceful:
             self._process.join(STOP_GRACE_S)
-            if not self._process.is_alive():
-                break
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join()
         self._process = None
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
 
     def restart(self) -> None:
-        self.stop()
+        """Replace a child that died or hung: nothing it holds is worth waiting for."""
+        self.stop(graceful=False)
         self.start()
 
 
@@ -361,12 +430,14 @@ class ProcessStage(_Stage):
         timeout_s: float | None = None,
         arena_mode: ArenaMode = None,
         setup_timeout_s: float = 300,
+        oom_cooldown_s: float = OOM_COOLDOWN_S,
     ):
         super().__init__(name, workers, batch_size, max_batch_wait_ms)
         self.setup = setup
         self.timeout_s = timeout_s
         self.arena_mode = arena_mode
         self.setup_timeout_s = setup_timeout_s
+        self.oom_cooldown_s = oom_cooldown_s
         self.arena: TensorArena | None = None
         self._children: list[_ChildProcess] = []
         self._stopping = threading.Event()
@@ -393,8 +464,28 @@ class ProcessStage(_Stage):
         for number, child in enumerate(self._children):
             self._spawn_thread(functools.partial(self._serve_child, child), str(number))
 
+    def alive(self) -> bool:
+        return super().alive() and all(child.alive() for child in self._children)
+
     def _serve_child(self, child: _ChildProcess) -> None:
-        self._serve(functools.partial(self._run, child))
+        """Feed `child` batches until the inbox closes.
+
+        While the child works on one batch, the next already waits in its pipe
+        (`PIPELINED_BATCHES`), so it goes from batch to batch without waiting for this
+        thread to file results and gather the next batch: the GPU never idles on the
+        host's bookkeeping. A batch is queued ahead only when a full one is waiting;
+        otherwise the next is gathered once the child is free, and is fuller for it.
+        """
+        in_flight: deque[list[Item]] = deque()  # batches sent, oldest first
+        try:
+            while True:
+                full_batch_waiting = len(self._inbox) >= self.current_batch_size()
+                if not in_flight or (len(in_flight) < PIPELINED_BATCHES and full_batch_waiting):
+                    self._dispatch(child, in_flight, self._next_batch())
+                else:
+                    self._complete_oldest(child, in_flight)
+        except Closed:
+            return
 
     def stop(self) -> None:
         self._stopping.set()
@@ -402,24 +493,69 @@ class ProcessStage(_Stage):
         for child in self._children:
             child.stop()
 
-    def _run(self, child: _ChildProcess, items: list[Item]) -> None:
-        started = time.perf_counter()
+    def _dispatch(
+        self, child: _ChildProcess, in_flight: deque[list[Item]], items: list[Item]
+    ) -> None:
+        live = _live(items)
+        if not live:
+            self._forward(items)
+            return
+        in_flight.append(items)
+        try:
+            child.send(self._request(live))
+        except WorkerLost as lost:
+            self._recover(child, in_flight, lost)
+
+    def _complete_oldest(self, child: _ChildProcess, in_flight: deque[list[Item]]) -> None:
+        try:
+            reply = child.receive(self.timeout_s)
+        except WorkerLost as lost:
+            self._recover(child, in_flight, lost)
+            return
+        items = in_flight.popleft()
+        self._file_reply(_live(items), reply)
+        self._forward(items)
+
+    def _request(self, live: list[Item]) -> list[tuple[int | None, Any]]:
         if self.arena_mode == "write":
             assert self.arena is not None
-            for item in items:
+            for item in live:
                 if item.slot is None:
                     item.slot = self.arena.acquire()
-        request = [(item.slot, item.value) for item in items]
-        try:
-            outcomes, events = child.call(request, self.timeout_s)
-        except WorkerLost as lost:
-            self._recover(child, items, lost)
-            return
-        _apply(items, outcomes)
-        self._observer.stage_ran(self.name, items, time.perf_counter() - started, events)
+        return [(item.slot, item.value) for item in live]
 
-    def _recover(self, child: _ChildProcess, items: list[Item], lost: WorkerLost) -> None:
-        """Replace the child, then retry: halves of a batch, or a single item again."""
+    def _file_reply(self, live: list[Item], reply: Any) -> None:
+        outcomes, events, fitting_batch_size, duration_s = reply
+        if fitting_batch_size is not None:
+            self.lower_batch_size(fitting_batch_size, self.oom_cooldown_s)
+        _apply(live, outcomes)
+        self._observer.stage_ran(self.name, live, duration_s, events)
+
+    def _forward(self, items: list[Item]) -> None:
+        """Hand the batch on, giving back the arena slots a reading stage is done with."""
+        for item in items:
+            if self.arena_mode == "read" and item.slot is not None:
+                assert self.arena is not None
+                self.arena.release(item.slot)
+                item.slot = None
+            self._outbox.put(item)
+
+    def _recover(
+        self, child: _ChildProcess, in_flight: deque[list[Item]], lost: WorkerLost
+    ) -> None:
+        """Replace the child, then redo what it held. Only the oldest batch was being
+        worked on when it died or hung: it is retried in halves (a single item gets
+        `MAX_ATTEMPTS_AFTER_CRASH` tries); the batches queued behind it are sent again."""
+        batches = list(in_flight)
+        in_flight.clear()
+        self._restart(child, [item for items in batches for item in _live(items)], lost)
+        self._retry(child, _live(batches[0]), lost)
+        for items in batches[1:]:
+            self._run(child, _live(items))
+        for items in batches:
+            self._forward(items)
+
+    def _restart(self, child: _ChildProcess, items: list[Item], lost: WorkerLost) -> None:
         if self._stopping.is_set():
             raise Closed
         self._observer.worker_lost(self.name, items, str(lost))
@@ -428,46 +564,64 @@ class ProcessStage(_Stage):
         except StageSetupError as error:
             self._observer.stage_broken(self.name, error)
             raise Closed from error
-        if len(items) > 1:
-            middle = len(items) // 2
-            self._run(child, items[:middle])
-            self._run(child, items[middle:])
+
+    def _run(self, child: _ChildProcess, live: list[Item]) -> None:
+        """Run `live` on its own and wait for it (retries only)."""
+        try:
+            child.send(self._request(live))
+            reply = child.receive(self.timeout_s)
+        except WorkerLost as lost:
+            self._restart(child, live, lost)
+            self._retry(child, live, lost)
             return
-        item = items[0]
+        self._file_reply(live, reply)
+
+    def _retry(self, child: _ChildProcess, live: list[Item], lost: WorkerLost) -> None:
+        """Items the child was working on when it was lost: halves of a batch, or one item
+        again while it has tries left."""
+        if len(live) > 1:
+            middle = len(live) // 2
+            self._run(child, live[:middle])
+            self._run(child, live[middle:])
+            return
+        item = live[0]
         item.attempts += 1
         if isinstance(lost, WorkerDied) and item.attempts < MAX_ATTEMPTS_AFTER_CRASH:
-            self._run(child, items)
+            self._run(child, live)
         else:
             item.error = ItemError(type(lost).__name__, str(lost), self.name)
 
-    def _after_batch(self, items: Sequence[Item]) -> None:
-        if self.arena_mode != "read":
-            return
-        assert self.arena is not None
-        for item in items:
-            if item.slot is not None:
-                self.arena.release(item.slot)
-                item.slot = None
+
+def _live(items: list[Item]) -> list[Item]:
+    return [item for item in items if item.error is None]
+
+
+@dataclass(frozen=True)
+class _ChildPlan:
+    """What a child process is told about its stage (pickled across)."""
+
+    stage: str
+    setup: Callable[[], Callable[..., Any]]
+    arena_mode: ArenaMode
 
 
 def _child_main(
-    conn: Connection,
-    setup: Callable[[], Callable[..., Any]],
-    arena_mode: ArenaMode,
-    arena: torch.Tensor | None,
-    stage: str,
+    conn: Connection, lifeline: Connection, plan: _ChildPlan, arena: torch.Tensor | None
 ) -> None:
     """A stage's child process: set up once, then answer requests until told to stop."""
     # The daemon decides when children stop; a Ctrl-C or a SIGTERM sent to the whole
-    # process group must not kill them mid-batch.
+    # process group must not kill them mid-batch. If the daemon itself dies (SIGKILL),
+    # the lifeline closes and the child goes too, even in the middle of a hung call.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_closed, args=(lifeline,), daemon=True).start()
     events = _capture_logs()
     try:
-        fn = setup()
+        fn = plan.setup()
     except BaseException:
         conn.send(("setup_failed", traceback.format_exc()))
         return
+    gatherer = BatchGatherer(arena) if plan.arena_mode == "read" and arena is not None else None
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -477,30 +631,59 @@ def _child_main(
         if request is None:
             return
         events.clear()
-        outcomes = _serve_request(fn, arena_mode, arena, request, stage)
-        conn.send((outcomes, list(events)))
+        started = time.perf_counter()
+        outcomes, fitting_batch_size = _serve_request(fn, plan, arena, gatherer, request)
+        try:
+            conn.send((outcomes, list(events), fitting_batch_size, time.perf_counter() - started))
+        except (BrokenPipeError, ConnectionResetError):  # stopped while this batch ran
+            return
+
+
+def _exit_when_closed(lifeline: Connection) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
+    os._exit(1)
 
 
 def _serve_request(
     fn: Callable[..., Any],
-    arena_mode: ArenaMode,
+    plan: _ChildPlan,
     arena: torch.Tensor | None,
+    gatherer: BatchGatherer | None,
     request: list[tuple[int | None, Any]],
-    stage: str,
-) -> list[Any]:
-    slots = [slot for slot, _ in request]
+) -> tuple[list[Any], int | None]:
+    """Every item's outcome, and after an out-of-memory error the largest size that fitted."""
+    slots: list[Any] = [slot for slot, _ in request]  # set for every item in arena modes
     values = [value for _, value in request]
+    out_of_memory = False
+    fitted_sizes = [1]
+
+    def run(positions: list[int]) -> Sequence[Any]:
+        chosen = [values[p] for p in positions]
+        if plan.arena_mode == "write":
+            assert arena is not None
+            return [fn(values[p], arena[slots[p]]) for p in positions]
+        if plan.arena_mode == "read":
+            assert gatherer is not None
+            return fn(gatherer.gather([slots[p] for p in positions]), chosen)  # type: ignore[no-any-return]
+        return fn(chosen)  # type: ignore[no-any-return]
 
     def call(positions: list[int]) -> Sequence[Any]:
-        chosen = [values[p] for p in positions]
-        if arena_mode is None:
-            return fn(chosen)  # type: ignore[no-any-return]
-        assert arena is not None
-        if arena_mode == "write":
-            return [fn(values[p], arena[slots[p]]) for p in positions]
-        return fn(arena[torch.tensor([slots[p] for p in positions])], chosen)  # type: ignore[no-any-return]
+        nonlocal out_of_memory
+        try:
+            outputs = run(positions)
+        except torch.OutOfMemoryError:
+            # Bisection retries the halves; free the cached blocks the failed try left.
+            out_of_memory = True
+            log.warning("out_of_memory", batch_items=len(positions))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            raise
+        fitted_sizes.append(len(positions))
+        return outputs
 
-    return isolate_failures(call, len(values), stage)
+    outcomes = isolate_failures(call, len(values), plan.stage)
+    return outcomes, max(fitted_sizes) if out_of_memory else None
 
 
 def _capture_logs() -> list[dict[str, Any]]:
@@ -540,6 +723,17 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
+
+    def queue_depths(self) -> dict[str, int]:
+        """Items waiting in front of each stage, by stage name."""
+        return {
+            stage.name: len(inbox)
+            for stage, inbox in zip(self._stages, self._channels, strict=False)
+        }
+
+    def dead_stages(self) -> list[str]:
+        """Stages with a worker down (crashed, or being restarted right now)."""
+        return [stage.name for stage in self._stages if not stage.alive()]
 
     def submit(self, item: Item) -> None:
         """Feed an item in, waiting while the first stage is full; `Closed` when stopping."""

@@ -124,3 +124,20 @@ class InMemoryBlobStore:
     def put(self, location: S3Location, data: bytes, content_type: str) -> None:
         with self._lock:
             self.objects[str(location)] = data
+
+
+class RecordingGuard:
+    """A scale-in guard that records the states asked for; it can be told to fail."""
+
+    name = "fake"
+
+    def __init__(self, renew_every_s: float | None = None, failures: int = 0):
+        self.renew_every_s = renew_every_s
+        self.calls: list[bool] = []
+        self._failures = failures
+
+    def set_protected(self, protected: bool) -> None:
+        if self._failures:
+            self._failures -= 1
+            raise ConnectionError("protection API unreachable (fake)")
+        self.calls.append(protected)

@@ -29,12 +29,17 @@ def configure_daemon_logging(stream: TextIO = sys.stdout) -> None:
 
 
 class JobLog:
-    """One job's own log file: every stage's events about the job, as JSON lines."""
+    """One job's own log file: every stage's events about the job, as JSON lines.
+
+    The file is appended to, so when a job is released and tried again on this machine
+    the local file keeps every attempt; `close` returns this attempt's part.
+    """
 
     def __init__(self, path: Path, job_id: str):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = path.open("w", encoding="utf-8")
+        self._file = path.open("a", encoding="utf-8")
+        self._start = self._file.tell()
         self._logger: Any = structlog.wrap_logger(
             structlog.WriteLogger(self._file),
             processors=[
@@ -53,7 +58,9 @@ class JobLog:
         self._logger.error(event, **fields)
 
     def close(self) -> bytes:
-        """Close the file and return what it holds (idempotent)."""
+        """Close the file and return this attempt's lines (idempotent)."""
         if not self._file.closed:
             self._file.close()
-        return self.path.read_bytes()
+        with self.path.open("rb") as file:
+            file.seek(self._start)
+            return file.read()

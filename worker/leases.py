@@ -9,10 +9,12 @@ still meets a deleted handle concerns a job no longer in the ledger and is ignor
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import structlog
 
-from worker.ledger import Ledger
+from worker.ledger import Job, Ledger
 from worker.ports import JobSource
 
 log = structlog.get_logger()
@@ -23,15 +25,33 @@ LEASE_LOST_CODES = frozenset(
 
 
 class LeaseKeeper:
-    """Renews the leases of the ledger's jobs every `interval_s`, on its own thread."""
+    """Renews the leases of the ledger's jobs every `interval_s`, on its own thread.
+
+    SQS keeps a message invisible for at most 12 hours after it was received, renewals
+    included. A job whose next renewal would pass `max_lease_s` is handed to
+    `on_ceiling` (which releases it) instead of being renewed into a silent redelivery.
+    """
 
     def __init__(
-        self, ledger: Ledger, source: JobSource, visibility_timeout_s: int, interval_s: float
+        self,
+        ledger: Ledger,
+        source: JobSource,
+        visibility_timeout_s: int,
+        interval_s: float,
+        *,
+        max_lease_s: float,
+        on_ceiling: Callable[[Job], None],
+        on_renewed: Callable[[int, int], None] = lambda ok, failed: None,
+        clock: Callable[[], float] = time.time,
     ):
         self._ledger = ledger
         self._source = source
         self._visibility_timeout_s = visibility_timeout_s
         self._interval_s = interval_s
+        self._max_lease_s = max_lease_s
+        self._on_ceiling = on_ceiling
+        self._on_renewed = on_renewed
+        self._clock = clock
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
@@ -49,6 +69,7 @@ class LeaseKeeper:
 
     def renew_all(self) -> None:
         """Extend every lease still ours; mark the ones SQS says we no longer hold."""
+        self._release_at_ceiling()
         leases = self._ledger.leases()
         if not leases:
             return
@@ -59,6 +80,7 @@ class LeaseKeeper:
             log.warning("lease_renewal_failed", error=repr(error), leases=len(leases))
             return
         log.info("leases_extended", leases=len(leases) - len(failures), failed=len(failures))
+        self._on_renewed(len(leases) - len(failures), len(failures))
         for key, handle in leases.items():
             code = failures.get(handle)
             if code is None:
@@ -70,3 +92,19 @@ class LeaseKeeper:
                     log.warning("lease_lost", job_id=job.job_id, code=code)
             else:
                 log.warning("lease_renewal_failed", message_id=key, code=code)
+
+    def _release_at_ceiling(self) -> None:
+        now = self._clock()
+        for job in self._ledger.jobs():
+            if job.lease_lost or job.claimed:
+                continue
+            held_s = now - job.received_at
+            if held_s + self._visibility_timeout_s > self._max_lease_s:
+                job.log.error("lease_ceiling_reached", held_s=round(held_s, 1))
+                log.warning(
+                    "lease_ceiling_reached",
+                    job_id=job.job_id,
+                    held_s=round(held_s, 1),
+                    max_lease_s=self._max_lease_s,
+                )
+                self._on_ceiling(job)

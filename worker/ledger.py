@@ -42,7 +42,8 @@ class StageTiming:
 class Job:
     """One message being worked on."""
 
-    key: str  # the SQS message id: unique per message, unlike the user's job_id
+    key: str  # unique per admission: a redelivered message is a new admission
+    message_id: str
     job_id: str
     message: JobMessage
     inputs: list[str]
@@ -54,6 +55,7 @@ class Job:
     succeeded: int = 0
     failed: int = 0
     lease_lost: bool = False
+    claimed: bool = False  # being acked or released: no more renewals or results
     progress_reported: int = 0
     timings: dict[str, StageTiming] = field(default_factory=dict)
 
@@ -76,21 +78,32 @@ class Job:
 
 
 class Ledger:
-    """Jobs in flight, keyed by message id; every method is thread-safe."""
+    """Jobs in flight, keyed by admission; every method is thread-safe."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, Job] = {}
         self._changed = threading.Condition(threading.RLock())
+        self._closed = False
 
     def __len__(self) -> int:
         with self._changed:
             return len(self._jobs)
 
-    def admit(self, job: Job) -> None:
+    def admit(self, job: Job) -> bool:
+        """Enter a job; False once the ledger is closed (the daemon is shutting down)."""
         with self._changed:
+            if self._closed:
+                return False
             if job.key in self._jobs:
                 raise KeyError(f"job {job.key} is already in flight")
             self._jobs[job.key] = job
+            self._changed.notify_all()
+            return True
+
+    def close(self) -> None:
+        """Refuse admissions from now on, so shutdown's list of jobs to release is final."""
+        with self._changed:
+            self._closed = True
             self._changed.notify_all()
 
     def get(self, key: str) -> Job | None:
@@ -105,8 +118,8 @@ class Ledger:
         """File one item's result; returns the job if that completed it."""
         with self._changed:
             job = self._jobs.get(key)
-            if job is None:
-                return None  # released (shutdown) while its items were still inside
+            if job is None or job.claimed:
+                return None  # released while its items were still inside
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
@@ -117,27 +130,44 @@ class Ledger:
             self._changed.notify_all()
             return job if job.complete else None
 
+    def claim(self, key: str) -> bool:
+        """Reserve a job for its ack or release, which only one caller may make.
+
+        Its lease stops being renewed at once (so a renewal never races the delete), but
+        it stays in the ledger, and counts as held, until `remove`: the daemon is not
+        idle, and not drained, while a release is still on its way to SQS.
+        """
+        with self._changed:
+            job = self._jobs.get(key)
+            if job is None or job.claimed:
+                return False
+            job.claimed = True
+            self._changed.notify_all()
+            return True
+
     def remove(self, key: str) -> Job | None:
-        """Take a job out: its lease stops being renewed. None if already taken out."""
+        """Take a job out, once its message has been acked or released."""
         with self._changed:
             job = self._jobs.pop(key, None)
             self._changed.notify_all()
             return job
 
-    def renew_receipt(self, key: str, receipt_handle: str) -> bool:
-        """A redelivery of a job already in flight here: keep the newer handle."""
+    def renew_receipt(self, message_id: str, receipt_handle: str) -> bool:
+        """A redelivery of a message already in flight here: keep the newer handle."""
         with self._changed:
-            job = self._jobs.get(key)
-            if job is None:
-                return False
-            job.receipt_handle, job.lease_lost = receipt_handle, False
-            return True
+            for job in self._jobs.values():
+                if job.message_id == message_id:
+                    job.receipt_handle, job.lease_lost = receipt_handle, False
+                    return True
+            return False
 
     def leases(self) -> dict[str, str]:
         """Receipt handle by job key, for every job whose lease is still ours."""
         with self._changed:
             return {
-                key: job.receipt_handle for key, job in self._jobs.items() if not job.lease_lost
+                key: job.receipt_handle
+                for key, job in self._jobs.items()
+                if not (job.lease_lost or job.claimed)
             }
 
     def mark_lease_lost(self, key: str) -> Job | None:
@@ -150,7 +180,11 @@ class Ledger:
     def outstanding_items(self) -> int:
         """Items admitted and not yet back from the pipeline."""
         with self._changed:
-            return sum(len(job.inputs) - job.finished_items for job in self._jobs.values())
+            return sum(
+                len(job.inputs) - job.finished_items
+                for job in self._jobs.values()
+                if not job.claimed
+            )
 
     def wait_until(self, predicate: Callable[[], bool], timeout_s: float | None = None) -> bool:
         """Block until `predicate()` holds (checked on every change or `wake`)."""

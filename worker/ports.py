@@ -71,3 +71,12 @@ class BlobStore(Protocol):
 
     def put(self, location: S3Location, data: bytes, content_type: str) -> None:
         """Write (or overwrite) an object."""
+
+
+class ScaleInGuard(Protocol):
+    """Turns scale-in protection of this machine (instance or task) on or off."""
+
+    name: str
+    renew_every_s: float | None  # protection that expires by itself is renewed this often
+
+    def set_protected(self, protected: bool) -> None: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -18,6 +18,8 @@ SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
 SQS_MAX_RECEIVE_WAIT_S = 20
 SQS_MAX_MESSAGES_PER_RECEIVE = 10
 SQS_MAX_ENTRIES_PER_BATCH_CALL = 10
+DEFAULT_AWS_MAX_ATTEMPTS = 8
+DEFAULT_METRICS_PORT = 8000
 
 
 class Settings(BaseSettings):
@@ -61,8 +63,18 @@ class Settings(BaseSettings):
     preprocess_workers: int = Field(
         default=2, ge=1, le=256, description="Preprocessing (decode/resize) processes."
     )
-    fetch_concurrency: int = Field(default=16, ge=1, le=512, description="Parallel S3 downloads.")
-    max_jobs: int = Field(default=32, ge=1, description="Most jobs (messages) held at once.")
+    fetch_concurrency: int = Field(
+        default=16,
+        ge=1,
+        le=512,
+        description="Parallel S3 downloads; finished jobs are uploaded as many at a time.",
+    )
+    max_jobs: int = Field(
+        default=256,
+        ge=1,
+        description="Most jobs (messages) held at once; high enough that one-input jobs "
+        "can fill prefetch-batches x batch-size items.",
+    )
     prefetch_batches: int = Field(
         default=4,
         ge=1,
@@ -85,6 +97,13 @@ class Settings(BaseSettings):
     )
     heartbeat_interval_seconds: float = Field(
         default=30, gt=0, description="How often in-flight leases are renewed."
+    )
+    max_lease_seconds: float = Field(
+        default=SQS_MAX_VISIBILITY_TIMEOUT_S,
+        gt=0,
+        le=SQS_MAX_VISIBILITY_TIMEOUT_S,
+        description="A job still running this long after its receive is released for "
+        "another try (SQS cannot hide a message for more than 12 hours).",
     )
     receive_wait_seconds: int = Field(
         default=SQS_MAX_RECEIVE_WAIT_S,
@@ -114,6 +133,52 @@ class Settings(BaseSettings):
     inference_timeout_seconds: float = Field(
         default=600, gt=0, description="Per-batch inference limit; a hung process is replaced."
     )
+    aws_max_attempts: int = Field(
+        default=DEFAULT_AWS_MAX_ATTEMPTS,
+        ge=1,
+        le=20,
+        description="Tries per AWS call (botocore standard retry mode, with backoff) before "
+        "an error reaches the daemon.",
+    )
+
+    protection: Literal["auto", "asg", "ecs", "off"] = Field(
+        default="auto",
+        description="Scale-in protection while jobs are held: ecs (task protection through "
+        "ECS_AGENT_URI), asg (EC2 Auto Scaling through instance metadata), off, or auto: "
+        "ecs if ECS_AGENT_URI is set, else asg if instance metadata answers, else off.",
+    )
+    asg_name: str | None = Field(
+        default=None,
+        description="Auto Scaling group of this instance; default: its "
+        "aws:autoscaling:groupName tag, read from instance metadata.",
+    )
+    idle_grace_seconds: float = Field(
+        default=60,
+        ge=0,
+        description="Protection is dropped only after no job has been held for this long.",
+    )
+    ecs_protection_minutes: int = Field(
+        default=60,
+        ge=1,
+        le=2880,
+        description="Expiry asked for ECS task protection; renewed at half of it while busy.",
+    )
+    metrics_port: int = Field(
+        default=DEFAULT_METRICS_PORT,
+        ge=0,
+        le=65535,
+        description="Port serving /metrics (Prometheus) and /healthz; 0 turns both off.",
+    )
+    notify_queue_url: str | None = Field(
+        default=None,
+        description="SQS queue that gets each finished job's job.json as a message "
+        "(for services waiting on results).",
+    )
+
+    @property
+    def s3_connections(self) -> int:
+        """Connections for downloads, uploads of finished jobs and progress writes."""
+        return 2 * self.fetch_concurrency + 1
 
     @field_validator("allowed_buckets", mode="before")
     @classmethod
@@ -130,6 +195,11 @@ class Settings(BaseSettings):
                 f"heartbeat_interval_seconds ({self.heartbeat_interval_seconds}) must be at most "
                 f"half of visibility_timeout_seconds ({self.visibility_timeout_seconds}), so one "
                 "failed renewal does not lose the lease"
+            )
+        if self.visibility_timeout_seconds >= self.max_lease_seconds:
+            raise ValueError(
+                f"visibility_timeout_seconds ({self.visibility_timeout_seconds}) must be less "
+                f"than max_lease_seconds ({self.max_lease_seconds})"
             )
         return self
 

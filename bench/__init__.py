@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m worker bench` (see bench/run.py and the README)."""

@@ -1,0 +1,159 @@
+"""Deployment artefacts: the container (hadolint and its key lines) and the
+CloudFormation stack (cfn-lint, and deployed into moto with a daemon draining its
+queue). The image itself cannot be built here: there is no Docker engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cfnlint.decode import decode
+
+from tests.conftest import REPO, Aws, run_daemon
+from worker.demo import upload_samples
+
+TEMPLATE = REPO / "infra" / "worker.yaml"
+DOCKERFILE = REPO / "Dockerfile"
+
+
+def _tool(name: str) -> str:
+    """A linter installed in the project's environment (dev extra)."""
+    return str(Path(sys.executable).parent / name)
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    lint = subprocess.run(
+        [_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True, check=False
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_dockerfile_has_what_a_gpu_worker_needs() -> None:
+    """CUDA base with the CUDA build of the pinned torch, a non-root user, tini as PID 1
+    in front of the daemon, and a HEALTHCHECK on the daemon's own health endpoint."""
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    assert any(line.startswith("ARG CUDA_IMAGE=nvidia/cuda:") for line in lines)
+    assert any("pip install torch==2.13.0 --index-url" in line for line in lines)
+    assert "USER 10001" in lines and "useradd --system --uid 10001" in DOCKERFILE.read_text()
+    assert lines[-1] == 'ENTRYPOINT ["/usr/bin/tini", "--", "python", "-m", "worker", "run"]'
+    assert 'CMD ["python", "-m", "worker", "healthcheck"]' in lines
+
+
+def test_template_passes_cfn_lint() -> None:
+    lint = subprocess.run(
+        [_tool("cfn-lint"), str(TEMPLATE)], capture_output=True, text=True, check=False
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_template_locks_things_down() -> None:
+    """Private, encrypted bucket; encrypted queues; IMDSv2 only; the daemon's policy
+    names only the actions it calls; ECS gives the daemon 120 s after SIGTERM."""
+    template, problems = decode(str(TEMPLATE))
+    assert not problems and template is not None
+    resources = template["Resources"]
+    bucket = resources["DataBucket"]["Properties"]
+    assert all(bucket["PublicAccessBlockConfiguration"].values())
+    assert bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"]
+    assert resources["JobsQueue"]["Properties"]["SqsManagedSseEnabled"]
+    assert resources["DeadLetterQueue"]["Properties"]["SqsManagedSseEnabled"]
+    metadata = resources["LaunchTemplate"]["Properties"]["LaunchTemplateData"]["MetadataOptions"]
+    assert metadata["HttpTokens"] == "required"
+    statements = resources["WorkerPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    actions = {
+        action
+        for statement in statements
+        for action in (
+            [statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"]
+        )
+    }
+    assert actions == {
+        "sqs:ReceiveMessage",
+        "sqs:DeleteMessage",
+        "sqs:ChangeMessageVisibility",
+        "sqs:GetQueueAttributes",
+        "sqs:SendMessage",
+        "s3:GetObject",
+        "s3:PutObject",
+        "autoscaling:SetInstanceProtection",
+        "logs:CreateLogStream",
+        "logs:PutLogEvents",
+    }
+    assert all(statement["Resource"] != "*" for statement in statements)
+    assert template["Parameters"]["StopTimeoutSeconds"]["Default"] == 120
+    [container] = resources["TaskDefinition"]["Properties"]["ContainerDefinitions"]
+    assert container["StopTimeout"] == {"Ref": "StopTimeoutSeconds"}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("platform", ["ec2", "ecs"])
+def test_stack_deploys_into_moto_and_a_daemon_drains_its_queue(
+    aws: Aws, tmp_path: Path, platform: str
+) -> None:
+    """The stack creates an encrypted queue with a redrive policy, the bucket and the
+    worker group; a daemon given the stack's outputs drains a job from it. (moto skips
+    the target-tracking policies and the bucket's access block: the template test and
+    cfn-lint check those.)"""
+    ec2 = aws.client("ec2")
+    cloudformation = aws.client("cloudformation")
+    name = f"fleet-{platform}-{tmp_path.name[-12:].replace('_', '-')}".rstrip("-")
+    cloudformation.create_stack(
+        StackName=name,
+        TemplateBody=TEMPLATE.read_text(),
+        Parameters=[
+            {"ParameterKey": "Platform", "ParameterValue": platform},
+            {"ParameterKey": "ImageUri", "ParameterValue": "example.com/sqs-batch-worker:1"},
+            {
+                "ParameterKey": "AmiId",
+                "ParameterValue": ec2.describe_images()["Images"][0]["ImageId"],
+            },
+            {
+                "ParameterKey": "Subnets",
+                "ParameterValue": ec2.describe_subnets()["Subnets"][0]["SubnetId"],
+            },
+        ],
+        Capabilities=["CAPABILITY_IAM"],
+    )
+    [stack] = cloudformation.describe_stacks(StackName=name)["Stacks"]
+    assert stack["StackStatus"] == "CREATE_COMPLETE"
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in stack["Outputs"]}
+    queue_url, dlq_url, bucket = (
+        outputs["QueueUrl"],
+        outputs["DeadLetterQueueUrl"],
+        outputs["BucketName"],
+    )
+
+    attributes = aws.sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["All"])[
+        "Attributes"
+    ]
+    assert json.loads(attributes["RedrivePolicy"])["maxReceiveCount"] == 3
+    assert attributes["SqsManagedSseEnabled"] == "true"
+    assert aws.client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=[outputs["AutoScalingGroupName"]]
+    )["AutoScalingGroups"]
+
+    uris = list(upload_samples(aws.s3, bucket, 3, seed=18))
+    output = f"s3://{bucket}/results/deployed/"
+    aws.send(queue_url, {"job_id": "deployed", "inputs": uris, "output": output})
+    run = run_daemon(
+        aws,
+        [
+            "--queue-url",
+            queue_url,
+            "--dlq-url",
+            dlq_url,
+            "--allowed-buckets",
+            bucket,
+            "--drain",
+            "--receive-wait-seconds",
+            "1",
+            "--log-dir",
+            str(tmp_path),
+        ],
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert aws.summary(output)["status"] == "succeeded"
+    assert aws.queue_depth(queue_url) == (0, 0)

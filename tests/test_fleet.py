@@ -1,0 +1,270 @@
+"""Running as a fleet: scale-in protection against moto's Auto Scaling API with a fake
+instance metadata service, ECS task protection with a fake agent, three daemons on one
+queue, and the health and metrics endpoints. Daemons run as subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Aws
+from tests.fakeaws import FakeEcsAgent, fake_imds
+from tests.faultproxy import FaultProxy
+from tests.test_faults import (
+    StartDaemon,
+    _args,
+    _assert_complete,
+    _out,
+    _send_jobs,
+    _slow_model,
+)
+from worker.demo import upload_samples
+
+pytestmark = pytest.mark.e2e
+
+
+def _auto_scaling_group(aws: Aws, name: str) -> str:
+    """An Auto Scaling group of one instance in moto; returns the instance id."""
+    ec2 = aws.client("ec2")
+    autoscaling = aws.client("autoscaling")
+    ec2.create_launch_template(
+        LaunchTemplateName=name,
+        LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "g5.xlarge"},
+    )
+    subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName=name,
+        LaunchTemplate={"LaunchTemplateName": name},
+        MinSize=1,
+        MaxSize=2,
+        DesiredCapacity=1,
+        VPCZoneIdentifier=subnet,
+    )
+    [instance] = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])[
+        "AutoScalingGroups"
+    ][0]["Instances"]
+    return str(instance["InstanceId"])
+
+
+def _protected(aws: Aws, instance_id: str) -> bool:
+    [instance] = aws.client("autoscaling").describe_auto_scaling_instances(
+        InstanceIds=[instance_id]
+    )["AutoScalingInstances"]
+    return bool(instance["ProtectedFromScaleIn"])
+
+
+def test_asg_protection_is_on_while_busy_and_off_when_idle_or_stopped(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """The instance (found through IMDSv2) is protected when the first job arrives, stays
+    so through the idle grace, is unprotected after it, and again on SIGTERM: two
+    SetInstanceProtection calls per busy period, counted at the HTTP level."""
+    stack = aws.stack()
+    instance_id = _auto_scaling_group(aws, f"{stack.bucket}-workers")
+    uris = list(upload_samples(aws.s3, stack.bucket, 6, seed=14))
+    proxy = FaultProxy(aws.endpoint)
+    with proxy.serving() as proxy_url, fake_imds(instance_id, f"{stack.bucket}-workers") as imds:
+        env = {
+            **aws.with_endpoint(proxy_url).env,
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds,
+            "AWS_EC2_METADATA_DISABLED": "false",
+        }
+        daemon = start_daemon(_args(stack, tmp_path, "--idle-grace-seconds", "3"), env=env)
+        assert daemon.wait_for("scale_in_protection")[0]["mode"] == "asg"
+        assert not _protected(aws, instance_id)
+        _send_jobs(aws, stack, {"a": uris[:3], "b": uris[3:]})
+        daemon.wait_for("job_finished", 2)
+        assert _protected(aws, instance_id)  # still within the idle grace
+        daemon.wait_for("scale_in_protection_set", 2)
+        assert not _protected(aws, instance_id)
+
+        _send_jobs(aws, stack, {"c": uris[:2]})
+        daemon.wait_for("job_finished", 3)
+        assert _protected(aws, instance_id)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+    assert not _protected(aws, instance_id)
+    states = [e["protected"] for e in daemon.events("scale_in_protection_set")]
+    assert states == [True, False, True, False]
+    assert proxy.actions["SetInstanceProtection"] == 4
+
+
+def test_ecs_task_protection_is_renewable_and_dropped_on_sigterm(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """With ECS_AGENT_URI set, `auto` picks ECS task protection: on with an expiry when
+    the job arrives, off on SIGTERM even inside the idle grace; the job is released."""
+    stack = aws.stack()
+    uris = list(upload_samples(aws.s3, stack.bucket, 3, seed=15))
+    agent = FakeEcsAgent()
+    with agent.serving() as agent_uri:
+        daemon = start_daemon(
+            _args(
+                stack,
+                tmp_path,
+                *_slow_model(1),
+                "--grace-seconds",
+                "0",
+                "--idle-grace-seconds",
+                "600",
+            ),
+            env={**aws.env, "ECS_AGENT_URI": agent_uri},
+        )
+        assert daemon.wait_for("scale_in_protection")[0]["mode"] == "ecs"
+        _send_jobs(aws, stack, {"slow": uris})
+        daemon.wait_for("scale_in_protection_set")
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+    assert agent.states == [
+        {"ProtectionEnabled": True, "ExpiresInMinutes": 60},
+        {"ProtectionEnabled": False},
+    ]
+    assert aws.queue_depth(stack.queue_url) == (1, 0)
+
+
+def test_three_daemons_share_a_queue_and_survive_losing_one(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """Three daemons on one queue; one is SIGKILLed mid-run. The other two pick up its
+    jobs when their leases run out: every job is done, each output written once, the
+    work was shared, and both queues end empty."""
+    stack = aws.stack(visibility_timeout_s=4)
+    uris = list(upload_samples(aws.s3, stack.bucket, 180, seed=16))
+    jobs = {f"job-{n:02d}": uris[n * 4 : n * 4 + 4] for n in range(45)}
+    _send_jobs(aws, stack, jobs)
+    env = aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.2").env
+    args = [
+        *_slow_model(4),
+        "--visibility-timeout-seconds",
+        "4",
+        "--heartbeat-interval-seconds",
+        "1",
+        "--max-jobs",
+        "8",
+    ]
+    daemons = [start_daemon(_args(stack, tmp_path / str(n), *args), env=env) for n in range(3)]
+    daemons[0].wait_for("job_finished", 2)
+    daemons[0].send_signal(signal.SIGKILL)
+
+    deadline = time.monotonic() + 180
+    while not all("job.json" in aws.names(_out(stack, job)) for job in jobs):
+        assert time.monotonic() < deadline, "jobs left undone"
+        time.sleep(1)
+    for daemon in daemons[1:]:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+
+    for job_id, inputs in jobs.items():
+        _assert_complete(aws, stack, job_id, inputs)
+    finished = [{e["job_id"] for e in daemon.events("job_finished")} for daemon in daemons]
+    assert all(finished), [len(f) for f in finished]  # every daemon did some of the work
+    assert set().union(*finished) == set(jobs)
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+    assert aws.dead_letters(stack.dlq_url) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _healthcheck(port: int) -> subprocess.CompletedProcess[str]:
+    """`python -m worker healthcheck`, as the container's HEALTHCHECK runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "healthcheck", "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_health_follows_the_inference_process_and_metrics_count_the_jobs(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """/healthz is 503 while the killed inference process is down and 200 again once it
+    is back; /metrics reports the jobs, items and restart of the run."""
+    stack = aws.stack()
+    uris = list(upload_samples(aws.s3, stack.bucket, 32, seed=17))
+    jobs = {f"job-{n}": uris[n * 8 : n * 8 + 8] for n in range(4)}
+    port = _free_port()
+    daemon = start_daemon(
+        _args(
+            stack,
+            tmp_path,
+            *_slow_model(4),
+            "--metrics-port",
+            str(port),
+        ),
+        env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.3").env,
+    )
+    daemon.wait_for("daemon_started")
+    health = f"http://127.0.0.1:{port}/healthz"
+    assert _get(health) == (200, "ok\n")
+    [inference] = [e for e in daemon.events("stage_worker_started") if e["stage"] == "inference"]
+    _send_jobs(aws, stack, jobs)
+    daemon.wait_for("job_received")
+    os.kill(inference["pid"], signal.SIGKILL)
+    seen = []
+    deadline = time.monotonic() + 60
+    while (seen[-1:] != [200] or 503 not in seen) and time.monotonic() < deadline:
+        status, body = _get(health)
+        if status == 503:
+            assert "inference" in body
+        seen.append(status)
+        time.sleep(0.02)
+    assert 503 in seen and seen[-1] == 200, seen[-5:]
+    healthcheck = _healthcheck(port)
+    assert (healthcheck.returncode, healthcheck.stdout) == (0, "ok\n")
+
+    daemon.wait_for("job_finished", 4)
+    status, metrics = _get(f"http://127.0.0.1:{port}/metrics")
+    assert status == 200
+    assert 'worker_jobs_total{outcome="succeeded"} 4.0' in metrics
+    assert 'worker_items_total{outcome="succeeded"} 32.0' in metrics
+    assert 'worker_stage_restarts_total{stage="inference"} 1.0' in metrics
+    assert 'worker_batch_items_count{stage="inference"}' in metrics
+    assert 'worker_stage_queue_depth{stage="preprocess"}' in metrics
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+    stopped = _healthcheck(port)
+    assert stopped.returncode == 1 and "no answer" in stopped.stderr
+
+
+def test_protection_asked_for_but_unavailable_stops_the_start(aws: Aws, tmp_path: Path) -> None:
+    """`--protection asg` where no instance metadata answers is a configuration error:
+    exit 2 at start, naming the problem, rather than a fleet that cannot protect itself."""
+    closed_port = _free_port()
+    started = subprocess.run(
+        [sys.executable, "-m", "worker", "run", "--queue-url", "q", "--protection", "asg"],
+        env={
+            **aws.env,
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": f"http://127.0.0.1:{closed_port}",
+            "AWS_EC2_METADATA_DISABLED": "false",
+            "WORKER_LOG_DIR": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert started.returncode == 2
+    assert "cannot start: --protection asg, but the instance metadata service" in started.stderr

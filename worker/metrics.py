@@ -1,0 +1,126 @@
+"""Operations: Prometheus metrics and a health check, served on one HTTP port.
+
+`GET /metrics` is the Prometheus text format; `GET /healthz` answers 200 while the
+pipeline's workers are up and the daemon is making progress, 503 with the reason
+otherwise (the container's HEALTHCHECK and the ECS task's health check use it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+log = structlog.get_logger()
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class Metrics:
+    """Every metric the daemon exports, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.jobs = Counter(
+            "worker_jobs", "Jobs finished or given up, by outcome.", ["outcome"], registry=registry
+        )
+        self.items = Counter(
+            "worker_items", "Items finished, by outcome.", ["outcome"], registry=registry
+        )
+        self.jobs_in_flight = Gauge("worker_jobs_in_flight", "Jobs held now.", registry=registry)
+        self.stage_busy = Counter(
+            "worker_stage_busy_seconds",
+            "Time each stage spent working on items.",
+            ["stage"],
+            registry=registry,
+        )
+        self.stage_queue_depth = Gauge(
+            "worker_stage_queue_depth",
+            "Items waiting in front of each stage.",
+            ["stage"],
+            registry=registry,
+        )
+        self.batch_items = Histogram(
+            "worker_batch_items",
+            "Items per call of each stage.",
+            ["stage"],
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.worker_restarts = Counter(
+            "worker_stage_restarts",
+            "Stage processes replaced after a crash or a hang.",
+            ["stage"],
+            registry=registry,
+        )
+        self.lease_renewals = Counter(
+            "worker_lease_renewals",
+            "Message leases renewed, by outcome.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.protection_calls = Counter(
+            "worker_scale_in_protection_calls",
+            "Scale-in protection API calls, by requested state and outcome.",
+            ["protected", "outcome"],
+            registry=registry,
+        )
+
+    def leases_renewed(self, ok: int, failed: int) -> None:
+        self.lease_renewals.labels("ok").inc(ok)
+        self.lease_renewals.labels("failed").inc(failed)
+
+    def protection_called(self, protected: bool, ok: bool) -> None:
+        self.protection_calls.labels(str(protected).lower(), "ok" if ok else "failed").inc()
+
+    def export(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@contextmanager
+def serving(
+    port: int, metrics: Metrics, health: Callable[[], str | None], host: str = "0.0.0.0"
+) -> Iterator[int]:
+    """Serve /metrics and /healthz on `port` (0: a free one); yields the port."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, metrics.export())
+            elif self.path == "/healthz":
+                problem = health()
+                if problem is None:
+                    self._reply(200, "text/plain", b"ok\n")
+                else:
+                    self._reply(503, "text/plain", problem.encode() + b"\n")
+            else:
+                self._reply(404, "text/plain", b"try /metrics or /healthz\n")
+
+        def _reply(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # scraped every few seconds: not worth a log line each
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
+    thread.start()
+    bound_port = server.server_address[1]
+    log.info("metrics_serving", port=bound_port, paths=["/metrics", "/healthz"])
+    try:
+        yield bound_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
