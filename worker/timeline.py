@@ -113,12 +113,13 @@ class Timeline:
         for lane, stage in enumerate(stages):
             top = LANE_HEIGHT * (lane + 1) + 6
             bottom = top + bar_height
-            busy = self.busy_s(stage, origin, origin + span_s)
+            spans = self._busy_spans(stage)
+            busy = sum(finish - begin for begin, finish in spans)
             draw.text((10, top + 8), f"{stage} {busy / span_s:.0%}", fill="black")
             draw.rectangle(
                 (LABEL_WIDTH, top, LABEL_WIDTH + PLOT_WIDTH, bottom + 1), outline="#cccccc"
             )
-            shares = self._column_shares(stage, origin, span_s)
+            shares = _column_shares(spans, origin, span_s)
             for column, share in enumerate(shares):
                 if share > 0:
                     left = LABEL_WIDTH + column
@@ -133,12 +134,13 @@ class Timeline:
             draw.text((x - 10, axis + 8), f"{span_s * tick / 10:.1f}s", fill="black")
         image.save(path)
 
-    def _column_shares(self, stage: str, origin: float, span_s: float) -> list[float]:
-        """For each of the plot's pixel columns, the busy share of the time it stands for."""
-        shares = [0.0] * PLOT_WIDTH
-        for begin, finish in self._busy_spans(stage):
-            left = (begin - origin) / span_s * PLOT_WIDTH
-            right = min((finish - origin) / span_s * PLOT_WIDTH, PLOT_WIDTH)
-            for column in range(int(left), math.ceil(right)):
-                shares[column] += min(right, column + 1) - max(left, column)
-        return [min(share, 1.0) for share in shares]
+
+def _column_shares(spans: list[tuple[float, float]], origin: float, span_s: float) -> list[float]:
+    """For each of the plot's pixel columns, the busy share of the time it stands for."""
+    shares = [0.0] * PLOT_WIDTH
+    for begin, finish in spans:
+        left = (begin - origin) / span_s * PLOT_WIDTH
+        right = min((finish - origin) / span_s * PLOT_WIDTH, PLOT_WIDTH)
+        for column in range(int(left), math.ceil(right)):
+            shares[column] += min(right, column + 1) - max(left, column)
+    return [min(share, 1.0) for share in shares]
