@@ -77,3 +77,21 @@ def memory_limited(max_batch: int) -> Callable[[Sequence[Any]], list[Any]]:
         return list(values)
 
     return run
+
+
+class LayoutProbe(torch.nn.Module):
+    """Reports, per item, how it was run: [input channels-last, weight channels-last,
+    bfloat16 autocast on]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        flags = [
+            batch.is_contiguous(memory_format=torch.channels_last),
+            self.conv.weight.is_contiguous(memory_format=torch.channels_last),
+            torch.is_autocast_enabled(batch.device.type)
+            and torch.get_autocast_dtype(batch.device.type) == torch.bfloat16,
+        ]
+        return torch.tensor([flags] * len(batch), dtype=torch.float32)

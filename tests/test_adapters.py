@@ -89,3 +89,24 @@ def test_blob_round_trip_and_missing_key(parts: tuple[Any, Any, Any]) -> None:
     assert blobs.get(location) == b"\x00\x01"
     with pytest.raises(MissingObject):
         blobs.get(S3Location.parse("s3://bkt/nope"))
+
+
+def test_fake_leases_run_out_and_renewals_hide_again() -> None:
+    """The fake's clock-driven leases, which the speed figures and lease tests rely on."""
+    clock = [100.0]
+    source = InMemoryJobSource(lambda: clock[0])
+    for number in range(3):
+        source.send(str(number))
+    first = source.receive(2, 0, 30)
+    assert [m.body for m in first] == ["0", "1"]
+    clock[0] += 31  # both leases ran out; "2" was visible all along
+    assert sorted(m.body for m in source.receive(10, 0, 30)) == ["0", "1", "2"]
+    clock[0] += 31
+    source.extend([first[0].receipt_handle], 30)  # a stale handle: "0" was taken since
+    [late] = [m for m in source.receive(10, 0, 30) if m.body == "0"]
+    clock[0] += 31
+    assert source.extend([late.receipt_handle], 30) == {}  # renewed before anyone took it
+    assert sorted(m.body for m in source.receive(10, 0, 30)) == ["1", "2"]
+    source.ack(late.receipt_handle)
+    clock[0] += 31
+    assert sorted(m.body for m in source.receive(10, 0, 30)) == ["1", "2"]

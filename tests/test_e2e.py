@@ -108,7 +108,7 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
         assert summary["attempt"] == 1
         events = [json.loads(line)["event"] for line in aws.read(output, "job.log").splitlines()]
         assert events[0] == "job_received" and "job_finished" in events
-        assert (log_dir / f"{job_id}.log").is_file()
+        assert not (log_dir / f"{job_id}.log").exists()  # done: its log is in S3
         assert _last_modified(aws, output, "job.json") >= _last_modified(
             aws, output, "results.jsonl"
         )

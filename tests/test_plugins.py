@@ -57,6 +57,25 @@ def test_model_files_give_the_same_answers_as_the_factory(
     assert set(predicted) <= set(LABELS)
 
 
+def test_bfloat16_and_channels_last_are_applied_and_keep_the_answers() -> None:
+    """`--precision bfloat16 --channels-last` reach the model (probed), and the default
+    model's answers stay those of float32."""
+    batch = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
+    assert (
+        inference_setup("tests.stagefns:LayoutProbe", "cpu")(batch, [None] * 2)
+        == [[0.0, 0.0, 0.0]] * 2
+    )
+    tuned = inference_setup("tests.stagefns:LayoutProbe", "cpu", "bfloat16", channels_last=True)
+    assert tuned(batch, [None] * 2) == [[1.0, 1.0, 1.0]] * 2
+    batch, _ = _batch(16)
+    plain = inference_setup("stages.model:default_classifier", "cpu")(batch, [None] * 16)
+    fast = inference_setup("stages.model:default_classifier", "cpu", "bfloat16", True)(
+        batch, [None] * 16
+    )
+    assert [top_k(row, {})["label"] for row in fast] == [top_k(row, {})["label"] for row in plain]
+    assert torch.allclose(torch.tensor(fast), torch.tensor(plain), atol=0.05)
+
+
 @pytest.mark.parametrize(
     ("reference", "message"),
     [

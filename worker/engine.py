@@ -367,7 +367,13 @@ class _ChildProcess:
 
     def _receive(self, timeout_s: float | None) -> Any:
         assert self._conn is not None
-        ready = wait([self._conn, self._process.sentinel], timeout_s)
+        # A reply already waiting (the usual case with pipelined batches) needs no
+        # selector over the pipe and the sentinel, which costs several times the poll.
+        ready: Sequence[object] = (
+            [self._conn]
+            if self._conn.poll(0)
+            else wait([self._conn, self._process.sentinel], timeout_s)
+        )
         if self._conn in ready:
             try:
                 return self._conn.recv()

@@ -7,10 +7,12 @@ message is visible at once.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,14 +26,22 @@ class _Stored:
     visible_at: float = 0.0
     receipt_handle: str | None = None
     receive_count: int = 0
+    ready: bool = True  # in the ready queue
 
 
 class InMemoryJobSource:
-    """A queue with visibility leases; `clock` can be a manual clock in tests."""
+    """A queue with visibility leases; `clock` can be a manual clock in tests.
+
+    A receive costs the same however long the queue is, as on SQS (the speed figures
+    use this fake): visible messages wait in a FIFO, leased ones in a heap by the time
+    they become visible again.
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._messages: dict[str, _Stored] = {}
+        self._ready: deque[_Stored] = deque()
+        self._hidden: list[tuple[float, int, _Stored]] = []  # (visible_at, tie-break, message)
         self._handles = itertools.count()
         self._lock = threading.Condition()
         self.dead_letters: list[tuple[ReceivedMessage, str]] = []
@@ -42,7 +52,9 @@ class InMemoryJobSource:
         """Enqueue a message; returns its id."""
         with self._lock:
             message_id = str(uuid.uuid4())
-            self._messages[message_id] = _Stored(message_id, body)
+            stored = _Stored(message_id, body)
+            self._messages[message_id] = stored
+            self._ready.append(stored)
             self._lock.notify_all()
             return message_id
 
@@ -55,13 +67,17 @@ class InMemoryJobSource:
     ) -> list[ReceivedMessage]:
         with self._lock:
             self.receive_calls += 1
-            self._lock.wait_for(lambda: bool(self._visible()), timeout=wait_s)
+            self._lock.wait_for(self._any_visible, timeout=wait_s)
             now = self._clock()
-            received = []
-            for stored in self._visible()[:max_messages]:
-                stored.visible_at = now + visibility_timeout_s
+            received: list[ReceivedMessage] = []
+            while self._ready and len(received) < max_messages:
+                stored = self._ready.popleft()
+                stored.ready = False
+                if stored.message_id not in self._messages or stored.visible_at > now:
+                    continue  # deleted, or leased again by a late renewal: not visible
                 stored.receipt_handle = f"{stored.message_id}#{next(self._handles)}"
                 stored.receive_count += 1
+                self._hide(stored, now + visibility_timeout_s)
                 received.append(
                     ReceivedMessage(
                         stored.message_id, stored.body, stored.receipt_handle, stored.receive_count
@@ -69,9 +85,20 @@ class InMemoryJobSource:
                 )
             return received
 
-    def _visible(self) -> list[_Stored]:
+    def _any_visible(self) -> bool:
+        """Move the messages whose lease ran out to the ready queue; any there?"""
         now = self._clock()
-        return [m for m in self._messages.values() if m.visible_at <= now]
+        while self._hidden and self._hidden[0][0] <= now:
+            visible_at, _, stored = heapq.heappop(self._hidden)
+            current = stored.message_id in self._messages and stored.visible_at == visible_at
+            if current and not stored.ready:  # not a stale entry of an earlier lease
+                stored.ready = True
+                self._ready.append(stored)
+        return bool(self._ready)
+
+    def _hide(self, stored: _Stored, until: float) -> None:
+        stored.visible_at = until
+        heapq.heappush(self._hidden, (until, next(self._handles), stored))
 
     def _holder(self, receipt_handle: str) -> _Stored | None:
         stored = self._messages.get(receipt_handle.split("#", maxsplit=1)[0])
@@ -96,7 +123,7 @@ class InMemoryJobSource:
                 if stored is None:
                     failures[handle] = "ReceiptHandleIsInvalid"
                 else:
-                    stored.visible_at = self._clock() + visibility_timeout_s
+                    self._hide(stored, self._clock() + visibility_timeout_s)
             self._lock.notify_all()
             return failures
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -29,19 +30,24 @@ def configure_daemon_logging(stream: TextIO = sys.stdout) -> None:
 
 
 class JobLog:
-    """One job's own log file: every stage's events about the job, as JSON lines.
+    """One job's own log: every stage's events about the job, as JSON lines.
 
-    The file is appended to, so when a job is released and tried again on this machine
-    the local file keeps every attempt; `close` returns this attempt's part.
+    The lines are kept in memory: `lines` is what the daemon uploads as `job.log`. The
+    local file (`path`) is for the machine's operator: `flush` appends the lines not yet
+    written (the daemon flushes every in-flight job with its progress, so a long job can
+    be followed there), `close` writes the rest when the job is given back (the file
+    names the fault; a redelivery here appends its own attempt), and `discard` removes
+    the file once the job's outputs are in S3, so a daemon that runs for months does not
+    fill its disk with millions of finished jobs' logs. A job that finishes between two
+    flushes never touches the disk: a file write per event was a third of the daemon's
+    CPU on one-image jobs.
     """
 
     def __init__(self, path: Path, job_id: str):
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
-        self._start = self._file.tell()
+        self._lines = _Lines(path)
         self._logger: Any = structlog.wrap_logger(
-            structlog.WriteLogger(self._file),
+            self._lines,
             processors=[
                 structlog.processors.add_log_level,
                 _TIMESTAMP,
@@ -57,10 +63,53 @@ class JobLog:
     def error(self, event: str, **fields: Any) -> None:
         self._logger.error(event, **fields)
 
+    def lines(self) -> bytes:
+        """This attempt's lines so far."""
+        return self._lines.joined()
+
+    def flush(self) -> None:
+        self._lines.write(keep=True)
+
     def close(self) -> bytes:
-        """Close the file and return this attempt's lines (idempotent)."""
-        if not self._file.closed:
-            self._file.close()
-        with self.path.open("rb") as file:
-            file.seek(self._start)
-            return file.read()
+        """Write what is left to the local file; returns this attempt's lines."""
+        self._lines.write(keep=True)
+        return self._lines.joined()
+
+    def discard(self) -> None:
+        """Remove the local file, earlier attempts' lines too: the job is done and its
+        log is safe in S3."""
+        self._lines.write(keep=False)
+
+
+class _Lines:
+    """structlog's logger for one job: the rendered lines, and how many are on disk."""
+
+    def __init__(self, path: Path):
+        self._path = path
+        self._kept: list[str] = []
+        self._written = 0
+        self._discarded = False
+        self._lock = threading.Lock()  # stage threads, the regrouper and finishers all log
+
+    def msg(self, line: str) -> None:
+        with self._lock:
+            self._kept.append(line + "\n")
+
+    info = error = msg
+
+    def joined(self) -> bytes:
+        with self._lock:
+            return "".join(self._kept).encode()
+
+    def write(self, keep: bool) -> None:
+        with self._lock:
+            if self._discarded:
+                return
+            if not keep:
+                self._discarded = True
+                self._path.unlink(missing_ok=True)  # with any earlier attempt's lines
+                return
+            if self._written < len(self._kept):
+                with self._path.open("a", encoding="utf-8") as file:
+                    file.writelines(self._kept[self._written :])
+                self._written = len(self._kept)

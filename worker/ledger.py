@@ -84,6 +84,8 @@ class Ledger:
         self._jobs: dict[str, Job] = {}
         self._changed = threading.Condition(threading.RLock())
         self._closed = False
+        # Kept as a count: the puller asks after every change, with hundreds of jobs held.
+        self._outstanding = 0
 
     def __len__(self) -> int:
         with self._changed:
@@ -97,6 +99,7 @@ class Ledger:
             if job.key in self._jobs:
                 raise KeyError(f"job {job.key} is already in flight")
             self._jobs[job.key] = job
+            self._outstanding += len(job.inputs) - job.finished_items
             self._changed.notify_all()
             return True
 
@@ -123,6 +126,7 @@ class Ledger:
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
+            self._outstanding -= 1
             if "error" in result:
                 job.failed += 1
             else:
@@ -142,6 +146,7 @@ class Ledger:
             if job is None or job.claimed:
                 return False
             job.claimed = True
+            self._outstanding -= len(job.inputs) - job.finished_items
             self._changed.notify_all()
             return True
 
@@ -149,6 +154,8 @@ class Ledger:
         """Take a job out, once its message has been acked or released."""
         with self._changed:
             job = self._jobs.pop(key, None)
+            if job is not None and not job.claimed:
+                self._outstanding -= len(job.inputs) - job.finished_items
             self._changed.notify_all()
             return job
 
@@ -180,11 +187,7 @@ class Ledger:
     def outstanding_items(self) -> int:
         """Items admitted and not yet back from the pipeline."""
         with self._changed:
-            return sum(
-                len(job.inputs) - job.finished_items
-                for job in self._jobs.values()
-                if not job.claimed
-            )
+            return self._outstanding
 
     def wait_until(self, predicate: Callable[[], bool], timeout_s: float | None = None) -> bool:
         """Block until `predicate()` holds (checked on every change or `wake`)."""

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -71,6 +72,23 @@ class Metrics:
             ["protected", "outcome"],
             registry=registry,
         )
+        self._stage_metrics: dict[str, tuple[Any, Any]] = {}
+        self._items_succeeded = self.items.labels("succeeded")
+        self._items_failed = self.items.labels("failed")
+
+    def stage_ran(self, stage: str, items: int, duration_s: float) -> None:
+        # Looking labels up costs more than the update: bind each stage's once.
+        if stage not in self._stage_metrics:
+            self._stage_metrics[stage] = (
+                self.stage_busy.labels(stage),
+                self.batch_items.labels(stage),
+            )
+        busy, batch_items = self._stage_metrics[stage]
+        busy.inc(duration_s)
+        batch_items.observe(items)
+
+    def item_finished(self, failed: bool) -> None:
+        (self._items_failed if failed else self._items_succeeded).inc()
 
     def leases_renewed(self, ok: int, failed: int) -> None:
         self.lease_renewals.labels("ok").inc(ok)

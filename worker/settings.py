@@ -33,7 +33,11 @@ class Settings(BaseSettings):
         description="Dead-letter queue URL for poison messages; without one they are left "
         "to the queue's redrive policy.",
     )
-    log_dir: Path = Field(default=Path("logs"), description="Where per-job log files are written.")
+    log_dir: Path = Field(
+        default=Path("logs"),
+        description="Where the logs of jobs in flight or given back are written "
+        "(a finished job's is in S3).",
+    )
     drain: bool = Field(
         default=False,
         description="Exit 0 once the queue is empty and nothing is in flight (batch mode).",
@@ -55,6 +59,16 @@ class Settings(BaseSettings):
         "into the prediction fields of results.jsonl.",
     )
     device: str = Field(default="auto", description="torch device: auto, cpu, cuda, cuda:1, ...")
+    precision: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="Run the model under bfloat16 autocast (on GPUs with bfloat16 tensor "
+        "cores, Ampere and later, about twice the float32 throughput).",
+    )
+    channels_last: bool = Field(
+        default=False,
+        description="Keep the model's weights and each batch in channels-last memory order "
+        "(what tensor-core convolutions want).",
+    )
 
     batch_size: int = Field(default=64, ge=1, le=4096, description="Items per inference batch.")
     max_batch_wait_ms: float = Field(
@@ -125,7 +139,8 @@ class Settings(BaseSettings):
     progress_interval_seconds: float = Field(
         default=10,
         gt=0,
-        description="How often each in-flight job's progress.json is refreshed (if changed).",
+        description="How often each in-flight job's progress.json is refreshed (if changed) "
+        "and its local log file written.",
     )
     preprocess_timeout_seconds: float = Field(
         default=30, gt=0, description="Per-item preprocessing limit; a hung worker is replaced."
