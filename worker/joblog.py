@@ -33,7 +33,7 @@ class JobLog:
     """One job's own log: every stage's events about the job, as JSON lines.
 
     The lines are kept in memory: `lines` is what the daemon uploads as `job.log`. The
-    local file (`path`) is for the machine's operator: `flush` appends the lines not yet
+    local file (at `path`) is for the machine's operator: `flush` appends the lines not yet
     written (the daemon flushes every in-flight job with its progress, so a long job can
     be followed there), `close` writes the rest when the job is given back (the file
     names the fault; a redelivery here appends its own attempt), and `discard` removes
@@ -44,7 +44,6 @@ class JobLog:
     """
 
     def __init__(self, path: Path, job_id: str):
-        self.path = path
         self._lines = _Lines(path)
         self._logger: Any = structlog.wrap_logger(
             self._lines,
@@ -68,17 +67,17 @@ class JobLog:
         return self._lines.joined()
 
     def flush(self) -> None:
-        self._lines.write(keep=True)
+        self._lines.write()
 
     def close(self) -> bytes:
         """Write what is left to the local file; returns this attempt's lines."""
-        self._lines.write(keep=True)
+        self._lines.write()
         return self._lines.joined()
 
     def discard(self) -> None:
         """Remove the local file, earlier attempts' lines too: the job is done and its
         log is safe in S3."""
-        self._lines.write(keep=False)
+        self._lines.discard()
 
 
 class _Lines:
@@ -101,15 +100,15 @@ class _Lines:
         with self._lock:
             return "".join(self._kept).encode()
 
-    def write(self, keep: bool) -> None:
+    def write(self) -> None:
+        """Append the lines not yet in the file (none once discarded)."""
         with self._lock:
-            if self._discarded:
-                return
-            if not keep:
-                self._discarded = True
-                self._path.unlink(missing_ok=True)  # with any earlier attempt's lines
-                return
-            if self._written < len(self._kept):
+            if not self._discarded and self._written < len(self._kept):
                 with self._path.open("a", encoding="utf-8") as file:
                     file.writelines(self._kept[self._written :])
                 self._written = len(self._kept)
+
+    def discard(self) -> None:
+        with self._lock:
+            self._discarded = True
+            self._path.unlink(missing_ok=True)

@@ -104,16 +104,15 @@ def inference_setup(
     """Runs once in the inference process: load the model, return the batch function."""
     device = resolve_device(device_name)
     model = load_model(model_reference, device)
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     if channels_last:
         # Module.to takes memory_format (torch documents it); its type stubs omit it.
-        model = model.to(memory_format=memory_format)  # type: ignore[call-overload]
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=precision == "bfloat16")
 
     def infer(batch: torch.Tensor, _values: Sequence[Any]) -> list[Any]:
         on_device = batch.to(device, non_blocking=True)
-        if on_device.dim() == 4:
-            on_device = on_device.contiguous(memory_format=memory_format)
+        if channels_last and on_device.dim() == 4:  # the only rank it is defined for
+            on_device = on_device.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), autocast:
             outputs = model(on_device)
         # Plain lists: pickling tensors here would send them through shared memory,
