@@ -152,8 +152,8 @@ class TimedSource(InMemoryJobSource):
         super().ack(receipt_handle)
         self._held(receipt_handle)
 
-    def release(self, receipt_handle: str) -> None:
-        super().release(receipt_handle)
+    def release(self, receipt_handle: str, delay_s: int = 0) -> None:
+        super().release(receipt_handle, delay_s)
         self._held(receipt_handle)
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -29,6 +30,17 @@ class ImagePreprocessor:
     @property
     def output_shape(self) -> tuple[int, int, int]:
         return (3, self.size, self.size)
+
+    @cached_property
+    def samples(self) -> tuple[bytes, ...]:
+        """A small JPEG and PNG that must always decode: the daemon's probe of this
+        stage (a missing codec is the worker's fault, never the input's)."""
+        encoded = []
+        for image_format in ("JPEG", "PNG"):
+            buffer = io.BytesIO()
+            Image.new("RGB", (16, 16), (200, 30, 30)).save(buffer, format=image_format)
+            encoded.append(buffer.getvalue())
+        return tuple(encoded)
 
     def __call__(self, data: bytes, out: torch.Tensor) -> dict[str, Any]:
         try:

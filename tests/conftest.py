@@ -35,8 +35,9 @@ class Aws:
     s3: Any
     env: dict[str, str]
 
-    def stack(self, visibility_timeout_s: int = 30) -> Stack:
-        return create_stack(self.sqs, self.s3, f"t-{uuid.uuid4().hex[:12]}", visibility_timeout_s)
+    def stack(self, visibility_timeout_s: int = 30, max_receive_count: int = 3) -> Stack:
+        name = f"t-{uuid.uuid4().hex[:12]}"
+        return create_stack(self.sqs, self.s3, name, visibility_timeout_s, max_receive_count)
 
     def with_endpoint(self, endpoint: str) -> Aws:
         """The same clients; a daemon started with the result talks to `endpoint`."""
@@ -185,7 +186,14 @@ class DaemonProcess:
         self.process.send_signal(signum)
 
     def wait(self, timeout_s: float) -> int:
-        return self.process.wait(timeout_s)
+        """The daemon's exit status; on a time-out, an error that shows its last events."""
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            tail = "".join(self._lines["stdout"][-40:])
+            raise AssertionError(
+                f"still running after {timeout_s} s; last events:\n{tail}"
+            ) from None
 
     def close(self) -> list[str]:
         """Kill whatever is left; returns what was still running of the daemon's group."""

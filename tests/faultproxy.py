@@ -1,25 +1,31 @@
 """An HTTP proxy in front of the moto server that counts requests and answers chosen
-ones with errors.
+ones with faults: an AWS error (500 InternalError, 503 SlowDown, ...), a slow answer,
+or a connection reset with no answer at all.
 
-The daemon talks to it as its AWS endpoint, so the faults are real HTTP 500s that
-botocore sees, retries and finally raises, exactly as with a failing AWS endpoint.
+The daemon talks to it as its AWS endpoint, so the faults are real HTTP that botocore
+sees, and the daemon's own retry and classification code handles, exactly as with a
+failing AWS endpoint.
 """
 
 from __future__ import annotations
 
 import http.client
+import random
+import socket
+import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
+from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
 from tests.fakeaws import serve_http
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
-ERROR_BODY = b"<Error><Code>InternalError</Code><Message>injected fault</Message></Error>"
 
 
 @dataclass(frozen=True)
@@ -27,30 +33,51 @@ class Request:
     method: str
     path: str
     action: str  # the API action: X-Amz-Target (JSON protocol) or Action= (query protocol)
+    body: str = ""  # SQS names the queue in the body (JSON protocol)
 
 
 @dataclass
 class Fault:
-    """Fail requests that `matches`, the first `times` per method and path (None: all)."""
+    """What to do to requests that `matches`: the first `times` per method and path
+    (None: all of them), each with `probability`.
+
+    `kind` "error" answers `status` with an AWS error `code`; "slow" forwards the
+    request after `delay_s`; "reset" closes the connection without an answer.
+    """
 
     name: str
     matches: Callable[[Request], bool]
-    times: int | None
+    times: int | None = None
+    probability: float = 1.0
+    kind: Literal["error", "slow", "reset"] = "error"
+    status: int = 500
+    code: str = "InternalError"
+    delay_s: float = 0.0
 
 
 class FaultProxy:
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, seed: int = 0):
         self._upstream = urlsplit(upstream).netloc
         self._faults: list[Fault] = []
         self._seen: Counter[tuple[str, str, str]] = Counter()
+        self._rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         self.actions: Counter[str] = Counter()  # every request seen, by action
         self._lock = threading.Lock()
 
     def fail(self, name: str, matches: Callable[[Request], bool], times: int | None) -> None:
-        self._faults.append(Fault(name, matches, times))
+        """Answer matching requests with HTTP 500 InternalError."""
+        self.add(Fault(name, matches, times))
 
-    def _fault_for(self, request: Request) -> str | None:
+    def add(self, fault: Fault) -> None:
+        with self._lock:
+            self._faults.append(fault)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+
+    def _fault_for(self, request: Request) -> Fault | None:
         with self._lock:
             self.actions[request.action] += 1
             for fault in self._faults:
@@ -58,9 +85,10 @@ class FaultProxy:
                     continue
                 key = (fault.name, request.method, request.path)
                 self._seen[key] += 1
-                if fault.times is None or self._seen[key] <= fault.times:
+                within = fault.times is None or self._seen[key] <= fault.times
+                if within and self._rng.random() < fault.probability:
                     self.injected[fault.name] += 1
-                    return fault.name
+                    return fault
         return None
 
     @contextmanager
@@ -75,10 +103,24 @@ class FaultProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 target = self.headers.get("X-Amz-Target", "").rpartition(".")[2]
                 query_action = parse_qs(body.decode(errors="replace")).get("Action", [""])[0]
-                request = Request(self.command, self.path.split("?")[0], target or query_action)
-                if proxy._fault_for(request):
-                    self._reply(500, [("Content-Type", "application/xml")], ERROR_BODY)
+                text = body.decode(errors="replace") if target else ""
+                request = Request(
+                    self.command, self.path.split("?")[0], target or query_action, text
+                )
+                fault = proxy._fault_for(request)
+                if fault is not None and fault.kind == "reset":
+                    self._reset()
                     return
+                if fault is not None and fault.kind == "error":
+                    error = f"<Error><Code>{fault.code}</Code><Message>injected</Message></Error>"
+                    headers = [("Content-Type", "application/xml")]
+                    self._reply(fault.status, headers, error.encode())
+                    return
+                if fault is not None:
+                    time.sleep(fault.delay_s)
+                self._forward(body)
+
+            def _forward(self, body: bytes) -> None:
                 upstream = http.client.HTTPConnection(proxy._upstream, timeout=60)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -89,6 +131,13 @@ class FaultProxy:
                     self._reply(reply.status, kept, data)
                 finally:
                     upstream.close()
+
+            def _reset(self) -> None:
+                # SO_LINGER 0: the close sends a TCP reset, as a dropped connection does.
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                self.close_connection = True
 
             def _reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
                 self.send_response(status)

@@ -1,11 +1,14 @@
 """Plug-ins that fail on purpose, for fault tests of the daemon as a subprocess.
 
-Loaded by `--preprocess tests.faults:faulty_preprocessor` and
-`--model tests.faults:fragile_classifier`; every other input gets the default pipeline.
+Loaded by `--preprocess tests.faults:faulty_preprocessor`, `--model
+tests.faults:fragile_classifier` and the like; every other input gets the default
+pipeline.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -17,6 +20,9 @@ from tests.stagefns import inject_fault
 
 FAULT_PREFIX = b"FAULT:"
 FRAGILE_MAX_BATCH = 8
+MAGENTA = (255, 0, 255)
+CUDA_ERROR = "CUDA error: an illegal memory access was encountered (test)"
+BREAK_MODEL_FILE = "BREAK_MODEL_FILE"  # the environment variable naming the marker file
 
 
 class FaultyPreprocessor:
@@ -24,6 +30,7 @@ class FaultyPreprocessor:
     die (sigkill), crash (segfault) or hang, as `inject_fault` does."""
 
     output_shape = default_preprocessor.output_shape
+    samples = default_preprocessor.samples
 
     def __call__(self, data: bytes, out: torch.Tensor) -> Any:
         if data.startswith(FAULT_PREFIX):
@@ -34,9 +41,24 @@ class FaultyPreprocessor:
 faulty_preprocessor = FaultyPreprocessor()
 
 
+class CodeclessPreprocessor:
+    """The default preprocessor on a machine whose JPEG codec is missing."""
+
+    output_shape = default_preprocessor.output_shape
+    samples = default_preprocessor.samples
+
+    def __call__(self, data: bytes, out: torch.Tensor) -> Any:
+        if data[:2] == b"\xff\xd8":
+            raise OSError("decoder jpeg not available")
+        return default_preprocessor(data, out)
+
+
+codecless_preprocessor = CodeclessPreprocessor()
+
+
 class FragileClassifier(nn.Module):
     """The default classifier, but out of memory on batches over 8 images, and an
-    exception on any batch holding an all-black image."""
+    exception on any batch holding an all-magenta image."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -45,10 +67,40 @@ class FragileClassifier(nn.Module):
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if len(batch) > FRAGILE_MAX_BATCH:
             raise torch.OutOfMemoryError(f"{len(batch)} images do not fit (test)")
-        if bool((batch.flatten(1).amax(dim=1) == 0).any()):
-            raise ValueError("the model cannot take an all-black image (test)")
+        magenta = torch.tensor(MAGENTA, dtype=batch.dtype).view(1, 3, 1, 1)
+        if bool((batch == magenta).flatten(1).all(dim=1).any()):
+            raise ValueError("the model cannot take an all-magenta image (test)")
         return self.inner(batch)  # type: ignore[no-any-return]
 
 
 def fragile_classifier() -> nn.Module:
     return FragileClassifier(default_classifier())
+
+
+class BreakableClassifier(nn.Module):
+    """The default classifier, until the file named by $BREAK_MODEL_FILE exists: from
+    then on it fails every batch, as after a sticky CUDA error or an Xid. Each batch
+    takes at least $SLOW_MODEL_SECONDS_PER_BATCH (default 0)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.marker = os.environ.get(BREAK_MODEL_FILE, "")
+        self.seconds_per_batch = float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "0"))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds_per_batch)
+        if self.marker and os.path.exists(self.marker):
+            raise RuntimeError(CUDA_ERROR)
+        return self.inner(batch)  # type: ignore[no-any-return]
+
+
+def breakable_classifier() -> nn.Module:
+    return BreakableClassifier(default_classifier())
+
+
+def broken_classifier() -> nn.Module:
+    """A model that fails everything from the start."""
+    model = BreakableClassifier(default_classifier())
+    model.marker = __file__  # a file that exists
+    return model

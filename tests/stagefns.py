@@ -7,9 +7,12 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from worker.engine import StageFunction
 
 
 def sleepy_writer(delay_s: float) -> Callable[[Any, torch.Tensor], Any]:
@@ -95,3 +98,48 @@ class LayoutProbe(torch.nn.Module):
             and torch.get_autocast_dtype(batch.device.type) == torch.bfloat16,
         ]
         return torch.tensor([flags] * len(batch), dtype=torch.float32)
+
+
+def breakable_reader(marker_path: str) -> StageFunction:
+    """A reader that answers until `marker_path` exists; from then on it and its probe
+    fail everything, as a model does after a sticky CUDA error."""
+
+    def check() -> None:
+        if os.path.exists(marker_path):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def read(batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
+        check()
+        return list(values)
+
+    return StageFunction(read, check)
+
+
+def picky_reader() -> StageFunction:
+    """Raises on any batch holding the value "bad"; its probe always passes."""
+
+    def read(batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
+        if "bad" in values:
+            raise ValueError("cannot read 'bad'")
+        return list(values)
+
+    return StageFunction(read, lambda: None)
+
+
+def doomed_writer() -> StageFunction:
+    """Kills its process on every input and in its probe, as a dead GPU might."""
+
+    def die(*_: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return StageFunction(die, die)
+
+
+def dies_at_first_start(marker_path: str, times: int = 1) -> Callable[[Any, torch.Tensor], Any]:
+    """Dies during set-up the first `times` times (counted in `marker_path`), then works."""
+    marker = Path(marker_path)
+    started = int(marker.read_text()) if marker.exists() else 0
+    if started < times:
+        marker.write_text(str(started + 1))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sleepy_writer(0.0)

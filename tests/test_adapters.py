@@ -11,8 +11,9 @@ import pytest
 from moto import mock_aws
 
 from worker.aws import S3BlobStore, SqsJobSource
+from worker.errors import MissingObject
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.ports import MissingObject, S3Location
+from worker.ports import S3Location
 
 
 @pytest.fixture(params=["moto", "fake"])

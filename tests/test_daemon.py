@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+from structlog.testing import capture_logs
+
 from stages.synthetic import samples
+from worker import results
 from worker.daemon import Daemon, ExitCode
+from worker.errors import TransientError
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.ports import ReceivedMessage
+from worker.ledger import Job
+from worker.ports import ReceivedMessage, S3Location
+from worker.reporting import ProgressReporter
+from worker.retry import Backoff
 from worker.settings import Settings
 
 
@@ -223,7 +233,8 @@ def test_finished_jobs_are_announced_on_the_notify_queue(tmp_path: Path) -> None
 
 class StolenLeaseSource(InMemoryJobSource):
     """On the first renewal, another consumer receives the message first, as when a
-    lease expired unnoticed: the daemon's receipt handle is stale from then on."""
+    lease expired unnoticed, and holds it for 2 s: the daemon's receipt handle is stale
+    from then on."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -235,7 +246,7 @@ class StolenLeaseSource(InMemoryJobSource):
             if not self.stolen_handles:
                 self.stolen_handles = list(receipt_handles)
                 super().extend(receipt_handles, 0)
-                super().receive(10, 0, 3600)
+                super().receive(10, 0, 2)
             return super().extend(receipt_handles, visibility_timeout_s)
 
     def ack(self, receipt_handle: str) -> None:
@@ -244,9 +255,9 @@ class StolenLeaseSource(InMemoryJobSource):
 
 
 def test_a_lost_lease_is_not_renewed_or_acked_with_the_stale_handle(tmp_path: Path) -> None:
-    """A renewal answered "receipt handle is invalid" means another daemon owns the job
+    """A renewal answered "receipt handle is invalid" means another consumer owns the job
     now: the job still finishes (its keys are idempotent), but the stale handle is never
-    used again, and the message stays with its new owner."""
+    used again; when the message comes back, its new delivery is done and acked."""
     source, blobs = StolenLeaseSource(), InMemoryBlobStore()
     [uri] = _images(blobs, 1)
     source.send(json.dumps({"job_id": "stolen", "inputs": [uri], "output": "s3://bkt/out/s/"}))
@@ -259,6 +270,207 @@ def test_a_lost_lease_is_not_renewed_or_acked_with_the_stale_handle(tmp_path: Pa
         heartbeat_interval_seconds=0.2,
     )
     [stale] = source.stolen_handles
-    assert stale not in source.acked
-    assert len(source) == 1
-    assert "lease_lost" in blobs.objects["s3://bkt/out/s/job.log"].decode()
+    assert stale not in source.acked and len(source.acked) == 1
+    assert len(source) == 0
+    assert _output(blobs, "s", "job.json")["attempt"] == 3  # ours, theirs, ours again
+
+
+class RecordingBlobs(InMemoryBlobStore):
+    """Remembers the order of writes; can fail chosen reads and writes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[str] = []
+        self.failing_gets: dict[str, list[Exception]] = {}
+        self.failing_puts: dict[str, int] = {}
+        self.before_failing_get: Callable[[], None] = lambda: None
+
+    def get(self, location: S3Location) -> bytes:
+        errors = self.failing_gets.get(str(location))
+        if errors:
+            self.before_failing_get()
+            raise errors.pop()
+        return super().get(location)
+
+    def put(self, location: S3Location, data: bytes, content_type: str) -> None:
+        name = location.key.rsplit("/", 1)[-1]
+        if self.failing_puts.get(name):
+            self.failing_puts[name] -= 1
+            raise TransientError("SlowDown: please reduce your request rate (test)")
+        self.written.append(str(location))
+        super().put(location, data, content_type)
+
+
+def _send(source: InMemoryJobSource, job_id: str, inputs: list[str]) -> None:
+    source.send(
+        json.dumps({"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/"})
+    )
+
+
+def test_a_small_job_is_not_stuck_behind_a_big_one_received_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One receive brings a 40-item job and then a one-item job: the small one is fed
+    in turn with the big one and finishes first, and neither message is ever seen
+    again while held (both were leased from their receive)."""
+    monkeypatch.setenv("SLOW_MODEL_SECONDS_PER_BATCH", "0.1")
+    source, blobs = InMemoryJobSource(), RecordingBlobs()
+    uris = _images(blobs, 41)
+    _send(source, "big", uris[:40])
+    _send(source, "small", uris[40:])
+    _run(
+        source,
+        blobs,
+        tmp_path,
+        model="tests.slow_model:factory",
+        batch_size=4,
+        visibility_timeout_seconds=2,
+        heartbeat_interval_seconds=0.5,
+    )
+    summaries = [uri for uri in blobs.written if uri.endswith("job.json")]
+    assert summaries == ["s3://bkt/out/small/job.json", "s3://bkt/out/big/job.json"]
+    assert _output(blobs, "big", "job.json")["attempt"] == 1
+    assert _output(blobs, "small", "job.json")["attempt"] == 1
+
+
+def test_a_throttled_input_sends_its_job_back_instead_of_failing_it(tmp_path: Path) -> None:
+    """A download that is still throttled after its retries is no fault of the input:
+    the job is released with the reason and done again on its next delivery; it is
+    never finished with the throttling in its results."""
+    source, blobs = InMemoryJobSource(), RecordingBlobs()
+    uris = _images(blobs, 3)
+    blobs.failing_gets[uris[1]] = [TransientError("SlowDown: reduce your request rate")]
+    _send(source, "throttled", uris)
+    with capture_logs() as logs:
+        _run(source, blobs, tmp_path, retry_delay_seconds=0)
+    summary = _output(blobs, "throttled", "job.json")
+    assert (summary["status"], summary["attempt"]) == ("succeeded", 2)
+    assert all("error" not in r for r in _output(blobs, "throttled", "results.jsonl"))
+    [released] = [e for e in logs if e["event"] == "job_released"]
+    assert released["reason"] == "fetch of input 1: SlowDown: reduce your request rate"
+
+
+def test_a_failed_upload_keeps_the_lease_and_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uploads that fail twice are tried again under the same lease (first delivery);
+    uploads that keep failing release the job, which its next delivery finishes."""
+    monkeypatch.setattr(results, "FINISH_BACKOFF", Backoff(base_s=0.01, cap_s=0.01))
+    source, blobs = InMemoryJobSource(), RecordingBlobs()
+    [uri] = _images(blobs, 1)
+    blobs.failing_puts["results.jsonl"] = results.FINISH_ATTEMPTS - 1
+    _send(source, "patient", [uri])
+    _run(source, blobs, tmp_path, retry_delay_seconds=0)
+    assert _output(blobs, "patient", "job.json")["attempt"] == 1
+    blobs.failing_puts["results.jsonl"] = results.FINISH_ATTEMPTS
+    _send(source, "released", [uri])
+    _run(source, blobs, tmp_path, retry_delay_seconds=0)
+    assert _output(blobs, "released", "job.json")["attempt"] == 2
+    assert len(source) == 0
+
+
+class RefusingSource(InMemoryJobSource):
+    """Its dead-letter queue refuses the first send, and its first release fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead_letter_refusals = 1
+        self.release_failures = 1
+
+    def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
+        if self.dead_letter_refusals:
+            self.dead_letter_refusals -= 1
+            raise PermissionError("KMS.AccessDeniedException on the DLQ's key (test)")
+        return super().dead_letter(message, reason)
+
+    def release(self, receipt_handle: str, delay_s: int = 0) -> None:
+        if self.release_failures:
+            self.release_failures -= 1
+            raise ConnectionError("sqs unreachable (test)")
+        super().release(receipt_handle, delay_s)
+
+
+def test_failing_dead_letter_and_release_calls_never_stop_the_daemon(tmp_path: Path) -> None:
+    """A DLQ send that fails leaves the poison message to come back (and be moved on a
+    later delivery); a release that fails leaves the message to its visibility timeout.
+    Neither stops the daemon, and a good job beside them finishes."""
+    source, blobs = RefusingSource(), RecordingBlobs()
+    [uri] = _images(blobs, 1)
+    source.send("{not json")
+    _send(source, "good", [uri])
+    _run(
+        source,
+        blobs,
+        tmp_path,
+        retry_delay_seconds=0,
+        visibility_timeout_seconds=2,
+        heartbeat_interval_seconds=0.5,
+    )
+    assert [reason for _, reason in source.dead_letters] == [
+        "body is not UTF-8 JSON: Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1)"
+    ]
+    assert source.release_failures == 0
+    assert _output(blobs, "good", "job.json")["status"] == "succeeded"
+    assert len(source) == 0
+
+
+def test_drain_waits_for_messages_another_worker_holds(tmp_path: Path) -> None:
+    """`--drain` is not fooled by an empty receive while a crashed worker's message is
+    still invisible: it waits until the queue's own counts are zero, so it does that
+    job when the message comes back."""
+    source, blobs = InMemoryJobSource(), RecordingBlobs()
+    [uri] = _images(blobs, 1)
+    _send(source, "stranded", [uri])
+    assert len(source.receive(1, 0, 2)) == 1  # a worker that then died
+    _run(source, blobs, tmp_path)
+    assert _output(blobs, "stranded", "job.json")["attempt"] == 2
+    assert len(source) == 0
+
+
+def test_a_release_goes_through_when_the_local_log_cannot_be_written(tmp_path: Path) -> None:
+    """The machine's copy of a released job's log cannot be written (the log directory
+    is gone): the release still happens, and the job is done on its next delivery."""
+    source, blobs = InMemoryJobSource(), RecordingBlobs()
+    [uri] = _images(blobs, 1)
+    log_dir = tmp_path / "logs"
+
+    def break_log_dir() -> None:
+        shutil.rmtree(log_dir)
+        log_dir.write_text("not a directory any more")
+
+    blobs.failing_gets[uri] = [TransientError("connection reset (test)")]
+    blobs.before_failing_get = break_log_dir
+    _send(source, "logless", [uri])
+    _run(source, blobs, log_dir, retry_delay_seconds=0)
+    assert _output(blobs, "logless", "job.json")["attempt"] == 2
+    assert len(source) == 0
+
+
+def test_a_loop_that_raises_stops_the_daemon_and_gives_its_jobs_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop of the daemon that dies (here the progress reporter) does not leave a
+    half-working daemon renewing leases: it stops as broken and releases what it held."""
+
+    def crash(self: ProgressReporter, job: Job) -> None:
+        raise RuntimeError("progress bug (test)")
+
+    monkeypatch.setattr(ProgressReporter, "_report", crash)
+    monkeypatch.setenv("SLOW_MODEL_SECONDS_PER_BATCH", "5")
+    source, blobs = InMemoryJobSource(), RecordingBlobs()
+    [uri] = _images(blobs, 1)
+    _send(source, "held", [uri])
+    settings = Settings(
+        queue_url="q",
+        receive_wait_seconds=0,
+        log_dir=tmp_path,
+        metrics_port=0,
+        model="tests.slow_model:factory",
+        progress_interval_seconds=0.5,
+    )
+    daemon = Daemon(settings, source, blobs)
+    assert daemon.run() is ExitCode.BROKEN
+    assert "progress bug" in (daemon.health_problem() or "")
+    assert [m.body for m in source.receive(10, 0, 30)] != []  # visible again at once
+    assert not blobs.written

@@ -38,12 +38,12 @@ def _last_modified(aws: Aws, output: str, name: str) -> Any:
 
 
 def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path) -> None:
-    """20 jobs (1-input, 50-input and a 2,000-input manifest) plus one poison message:
+    """20 jobs (1-input, 50-input and a 1,000-input manifest) plus one poison message:
     every job gets one result line per input, in order, its log and its summary
     (written last); the queue ends empty, the poison is dead-lettered with its reason,
     and the default model is right on at least 95% of the images."""
     stack = aws.stack()
-    labels = upload_samples(aws.s3, stack.bucket, 2000, seed=11)
+    labels = upload_samples(aws.s3, stack.bucket, 1000, seed=11)
     uris = list(labels)
     manifest_uri = f"s3://{stack.bucket}/manifests/big.txt"
     aws.s3.put_object(Bucket=stack.bucket, Key="manifests/big.txt", Body="\n".join(uris).encode())

@@ -6,6 +6,7 @@ import functools
 import random
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,6 @@ from worker.engine import (
     ThreadStage,
     isolate_failures,
 )
-from worker.ledger import Job
 
 
 class RecordingObserver:
@@ -42,7 +42,7 @@ class RecordingObserver:
         self.lost.append(reason)
 
     def stage_broken(self, stage: str, error: BaseException) -> None:
-        self.broken.append(str(error))
+        self.broken.append(f"{type(error).__name__}: {error}")
 
 
 def run_items(pipeline: Pipeline, items: list[Item]) -> list[Item]:
@@ -126,28 +126,14 @@ def test_packing_and_splitting_route_every_result_home(
     with Pipeline([stage], RecordingObserver()) as pipeline:
         results = run_items(pipeline, items)
 
-    jobs = {f"job{j}": _job(f"job{j}", size) for j, size in enumerate(job_sizes)}
+    regrouped: dict[str, list[str | None]] = {
+        f"job{j}": [None] * size for j, size in enumerate(job_sizes)
+    }
     for item in results:
-        jobs[item.job].results[item.index] = {"value": item.value}
-    for key, job in jobs.items():
-        assert [r["value"] if r else None for r in job.results] == [
-            f"{key}/{i}" for i in range(len(job.inputs))
-        ]
-
-
-def _job(key: str, size: int) -> Job:
-    from unittest.mock import MagicMock
-
-    return Job(
-        key=key,
-        message_id=key,
-        job_id=key,
-        message=MagicMock(),
-        inputs=["x"] * size,
-        receipt_handle="",
-        attempt=1,
-        log=MagicMock(),
-    )
+        assert regrouped[item.job][item.index] is None
+        regrouped[item.job][item.index] = item.value
+    for key, values in regrouped.items():
+        assert values == [f"{key}/{i}" for i in range(len(values))]
 
 
 def test_error_items_flow_to_the_end_untouched() -> None:
@@ -281,6 +267,104 @@ def test_setup_failure_is_reported_at_start() -> None:
     )
     with pytest.raises(StageSetupError, match="model file is corrupt"):
         pipeline.start()
+
+
+def _wait_until(condition: Any, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_stage_failing_known_good_input_is_broken_and_no_item_is_blamed(
+    tmp_path: Path,
+) -> None:
+    """Once the model fails everything, its probe included (a sticky CUDA error), the
+    batch is not turned into item errors: a fresh process is tried, fails the same way,
+    and the stage reports itself broken with the cause."""
+    marker = tmp_path / "broken"
+    observer = RecordingObserver()
+    pipeline = _process_pipeline(
+        functools.partial(stagefns.sleepy_writer, 0.0),
+        functools.partial(stagefns.breakable_reader, str(marker)),
+        observer=observer,
+    )
+    with pipeline:
+        assert all(
+            r.error is None for r in run_items(pipeline, [Item("j", i, i) for i in range(4)])
+        )
+        marker.touch()
+        for index in range(4):
+            pipeline.submit(Item("k", index, index))
+        _wait_until(lambda: observer.broken)
+        assert pipeline.queue_depths()["inference"] == 0
+    assert [broken.startswith("WorkerFault") for broken in observer.broken] == [True]
+    assert "a fresh worker failed the same way" in observer.broken[0]
+    assert "illegal memory access" in observer.broken[0]
+    assert len(observer.lost) == 1 and "failed its probe" in observer.lost[0]
+
+
+def test_items_that_fail_while_the_probe_passes_are_the_inputs_fault() -> None:
+    """A batch in which every item fails is still the items' fault when the stage's
+    probe passes: each gets its error, and no process is replaced."""
+    observer = RecordingObserver()
+    pipeline = _process_pipeline(
+        functools.partial(stagefns.sleepy_writer, 0.0), stagefns.picky_reader, observer=observer
+    )
+    values = ["bad", "bad", "bad"]
+    with pipeline:
+        results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+    assert [r.error.type if r.error else None for r in results] == ["ValueError"] * 3
+    assert observer.lost == [] and observer.broken == []
+
+
+def test_an_item_that_kills_every_worker_is_blamed_only_if_the_probe_passes() -> None:
+    """A process that dies on every input and on its probe (a dead GPU) is the worker's
+    fault: after the item's tries, the fresh process's probe dies too, and the stage is
+    reported broken instead of failing the item."""
+    observer = RecordingObserver()
+    stages = [ProcessStage("preprocess", stagefns.doomed_writer, arena_mode="write")]
+    with Pipeline(stages, observer, TensorArena((2,), slots=4)) as pipeline:
+        pipeline.submit(Item("j", 0, 0))
+        _wait_until(lambda: observer.broken)
+    assert "WorkerFault" in observer.broken[0] and "failed its probe" in observer.broken[0]
+
+
+def test_a_worker_that_dies_during_start_up_is_started_again(tmp_path: Path) -> None:
+    """A child that dies before it is ready is retried like one that dies later; one
+    that dies at every start stops the pipeline from starting."""
+    once = functools.partial(stagefns.dies_at_first_start, str(tmp_path / "once"))
+    with Pipeline(
+        [ProcessStage("preprocess", once, arena_mode="write")],
+        RecordingObserver(),
+        TensorArena((2,), slots=4),
+    ) as pipeline:
+        assert [r.value for r in run_items(pipeline, [Item("j", 0, 3)])] == [3]
+    always = functools.partial(stagefns.dies_at_first_start, str(tmp_path / "always"), 99)
+    pipeline = Pipeline(
+        [ProcessStage("preprocess", always, arena_mode="write")],
+        RecordingObserver(),
+        TensorArena((2,), slots=4),
+    )
+    with pytest.raises(StageSetupError, match="did not start"):
+        pipeline.start()
+
+
+def test_a_stage_thread_that_raises_reports_the_stage_broken() -> None:
+    """A driver thread that raises (a bug, not an input) does not die silently and
+    leave the stage short of a worker: the stage is reported broken."""
+
+    class Exploding(RecordingObserver):
+        def stage_ran(
+            self, stage: str, items: Sequence[Item], duration_s: float, events: Any
+        ) -> None:
+            raise RuntimeError("bookkeeping bug")
+
+    observer = Exploding()
+    with Pipeline([ThreadStage("fetch", lambda values: values)], observer) as pipeline:
+        pipeline.submit(Item("j", 0, 0))
+        _wait_until(lambda: observer.broken)
+    assert observer.broken == ["RuntimeError: bookkeeping bug"]
 
 
 def test_stages_overlap() -> None:

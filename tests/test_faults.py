@@ -1,5 +1,5 @@
 """Fault tests: real faults injected into the daemon running as a subprocess against a
-moto server (DESIGN.md section 4, one test per row). Every test also checks, through
+moto server (docs/DESIGN.md section 4, one test per row). Every test also checks, through
 the `start_daemon` fixture or `run_daemon`, that no process of the daemon outlives it."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from PIL import Image
 from stages.synthetic import samples
 from tests.conftest import Aws, DaemonProcess, run_daemon
 from tests.faultproxy import FaultProxy, Request
+from tests.faults import MAGENTA
 from worker.demo import Stack, upload_samples
+from worker.results import FINISH_ATTEMPTS
 
 pytestmark = pytest.mark.e2e
 
@@ -96,12 +98,12 @@ def test_bad_inputs_and_poison_messages_fail_alone(
             "hang": b"FAULT:hang",
             "segfault": b"FAULT:segfault",
             "sigkill": b"FAULT:sigkill",
-            "blank": _png(Image.new("RGB", (64, 64))),
+            "magenta": _png(Image.new("RGB", (64, 64), MAGENTA)),
         }.items()
     }
     missing = f"s3://{stack.bucket}/bad/missing"
     mixed = [good[0], bad["garbage"], good[1], missing, bad["truncated"], bad["bomb"]]
-    mixed += [bad["hang"], bad["segfault"], bad["sigkill"], bad["blank"], good[2]]
+    mixed += [bad["hang"], bad["segfault"], bad["sigkill"], bad["magenta"], good[2]]
     expected_errors = {
         1: "UnidentifiedImageError",
         3: "MissingObject",
@@ -228,8 +230,9 @@ def test_transient_errors_are_retried_and_an_unuploadable_job_goes_to_the_dlq(
 ) -> None:
     """Through a proxy that answers HTTP 500: every input download and some uploads and
     receives fail once and are retried (the jobs succeed on their first attempt); the
-    job whose results can never be uploaded is released each time, and after the
-    queue's maxReceiveCount (3) SQS moves it to the dead-letter queue."""
+    job whose results can never be uploaded is tried again under its lease, then
+    released each time, and after the queue's maxReceiveCount (3) SQS moves it to the
+    dead-letter queue."""
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 20, seed=6))
     jobs = {f"flaky-{n}": uris[n * 5 : n * 5 + 5] for n in range(4)}
@@ -243,13 +246,22 @@ def test_transient_errors_are_retried_and_an_unuploadable_job_goes_to_the_dlq(
     with proxy.serving() as proxy_url:
         run = run_daemon(
             aws.with_endpoint(proxy_url),
-            _args(stack, tmp_path, "--drain", "--aws-max-attempts", "3"),
+            _args(
+                stack,
+                tmp_path,
+                "--drain",
+                "--aws-max-attempts",
+                "3",
+                "--retry-delay-seconds",
+                "0",
+            ),
         )
     assert run.returncode == 0, run.stderr[-3000:]
 
     assert proxy.injected["input_download"] == 20
     assert proxy.injected["upload"] == 4
-    assert proxy.injected["doomed_upload"] == 3 * 3  # three deliveries of three tries
+    # Three deliveries, each finished FINISH_ATTEMPTS times, each write tried 3 times.
+    assert proxy.injected["doomed_upload"] == 3 * FINISH_ATTEMPTS * 3
     assert proxy.injected["receive"] == 2
     for job_id, inputs in jobs.items():
         _assert_complete(aws, stack, job_id, inputs)
@@ -329,9 +341,10 @@ def test_second_signal_cuts_the_grace_period_short(
 def test_sigkill_of_the_daemon_loses_nothing(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
-    """SIGKILL the daemon with 30 jobs in flight; its children go with it. After the
-    leases run out a new daemon does the rest: every job has exactly one complete,
-    in-order results.jsonl and job.json, and both queues are empty."""
+    """SIGKILL the daemon with 30 jobs in flight; its children go with it. A new daemon
+    started at once with `--drain` does the rest, the dead one's jobs included once
+    their leases run out: every job has exactly one complete, in-order results.jsonl
+    and job.json, and both queues are empty."""
     stack = aws.stack(visibility_timeout_s=4)
     uris = list(upload_samples(aws.s3, stack.bucket, 180, seed=10))
     jobs = {f"job-{n:02d}": uris[n * 6 : n * 6 + 6] for n in range(30)}
@@ -344,10 +357,8 @@ def test_sigkill_of_the_daemon_loses_nothing(
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     assert first.close() == []  # its children noticed and exited
+    assert aws.queue_depth(stack.queue_url)[1] > 0  # the dead daemon's leases
 
-    deadline = time.monotonic() + 30
-    while aws.queue_depth(stack.queue_url)[1] and time.monotonic() < deadline:
-        time.sleep(0.5)
     second = start_daemon(_args(stack, tmp_path, "--drain", *lease, *model), env=env)
     assert second.wait(120) == 0, second.stderr[-3000:]
 

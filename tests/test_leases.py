@@ -11,6 +11,7 @@ from worker.joblog import JobLog
 from worker.leases import LeaseKeeper
 from worker.ledger import Job, Ledger
 from worker.message import parse_job_message
+from worker.supervisor import Progress
 
 
 class ManualClock:
@@ -23,19 +24,11 @@ class ManualClock:
 
 def _admit(ledger: Ledger, source: InMemoryJobSource, tmp_path: Path) -> Job:
     [message] = source.receive(1, 0, 30)
-    job = Job(
-        key=message.message_id,
-        message_id=message.message_id,
-        job_id="j",
-        inputs=["s3://bkt/a"],
-        receipt_handle=message.receipt_handle,
-        attempt=message.receive_count,
-        log=JobLog(tmp_path / "j.log", "j"),
-        message=parse_job_message(
-            json.dumps({"inputs": ["s3://bkt/a"], "output": "s3://bkt/o/"}), frozenset()
-        ),
-    )
-    ledger.admit(job)
+    job = ledger.receive(message)
+    assert job is not None
+    body = json.dumps({"job_id": "j", "inputs": ["s3://bkt/a"], "output": "s3://bkt/o/"})
+    spec = parse_job_message(body, frozenset())
+    ledger.admit(job, spec, ["s3://bkt/a"], JobLog(tmp_path / "j.log", "j"))
     return job
 
 
@@ -51,7 +44,30 @@ def test_renewals_keep_a_message_invisible_past_its_timeout(tmp_path: Path) -> N
         keeper.renew_all()
         assert source.receive(10, 0, 30) == []
     assert source.extend_calls == 10
+    assert job.log is not None
     job.log.close()
+
+
+def test_leases_are_not_renewed_while_nothing_progresses(tmp_path: Path) -> None:
+    """A daemon that holds jobs but has moved none of them past its stall limit stops
+    renewing: its messages go back to the queue for a healthy worker instead of being
+    held for hours; renewals resume once work moves again."""
+    clock = ManualClock()
+    source, ledger = InMemoryJobSource(clock), Ledger()
+    source.send("{}")
+    _admit(ledger, source, tmp_path)
+    progress = Progress(stall_after_s=60, clock=clock)
+    keeper = _keeper(ledger, source, clock, progress=progress)
+    clock.now += 15
+    keeper.renew_all()
+    assert source.extend_calls == 1
+    clock.now += 60
+    keeper.renew_all()
+    assert source.extend_calls == 1
+    assert len(source.receive(10, 0, 30)) == 1  # its lease ran out: visible to others
+    progress.beat()
+    keeper.renew_all()
+    assert source.extend_calls == 2
 
 
 def test_lost_lease_is_marked_and_no_longer_renewed(tmp_path: Path) -> None:
@@ -66,7 +82,7 @@ def test_lost_lease_is_marked_and_no_longer_renewed(tmp_path: Path) -> None:
     keeper = _keeper(ledger, source, clock)
     keeper.renew_all()
     assert job.lease_lost and ledger.leases() == {}
-    assert '"lease_lost"' in job.log.close().decode()
+    assert job.log is not None and '"lease_lost"' in job.log.close().decode()
     keeper.renew_all()
     assert source.extend_calls == 1
 
@@ -91,7 +107,7 @@ def test_a_job_nearing_the_lease_ceiling_is_released_not_renewed(tmp_path: Path)
 
     def release(job: Job) -> None:
         released.append(job)
-        ledger.remove(job.key)
+        ledger.release(job)
 
     keeper = _keeper(ledger, source, clock, max_lease_s=100, on_ceiling=release)
     for _ in range(4):  # at 15, 30, 45, 60 s: 60 + 30 still fits in 100
@@ -101,15 +117,17 @@ def test_a_job_nearing_the_lease_ceiling_is_released_not_renewed(tmp_path: Path)
     clock.now += 15  # 75 + 30 would pass the ceiling
     keeper.renew_all()
     assert released == [job] and source.extend_calls == 4
-    assert '"lease_ceiling_reached"' in job.log.close().decode()
+    assert job.log is not None and '"lease_ceiling_reached"' in job.log.close().decode()
 
 
 def _keeper(
     ledger: Ledger,
     source: InMemoryJobSource,
     clock: ManualClock,
+    *,
     max_lease_s: float = 12 * 3600,
     on_ceiling: Callable[[Job], None] = lambda job: None,
+    progress: Progress | None = None,
 ) -> LeaseKeeper:
     return LeaseKeeper(
         ledger,
@@ -118,5 +136,6 @@ def _keeper(
         interval_s=15,
         max_lease_s=max_lease_s,
         on_ceiling=on_ceiling,
+        progress=progress or Progress(stall_after_s=float("inf"), clock=clock),
         clock=clock,
     )

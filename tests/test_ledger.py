@@ -1,4 +1,4 @@
-"""The ledger's bookkeeping and the per-job log file."""
+"""The ledger's job lifecycle, its round-robin feed, and the per-job log file."""
 
 from __future__ import annotations
 
@@ -6,60 +6,195 @@ import json
 import tempfile
 from pathlib import Path
 
-from hypothesis import given
+import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from worker.channel import Closed
 from worker.joblog import JobLog
-from worker.ledger import Job, Ledger
+from worker.ledger import TRANSITIONS, IllegalTransition, Job, JobState, Ledger
 from worker.message import parse_job_message
+from worker.ports import ReceivedMessage
+
+SETTLE = {
+    JobState.ACKED: Ledger.ack,
+    JobState.RELEASED: Ledger.release,
+    JobState.DEAD_LETTERED: Ledger.dead_letter,
+}
 
 
-def _job(key: str, items: int, log_dir: Path) -> Job:
-    inputs = [f"s3://bkt/{key}/{index}" for index in range(items)]
-    return Job(
-        key=key,
-        message_id=key,
-        job_id=key,
-        message=parse_job_message(
-            json.dumps({"inputs": inputs, "output": "s3://bkt/o/"}), frozenset()
-        ),
-        inputs=inputs,
-        receipt_handle=f"{key}#1",
-        attempt=1,
-        log=JobLog(log_dir / f"{key}.log", key),
-    )
+def _message(number: int) -> ReceivedMessage:
+    return ReceivedMessage(f"m{number}", "{}", f"m{number}#handle", 1)
 
 
-def _outstanding_by_hand(ledger: Ledger) -> int:
-    return sum(len(job.inputs) - job.finished_items for job in ledger.jobs() if not job.claimed)
+def _admit(ledger: Ledger, job: Job, items: int, log_dir: Path) -> None:
+    inputs = [f"s3://bkt/{job.key}/{index}" for index in range(items)]
+    spec = parse_job_message(json.dumps({"inputs": inputs, "output": "s3://bkt/o/"}), frozenset())
+    ledger.admit(job, spec, inputs, JobLog(log_dir / f"{job.key}.log", job.key))
 
 
-@given(
-    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=6),
-    steps=st.lists(st.tuples(st.sampled_from("rcx"), st.integers(0, 5), st.booleans())),
-)
-def test_outstanding_items_counts_what_is_still_inside(
-    sizes: list[int], steps: list[tuple[str, int, bool]]
-) -> None:
-    """Whatever order results, claims and removals come in, the running count equals the
-    items of unclaimed jobs not yet back."""
-    with tempfile.TemporaryDirectory() as scratch:
-        ledger = Ledger()
-        jobs = [_job(f"j{number}", size, Path(scratch)) for number, size in enumerate(sizes)]
-        for job in jobs:
-            ledger.admit(job)
-        for action, number, failed in steps:
-            job = jobs[number % len(jobs)]
-            if action == "r" and None in job.results:
-                result = {"error": {}} if failed else {}
-                ledger.record(job.key, job.results.index(None), result)
-            elif action == "c":
-                ledger.claim(job.key)
-            elif action == "x":
-                ledger.remove(job.key)
-            assert ledger.outstanding_items() == _outstanding_by_hand(ledger)
-        for job in jobs:
-            job.log.close()
+def _held(ledger: Ledger, number: int, items: int, log_dir: Path) -> Job:
+    job = ledger.receive(_message(number))
+    assert job is not None
+    _admit(ledger, job, items, log_dir)
+    return job
+
+
+def test_a_job_goes_through_its_lifecycle_leased_until_settled(tmp_path: Path) -> None:
+    """received (leased at once) -> admitted -> running (first item fed) -> finishing
+    (last result) -> acked; the lease ends when the job is settled, and the job leaves
+    the ledger only when forgotten."""
+    ledger = Ledger()
+    job = ledger.receive(_message(1))
+    assert job is not None and job.state is JobState.RECEIVED
+    assert ledger.leases() == {job.key: "m1#handle"}
+    _admit(ledger, job, 2, tmp_path)
+    assert job.state is JobState.ADMITTED and ledger.outstanding_items() == 2
+    assert ledger.next_item() == (job, 0) and job.state is JobState.RUNNING
+    assert ledger.next_item() == (job, 1)
+    assert ledger.record(job.key, 1, {"label": "b"}) is None
+    assert ledger.record(job.key, 0, {"error": {}}) is job
+    assert job.state is JobState.FINISHING and (job.succeeded, job.failed) == (1, 1)
+    assert ledger.ack(job) and job.state is JobState.ACKED
+    assert ledger.leases() == {} and len(ledger) == 1
+    ledger.forget(job)
+    assert len(ledger) == 0 and ledger.outstanding_items() == 0
+
+
+def test_illegal_moves_raise_and_settling_is_won_once(tmp_path: Path) -> None:
+    """The table decides: a received job cannot be acked, a running one cannot be
+    dead-lettered, an unsettled one cannot be forgotten. Settling twice is a race that
+    the first caller wins; the loser gets False, not an error."""
+    ledger = Ledger()
+    job = ledger.receive(_message(1))
+    assert job is not None
+    with pytest.raises(IllegalTransition):
+        ledger.ack(job)
+    with pytest.raises(IllegalTransition):
+        ledger.forget(job)
+    _admit(ledger, job, 1, tmp_path)
+    with pytest.raises(IllegalTransition):
+        _admit(ledger, job, 1, tmp_path)
+    ledger.next_item()
+    with pytest.raises(IllegalTransition):
+        ledger.dead_letter(job)
+    with pytest.raises(IllegalTransition):
+        ledger.ack(job)  # a job is acked only once its results are all in
+    assert ledger.release(job) and not ledger.release(job) and not ledger.ack(job)
+    assert ledger.record(job.key, 0, {}) is None  # a result arriving after the release
+    assert ledger.outstanding_items() == 0
+
+
+def test_the_feed_takes_jobs_in_turn(tmp_path: Path) -> None:
+    """A one-item job admitted after a 100-item one is fed second, not 101st; a job
+    released while it waits for its turn is skipped."""
+    ledger = Ledger()
+    big = _held(ledger, 1, 100, tmp_path)
+    small = _held(ledger, 2, 1, tmp_path)
+    gone = _held(ledger, 3, 5, tmp_path)
+    ledger.release(gone)
+    fed = [ledger.next_item() for _ in range(4)]
+    assert [(job.key, index) for job, index in fed] == [
+        (big.key, 0),
+        (small.key, 0),
+        (big.key, 1),
+        (big.key, 2),
+    ]
+
+
+def test_the_feed_stops_when_the_ledger_closes(tmp_path: Path) -> None:
+    """After `close` nothing more is received and the feeder's wait ends with Closed."""
+    ledger = Ledger()
+    ledger.close()
+    assert ledger.receive(_message(1)) is None
+    with pytest.raises(Closed):
+        ledger.next_item()
+
+
+def test_a_redelivery_of_a_held_message_renews_its_handle(tmp_path: Path) -> None:
+    """A message that came back while still held here (its lease ran out unnoticed) is
+    not a second job: the held one carries on under the new receipt handle."""
+    ledger = Ledger()
+    job = _held(ledger, 1, 1, tmp_path)
+    ledger.mark_lease_lost(job.key)
+    assert ledger.leases() == {}
+    assert ledger.redelivered(ReceivedMessage("m1", "{}", "m1#new", 2))
+    assert ledger.leases() == {job.key: "m1#new"}
+    ledger.release(job)
+    assert not ledger.redelivered(ReceivedMessage("m1", "{}", "m1#newer", 3))
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Any order of receives, admissions, feeds, results and settlements keeps the
+    lifecycle legal and the bookkeeping true."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch = tempfile.TemporaryDirectory()
+        self.ledger = Ledger()
+        self.jobs: list[Job] = []
+        self.fed: list[tuple[Job, int]] = []
+        self.history: dict[str, list[JobState]] = {}
+
+    def teardown(self) -> None:
+        self.scratch.cleanup()
+
+    def _job(self, number: int) -> Job | None:
+        return self.jobs[number % len(self.jobs)] if self.jobs else None
+
+    @rule()
+    def receive(self) -> None:
+        job = self.ledger.receive(_message(len(self.jobs)))
+        assert job is not None
+        self.jobs.append(job)
+
+    @rule(number=st.integers(0, 50), items=st.integers(1, 4))
+    def admit(self, number: int, items: int) -> None:
+        job = self._job(number)
+        if job is not None and job.state is JobState.RECEIVED:
+            _admit(self.ledger, job, items, Path(self.scratch.name))
+
+    @rule()
+    def feed(self) -> None:
+        if any(job.fed < len(job.inputs) and not job.settled for job in self.jobs):
+            self.fed.append(self.ledger.next_item())
+
+    @rule(number=st.integers(0, 50), failed=st.booleans())
+    def result(self, number: int, failed: bool) -> None:
+        if self.fed:
+            job, index = self.fed.pop(number % len(self.fed))
+            self.ledger.record(job.key, index, {"error": {}} if failed else {})
+
+    @rule(number=st.integers(0, 50), state=st.sampled_from(sorted(SETTLE)))
+    def settle(self, number: int, state: JobState) -> None:
+        job = self._job(number)
+        if job is not None and not job.settled and state in TRANSITIONS[job.state]:
+            assert SETTLE[state](self.ledger, job)
+
+    @rule(number=st.integers(0, 50))
+    def forget(self, number: int) -> None:
+        job = self._job(number)
+        if job is not None and job.settled:
+            self.ledger.forget(job)
+
+    @invariant()
+    def states_move_only_as_the_table_says(self) -> None:
+        for job in self.jobs:
+            seen = self.history.setdefault(job.key, [JobState.RECEIVED])
+            if seen[-1] is not job.state:
+                assert job.state in TRANSITIONS[seen[-1]]
+                seen.append(job.state)
+
+    @invariant()
+    def bookkeeping_is_true(self) -> None:
+        unsettled = [job for job in self.jobs if not job.settled]
+        assert self.ledger.outstanding_items() == sum(job.outstanding_items for job in unsettled)
+        assert set(self.ledger.leases()) == {job.key for job in unsettled}
+
+
+LedgerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+test_ledger_state_machine = LedgerMachine.TestCase
 
 
 def test_job_log_file_keeps_released_attempts_and_goes_when_the_job_is_done(

@@ -13,7 +13,15 @@ from stages.model import default_classifier
 from stages.postprocess import top_k
 from stages.preprocess import default_preprocessor
 from stages.synthetic import LABELS, samples
-from worker.plugins import PluginError, inference_setup, load_postprocessor, load_preprocessor
+from worker.plugins import (
+    PluginError,
+    inference_setup,
+    load_postprocessor,
+    load_preprocessor,
+    preprocess_setup,
+)
+
+SHAPE = default_preprocessor.output_shape
 
 
 def _batch(count: int) -> tuple[torch.Tensor, list[str]]:
@@ -49,8 +57,10 @@ def test_model_files_give_the_same_answers_as_the_factory(
     path = tmp_path / name
     save(path)
     batch, labels = _batch(16)
-    from_file = inference_setup(str(path), "cpu")(batch, [None] * 16)
-    from_factory = inference_setup("stages.model:default_classifier", "cpu")(batch, [None] * 16)
+    from_file = inference_setup(str(path), "cpu", SHAPE).run(batch, [None] * 16)
+    from_factory = inference_setup("stages.model:default_classifier", "cpu", SHAPE).run(
+        batch, [None] * 16
+    )
     assert torch.allclose(torch.tensor(from_file), torch.tensor(from_factory), atol=1e-5)
     predicted = [top_k(row, {})["label"] for row in from_file]
     assert sum(p == t for p, t in zip(predicted, labels, strict=True)) >= 15
@@ -61,17 +71,14 @@ def test_bfloat16_and_channels_last_are_applied_and_keep_the_answers() -> None:
     """`--precision bfloat16 --channels-last` reach the model (probed), and the default
     model's answers stay those of float32."""
     batch = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
-    assert (
-        inference_setup("tests.stagefns:LayoutProbe", "cpu")(batch, [None] * 2)
-        == [[0.0, 0.0, 0.0]] * 2
-    )
-    tuned = inference_setup("tests.stagefns:LayoutProbe", "cpu", "bfloat16", channels_last=True)
-    assert tuned(batch, [None] * 2) == [[1.0, 1.0, 1.0]] * 2
+    probe = inference_setup("tests.stagefns:LayoutProbe", "cpu", (3, 8, 8))
+    assert probe.run(batch, [None] * 2) == [[0.0, 0.0, 0.0]] * 2
+    tuned = inference_setup("tests.stagefns:LayoutProbe", "cpu", (3, 8, 8), "bfloat16", True)
+    assert tuned.run(batch, [None] * 2) == [[1.0, 1.0, 1.0]] * 2
     batch, _ = _batch(16)
-    plain = inference_setup("stages.model:default_classifier", "cpu")(batch, [None] * 16)
-    fast = inference_setup("stages.model:default_classifier", "cpu", "bfloat16", True)(
-        batch, [None] * 16
-    )
+    default = "stages.model:default_classifier"
+    plain = inference_setup(default, "cpu", SHAPE).run(batch, [None] * 16)
+    fast = inference_setup(default, "cpu", SHAPE, "bfloat16", True).run(batch, [None] * 16)
     assert [top_k(row, {})["label"] for row in fast] == [top_k(row, {})["label"] for row in plain]
     assert torch.allclose(torch.tensor(fast), torch.tensor(plain), atol=0.05)
 
@@ -89,7 +96,28 @@ def test_bfloat16_and_channels_last_are_applied_and_keep_the_answers() -> None:
 def test_bad_model_references_are_explained(reference: str, message: str) -> None:
     """A model reference that cannot be loaded fails with what is wrong."""
     with pytest.raises(PluginError, match=message):
-        inference_setup(reference, "cpu")
+        inference_setup(reference, "cpu", SHAPE)
+
+
+def test_a_model_that_fails_on_zeros_does_not_start() -> None:
+    """The model's probe is a batch of zeros, run once at start: a model that raises on
+    it is broken (or cannot be told from broken), and the daemon says so at start."""
+    with pytest.raises(PluginError, match="fails on a batch of zeros"):
+        inference_setup("tests.faults:broken_classifier", "cpu", SHAPE)
+    stage_fn = inference_setup("stages.model:default_classifier", "cpu", SHAPE)
+    assert stage_fn.probe is not None
+    stage_fn.probe()
+
+
+def test_a_preprocessor_is_probed_with_its_samples() -> None:
+    """The default preprocessor decodes its own JPEG and PNG samples at start (a missing
+    codec stops the start); one without samples has no probe."""
+    stage_fn = preprocess_setup("stages.preprocess:default_preprocessor")
+    assert stage_fn.probe is not None and len(default_preprocessor.samples) == 2
+    stage_fn.probe()
+    with pytest.raises(PluginError, match="cannot decode its own samples"):
+        preprocess_setup("tests.faults:codecless_preprocessor")
+    assert preprocess_setup("tests.faults:faulty_preprocessor").probe is not None
 
 
 def test_preprocessor_and_postprocessor_are_checked() -> None:

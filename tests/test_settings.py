@@ -80,3 +80,11 @@ def test_readme_documents_every_setting() -> None:
     for name in Settings.model_fields:
         assert f"`--{name.replace('_', '-')}`" in readme
         assert f"`WORKER_{name.upper()}`" in readme
+
+
+def test_fifo_queues_are_refused_at_start() -> None:
+    """A FIFO queue (or DLQ) is refused with the reason, not half-supported: message
+    groups would block behind jobs that finish out of order or are released with delays."""
+    for fields in ({"queue_url": "q.fifo"}, {"queue_url": "q", "dlq_url": "dead.fifo"}):
+        with pytest.raises(ValidationError, match="FIFO queues are not supported"):
+            Settings(**fields)

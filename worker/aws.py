@@ -1,22 +1,36 @@
 """The AWS adapters: SQS as a `JobSource`, S3 as a `BlobStore`. Nothing else imports boto3.
 
-Transient errors (throttling, 5xx, connection resets) are retried inside botocore with
-its standard retry mode and backoff; what reaches the caller is either permanent or has
-outlasted the retries.
+Errors are classified here, where they are raised (`worker.errors`): throttling, 5xx,
+timeouts, resets and short reads become `TransientError` and are retried with backoff
+under each call's own budget (`worker.retry`); a missing object is `MissingObject`, a
+refused one `AccessDenied`; anything else is raised as botocore gave it. botocore's own
+retries are off, so there is one retry policy, not two stacked.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import urllib.request
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import boto3
+import urllib3.exceptions
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import (
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
 
-from worker.ports import MissingObject, ReceivedMessage, S3Location, ScaleInGuard
+from worker.errors import AccessDenied, MissingObject, TransientError
+from worker.ports import QueueCounts, ReceivedMessage, S3Location, ScaleInGuard
+from worker.retry import call_with_retries
 from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_CALL
 
 if TYPE_CHECKING:
@@ -24,44 +38,140 @@ if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
     from mypy_boto3_sqs import SQSClient
 
+T = TypeVar("T")
+
 MAX_REASON_CHARS = 1000
 IMDS_DEFAULT_ENDPOINT = "http://169.254.169.254"
 IMDS_TOKEN_TTL_S = 60
 IMDS_TIMEOUT_S = 2.0
 ECS_AGENT_TIMEOUT_S = 5.0
 ASG_NAME_TAG = "aws:autoscaling:groupName"
-MISSING_OBJECT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "404"})
+CONNECT_TIMEOUT_S = 5
+# Longer than SQS's longest long poll (20 s), or a quiet receive would time out.
+READ_TIMEOUT_S = 30
+
+MISSING_OBJECT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
+ACCESS_DENIED_CODES = frozenset({"AccessDenied", "Forbidden", "403"})
+# botocore's throttling and transient codes (botocore/retries/standard.py), plus expired
+# credentials, which the session refreshes before the next try.
+TRANSIENT_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "LimitExceededException",
+        "RequestThrottled",
+        "SlowDown",
+        "PriorRequestNotComplete",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "ExpiredToken",
+        "ExpiredTokenException",
+        "KMS.ThrottlingException",
+    }
+)
+TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+TRANSIENT_EXCEPTIONS = (
+    BotoConnectionError,  # endpoint unreachable, connect timeout
+    HTTPClientError,  # connection closed or reset, read timeout, broken response stream
+    IncompleteReadError,  # the body was shorter than its Content-Length
+    urllib3.exceptions.HTTPError,
+)
 
 
-def _config(max_attempts: int, max_pool_connections: int = 10) -> Config:
+def classify(error: Exception) -> Exception:
+    """The error to raise in place of `error`: one of `worker.errors`' classes where it
+    fits, else `error` itself (permanent)."""
+    if isinstance(error, ClientError):
+        details = error.response.get("Error", {})
+        code = details.get("Code", "")
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        message = f"{code or status}: {details.get('Message', '')}"
+        if code in MISSING_OBJECT_CODES:
+            return MissingObject(message)
+        if code in ACCESS_DENIED_CODES:
+            return AccessDenied(message)
+        if code in TRANSIENT_CODES or status in TRANSIENT_STATUSES:
+            return TransientError(message)
+        return error
+    if isinstance(error, TRANSIENT_EXCEPTIONS):
+        return TransientError(f"{type(error).__name__}: {error}")
+    return error
+
+
+def _classified(call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except Exception as error:
+        classified = classify(error)
+        if classified is error:
+            raise
+        raise classified from error
+
+
+class _Retrying:
+    """Runs each call under its own retry budget, with its errors classified."""
+
+    def __init__(self, attempts: int):
+        self._attempts = attempts
+
+    def _call(self, call: Callable[[], T]) -> T:
+        return call_with_retries(lambda: _classified(call), self._attempts)
+
+
+def _config(max_pool_connections: int = 10) -> Config:
     return Config(
-        retries={"mode": "standard", "total_max_attempts": max_attempts},
+        retries={"mode": "standard", "total_max_attempts": 1},
+        connect_timeout=CONNECT_TIMEOUT_S,
+        read_timeout=READ_TIMEOUT_S,
         max_pool_connections=max_pool_connections,
     )
 
 
-def sqs_client(max_attempts: int = DEFAULT_AWS_MAX_ATTEMPTS) -> SQSClient:
+def sqs_client() -> SQSClient:
     """An SQS client from boto3's usual configuration (AWS_ENDPOINT_URL, region, ...)."""
-    return boto3.session.Session().client("sqs", config=_config(max_attempts))
+    return boto3.session.Session().client("sqs", config=_config())
 
 
-def send_message(client: SQSClient, queue_url: str, body: str) -> None:
-    client.send_message(QueueUrl=queue_url, MessageBody=body)
+def autoscaling_client() -> AutoScalingClient:
+    return boto3.session.Session().client("autoscaling", config=_config())
 
 
-def autoscaling_client(max_attempts: int = DEFAULT_AWS_MAX_ATTEMPTS) -> AutoScalingClient:
-    return boto3.session.Session().client("autoscaling", config=_config(max_attempts))
-
-
-def s3_client(max_pool_connections: int, max_attempts: int = DEFAULT_AWS_MAX_ATTEMPTS) -> S3Client:
+def s3_client(max_pool_connections: int) -> S3Client:
     """An S3 client with room for `max_pool_connections` concurrent requests."""
-    return boto3.session.Session().client("s3", config=_config(max_attempts, max_pool_connections))
+    return boto3.session.Session().client("s3", config=_config(max_pool_connections))
 
 
-class SqsJobSource:
+class SqsSender(_Retrying):
+    """Sends messages to one queue (job submissions, completion notices)."""
+
+    def __init__(self, client: SQSClient, queue_url: str, attempts: int = DEFAULT_AWS_MAX_ATTEMPTS):
+        super().__init__(attempts)
+        self._client = client
+        self._queue_url = queue_url
+
+    def __call__(self, body: str) -> None:
+        self._call(lambda: self._client.send_message(QueueUrl=self._queue_url, MessageBody=body))
+
+
+class SqsJobSource(_Retrying):
     """Job messages from one SQS queue, with an optional dead-letter queue."""
 
-    def __init__(self, client: SQSClient, queue_url: str, dlq_url: str | None):
+    def __init__(
+        self,
+        client: SQSClient,
+        queue_url: str,
+        dlq_url: str | None,
+        attempts: int = DEFAULT_AWS_MAX_ATTEMPTS,
+    ):
+        super().__init__(attempts)
         self._client = client
         self._queue_url = queue_url
         self._dlq_url = dlq_url
@@ -69,12 +179,14 @@ class SqsJobSource:
     def receive(
         self, max_messages: int, wait_s: int, visibility_timeout_s: int
     ) -> list[ReceivedMessage]:
-        reply = self._client.receive_message(
-            QueueUrl=self._queue_url,
-            MaxNumberOfMessages=max_messages,
-            WaitTimeSeconds=wait_s,
-            VisibilityTimeout=visibility_timeout_s,
-            MessageSystemAttributeNames=["ApproximateReceiveCount"],
+        reply = self._call(
+            lambda: self._client.receive_message(
+                QueueUrl=self._queue_url,
+                MaxNumberOfMessages=max_messages,
+                WaitTimeSeconds=wait_s,
+                VisibilityTimeout=visibility_timeout_s,
+                MessageSystemAttributeNames=["ApproximateReceiveCount"],
+            )
         )
         return [
             ReceivedMessage(
@@ -87,27 +199,33 @@ class SqsJobSource:
         ]
 
     def ack(self, receipt_handle: str) -> None:
-        self._client.delete_message(QueueUrl=self._queue_url, ReceiptHandle=receipt_handle)
+        self._call(
+            lambda: self._client.delete_message(
+                QueueUrl=self._queue_url, ReceiptHandle=receipt_handle
+            )
+        )
 
-    def release(self, receipt_handle: str) -> None:
-        self._client.change_message_visibility(
-            QueueUrl=self._queue_url, ReceiptHandle=receipt_handle, VisibilityTimeout=0
+    def release(self, receipt_handle: str, delay_s: int = 0) -> None:
+        self._call(
+            lambda: self._client.change_message_visibility(
+                QueueUrl=self._queue_url, ReceiptHandle=receipt_handle, VisibilityTimeout=delay_s
+            )
         )
 
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
         failures: dict[str, str] = {}
         for start in range(0, len(receipt_handles), SQS_MAX_ENTRIES_PER_BATCH_CALL):
             chunk = receipt_handles[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
-            reply = self._client.change_message_visibility_batch(
-                QueueUrl=self._queue_url,
-                Entries=[
-                    {
-                        "Id": str(n),
-                        "ReceiptHandle": handle,
-                        "VisibilityTimeout": visibility_timeout_s,
-                    }
-                    for n, handle in enumerate(chunk)
-                ],
+            entries: Any = [
+                {"Id": str(n), "ReceiptHandle": handle, "VisibilityTimeout": visibility_timeout_s}
+                for n, handle in enumerate(chunk)
+            ]
+            reply = self._call(
+                functools.partial(
+                    self._client.change_message_visibility_batch,
+                    QueueUrl=self._queue_url,
+                    Entries=entries,
+                )
             )
             # A batch call succeeds as a whole even when entries fail: check each one
             # (bbc/sqs-consumer#193).
@@ -116,38 +234,57 @@ class SqsJobSource:
         return failures
 
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
-        if self._dlq_url is None:
+        dlq_url = self._dlq_url
+        if dlq_url is None:
             return False
         attributes: Any = {
             "reason": {"DataType": "String", "StringValue": reason[:MAX_REASON_CHARS]},
             "source_message_id": {"DataType": "String", "StringValue": message.message_id},
         }
-        self._client.send_message(
-            QueueUrl=self._dlq_url, MessageBody=message.body or " ", MessageAttributes=attributes
+        self._call(
+            lambda: self._client.send_message(
+                QueueUrl=dlq_url, MessageBody=message.body or " ", MessageAttributes=attributes
+            )
         )
         self.ack(message.receipt_handle)
         return True
 
+    def counts(self) -> QueueCounts:
+        names: Any = [
+            "ApproximateNumberOfMessages",
+            "ApproximateNumberOfMessagesNotVisible",
+            "ApproximateNumberOfMessagesDelayed",
+        ]
+        reply = self._call(
+            lambda: self._client.get_queue_attributes(
+                QueueUrl=self._queue_url, AttributeNames=names
+            )
+        )
+        attributes = reply["Attributes"]
+        return QueueCounts(*(int(attributes.get(name, 0)) for name in names))
 
-class S3BlobStore:
+
+class S3BlobStore(_Retrying):
     """Objects in S3."""
 
-    def __init__(self, client: S3Client):
+    def __init__(self, client: S3Client, attempts: int = DEFAULT_AWS_MAX_ATTEMPTS):
+        super().__init__(attempts)
         self._client = client
 
     def get(self, location: S3Location) -> bytes:
-        try:
+        def read() -> bytes:
+            # Inside the retried call: a reset or a short read mid-body is as transient
+            # as a failed request.
             reply = self._client.get_object(Bucket=location.bucket, Key=location.key)
-        except ClientError as error:
-            code = error.response.get("Error", {}).get("Code", "")
-            if code in MISSING_OBJECT_CODES:
-                raise MissingObject(f"{location} does not exist ({code})") from error
-            raise
-        return reply["Body"].read()
+            return reply["Body"].read()
+
+        return self._call(read)
 
     def put(self, location: S3Location, data: bytes, content_type: str) -> None:
-        self._client.put_object(
-            Bucket=location.bucket, Key=location.key, Body=data, ContentType=content_type
+        self._call(
+            lambda: self._client.put_object(
+                Bucket=location.bucket, Key=location.key, Body=data, ContentType=content_type
+            )
         )
 
 
@@ -155,22 +292,31 @@ class ProtectionUnavailable(Exception):
     """The environment offers no way to protect this machine (not EC2 ASG, not ECS)."""
 
 
-class AsgGuard:
+class AsgGuard(_Retrying):
     """EC2 Auto Scaling: SetInstanceProtection on this instance."""
 
     name = "asg"
     renew_every_s: float | None = None  # protection of an instance does not expire
 
-    def __init__(self, client: AutoScalingClient, instance_id: str, group_name: str):
+    def __init__(
+        self,
+        client: AutoScalingClient,
+        instance_id: str,
+        group_name: str,
+        attempts: int = DEFAULT_AWS_MAX_ATTEMPTS,
+    ):
+        super().__init__(attempts)
         self._client = client
         self.instance_id = instance_id
         self.group_name = group_name
 
     def set_protected(self, protected: bool) -> None:
-        self._client.set_instance_protection(
-            InstanceIds=[self.instance_id],
-            AutoScalingGroupName=self.group_name,
-            ProtectedFromScaleIn=protected,
+        self._call(
+            lambda: self._client.set_instance_protection(
+                InstanceIds=[self.instance_id],
+                AutoScalingGroupName=self.group_name,
+                ProtectedFromScaleIn=protected,
+            )
         )
 
 
@@ -246,4 +392,4 @@ def scale_in_guard(
             f"instance and group this is ({error}); is the instance in an Auto Scaling "
             "group with instance metadata tags on, or is --asg-name missing?"
         ) from error
-    return AsgGuard(autoscaling_client(max_attempts), instance_id, group)
+    return AsgGuard(autoscaling_client(), instance_id, group, max_attempts)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -106,7 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "run":
-        sys.exit(_run(args))
+        # Until the daemon runs (and installs its own handlers) nothing is held: a stop
+        # signal during start-up (imports, model loading) just ends the process cleanly.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _exit_before_start)
+        code = _run(args)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)  # the exit status is decided
+        # The daemon has released what it held and stopped its children, or given up
+        # waiting for them at its shutdown deadline: exit now, without waiting for
+        # threads stuck in a call (the interpreter would join them at exit).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if args.command == "enqueue":
         sys.exit(_enqueue(args))
     if args.command == "healthcheck":
@@ -120,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(run_demo(args.out))
 
 
+def _exit_before_start(_signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
 def _run(args: argparse.Namespace) -> int:
     from worker.daemon import Daemon
     from worker.engine import StageSetupError
@@ -130,12 +146,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"invalid settings:\n{_explain(error)}", file=sys.stderr)
         return EXIT_USAGE
     configure_daemon_logging()
-    sqs = aws.sqs_client(settings.aws_max_attempts)
-    source = aws.SqsJobSource(sqs, settings.queue_url, settings.dlq_url)
-    blobs = aws.S3BlobStore(aws.s3_client(settings.s3_connections, settings.aws_max_attempts))
+    sqs = aws.sqs_client()
+    attempts = settings.aws_max_attempts
+    source = aws.SqsJobSource(sqs, settings.queue_url, settings.dlq_url, attempts)
+    blobs = aws.S3BlobStore(aws.s3_client(settings.s3_connections), attempts)
     notify = None
     if settings.notify_queue_url:
-        notify = functools.partial(aws.send_message, sqs, settings.notify_queue_url)
+        notify = aws.SqsSender(sqs, settings.notify_queue_url, attempts)
     try:
         guard = aws.scale_in_guard(
             settings.protection,
@@ -188,7 +205,7 @@ def _enqueue(args: argparse.Namespace) -> int:
     except (ValidationError, json.JSONDecodeError) as error:
         print(f"invalid job: {error}", file=sys.stderr)
         return EXIT_USAGE
-    aws.send_message(aws.sqs_client(), args.queue_url, message.model_dump_json(exclude_none=True))
+    aws.SqsSender(aws.sqs_client(), args.queue_url)(message.model_dump_json(exclude_none=True))
     print(message.job_id)
     if args.wait:
         return _wait(message, args.timeout_seconds)

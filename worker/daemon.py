@@ -1,70 +1,61 @@
-"""The daemon: pull jobs on demand, push their items through the pipeline, finish them.
+"""The daemon: wires the job lifecycle's units together, runs them, and stops them.
 
-    puller thread      receive (when hungry) -> validate -> admit to ledger -> submit items
-    pipeline           fetch (threads) -> preprocess (processes) -> inference (one process)
-    regrouper thread   postprocess -> file result in the ledger -> job complete? -> finisher
-    finisher threads   upload results.jsonl, job.log, job.json (last) -> ack
-    lease keeper       renews every in-flight lease well before it runs out
+    intake         receive (when there is room) -> lease in the ledger -> admit or settle
+    feeder         held jobs' items, in turn -> pipeline
+    pipeline       fetch (threads) -> preprocess (processes) -> inference (one process)
+    regrouper      each result -> its job in the ledger -> complete? -> finisher
+    finisher       results.jsonl, job.log, job.json (last) -> ack
+    lease keeper   renews every held message's lease while work progresses
+    progress       each in-flight job's progress.json and local log file
+    protection     scale-in protection on while jobs are held
+    watchdog       a daemon that holds work and moves none of it is broken
 
-    protection keeper  scale-in protection on while jobs are held (off after an idle grace)
-    metrics server     /metrics and /healthz
-
-The main thread only starts these, waits for a reason to stop (a signal, a drained
-queue, a broken stage) and then shuts down in order.
+Every loop runs under one `Supervisor`; the main thread starts them, waits for a reason
+to stop (a signal, a drained queue, a broken worker) and shuts down within a hard
+deadline. What happens to a job when something fails is the table in docs/DESIGN.md
+("Job lifecycle"), one method per row.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import json
 import os
 import signal
 import socket
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from collections.abc import Callable, Iterator
 from enum import StrEnum
-from typing import Any
 
 import structlog
 
 from worker import __version__
-from worker.channel import Closed
-from worker.engine import Item, Pipeline, ProcessStage, TensorArena, ThreadStage
-from worker.joblog import JobLog
+from worker.engine import Pipeline, ProcessStage, StageObserver, TensorArena, ThreadStage
+from worker.intake import Feeder, Intake
 from worker.leases import LeaseKeeper
-from worker.ledger import Job, Ledger, StageTiming
-from worker.message import PoisonMessage, parse_job_message, parse_manifest
+from worker.ledger import Ledger
 from worker.metrics import Metrics, serving
-from worker.plugins import (
-    Postprocessor,
-    inference_setup,
-    load_postprocessor,
-    load_preprocessor,
-    preprocess_setup,
-)
-from worker.ports import (
-    BlobStore,
-    JobSource,
-    MissingObject,
-    ReceivedMessage,
-    S3Location,
-    ScaleInGuard,
-)
+from worker.outcomes import Lifecycle, Outcomes
+from worker.plugins import inference_setup, load_postprocessor, load_preprocessor, preprocess_setup
+from worker.ports import BlobStore, JobSource, S3Location, ScaleInGuard
 from worker.protection import ProtectionKeeper
+from worker.reporting import JobObserver, ProgressReporter
+from worker.results import Finisher, Regrouper
 from worker.settings import Settings
+from worker.supervisor import Progress, Supervisor
 from worker.timeline import Timeline
 
 log = structlog.get_logger()
 
-RECEIVE_ERROR_BACKOFF_S = 5.0
-# A healthy daemon takes or finishes something at least every long poll or every batch.
+# Shutdown's last steps (release what is held, stop the stage processes, drop scale-in
+# protection, release what a last long poll brings) get the long poll's wait, and at
+# least this long, after the grace period; then the daemon exits regardless.
+MIN_SHUTDOWN_TAIL_S = 10.0
+# A healthy daemon moves something at least every batch, or replaces a hung worker.
 STALL_MARGIN_S = 60.0
+WATCHDOG_INTERVAL_S = 5.0
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class ExitCode(StrEnum):
@@ -93,121 +84,73 @@ class Daemon:
         timeline: Timeline | None = None,
     ):
         self._settings = settings
-        self._source = source
-        self._blobs = blobs
-        self._notify = notify
-        self._timeline = timeline
-        self._ledger = Ledger()
-        self._metrics = Metrics()
+        self.shutdown_tail_s = max(float(settings.receive_wait_seconds), MIN_SHUTDOWN_TAIL_S)
         settings.log_dir.mkdir(parents=True, exist_ok=True)
-        self._preprocessor = load_preprocessor(settings.preprocess)
-        self._postprocess: Postprocessor = load_postprocessor(settings.postprocess)
-        self._pipeline = self._build_pipeline()
+        self._ledger = ledger = Ledger()
+        self._metrics = metrics = Metrics()
+        stall_after_s = (
+            max(settings.inference_timeout_seconds, settings.preprocess_timeout_seconds)
+            + settings.receive_wait_seconds
+            + STALL_MARGIN_S
+        )
+        progress = Progress(stall_after_s)
+        self._outcomes = Outcomes(ledger, source, metrics, progress, settings.retry_delay_seconds)
+        lifecycle = Lifecycle(ledger, self._outcomes, metrics, progress)
+        self._stopping = threading.Event()  # no more receiving
+        self._hurry = threading.Event()  # cut the grace period short
+        self._exit = threading.Event()
+        self._exit_reason: ExitCode | None = None
+        self._broken_cause: str | None = None
+        observer = JobObserver(ledger, metrics, progress, timeline, self._break)
+        self._pipeline = _pipeline(settings, blobs, observer)
+        worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
+        self._finisher = Finisher(blobs, lifecycle, worker_info, notify, capacity=settings.max_jobs)
         self._leases = LeaseKeeper(
-            self._ledger,
+            ledger,
             source,
             settings.visibility_timeout_seconds,
             settings.heartbeat_interval_seconds,
             max_lease_s=settings.max_lease_seconds,
-            on_ceiling=lambda job: self._release(job, "lease ceiling reached"),
-            on_renewed=self._metrics.leases_renewed,
+            on_ceiling=lambda job: self._outcomes.release(job, "lease ceiling reached"),
+            progress=progress,
+            on_renewed=metrics.leases_renewed,
         )
+        self._reporter = ProgressReporter(ledger, blobs, settings.progress_interval_seconds)
         self._protection = (
-            ProtectionKeeper(
-                self._ledger,
-                guard,
-                settings.idle_grace_seconds,
-                on_call=self._metrics.protection_called,
-            )
+            ProtectionKeeper(ledger, guard, settings.idle_grace_seconds, metrics.protection_called)
             if guard
             else None
         )
-        self._progress_at = time.monotonic()
-        self._stall_after_s = (
-            settings.inference_timeout_seconds + settings.receive_wait_seconds + STALL_MARGIN_S
+        postprocess = load_postprocessor(settings.postprocess)
+        intake = Intake(
+            settings, source, blobs, lifecycle, self._stopping, on_drained=self._drained
         )
-        self._admissions = itertools.count(1)
-        # Each finished job is three sequential PUTs: with S3's tens of milliseconds per
-        # request, one-input jobs need as many finishers as downloads to keep up.
-        self._finishers = ThreadPoolExecutor(
-            settings.fetch_concurrency, thread_name_prefix="finisher"
-        )
-        self._stopping = threading.Event()  # no more receiving
-        self._hurry = threading.Event()  # cut the grace period short
-        self._exit_reason: ExitCode | None = None
-        self._exit = threading.Event()
-        self._worker_info = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "version": __version__,
+        self._units: dict[str, Callable[[], object]] = {
+            "intake": intake.run,
+            "feeder": Feeder(ledger, self._pipeline).run,
+            "regrouper": Regrouper(self._pipeline, lifecycle, self._finisher, postprocess).run,
+            **{f"finisher-{n}": self._finisher.run for n in range(settings.fetch_concurrency)},
+            "lease-keeper": self._leases.run,
+            "progress": self._reporter.run,
         }
-
-    def _build_pipeline(self) -> Pipeline:
-        settings = self._settings
-        # Enough decoded images for the batch being inferred, the next two being
-        # assembled, and one in the hands of each preprocessing worker.
-        arena_slots = 3 * settings.batch_size + 2 * settings.preprocess_workers
-        stages = [
-            ThreadStage("fetch", self._fetch_all, workers=settings.fetch_concurrency),
-            ProcessStage(
-                "preprocess",
-                functools.partial(preprocess_setup, settings.preprocess),
-                workers=settings.preprocess_workers,
-                timeout_s=settings.preprocess_timeout_seconds,
-                arena_mode="write",
-            ),
-            ProcessStage(
-                "inference",
-                functools.partial(
-                    inference_setup,
-                    settings.model,
-                    settings.device,
-                    settings.precision,
-                    settings.channels_last,
-                ),
-                batch_size=settings.batch_size,
-                max_batch_wait_ms=settings.max_batch_wait_ms,
-                timeout_s=settings.inference_timeout_seconds,
-                arena_mode="read",
-            ),
-        ]
-        arena = TensorArena(self._preprocessor.output_shape, arena_slots)
-        observer = _JobObserver(
-            self._ledger, self._metrics, self._timeline, lambda: self._stop(ExitCode.BROKEN)
-        )
-        pipeline = Pipeline(stages, observer=observer, arena=arena)
-        for stage in stages:
-            self._metrics.stage_queue_depth.labels(stage.name).set_function(
-                functools.partial(lambda name: pipeline.queue_depths()[name], stage.name)
-            )
-        self._metrics.jobs_in_flight.set_function(lambda: len(self._ledger))
-        return pipeline
-
-    def _fetch_all(self, uris: list[str]) -> list[bytes]:
-        return [self._blobs.get(S3Location.parse(uri)) for uri in uris]
-
-    # The main thread ---------------------------------------------------------
+        if self._protection:
+            self._units["protection"] = self._protection.run
+        self._supervisor = Supervisor(self._break, progress, lambda: len(ledger) > 0, self._exit)
+        metrics.follow(jobs_held=lambda: len(ledger), queue_depths=self._pipeline.queue_depths)
 
     def run(self) -> ExitCode:
         """Serve until drained (with `drain`), signalled, or broken; then shut down."""
-        self._install_signal_handlers()
         log.info("daemon_starting", settings=self._settings.model_dump(mode="json"))
         with contextlib.ExitStack() as running:
+            running.enter_context(self._signal_handlers())
             if self._settings.metrics_port:
                 running.enter_context(
                     serving(self._settings.metrics_port, self._metrics, self.health_problem)
                 )
             self._pipeline.start()
-            self._leases.start()
-            if self._protection:
-                self._protection.start()
-            threads = [
-                threading.Thread(target=self._pull_loop, name="puller", daemon=True),
-                threading.Thread(target=self._regroup_loop, name="regrouper", daemon=True),
-                threading.Thread(target=self._progress_loop, name="progress", daemon=True),
-            ]
-            for thread in threads:
-                thread.start()
+            for name, unit in self._units.items():
+                self._supervisor.spawn(name, unit)
+            self._supervisor.start_watching(WATCHDOG_INTERVAL_S)
             log.info("daemon_started")
             self._exit.wait()
             reason = self._exit_reason or ExitCode.SIGNALLED
@@ -216,27 +159,41 @@ class Daemon:
         return reason
 
     def health_problem(self) -> str | None:
-        """Why the daemon is unhealthy (a stage down, no progress), or None."""
+        """Why the daemon is unhealthy (broken, a stage down, stalled), or None."""
+        if self._broken_cause is not None:
+            return f"broken: {self._broken_cause}"
         dead = self._pipeline.dead_stages()
         if dead:
             return f"stage worker down: {', '.join(dead)}"
-        idle_s = time.monotonic() - self._progress_at
-        if idle_s > self._stall_after_s:
-            return f"no progress for {idle_s:.0f} s"
-        return None
+        return self._supervisor.stall()
 
     def stop(self) -> None:
         """Shut down as on SIGTERM (for a daemon embedded in another program)."""
         self._stop(ExitCode.SIGNALLED)
 
+    def _drained(self) -> None:
+        self._stop(ExitCode.DRAINED)
+
+    def _break(self, cause: str) -> None:
+        """The worker itself is at fault: stop taking jobs and give back what is held,
+        unwritten, so the orchestrator replaces this worker (the circuit opens)."""
+        if self._broken_cause is None:
+            self._broken_cause = cause
+            log.error("worker_broken", cause=cause)
+        self._stop(ExitCode.BROKEN)
+
     def _stop(self, reason: ExitCode) -> None:
-        if self._exit_reason is None:
+        if self._exit_reason is None or reason is ExitCode.BROKEN:
             self._exit_reason = reason
         self._stopping.set()
         self._exit.set()
         self._ledger.wake()
 
-    def _install_signal_handlers(self) -> None:
+    @contextlib.contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        """SIGTERM or SIGINT: shut down; a second one: cut the grace short. The handlers
+        only set flags, and the previous ones are back once the daemon has stopped."""
+
         def handle(signum: int, _frame: object) -> None:
             if self._stopping.is_set():
                 self._hurry.set()
@@ -244,338 +201,81 @@ class Daemon:
                 return
             self._stop(ExitCode.SIGNALLED)
 
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, handle)
+        previous = {signum: signal.signal(signum, handle) for signum in SHUTDOWN_SIGNALS}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     def _shutdown(self, reason: ExitCode) -> None:
-        """Let in-flight jobs finish within the grace period, release the rest, stop."""
+        """Let held jobs finish within the grace period (on a signal), then give back the
+        rest and stop everything, within `shutdown_tail_s` more whatever hangs."""
         if reason is ExitCode.SIGNALLED and len(self._ledger):
             grace_s = self._settings.grace_seconds
             log.info("draining_in_flight_jobs", jobs=len(self._ledger), grace_s=grace_s)
-            self._ledger.wait_until(lambda: not len(self._ledger) or self._hurry.is_set(), grace_s)
+            self._ledger.wait_until(
+                lambda: (
+                    not len(self._ledger) or self._hurry.is_set() or self._broken_cause is not None
+                ),
+                grace_s,
+            )
+        closing = threading.Thread(target=self._close, name="shutdown", daemon=True)
+        closing.start()
+        closing.join(self.shutdown_tail_s)
+        if closing.is_alive():
+            log.error("shutdown_deadline_passed", tail_s=self.shutdown_tail_s)
+
+    def _close(self) -> None:
+        started = time.monotonic()
         self._ledger.close()
-        for job in self._ledger.jobs():
-            self._release(job, "shutdown")
+        cause = self._broken_cause
+        self._outcomes.release_all(f"worker broken: {cause}" if cause else "shutdown")
+        self._finisher.close()
         self._pipeline.close()
-        self._finishers.shutdown(wait=True)
         self._leases.stop()
+        self._reporter.stop()
         if self._protection:
             self._protection.stop()
-
-    # Pulling -----------------------------------------------------------------
-
-    def _room(self) -> int:
-        """How many messages may be received now: 0 while enough work is waiting."""
-        settings = self._settings
-        if self._ledger.outstanding_items() >= settings.prefetch_batches * settings.batch_size:
-            return 0
-        return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
-
-    def _pull_loop(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                self._progress_at = time.monotonic()
-                self._ledger.wait_until(lambda: self._room() > 0 or self._stopping.is_set())
-                if self._stopping.is_set():
-                    return
-                # Drained only if nothing was held for the whole receive: a job released
-                # while it waited may be visible again without this receive seeing it.
-                idle = not len(self._ledger)
-                messages = self._receive(self._room())
-                if messages is None:
-                    continue
-                if not messages and self._settings.drain and idle and not len(self._ledger):
-                    self._stop(ExitCode.DRAINED)
-                    return
-                for message in messages:
-                    self._admit(message)
-        except Closed:
-            return
-        except Exception:
-            log.exception("puller_failed")
-            self._stop(ExitCode.BROKEN)
-
-    def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
-        """The messages received, or None when the receive failed (not an empty queue)."""
-        settings = self._settings
-        try:
-            return self._source.receive(
-                max_messages, settings.receive_wait_seconds, settings.visibility_timeout_seconds
-            )
-        except Exception as error:
-            # botocore already retried; back off instead of hammering a failing API.
-            log.warning("receive_failed", error=repr(error), retry_in_s=RECEIVE_ERROR_BACKOFF_S)
-            self._stopping.wait(RECEIVE_ERROR_BACKOFF_S)
-            return None
-
-    def _admit(self, message: ReceivedMessage) -> None:
-        """Validate a message, enter it in the ledger and feed its items in."""
-        if self._ledger.renew_receipt(message.message_id, message.receipt_handle):
-            log.warning("job_redelivered_while_in_flight", message_id=message.message_id)
-            return
-        settings = self._settings
-        try:
-            job_message = parse_job_message(message.body, settings.allowed_buckets)
-            inputs = job_message.inputs or self._read_manifest(job_message.manifest or "")
-            if len(inputs) > settings.max_items_per_job:
-                raise PoisonMessage(
-                    f"{len(inputs)} inputs is over the limit of {settings.max_items_per_job}"
-                )
-        except PoisonMessage as poison:
-            self._reject(message, str(poison))
-            return
-        except Exception as error:
-            log.warning("job_admission_failed", message_id=message.message_id, error=repr(error))
-            self._source.release(message.receipt_handle)
-            return
-        job_id = job_message.job_id or message.message_id
-        job = Job(
-            # Items of an earlier admission of this message (released, then redelivered
-            # here) may still be in the pipeline: they must not count for this one.
-            key=f"{message.message_id}#{next(self._admissions)}",
-            message_id=message.message_id,
-            job_id=job_id,
-            message=job_message,
-            inputs=inputs,
-            receipt_handle=message.receipt_handle,
-            attempt=message.receive_count,
-            log=JobLog(settings.log_dir / f"{job_id}.log", job_id),
-        )
-        if not self._ledger.admit(job):
-            job.log.close()
-            self._source.release(message.receipt_handle)  # shutting down: give it back now
-            return
-        job.log.info(
-            "job_received", items=len(inputs), attempt=job.attempt, message_id=job.message_id
-        )
-        log.info("job_received", job_id=job_id, items=len(inputs), attempt=job.attempt)
-        for index, uri in enumerate(inputs):
-            self._pipeline.submit(Item(job.key, index, uri))
-
-    def _read_manifest(self, uri: str) -> list[str]:
-        try:
-            text = self._blobs.get(S3Location.parse(uri))
-        except MissingObject as missing:
-            raise PoisonMessage(f"manifest {uri} does not exist") from missing
-        return parse_manifest(
-            text, self._settings.allowed_buckets, self._settings.max_items_per_job
-        )
-
-    def _reject(self, message: ReceivedMessage, reason: str) -> None:
-        moved = self._source.dead_letter(message, reason)
-        self._metrics.jobs.labels("poison").inc()
-        log.warning(
-            "poison_message",
-            message_id=message.message_id,
-            reason=reason,
-            dead_lettered=moved,
-        )
-
-    # Regrouping and finishing -------------------------------------------------
-
-    def _regroup_loop(self) -> None:
-        try:
-            while True:
-                item = self._pipeline.next_result()
-                self._progress_at = time.monotonic()
-                job = self._ledger.get(item.job)
-                if job is None:
-                    continue
-                result = self._result(job, item)
-                self._metrics.item_finished(failed="error" in result)
-                finished = self._ledger.record(item.job, item.index, result)
-                if finished is not None:
-                    self._finishers.submit(self._finish, finished)
-        except Closed:
-            return
-        except Exception:
-            log.exception("regrouper_failed")
-            self._stop(ExitCode.BROKEN)
-
-    def _progress_loop(self) -> None:
-        """Publish each in-flight job's progress.json, for `enqueue --wait` and dashboards,
-        and bring its local log file up to date."""
-        while not self._exit.wait(self._settings.progress_interval_seconds):
-            for job in self._ledger.jobs():
-                job.log.flush()
-                finished = job.finished_items
-                if finished == job.progress_reported:
-                    continue
-                progress = {
-                    "job_id": job.job_id,
-                    "items": len(job.inputs),
-                    "finished": finished,
-                    "failed": job.failed,
-                }
-                try:
-                    self._blobs.put(
-                        job.message.output_location("progress.json"),
-                        json.dumps(progress).encode(),
-                        "application/json",
-                    )
-                except Exception as error:
-                    log.warning("progress_upload_failed", job_id=job.job_id, error=repr(error))
-                    continue
-                job.progress_reported = finished
-
-    def _result(self, job: Job, item: Item) -> dict[str, Any]:
-        """The results.jsonl record of one item: prediction fields, or its error."""
-        record: dict[str, Any] = {"index": item.index, "input": job.inputs[item.index]}
-        error = item.error
-        if error is None:
-            try:
-                return {**record, **self._postprocess(item.value, job.message.params)}
-            except Exception as failure:
-                error_fields = {"type": type(failure).__name__, "message": str(failure)[:1000]}
-                stage = "postprocess"
-        else:
-            error_fields = {"type": error.type, "message": error.message}
-            stage = error.stage
-        job.log.error(
-            "item_failed", index=item.index, input=record["input"], stage=stage, **error_fields
-        )
-        return {**record, "error": error_fields}
-
-    def _finish(self, job: Job) -> None:
-        """Upload the outputs, `job.json` last, then ack; release if that fails."""
-        try:
-            finished_at = time.time()
-            results = b"".join(json.dumps(r).encode() + b"\n" for r in job.results)
-            summary = self._summary(job, finished_at)
-            # Compact: the indented encoder is pure Python and cost a tenth of a small job.
-            summary_json = json.dumps(summary)
-            self._blobs.put(
-                job.message.output_location("results.jsonl"), results, "application/x-ndjson"
-            )
-            job.log.info(
-                "job_finished",
-                **{k: summary[k] for k in ("status", "items", "failed", "duration_s")},
-            )
-            job.log.info("stage_timings", **{name: vars(t) for name, t in job.timings.items()})
-            self._blobs.put(
-                job.message.output_location("job.log"), job.log.lines(), "application/x-ndjson"
-            )
-            self._blobs.put(
-                job.message.output_location("job.json"),
-                summary_json.encode() + b"\n",
-                "application/json",
-            )
-        except Exception as error:
-            log.exception("job_upload_failed", job_id=job.job_id)
-            self._release(job, f"upload failed: {error!r}")
-            return
-        try:
-            job.log.discard()
-        except OSError as error:
-            log.warning("job_log_not_removed", job_id=job.job_id, error=repr(error))
-        if not self._ledger.claim(job.key):
-            return  # released by shutdown meanwhile: its lease is no longer ours to ack
-        self._metrics.jobs.labels(summary["status"]).inc()
-        if self._notify:
-            try:
-                self._notify(summary_json)
-            except Exception as error:
-                log.warning("notify_failed", job_id=job.job_id, error=repr(error))
-        try:
-            if job.lease_lost:
-                log.warning("job_not_acked_lease_lost", job_id=job.job_id)
-                return
-            self._source.ack(job.receipt_handle)
-        except Exception as error:
-            # The message comes back after its timeout; redoing it rewrites the same keys.
-            log.warning("ack_failed", job_id=job.job_id, error=repr(error))
-            return
-        finally:
-            self._ledger.remove(job.key)
-        log.info(
-            "job_finished",
-            job_id=job.job_id,
-            status=summary["status"],
-            items=summary["items"],
-            duration_s=summary["duration_s"],
-        )
-
-    def _summary(self, job: Job, finished_at: float) -> dict[str, Any]:
-        return {
-            "job_id": job.job_id,
-            "status": job.status.value,
-            "items": len(job.inputs),
-            "succeeded": job.succeeded,
-            "failed": job.failed,
-            "received_at": _iso(job.received_at),
-            "finished_at": _iso(finished_at),
-            "duration_s": round(finished_at - job.received_at, 3),
-            "attempt": job.attempt,
-            "worker": self._worker_info,
-        }
-
-    def _release(self, job: Job, reason: str) -> None:
-        """Give a job back to the queue at once (visibility 0) for another try."""
-        if not self._ledger.claim(job.key):
-            return
-        self._metrics.jobs.labels("released").inc()
-        job.log.info("job_released", reason=reason)
-        job.log.close()
-        log.warning("job_released", job_id=job.job_id, reason=reason)
-        try:
-            if not job.lease_lost:
-                self._source.release(job.receipt_handle)
-        except Exception as error:
-            # It will come back on its own when the visibility timeout runs out.
-            log.warning("release_failed", job_id=job.job_id, error=repr(error))
-        finally:
-            self._ledger.remove(job.key)
+            self._supervisor.join("protection", self.shutdown_tail_s)
+            self._protection.unprotect()
+        # A long poll still under way may bring messages: the intake releases them.
+        self._supervisor.join("intake", self.shutdown_tail_s - (time.monotonic() - started))
 
 
-def _iso(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds")
-
-
-class _JobObserver:
-    """Turns engine reports into per-job timings and log lines."""
-
-    def __init__(
-        self,
-        ledger: Ledger,
-        metrics: Metrics,
-        timeline: Timeline | None,
-        on_broken: Callable[[], None],
-    ):
-        self._ledger = ledger
-        self._metrics = metrics
-        self._timeline = timeline
-        self._on_broken = on_broken
-
-    def _jobs_of(self, items: Sequence[Item]) -> list[tuple[Job, int]]:
-        counts = Counter(item.job for item in items)
-        jobs = ((self._ledger.get(key), count) for key, count in counts.items())
-        return [(job, count) for job, count in jobs if job is not None]
-
-    def stage_ran(
-        self, stage: str, items: Sequence[Item], duration_s: float, events: Sequence[dict[str, Any]]
-    ) -> None:
-        if self._timeline is not None:
-            self._timeline.record(stage, len(items), duration_s)
-        self._metrics.stage_ran(stage, len(items), duration_s)
-        for job, count in self._jobs_of(items):
-            job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
-            if len(items) > 1:
-                job.log.info(
-                    "batch_done",
-                    stage=stage,
-                    job_items=count,
-                    batch_items=len(items),
-                    duration_ms=round(duration_s * 1000, 2),
-                )
-            for event in events:
-                job.log.info(**{"stage": stage, **event})
-
-    def worker_lost(self, stage: str, items: Sequence[Item], reason: str) -> None:
-        log.warning("worker_lost", stage=stage, reason=reason, items=len(items))
-        self._metrics.worker_restarts.labels(stage).inc()
-        for job, count in self._jobs_of(items):
-            job.log.error("worker_lost", stage=stage, reason=reason, job_items=count)
-
-    def stage_broken(self, stage: str, error: BaseException) -> None:
-        log.error("stage_broken", stage=stage, error=str(error))
-        self._on_broken()
+def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:
+    """fetch (threads) -> preprocess (processes) -> inference (one process)."""
+    item_shape = load_preprocessor(settings.preprocess).output_shape
+    stages = [
+        ThreadStage(
+            "fetch",
+            lambda uris: [blobs.get(S3Location.parse(uri)) for uri in uris],
+            workers=settings.fetch_concurrency,
+        ),
+        ProcessStage(
+            "preprocess",
+            functools.partial(preprocess_setup, settings.preprocess),
+            workers=settings.preprocess_workers,
+            timeout_s=settings.preprocess_timeout_seconds,
+            arena_mode="write",
+        ),
+        ProcessStage(
+            "inference",
+            functools.partial(
+                inference_setup,
+                settings.model,
+                settings.device,
+                tuple(item_shape),
+                settings.precision,
+                settings.channels_last,
+            ),
+            batch_size=settings.batch_size,
+            max_batch_wait_ms=settings.max_batch_wait_ms,
+            timeout_s=settings.inference_timeout_seconds,
+            arena_mode="read",
+        ),
+    ]
+    # Enough decoded images for the batch being inferred, the next two being assembled,
+    # and one in the hands of each preprocessing worker.
+    arena_slots = 3 * settings.batch_size + 2 * settings.preprocess_workers
+    return Pipeline(stages, observer=observer, arena=TensorArena(item_shape, arena_slots))

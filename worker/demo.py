@@ -64,13 +64,19 @@ def local_moto_server() -> Iterator[str]:
         server.stop()
 
 
-def create_stack(sqs: SQSClient, s3: S3Client, name: str, visibility_timeout_s: int = 60) -> Stack:
+def create_stack(
+    sqs: SQSClient,
+    s3: S3Client,
+    name: str,
+    visibility_timeout_s: int = 60,
+    max_receive_count: int = DEMO_MAX_RECEIVE_COUNT,
+) -> Stack:
     """Queue, dead-letter queue (redrive after a few receives) and bucket named `name`."""
     dlq_url = sqs.create_queue(QueueName=f"{name}-dlq")["QueueUrl"]
     dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"][
         "QueueArn"
     ]
-    redrive = {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(DEMO_MAX_RECEIVE_COUNT)}
+    redrive = {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(max_receive_count)}
     queue_url = sqs.create_queue(
         QueueName=name,
         Attributes={

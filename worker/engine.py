@@ -11,6 +11,11 @@ functions and knows nothing of images, models, S3 or SQS.
   stages, are untouched (a dead CPU worker never reloads the model).
 - Errors are data: an item whose function raised carries an `ItemError` and flows on to
   the end of the pipeline like any other; stages pass such items through untouched.
+- A worker fault is not data: when every item of a call fails, the child runs its
+  stage's probe (known-good input). If that fails too, the items are not blamed: the
+  child is replaced and the call retried, and if the fresh child fails the same way the
+  stage reports itself broken (`WorkerFault`). Items that kill or hang their child on
+  every try are blamed only after a fresh child passes its probe.
 - Large values cross process boundaries through a `TensorArena`: preallocated shared
   memory whose slots one stage writes in place and a later stage reads, so only slot
   numbers travel through pipes.
@@ -30,20 +35,26 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import structlog
 import torch
 import torch.multiprocessing as torch_mp
 
 from worker.channel import Channel, Closed
+from worker.errors import TransientError, WorkerFault
 
 ArenaMode = Literal["write", "read"] | None
 
 # A child that died holding an item gets this many tries at it before the item fails,
 # so one input that kills its worker (a decoder segfault) cannot loop forever.
 MAX_ATTEMPTS_AFTER_CRASH = 3
+# A child that dies before it is ready is started again this many times in all; a set-up
+# that raises is not retried (it would raise again).
+START_ATTEMPTS = 3
 STOP_GRACE_S = 5.0
+PROBE = "probe"  # the request that asks a child to run its stage's probe
+FORKSERVER_PRELOAD = ("torch", "worker.engine")
 OUTPUT_CAPACITY = 1024
 PIPELINED_BATCHES = 2
 # After an out-of-memory error, batches stay at the size that fitted for this long:
@@ -55,15 +66,27 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True, slots=True)
 class ItemError:
-    """Why one item failed: recorded in the results instead of a prediction."""
+    """Why one item failed: recorded in the results instead of a prediction, unless it
+    is `transient` (the surroundings failed, not the input: its job is to be retried)."""
 
     type: str
     message: str
     stage: str
+    transient: bool = False
 
     @classmethod
     def from_exception(cls, error: BaseException, stage: str) -> ItemError:
-        return cls(type(error).__name__, str(error)[:1000], stage)
+        transient = isinstance(error, TransientError)
+        return cls(type(error).__name__, str(error)[:1000], stage, transient)
+
+
+@dataclass(frozen=True)
+class StageFunction:
+    """What a process stage's set-up may return instead of a bare function: the function,
+    and a probe that runs it on known-good input and raises if that fails."""
+
+    run: Callable[..., Any]
+    probe: Callable[[], object] | None = None
 
 
 @dataclass(slots=True)
@@ -90,7 +113,8 @@ class StageObserver(Protocol):
         """A child process died or hung while holding `items`; it is being replaced."""
 
     def stage_broken(self, stage: str, error: BaseException) -> None:
-        """A stage cannot go on (its set-up fails): the pipeline is unusable."""
+        """A stage cannot go on (its set-up fails, its worker fails known-good input, its
+        thread raised): the pipeline is unusable."""
 
 
 def isolate_failures(
@@ -226,17 +250,33 @@ class _Stage:
         self._inbox, self._outbox, self._observer, self._arena = inbox, outbox, observer, arena
 
     def stop(self) -> None:
+        """Wait up to `STOP_GRACE_S` in all for the stage's threads (daemon threads: one
+        stuck in a network call is left behind, not waited for)."""
+        deadline = time.monotonic() + STOP_GRACE_S
         for thread in self._threads:
-            thread.join(STOP_GRACE_S)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def alive(self) -> bool:
         """Whether every worker of the stage is up (False while one is being replaced)."""
         return all(thread.is_alive() for thread in self._threads)
 
     def _spawn_thread(self, target: Callable[[], None], suffix: str) -> None:
-        thread = threading.Thread(target=target, name=f"{self.name}-{suffix}", daemon=True)
+        thread = threading.Thread(
+            target=self._supervised, args=(target,), name=f"{self.name}-{suffix}", daemon=True
+        )
         thread.start()
         self._threads.append(thread)
+
+    def _supervised(self, target: Callable[[], None]) -> None:
+        """Run a stage thread; it ends quietly when its channels close, and a stage whose
+        thread raised is reported broken rather than left silently short of a worker."""
+        try:
+            target()
+        except Closed:
+            return
+        except Exception as error:
+            log.exception("stage_thread_failed", stage=self.name)
+            self._observer.stage_broken(self.name, error)
 
     def _next_batch(self) -> list[Item]:
         return self._inbox.get_batch(self.current_batch_size(), self.max_batch_wait_s)
@@ -269,16 +309,13 @@ class ThreadStage(_Stage):
 
     def _serve(self) -> None:
         """Take batches until the inbox closes; run the live items, forward them all."""
-        try:
-            while True:
-                items = self._next_batch()
-                live = [item for item in items if item.error is None]
-                if live:
-                    self._run(live)
-                for item in items:
-                    self._outbox.put(item)
-        except Closed:
-            return
+        while True:
+            items = self._next_batch()
+            live = _live(items)
+            if live:
+                self._run(live)
+            for item in items:
+                self._outbox.put(item)
 
     def _run(self, items: list[Item]) -> None:
         started = time.perf_counter()
@@ -301,6 +338,10 @@ class WorkerHung(WorkerLost):
     """The child process did not answer within the stage's timeout."""
 
 
+class WorkerFailedProbe(WorkerLost):
+    """Every item of a call failed, and so did the stage's probe: the child is broken."""
+
+
 class StageSetupError(Exception):
     """A stage's set-up (model load, ...) raised in its child process."""
 
@@ -317,8 +358,22 @@ class _ChildProcess:
         self._ready = False
 
     def start(self) -> None:
-        """Spawn the child and wait until its set-up is done."""
-        context = torch_mp.get_context("spawn")
+        """Spawn the child and wait until its set-up is done. A child that dies or hangs
+        before it is ready is tried again, as one that dies later would be replaced."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._spawn()
+                return
+            except WorkerLost as lost:
+                self.stop(graceful=False)
+                log.warning(
+                    "stage_worker_start_failed", worker=self._name, attempt=attempt, error=str(lost)
+                )
+                if attempt == START_ATTEMPTS:
+                    raise StageSetupError(f"{self._name} did not start: {lost}") from lost
+
+    def _spawn(self) -> None:
+        context = _process_context()
         parent_conn, child_conn = context.Pipe()
         # Never written to: the child sees it close when this process dies, however it dies.
         lifeline_reader, self._lifeline = context.Pipe(duplex=False)
@@ -339,11 +394,9 @@ class _ChildProcess:
         child_conn.close()
         lifeline_reader.close()
         self._conn = parent_conn
-        try:
-            status, detail = self._receive(self._stage.setup_timeout_s)
-        except WorkerLost as lost:
-            raise StageSetupError(f"{self._name} did not start: {lost}") from lost
+        status, detail = self._receive(self._stage.setup_timeout_s)
         if status != "ready":
+            self.stop(graceful=False)
             raise StageSetupError(f"{self._name} set-up failed:\n{detail}")
         self._ready = True
         log.info("stage_worker_started", stage=self._stage.name, worker=self._name, pid=detail)
@@ -361,9 +414,23 @@ class _ChildProcess:
         except (BrokenPipeError, ConnectionResetError) as error:
             raise WorkerDied(f"{self._name} pipe broke: {error}") from error
 
-    def receive(self, timeout_s: float | None) -> Any:
-        """The oldest unanswered request's reply; raises on the child's death or timeout."""
-        return self._receive(timeout_s)
+    def receive(self, timeout_s: float | None) -> _Reply:
+        """The oldest unanswered request's reply; raises `WorkerLost` if the child died or
+        hung, and `WorkerFailedProbe` if it failed every item and its probe."""
+        reply: _Reply = self._receive(timeout_s)
+        if reply.fault is not None:
+            raise WorkerFailedProbe(f"{self._name} failed its probe: {reply.fault}")
+        return reply
+
+    def probe(self, timeout_s: float | None) -> str | None:
+        """Run the stage's probe in the child: None if it passed (or there is none),
+        else why not."""
+        try:
+            self.send(PROBE)
+            fault: str | None = self._receive(timeout_s)
+        except WorkerLost as lost:
+            return str(lost)
+        return fault
 
     def _receive(self, timeout_s: float | None) -> Any:
         assert self._conn is not None
@@ -415,8 +482,9 @@ class ProcessStage(_Stage):
     """Runs a function made by `setup()` in `workers` child processes.
 
     `setup` runs once per child (load the model there, once); it must be picklable
-    (a module-level function or a `functools.partial` of one). The function it returns
-    depends on `arena_mode`:
+    (a module-level function or a `functools.partial` of one). It returns the function,
+    or a `StageFunction` with the function and its probe. The function's form depends
+    on `arena_mode`:
 
     - `None`: `fn(values) -> outputs`
     - `"write"`: `fn(value, out) -> output`, per item, writing into `out`, the item's
@@ -428,7 +496,7 @@ class ProcessStage(_Stage):
     def __init__(
         self,
         name: str,
-        setup: Callable[[], Callable[..., Any]],
+        setup: Callable[[], Callable[..., Any] | StageFunction],
         *,
         workers: int = 1,
         batch_size: int = 1,
@@ -483,21 +551,20 @@ class ProcessStage(_Stage):
         otherwise the next is gathered once the child is free, and is fuller for it.
         """
         in_flight: deque[list[Item]] = deque()  # batches sent, oldest first
-        try:
-            while True:
-                full_batch_waiting = len(self._inbox) >= self.current_batch_size()
-                if not in_flight or (len(in_flight) < PIPELINED_BATCHES and full_batch_waiting):
-                    self._dispatch(child, in_flight, self._next_batch())
-                else:
-                    self._complete_oldest(child, in_flight)
-        except Closed:
-            return
+        while True:
+            full_batch_waiting = len(self._inbox) >= self.current_batch_size()
+            if not in_flight or (len(in_flight) < PIPELINED_BATCHES and full_batch_waiting):
+                self._dispatch(child, in_flight, self._next_batch())
+            else:
+                self._complete_oldest(child, in_flight)
 
     def stop(self) -> None:
+        """Stop the children (killing those that do not stop within `STOP_GRACE_S`),
+        then their driver threads, which the children's exit unblocks."""
         self._stopping.set()
+        with ThreadPoolExecutor(max(1, len(self._children))) as pool:
+            list(pool.map(_ChildProcess.stop, self._children))
         super().stop()
-        for child in self._children:
-            child.stop()
 
     def _dispatch(
         self, child: _ChildProcess, in_flight: deque[list[Item]], items: list[Item]
@@ -530,12 +597,11 @@ class ProcessStage(_Stage):
                     item.slot = self.arena.acquire()
         return [(item.slot, item.value) for item in live]
 
-    def _file_reply(self, live: list[Item], reply: Any) -> None:
-        outcomes, events, fitting_batch_size, duration_s = reply
-        if fitting_batch_size is not None:
-            self.lower_batch_size(fitting_batch_size, self.oom_cooldown_s)
-        _apply(live, outcomes)
-        self._observer.stage_ran(self.name, live, duration_s, events)
+    def _file_reply(self, live: list[Item], reply: _Reply) -> None:
+        if reply.fitting_batch_size is not None:
+            self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
+        _apply(live, reply.outcomes)
+        self._observer.stage_ran(self.name, live, reply.duration_s, reply.events)
 
     def _forward(self, items: list[Item]) -> None:
         """Hand the batch on, giving back the arena slots a reading stage is done with."""
@@ -550,8 +616,8 @@ class ProcessStage(_Stage):
         self, child: _ChildProcess, in_flight: deque[list[Item]], lost: WorkerLost
     ) -> None:
         """Replace the child, then redo what it held. Only the oldest batch was being
-        worked on when it died or hung: it is retried in halves (a single item gets
-        `MAX_ATTEMPTS_AFTER_CRASH` tries); the batches queued behind it are sent again."""
+        worked on when it was lost: it is retried (`_retry`); the batches queued behind
+        it are sent again."""
         batches = list(in_flight)
         in_flight.clear()
         self._restart(child, [item for items in batches for item in _live(items)], lost)
@@ -568,23 +634,34 @@ class ProcessStage(_Stage):
         try:
             child.restart()
         except StageSetupError as error:
-            self._observer.stage_broken(self.name, error)
-            raise Closed from error
+            self._break(error)
 
-    def _run(self, child: _ChildProcess, live: list[Item]) -> None:
-        """Run `live` on its own and wait for it (retries only)."""
+    def _break(self, error: BaseException) -> None:
+        """The stage cannot go on: report it and end this driver thread."""
+        self._observer.stage_broken(self.name, error)
+        raise Closed from error
+
+    def _run(self, child: _ChildProcess, live: list[Item], after: WorkerLost | None = None) -> None:
+        """Run `live` on its own and wait for it (retries only); `after` is why the
+        previous try was lost."""
         try:
             child.send(self._request(live))
             reply = child.receive(self.timeout_s)
         except WorkerLost as lost:
+            if isinstance(lost, WorkerFailedProbe) and isinstance(after, WorkerFailedProbe):
+                self._break(WorkerFault(f"a fresh worker failed the same way: {lost}"))
             self._restart(child, live, lost)
             self._retry(child, live, lost)
             return
         self._file_reply(live, reply)
 
     def _retry(self, child: _ChildProcess, live: list[Item], lost: WorkerLost) -> None:
-        """Items the child was working on when it was lost: halves of a batch, or one item
-        again while it has tries left."""
+        """Items the child was working on when it was lost. After a failed probe the
+        whole batch goes to the fresh child; after a death or a hang, halves of the
+        batch, or one item again while it has tries left."""
+        if isinstance(lost, WorkerFailedProbe):
+            self._run(child, live, after=lost)
+            return
         if len(live) > 1:
             middle = len(live) // 2
             self._run(child, live[:middle])
@@ -594,8 +671,20 @@ class ProcessStage(_Stage):
         item.attempts += 1
         if isinstance(lost, WorkerDied) and item.attempts < MAX_ATTEMPTS_AFTER_CRASH:
             self._run(child, live)
-        else:
-            item.error = ItemError(type(lost).__name__, str(lost), self.name)
+            return
+        fault = child.probe(self.timeout_s)
+        if fault is not None:
+            self._break(WorkerFault(f"{lost}, and a fresh worker failed its probe: {fault}"))
+        item.error = ItemError(type(lost).__name__, str(lost), self.name)
+
+
+def _process_context() -> Any:
+    """Children are forked from a server process that has imported torch once (CUDA is
+    not initialised there, so forking is safe): a crashed child is replaced in a
+    fraction of a second, where a fresh interpreter importing torch takes seconds."""
+    context = torch_mp.get_context("forkserver")
+    context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return context
 
 
 def _live(items: list[Item]) -> list[Item]:
@@ -607,8 +696,18 @@ class _ChildPlan:
     """What a child process is told about its stage (pickled across)."""
 
     stage: str
-    setup: Callable[[], Callable[..., Any]]
+    setup: Callable[[], Callable[..., Any] | StageFunction]
     arena_mode: ArenaMode
+
+
+class _Reply(NamedTuple):
+    """A child's answer to one request."""
+
+    outcomes: list[Any]
+    events: list[dict[str, Any]]
+    fitting_batch_size: int | None  # after an out-of-memory error, the size that fitted
+    duration_s: float
+    fault: str | None  # every item failed, and so did the probe: why the probe failed
 
 
 def _child_main(
@@ -623,7 +722,8 @@ def _child_main(
     threading.Thread(target=_exit_when_closed, args=(lifeline,), daemon=True).start()
     events = _capture_logs()
     try:
-        fn = plan.setup()
+        made = plan.setup()
+        stage_fn = made if isinstance(made, StageFunction) else StageFunction(made)
     except BaseException:
         conn.send(("setup_failed", traceback.format_exc()))
         return
@@ -636,13 +736,33 @@ def _child_main(
             return
         if request is None:
             return
-        events.clear()
-        started = time.perf_counter()
-        outcomes, fitting_batch_size = _serve_request(fn, plan, arena, gatherer, request)
+        if request == PROBE:
+            answer: Any = _probe(stage_fn)
+        else:
+            events.clear()
+            started = time.perf_counter()
+            outcomes, fitting_batch_size = _serve_request(
+                stage_fn.run, plan, arena, gatherer, request
+            )
+            failed_all = bool(outcomes) and all(isinstance(o, ItemError) for o in outcomes)
+            fault = _probe(stage_fn) if failed_all else None
+            duration_s = time.perf_counter() - started
+            answer = _Reply(outcomes, list(events), fitting_batch_size, duration_s, fault)
         try:
-            conn.send((outcomes, list(events), fitting_batch_size, time.perf_counter() - started))
+            conn.send(answer)
         except (BrokenPipeError, ConnectionResetError):  # stopped while this batch ran
             return
+
+
+def _probe(stage_fn: StageFunction) -> str | None:
+    """None if the stage's probe passes (or it has none), else why it failed."""
+    if stage_fn.probe is None:
+        return None
+    try:
+        stage_fn.probe()
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error)[:500]}"
+    return None
 
 
 def _exit_when_closed(lifeline: Connection) -> None:
@@ -720,12 +840,22 @@ class Pipeline:
         self._channels.append(Channel(OUTPUT_CAPACITY))
 
     def start(self) -> None:
-        """Start every stage (children included); raises `StageSetupError` if one cannot."""
+        """Start every stage (children included), all at once: each child imports torch
+        and may load a model. Raises `StageSetupError` if one cannot start."""
+
+        def start(stage: _Stage, inbox: Channel[Item], outbox: Channel[Item]) -> None:
+            stage.start(inbox, outbox, self._observer, self._arena)
+
         try:
-            for stage, inbox, outbox in zip(
-                self._stages, self._channels, self._channels[1:], strict=False
-            ):
-                stage.start(inbox, outbox, self._observer, self._arena)
+            with ThreadPoolExecutor(len(self._stages)) as pool:
+                started = [
+                    pool.submit(start, stage, inbox, outbox)
+                    for stage, inbox, outbox in zip(
+                        self._stages, self._channels, self._channels[1:], strict=False
+                    )
+                ]
+                for future in started:
+                    future.result()
         except BaseException:
             self.close()
             raise
@@ -750,13 +880,14 @@ class Pipeline:
         return self._channels[-1].get()
 
     def close(self) -> None:
-        """Stop every stage and child process; items still inside are dropped."""
+        """Stop every stage and child process, all at once, within about two
+        `STOP_GRACE_S`; items still inside are dropped."""
         for channel in self._channels:
             channel.close()
         if self._arena is not None:
             self._arena.close()
-        for stage in self._stages:
-            stage.stop()
+        with ThreadPoolExecutor(len(self._stages)) as pool:
+            list(pool.map(lambda stage: stage.stop(), self._stages))
 
     def __enter__(self) -> Pipeline:
         self.start()

@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from worker.ports import MissingObject, ReceivedMessage, S3Location
+from worker.errors import MissingObject
+from worker.ports import QueueCounts, ReceivedMessage, S3Location
 
 
 @dataclass
@@ -110,8 +111,8 @@ class InMemoryJobSource:
             if stored is not None:
                 del self._messages[stored.message_id]
 
-    def release(self, receipt_handle: str) -> None:
-        if self.extend([receipt_handle], 0):
+    def release(self, receipt_handle: str, delay_s: int = 0) -> None:
+        if self.extend([receipt_handle], delay_s):
             raise LookupError(f"ReceiptHandleIsInvalid: {receipt_handle}")
 
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
@@ -132,6 +133,12 @@ class InMemoryJobSource:
             self.dead_letters.append((message, reason))
         self.ack(message.receipt_handle)
         return True
+
+    def counts(self) -> QueueCounts:
+        with self._lock:
+            now = self._clock()
+            visible = sum(stored.visible_at <= now for stored in self._messages.values())
+            return QueueCounts(visible, len(self._messages) - visible, 0)
 
 
 class InMemoryBlobStore:

@@ -1,9 +1,10 @@
-"""The lease keeper: keeps every in-flight message invisible until its job is done.
+"""The lease keeper: keeps every held message invisible until its job is settled.
 
 One ticker renews all leases in batched calls (as aws-dotnet-messaging does) rather than
-one timer per message. The finisher takes a job out of the ledger *before* it deletes
-the message, so a renewal never races a delete (bbc/sqs-consumer#260); a renewal that
-still meets a deleted handle concerns a job no longer in the ledger and is ignored.
+one timer per message. A job is settled in the ledger *before* its message is deleted,
+and settled jobs are not renewed, so a renewal never races a delete
+(bbc/sqs-consumer#260). Leases are renewed only while the daemon makes progress: a
+stuck daemon lets its jobs go back to the queue rather than hold them for 12 hours.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import structlog
 
 from worker.ledger import Job, Ledger
 from worker.ports import JobSource
+from worker.supervisor import Progress
 
 log = structlog.get_logger()
 
@@ -41,6 +43,7 @@ class LeaseKeeper:
         *,
         max_lease_s: float,
         on_ceiling: Callable[[Job], None],
+        progress: Progress,
         on_renewed: Callable[[int, int], None] = lambda ok, failed: None,
         clock: Callable[[], float] = time.time,
     ):
@@ -50,28 +53,26 @@ class LeaseKeeper:
         self._interval_s = interval_s
         self._max_lease_s = max_lease_s
         self._on_ceiling = on_ceiling
+        self._progress = progress
         self._on_renewed = on_renewed
         self._clock = clock
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            self.renew_all()
 
     def stop(self) -> None:
         self._stopped.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stopped.wait(self._interval_s):
-            self.renew_all()
 
     def renew_all(self) -> None:
         """Extend every lease still ours; mark the ones SQS says we no longer hold."""
         self._release_at_ceiling()
         leases = self._ledger.leases()
         if not leases:
+            return
+        if self._progress.stalled():
+            log.error("lease_renewal_withheld", leases=len(leases), idle_s=self._progress.idle_s())
             return
         try:
             failures = self._source.extend(list(leases.values()), self._visibility_timeout_s)
@@ -88,19 +89,21 @@ class LeaseKeeper:
             if code in LEASE_LOST_CODES:
                 job = self._ledger.mark_lease_lost(key)
                 if job is not None:
-                    job.log.error("lease_lost", code=code)
+                    if job.log is not None:
+                        job.log.error("lease_lost", code=code)
                     log.warning("lease_lost", job_id=job.job_id, code=code)
             else:
                 log.warning("lease_renewal_failed", message_id=key, code=code)
 
     def _release_at_ceiling(self) -> None:
         now = self._clock()
-        for job in self._ledger.jobs():
-            if job.lease_lost or job.claimed:
+        for job in self._ledger.unsettled():
+            if job.lease_lost:
                 continue
             held_s = now - job.received_at
             if held_s + self._visibility_timeout_s > self._max_lease_s:
-                job.log.error("lease_ceiling_reached", held_s=round(held_s, 1))
+                if job.log is not None:
+                    job.log.error("lease_ceiling_reached", held_s=round(held_s, 1))
                 log.warning(
                     "lease_ceiling_reached",
                     job_id=job.job_id,

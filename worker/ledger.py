@@ -1,21 +1,67 @@
-"""The ledger: the one record of every job in flight, read by every part of the daemon.
+"""The ledger: the one record of every job this daemon holds, and each job's lifecycle.
 
-The puller admits jobs, the regrouper records results into them, the lease keeper reads
-their receipt handles, shutdown releases what is left. All of it goes through here, under
-one lock, so there is exactly one answer to "what is this daemon holding?".
+A job's life is a small state machine. Every part of the daemon asks the ledger for a
+transition instead of flipping flags, one method per transition:
+
+    RECEIVED --admit--> ADMITTED --next_item--> RUNNING --record (last)--> FINISHING --ack--> ACKED
+       |                   |                       |                           |
+       |                   +-----------------------+----------release----------+--> RELEASED
+       +--release--> RELEASED
+       +--dead_letter--> DEAD_LETTERED
+
+- received: leased from the moment it is received (the lease keeper renews every job
+  that is not settled), not yet validated;
+- admitted: valid, its inputs known (a manifest read), waiting for the feeder;
+- running: its items are being fed into the pipeline or are inside it;
+- finishing: every item's result is in; its outputs are being written;
+- acked, released, dead-lettered: settled. A settled job stays in the ledger until its
+  SQS call has returned (`forget`), so the daemon is not idle, nor `--drain` done, while
+  a release is still on its way.
+
+Settling is a race that one caller wins (the finisher's ack against shutdown's release,
+say): the others get None. Any move the table does not allow is a bug, and raises
+`IllegalTransition`.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from worker.channel import Closed
 from worker.joblog import JobLog
 from worker.message import JobMessage
+from worker.ports import ReceivedMessage
+
+
+class JobState(StrEnum):
+    RECEIVED = "received"
+    ADMITTED = "admitted"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    ACKED = "acked"
+    RELEASED = "released"
+    DEAD_LETTERED = "dead_lettered"
+
+
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.RECEIVED: frozenset({JobState.ADMITTED, JobState.RELEASED, JobState.DEAD_LETTERED}),
+    JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.RELEASED}),
+    JobState.RUNNING: frozenset({JobState.FINISHING, JobState.RELEASED}),
+    JobState.FINISHING: frozenset({JobState.ACKED, JobState.RELEASED}),
+}
+SETTLED = frozenset({JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED})
+FEEDABLE = frozenset({JobState.ADMITTED, JobState.RUNNING})
+
+
+class IllegalTransition(RuntimeError):
+    """A move the lifecycle does not allow: a bug in the daemon, not a fault outside it."""
 
 
 class JobStatus(StrEnum):
@@ -38,37 +84,48 @@ class StageTiming:
         self.busy_s += duration_s
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One message being worked on."""
+    """One message held by this daemon, from its receive until it is settled."""
 
-    key: str  # unique per admission: a redelivered message is a new admission
-    message_id: str
-    job_id: str
-    message: JobMessage
-    inputs: list[str]
-    receipt_handle: str
-    attempt: int
-    log: JobLog
+    key: str  # unique per delivery: a redelivered message is a new job here
+    message: ReceivedMessage
+    state: JobState = JobState.RECEIVED
+    receipt_handle: str = ""
     received_at: float = field(default_factory=time.time)
+    lease_lost: bool = False
+    # Known once admitted:
+    job_id: str = ""
+    spec: JobMessage | None = None
+    inputs: list[str] = field(default_factory=list)
+    log: JobLog | None = None
     results: list[dict[str, Any] | None] = field(default_factory=list)
+    fed: int = 0
     succeeded: int = 0
     failed: int = 0
-    lease_lost: bool = False
-    claimed: bool = False  # being acked or released: no more renewals or results
     progress_reported: int = 0
     timings: dict[str, StageTiming] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.results = [None] * len(self.inputs)
+        self.receipt_handle = self.receipt_handle or self.message.receipt_handle
+        self.job_id = self.job_id or self.message.message_id
+
+    @property
+    def attempt(self) -> int:
+        return self.message.receive_count
+
+    @property
+    def settled(self) -> bool:
+        return self.state in SETTLED
 
     @property
     def finished_items(self) -> int:
         return self.succeeded + self.failed
 
     @property
-    def complete(self) -> bool:
-        return self.finished_items == len(self.inputs)
+    def outstanding_items(self) -> int:
+        """Items admitted and not yet back from the pipeline."""
+        return len(self.inputs) - self.finished_items
 
     @property
     def status(self) -> JobStatus:
@@ -78,51 +135,74 @@ class Job:
 
 
 class Ledger:
-    """Jobs in flight, keyed by admission; every method is thread-safe."""
+    """Jobs held by this daemon, keyed by delivery; every method is thread-safe."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, Job] = {}
+        self._by_message: dict[str, Job] = {}  # unsettled jobs only
+        self._feeding: deque[Job] = deque()  # jobs with items not yet fed, round robin
         self._changed = threading.Condition(threading.RLock())
         self._closed = False
-        # Kept as a count: the puller asks after every change, with hundreds of jobs held.
+        self._deliveries = itertools.count(1)
+        # Kept as a count: the intake asks after every change, with hundreds of jobs held.
         self._outstanding = 0
 
     def __len__(self) -> int:
+        """Jobs held, settling ones included."""
         with self._changed:
             return len(self._jobs)
 
-    def admit(self, job: Job) -> bool:
-        """Enter a job; False once the ledger is closed (the daemon is shutting down)."""
+    # Transitions -------------------------------------------------------------
+
+    def receive(self, message: ReceivedMessage) -> Job | None:
+        """Hold a message just received (RECEIVED); None once the ledger is closed."""
         with self._changed:
             if self._closed:
-                return False
-            if job.key in self._jobs:
-                raise KeyError(f"job {job.key} is already in flight")
+                return None
+            job = Job(f"{message.message_id}#{next(self._deliveries)}", message)
             self._jobs[job.key] = job
-            self._outstanding += len(job.inputs) - job.finished_items
+            self._by_message[message.message_id] = job
             self._changed.notify_all()
-            return True
+            return job
 
-    def close(self) -> None:
-        """Refuse admissions from now on, so shutdown's list of jobs to release is final."""
+    def admit(self, job: Job, spec: JobMessage, inputs: list[str], log: JobLog) -> None:
+        """RECEIVED -> ADMITTED: the message is valid; its items may be fed."""
         with self._changed:
-            self._closed = True
+            self._move(job, JobState.ADMITTED)
+            job.spec, job.inputs, job.log = spec, inputs, log
+            job.job_id = spec.job_id or job.message.message_id
+            job.results = [None] * len(inputs)
+            self._outstanding += len(inputs)
+            self._feeding.append(job)
             self._changed.notify_all()
 
-    def get(self, key: str) -> Job | None:
+    def next_item(self) -> tuple[Job, int]:
+        """The next item to feed, taking jobs in turn so a small job is not stuck behind
+        a big one; its job moves ADMITTED -> RUNNING with its first item. Waits for one;
+        raises `Closed` once the ledger is closed."""
         with self._changed:
-            return self._jobs.get(key)
-
-    def jobs(self) -> list[Job]:
-        with self._changed:
-            return list(self._jobs.values())
+            while not self._closed:
+                while self._feeding:
+                    job = self._feeding.popleft()
+                    if job.state not in FEEDABLE:
+                        continue  # released while it waited for its turn
+                    if job.state is JobState.ADMITTED:
+                        self._move(job, JobState.RUNNING)
+                    index = job.fed
+                    job.fed += 1
+                    if job.fed < len(job.inputs):
+                        self._feeding.append(job)
+                    return job, index
+                self._changed.wait()
+            raise Closed
 
     def record(self, key: str, index: int, result: dict[str, Any]) -> Job | None:
-        """File one item's result; returns the job if that completed it."""
+        """File one item's result; the job if that was its last (RUNNING -> FINISHING).
+        A result for a job settled meanwhile is dropped."""
         with self._changed:
             job = self._jobs.get(key)
-            if job is None or job.claimed:
-                return None  # released while its items were still inside
+            if job is None or job.state is not JobState.RUNNING:
+                return None
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
@@ -131,50 +211,69 @@ class Ledger:
                 job.failed += 1
             else:
                 job.succeeded += 1
+            complete = job.finished_items == len(job.inputs)
+            if complete:
+                self._move(job, JobState.FINISHING)
             self._changed.notify_all()
-            return job if job.complete else None
+            return job if complete else None
 
-    def claim(self, key: str) -> bool:
-        """Reserve a job for its ack or release, which only one caller may make.
+    def ack(self, job: Job) -> bool:
+        """FINISHING -> ACKED: its outputs are written. False if settled meanwhile."""
+        return self._settle(job, JobState.ACKED)
 
-        Its lease stops being renewed at once (so a renewal never races the delete), but
-        it stays in the ledger, and counts as held, until `remove`: the daemon is not
-        idle, and not drained, while a release is still on its way to SQS.
-        """
+    def release(self, job: Job) -> bool:
+        """-> RELEASED: hand it back to the queue unfinished. False if settled already."""
+        return self._settle(job, JobState.RELEASED)
+
+    def dead_letter(self, job: Job) -> bool:
+        """RECEIVED -> DEAD_LETTERED: a poison message. False if settled already."""
+        return self._settle(job, JobState.DEAD_LETTERED)
+
+    def forget(self, job: Job) -> None:
+        """Drop a settled job, once its SQS call has returned."""
         with self._changed:
-            job = self._jobs.get(key)
-            if job is None or job.claimed:
+            if not job.settled:
+                raise IllegalTransition(f"job {job.job_id} is {job.state}, not settled")
+            self._jobs.pop(job.key, None)
+            self._changed.notify_all()
+
+    def _settle(self, job: Job, state: JobState) -> bool:
+        with self._changed:
+            if job.settled:
                 return False
-            job.claimed = True
-            self._outstanding -= len(job.inputs) - job.finished_items
+            was_admitted = job.state is not JobState.RECEIVED
+            self._move(job, state)
+            if was_admitted:
+                self._outstanding -= job.outstanding_items
+            if self._by_message.get(job.message.message_id) is job:
+                del self._by_message[job.message.message_id]
             self._changed.notify_all()
             return True
 
-    def remove(self, key: str) -> Job | None:
-        """Take a job out, once its message has been acked or released."""
-        with self._changed:
-            job = self._jobs.pop(key, None)
-            if job is not None and not job.claimed:
-                self._outstanding -= len(job.inputs) - job.finished_items
-            self._changed.notify_all()
-            return job
+    def _move(self, job: Job, state: JobState) -> None:
+        if state not in TRANSITIONS.get(job.state, frozenset()):
+            raise IllegalTransition(f"job {job.job_id}: {job.state} -> {state} is not allowed")
+        job.state = state
 
-    def renew_receipt(self, message_id: str, receipt_handle: str) -> bool:
-        """A redelivery of a message already in flight here: keep the newer handle."""
+    # Leases ------------------------------------------------------------------
+
+    def redelivered(self, message: ReceivedMessage) -> bool:
+        """A new delivery of a message this daemon still works on (its lease ran out
+        unnoticed): keep working under the new receipt handle. False if not held."""
         with self._changed:
-            for job in self._jobs.values():
-                if job.message_id == message_id:
-                    job.receipt_handle, job.lease_lost = receipt_handle, False
-                    return True
-            return False
+            job = self._by_message.get(message.message_id)
+            if job is None:
+                return False
+            job.receipt_handle, job.lease_lost = message.receipt_handle, False
+            return True
 
     def leases(self) -> dict[str, str]:
-        """Receipt handle by job key, for every job whose lease is still ours."""
+        """Receipt handle by job key, for every unsettled job whose lease is still ours."""
         with self._changed:
             return {
                 key: job.receipt_handle
                 for key, job in self._jobs.items()
-                if not (job.lease_lost or job.claimed)
+                if not (job.lease_lost or job.settled)
             }
 
     def mark_lease_lost(self, key: str) -> Job | None:
@@ -184,10 +283,30 @@ class Ledger:
                 job.lease_lost = True
             return job
 
+    # Reading -----------------------------------------------------------------
+
+    def get(self, key: str) -> Job | None:
+        with self._changed:
+            return self._jobs.get(key)
+
+    def jobs(self) -> list[Job]:
+        with self._changed:
+            return list(self._jobs.values())
+
+    def unsettled(self) -> list[Job]:
+        with self._changed:
+            return [job for job in self._jobs.values() if not job.settled]
+
     def outstanding_items(self) -> int:
-        """Items admitted and not yet back from the pipeline."""
+        """Items of unsettled jobs not yet back from the pipeline (fed or not)."""
         with self._changed:
             return self._outstanding
+
+    def close(self) -> None:
+        """Refuse new messages and stop the feeder: shutdown's list of jobs is final."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def wait_until(self, predicate: Callable[[], bool], timeout_s: float | None = None) -> bool:
         """Block until `predicate()` holds (checked on every change or `wake`)."""

@@ -7,6 +7,7 @@ otherwise (the container's HEALTHCHECK and the ECS task's health check use it).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,6 +76,16 @@ class Metrics:
         self._stage_metrics: dict[str, tuple[Any, Any]] = {}
         self._items_succeeded = self.items.labels("succeeded")
         self._items_failed = self.items.labels("failed")
+
+    def follow(
+        self, jobs_held: Callable[[], int], queue_depths: Callable[[], dict[str, int]]
+    ) -> None:
+        """Read the gauges from the daemon when scraped, rather than keep them updated."""
+        self.jobs_in_flight.set_function(jobs_held)
+        for stage in queue_depths():
+            self.stage_queue_depth.labels(stage).set_function(
+                functools.partial(lambda stage: queue_depths()[stage], stage)
+            )
 
     def stage_ran(self, stage: str, items: int, duration_s: float) -> None:
         # Looking labels up costs more than the update: bind each stage's once.

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from worker.engine import StageFunction
+
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
 EXPORT_SUFFIX = ".pt2"
 
@@ -24,7 +26,12 @@ class PluginError(Exception):
 
 
 class Preprocessor(Protocol):
-    """Turns one input's bytes into a uint8 tensor of `output_shape`, written into `out`."""
+    """Turns one input's bytes into a uint8 tensor of `output_shape`, written into `out`.
+
+    It may also have `samples`: inputs it must always decode. The daemon decodes them at
+    start (a missing codec stops it there) and whenever an input fails, to tell a broken
+    worker from a bad input; without them, every failure is the input's.
+    """
 
     @property
     def output_shape(self) -> tuple[int, ...]: ...
@@ -98,10 +105,12 @@ def load_model(reference: str, device: torch.device) -> torch.nn.Module:
 def inference_setup(
     model_reference: str,
     device_name: str,
+    item_shape: tuple[int, ...],
     precision: str = "float32",
     channels_last: bool = False,
-) -> InferenceFn:
-    """Runs once in the inference process: load the model, return the batch function."""
+) -> StageFunction:
+    """Runs once in the inference process: load the model, check that it answers a
+    batch of zeros, and return the batch function with that check as its probe."""
     device = resolve_device(device_name)
     model = load_model(model_reference, device)
     if channels_last:
@@ -119,10 +128,40 @@ def inference_setup(
         # which costs more than the few numbers per item it saves.
         return outputs.float().cpu().tolist()  # type: ignore[no-any-return]
 
-    return infer
+    zeros = torch.zeros((1, *item_shape), dtype=torch.uint8)
+
+    def probe() -> None:
+        infer(zeros, [None])
+
+    try:
+        probe()
+    except Exception as error:
+        raise PluginError(
+            f"the model fails on a batch of zeros ({type(error).__name__}: {error}); the "
+            "daemon runs one at start, and again whenever a whole batch fails, to tell a "
+            "broken worker from bad inputs"
+        ) from error
+    return StageFunction(infer, probe)
 
 
-def preprocess_setup(reference: str) -> Preprocessor:
-    """Runs once in each preprocessing process."""
+def preprocess_setup(reference: str) -> StageFunction:
+    """Runs once in each preprocessing process: load the preprocessor and decode its
+    samples, which are its probe."""
     torch.set_num_threads(1)
-    return load_preprocessor(reference)
+    preprocessor = load_preprocessor(reference)
+    samples = tuple(getattr(preprocessor, "samples", ()))
+    if not samples:
+        return StageFunction(preprocessor)
+    scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
+
+    def probe() -> None:
+        for sample in samples:
+            preprocessor(sample, scratch)
+
+    try:
+        probe()
+    except Exception as error:
+        raise PluginError(
+            f"{reference} cannot decode its own samples ({type(error).__name__}: {error})"
+        ) from error
+    return StageFunction(preprocessor, probe)

@@ -28,8 +28,17 @@ class S3Location:
         return f"s3://{self.bucket}/{self.key}"
 
 
-class MissingObject(LookupError):
-    """The object (or its bucket) does not exist: retrying will not help."""
+@dataclass(frozen=True, slots=True)
+class QueueCounts:
+    """A queue's approximate message counts, as SQS reports them."""
+
+    visible: int
+    in_flight: int  # received and not yet deleted, or hidden by a delayed release
+    delayed: int  # sent with a delay that has not yet passed
+
+    @property
+    def empty(self) -> bool:
+        return self.visible == self.in_flight == self.delayed == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +62,8 @@ class JobSource(Protocol):
     def ack(self, receipt_handle: str) -> None:
         """Delete a finished message."""
 
-    def release(self, receipt_handle: str) -> None:
-        """Make a message visible again at once (visibility 0) for another try."""
+    def release(self, receipt_handle: str, delay_s: int = 0) -> None:
+        """Make a message visible again after `delay_s` (0: at once) for another try."""
 
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
         """Renew leases; returns the error code of each handle that could not be renewed."""
@@ -62,12 +71,16 @@ class JobSource(Protocol):
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         """Move a message to the dead-letter queue with `reason`; False if there is none."""
 
+    def counts(self) -> QueueCounts:
+        """The queue's visible, in-flight and delayed message counts."""
+
 
 class BlobStore(Protocol):
     """Object storage (S3)."""
 
     def get(self, location: S3Location) -> bytes:
-        """The object's bytes; raises on a missing key or an I/O error."""
+        """The object's bytes; raises `MissingObject`, `AccessDenied` or `TransientError`
+        (after its own retries), or another error that retrying will not cure."""
 
     def put(self, location: S3Location, data: bytes, content_type: str) -> None:
         """Write (or overwrite) an object."""

@@ -46,31 +46,28 @@ class ProtectionKeeper:
         self._was_busy = False
         self._retry_at = float("-inf")
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="protection", daemon=True)
 
     @property
     def protected(self) -> bool:
         return self._protected
 
-    def start(self) -> None:
+    def run(self) -> None:
         log.info("scale_in_protection", mode=self._guard.name)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop, and drop protection: it is never left on after the daemon exits."""
-        self._stopped.set()
-        self._ledger.wake()
-        if self._thread.is_alive():
-            self._thread.join()
-        for _ in range(3):
-            if not self._protected or self._set(False):
-                return
-
-    def _run(self) -> None:
         while not self._stopped.is_set():
             timeout_s = self.step()
             was_busy = bool(len(self._ledger))
             self._ledger.wait_until(functools.partial(self._should_wake, was_busy), timeout_s)
+
+    def stop(self) -> None:
+        """End `run`'s loop; the daemon then calls `unprotect`, once the loop is over."""
+        self._stopped.set()
+        self._ledger.wake()
+
+    def unprotect(self) -> None:
+        """Drop protection: it is never left on after the daemon exits."""
+        for _ in range(3):
+            if not self._protected or self._set(False):
+                return
 
     def _should_wake(self, was_busy: bool) -> bool:
         return self._stopped.is_set() or bool(len(self._ledger)) != was_busy

@@ -18,8 +18,9 @@ SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
 SQS_MAX_RECEIVE_WAIT_S = 20
 SQS_MAX_MESSAGES_PER_RECEIVE = 10
 SQS_MAX_ENTRIES_PER_BATCH_CALL = 10
-DEFAULT_AWS_MAX_ATTEMPTS = 8
+DEFAULT_AWS_MAX_ATTEMPTS = 10
 DEFAULT_METRICS_PORT = 8000
+MAX_RETRY_DELAY_S = 15 * 60
 
 
 class Settings(BaseSettings):
@@ -132,9 +133,11 @@ class Settings(BaseSettings):
         description="Most messages asked for per receive.",
     )
     grace_seconds: float = Field(
-        default=100,
+        default=90,
         ge=0,
-        description="On SIGTERM, how long in-flight jobs may run before they are released.",
+        description="On SIGTERM, how long in-flight jobs may run before they are released; "
+        "the daemon exits at most receive-wait-seconds (at least 10 s) after that, "
+        "whatever hangs.",
     )
     progress_interval_seconds: float = Field(
         default=10,
@@ -151,9 +154,17 @@ class Settings(BaseSettings):
     aws_max_attempts: int = Field(
         default=DEFAULT_AWS_MAX_ATTEMPTS,
         ge=1,
-        le=20,
-        description="Tries per AWS call (botocore standard retry mode, with backoff) before "
-        "an error reaches the daemon.",
+        le=30,
+        description="Tries per AWS call on throttling, 5xx, timeouts and resets, with "
+        "exponential backoff and jitter, each call with its own budget.",
+    )
+    retry_delay_seconds: float = Field(
+        default=30,
+        ge=0,
+        le=MAX_RETRY_DELAY_S,
+        description="A job that cannot progress through transient errors is released "
+        "unfinished and becomes visible again after this delay, doubled on each delivery "
+        f"(at most {MAX_RETRY_DELAY_S // 60} minutes).",
     )
 
     protection: Literal["auto", "asg", "ecs", "off"] = Field(
@@ -194,6 +205,17 @@ class Settings(BaseSettings):
     def s3_connections(self) -> int:
         """Connections for downloads, uploads of finished jobs and progress writes."""
         return 2 * self.fetch_concurrency + 1
+
+    @field_validator("queue_url", "dlq_url")
+    @classmethod
+    def _standard_queue(cls, value: str | None) -> str | None:
+        if value is not None and value.endswith(".fifo"):
+            raise ValueError(
+                "FIFO queues are not supported: jobs finish out of order and are released "
+                "with delays, which a FIFO queue's message groups would block; use a "
+                "standard queue"
+            )
+        return value
 
     @field_validator("allowed_buckets", mode="before")
     @classmethod

@@ -1,0 +1,142 @@
+"""Retries and error classification at the AWS adapters: transient errors are retried
+under each call's own budget, permanent ones are raised at once as what they are."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+from botocore.exceptions import IncompleteReadError
+from botocore.response import StreamingBody
+from botocore.stub import Stubber
+
+from worker import aws
+from worker.errors import AccessDenied, MissingObject, TransientError
+from worker.ports import S3Location
+from worker.retry import Backoff, call_with_retries
+
+WHERE = S3Location("bkt", "a.jpg")
+
+
+def test_backoff_doubles_up_to_its_cap_with_full_jitter() -> None:
+    """Each retry's bound doubles from the base to the cap; the delay drawn is below it."""
+    backoff = Backoff(base_s=0.1, cap_s=1.0)
+    assert [backoff.bound_s(n) for n in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert all(0 <= backoff.delay_s(n) <= backoff.bound_s(n) for n in range(50))
+
+
+def test_transient_errors_are_retried_until_the_budget_is_spent() -> None:
+    """Transient failures are retried after a backoff; a success ends it; after
+    `attempts` failures the last error is raised. Anything else is raised at once."""
+    slept: list[float] = []
+    failures = [TransientError("SlowDown"), TransientError("SlowDown")]
+
+    def flaky() -> str:
+        if failures:
+            raise failures.pop()
+        return "body"
+
+    assert call_with_retries(flaky, attempts=3, sleep=slept.append) == "body"
+    assert len(slept) == 2
+    with pytest.raises(TransientError):
+        call_with_retries(_raise(TransientError("503")), attempts=4, sleep=slept.append)
+    assert len(slept) == 2 + 3
+    with pytest.raises(MissingObject):
+        call_with_retries(_raise(MissingObject("gone")), attempts=4, sleep=slept.append)
+    assert len(slept) == 5
+
+
+def _raise(error: Exception) -> Any:
+    def call() -> None:
+        raise error
+
+    return call
+
+
+@pytest.fixture
+def s3() -> Iterator[tuple[aws.S3BlobStore, Stubber]]:
+    client = boto3.session.Session(
+        aws_access_key_id="t", aws_secret_access_key="t", region_name="us-east-1"
+    ).client("s3", config=aws._config())
+    with Stubber(client) as stubber:
+        yield aws.S3BlobStore(client, attempts=3), stubber
+
+
+def _error(stubber: Stubber, code: str, status: int) -> None:
+    stubber.add_client_error("get_object", code, f"{code} (test)", status)
+
+
+def _body(data: bytes) -> StreamingBody:
+    return StreamingBody(io.BytesIO(data), len(data))
+
+
+def test_throttling_is_retried_within_the_call(
+    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """503 SlowDown twice, then the object: the caller sees only the object."""
+    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    blobs, stubber = s3
+    _error(stubber, "SlowDown", 503)
+    _error(stubber, "InternalError", 500)
+    stubber.add_response("get_object", {"Body": _body(b"jpeg")})
+    assert blobs.get(WHERE) == b"jpeg"
+    stubber.assert_no_pending_responses()
+
+
+def test_a_throttled_call_that_never_succeeds_is_transient(
+    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once its budget is spent the error is a `TransientError`: the job is retried
+    later, the input is not blamed."""
+    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    blobs, stubber = s3
+    for _ in range(3):
+        _error(stubber, "SlowDown", 503)
+    with pytest.raises(TransientError, match="SlowDown"):
+        blobs.get(WHERE)
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "raised"),
+    [
+        ("NoSuchKey", 404, MissingObject),
+        ("NoSuchBucket", 404, MissingObject),
+        ("AccessDenied", 403, AccessDenied),
+        ("InvalidObjectState", 403, Exception),
+    ],
+)
+def test_permanent_errors_are_raised_at_once_as_what_they_are(
+    s3: tuple[aws.S3BlobStore, Stubber], code: str, status: int, raised: type[Exception]
+) -> None:
+    """A missing or refused object is not retried: it is that input's error."""
+    blobs, stubber = s3
+    _error(stubber, code, status)
+    with pytest.raises(raised) as caught:
+        blobs.get(WHERE)
+    assert not isinstance(caught.value, TransientError)
+    stubber.assert_no_pending_responses()
+
+
+def test_a_short_read_of_the_body_is_retried(
+    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body cut short of its Content-Length is as transient as a failed request: the
+    whole GET is tried again."""
+    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    blobs, stubber = s3
+    stubber.add_response("get_object", {"Body": StreamingBody(io.BytesIO(b"jp"), 4)})
+    stubber.add_response("get_object", {"Body": _body(b"jpeg")})
+    assert blobs.get(WHERE) == b"jpeg"
+    assert isinstance(
+        aws.classify(IncompleteReadError(actual_bytes=2, expected_bytes=4)), TransientError
+    )
+
+
+def _without_sleeping(call: Any) -> Any:
+    def retry(fn: Any, attempts: int) -> Any:
+        return call(fn, attempts, sleep=lambda _: None)
+
+    return retry

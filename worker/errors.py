@@ -1,0 +1,32 @@
+"""The daemon's small error tree, classified once where an error is raised.
+
+- `TransientError`: the surroundings failed for now (throttling, 5xx, a timeout, a reset
+  connection, a short read). Retried with backoff; a job that cannot get past it is
+  released to run again later, never finished with the error in its results.
+- `MissingObject`, `AccessDenied`: permanent for that object. For an input this is the
+  item's own error record; for a manifest the message is poison.
+- `WorkerFault`: the worker itself is broken (a stage fails for everything, known-good
+  input included). Never an item's error: the daemon stops and hands its jobs back.
+
+Anything else raised by stage code about one input is that input's error.
+"""
+
+from __future__ import annotations
+
+
+class TransientError(Exception):
+    """Worth retrying later: nothing is wrong with the request itself."""
+
+
+class MissingObject(LookupError):
+    """The object (or its bucket) does not exist: retrying will not help."""
+
+
+class AccessDenied(PermissionError):
+    """Reading or writing the object is not allowed (S3 also says this for a missing key
+    when the caller may not list the bucket): retrying will not help."""
+
+
+class WorkerFault(Exception):
+    """A stage of this worker fails on known-good input: the worker, not the data, is
+    broken."""

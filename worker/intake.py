@@ -1,0 +1,178 @@
+"""Taking work in: the intake receives and admits jobs, the feeder feeds their items.
+
+The intake never waits on the pipeline: a message is leased in the ledger the moment
+it is received, then admitted (validated, its manifest read) or settled. The feeder is
+the one loop that waits for room in the pipeline, and it takes held jobs in turn, so a
+one-image job is not stuck behind a 100,000-image one received with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import structlog
+
+from worker.engine import Item, Pipeline
+from worker.errors import AccessDenied, MissingObject
+from worker.joblog import JobLog
+from worker.ledger import Job, Ledger
+from worker.message import PoisonMessage, parse_job_message, parse_manifest
+from worker.outcomes import Lifecycle
+from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
+from worker.settings import Settings
+
+log = structlog.get_logger()
+
+RECEIVE_ERROR_BACKOFF_S = 5.0
+# `--drain` stops only after this many empty receives in a row, each followed by queue
+# counters that read zero, with nothing held here in between.
+DRAINED_READINGS = 2
+
+
+class Intake:
+    """Receives messages while there is room, leases each in the ledger, admits it."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        source: JobSource,
+        blobs: BlobStore,
+        lifecycle: Lifecycle,
+        stopping: threading.Event,
+        *,
+        on_drained: Callable[[], None],
+    ):
+        self._settings = settings
+        self._source = source
+        self._blobs = blobs
+        self._ledger = lifecycle.ledger
+        self._outcomes = lifecycle.outcomes
+        self._progress = lifecycle.progress
+        self._stopping = stopping
+        self._on_drained = on_drained
+        self._drained_readings = 0
+
+    def room(self) -> int:
+        """How many messages may be received now: 0 while enough work is waiting."""
+        settings = self._settings
+        if self._ledger.outstanding_items() >= settings.prefetch_batches * settings.batch_size:
+            return 0
+        return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
+
+    def run(self) -> None:
+        while not self._stopping.is_set():
+            self._ledger.wait_until(lambda: self.room() > 0 or self._stopping.is_set())
+            if self._stopping.is_set():
+                return
+            idle = not len(self._ledger)
+            messages = self._receive(self.room())
+            if messages is None:
+                continue
+            if not messages:
+                if self._settings.drain and self._drained(idle):
+                    self._on_drained()
+                    return
+                continue
+            self._drained_readings = 0
+            for job in [job for message in messages if (job := self._hold(message))]:
+                if self._stopping.is_set():
+                    self._outcomes.release(job, "shutting down")
+                else:
+                    self._admit(job)
+
+    def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
+        """The messages received, or None when the receive failed (not an empty queue)."""
+        settings = self._settings
+        try:
+            return self._source.receive(
+                max_messages, settings.receive_wait_seconds, settings.visibility_timeout_seconds
+            )
+        except Exception as error:
+            # Its retries are spent: back off instead of hammering a failing API.
+            log.warning("receive_failed", error=repr(error), retry_in_s=RECEIVE_ERROR_BACKOFF_S)
+            self._stopping.wait(RECEIVE_ERROR_BACKOFF_S)
+            return None
+
+    def _drained(self, idle: bool) -> bool:
+        """Whether nothing is left to do here or on the queue: nothing held (before and
+        after the empty receive: a job released meanwhile may be visible again), and the
+        queue's visible, in-flight and delayed counts at zero, twice in a row. In-flight
+        messages may be a crashed worker's, coming back when their leases run out."""
+        try:
+            empty = idle and not len(self._ledger) and self._source.counts().empty
+        except Exception as error:
+            log.warning("queue_counts_failed", error=repr(error))
+            empty = False
+        self._drained_readings = self._drained_readings + 1 if empty else 0
+        return self._drained_readings >= DRAINED_READINGS
+
+    def _hold(self, message: ReceivedMessage) -> Job | None:
+        """Enter a message in the ledger, leased from now; None if it is one already held
+        (its lease ran out unnoticed and it came back here) or the daemon is stopping."""
+        if self._ledger.redelivered(message):
+            log.warning("job_redelivered_while_in_flight", message_id=message.message_id)
+            return None
+        job = self._ledger.receive(message)
+        if job is None:  # closed: nobody will renew its lease, so give it back now
+            try:
+                self._source.release(message.receipt_handle)
+            except Exception as error:
+                log.warning("release_failed", message_id=message.message_id, error=repr(error))
+        return job
+
+    def _admit(self, job: Job) -> None:
+        """Validate the message and read its manifest; admit it, or settle it."""
+        settings = self._settings
+        try:
+            spec = parse_job_message(job.message.body, settings.allowed_buckets)
+            inputs = spec.inputs or self._read_manifest(spec.manifest or "")
+            if len(inputs) > settings.max_items_per_job:
+                raise PoisonMessage(
+                    f"{len(inputs)} inputs is over the limit of {settings.max_items_per_job}"
+                )
+        except PoisonMessage as poison:
+            self._outcomes.dead_letter(job, str(poison))
+            return
+        except Exception as error:  # transient, or not understood: never the sender's fault
+            log.warning(
+                "job_admission_failed", message_id=job.message.message_id, error=repr(error)
+            )
+            self._outcomes.retry_later(job, f"admission failed: {error!r}")
+            return
+        job_id = spec.job_id or job.message.message_id
+        self._ledger.admit(job, spec, inputs, JobLog(settings.log_dir / f"{job_id}.log", job_id))
+        assert job.log is not None
+        job.log.info(
+            "job_received",
+            items=len(inputs),
+            attempt=job.attempt,
+            message_id=job.message.message_id,
+        )
+        log.info("job_received", job_id=job_id, items=len(inputs), attempt=job.attempt)
+        self._progress.beat()
+
+    def _read_manifest(self, uri: str) -> list[str]:
+        try:
+            text = self._blobs.get(S3Location.parse(uri))
+        except MissingObject as missing:
+            raise PoisonMessage(f"manifest {uri} does not exist") from missing
+        except AccessDenied as denied:
+            raise PoisonMessage(f"manifest {uri} cannot be read: {denied}") from denied
+        return parse_manifest(
+            text, self._settings.allowed_buckets, self._settings.max_items_per_job
+        )
+
+
+class Feeder:
+    """Feeds held jobs' items into the pipeline in the ledger's round-robin order; the
+    one loop that waits on the pipeline."""
+
+    def __init__(self, ledger: Ledger, pipeline: Pipeline):
+        self._ledger = ledger
+        self._pipeline = pipeline
+
+    def run(self) -> None:
+        while True:
+            job, index = self._ledger.next_item()
+            self._pipeline.submit(Item(job.key, index, job.inputs[index]))

@@ -1,0 +1,123 @@
+"""Reporting on jobs: engine events into per-job logs and timings, and each in-flight
+job's progress.json."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+
+from worker.engine import Item
+from worker.ledger import Job, Ledger, StageTiming
+from worker.metrics import Metrics
+from worker.ports import BlobStore
+from worker.supervisor import Progress
+from worker.timeline import Timeline
+
+log = structlog.get_logger()
+
+
+class JobObserver:
+    """Turns engine reports into per-job timings and log lines, metrics and progress."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        metrics: Metrics,
+        progress: Progress,
+        timeline: Timeline | None,
+        on_broken: Callable[[str], None],
+    ):
+        self._ledger = ledger
+        self._metrics = metrics
+        self._progress = progress
+        self._timeline = timeline
+        self._on_broken = on_broken
+
+    def _jobs_of(self, items: Sequence[Item]) -> list[tuple[Job, int]]:
+        counts = Counter(item.job for item in items)
+        jobs = ((self._ledger.get(key), count) for key, count in counts.items())
+        return [(job, count) for job, count in jobs if job is not None and job.log is not None]
+
+    def stage_ran(
+        self, stage: str, items: Sequence[Item], duration_s: float, events: Sequence[dict[str, Any]]
+    ) -> None:
+        self._progress.beat()
+        if self._timeline is not None:
+            self._timeline.record(stage, len(items), duration_s)
+        self._metrics.stage_ran(stage, len(items), duration_s)
+        for job, count in self._jobs_of(items):
+            assert job.log is not None
+            job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
+            if len(items) > 1:
+                job.log.info(
+                    "batch_done",
+                    stage=stage,
+                    job_items=count,
+                    batch_items=len(items),
+                    duration_ms=round(duration_s * 1000, 2),
+                )
+            for event in events:
+                job.log.info(**{"stage": stage, **event})
+
+    def worker_lost(self, stage: str, items: Sequence[Item], reason: str) -> None:
+        self._progress.beat()
+        log.warning("worker_lost", stage=stage, reason=reason, items=len(items))
+        self._metrics.worker_restarts.labels(stage).inc()
+        for job, count in self._jobs_of(items):
+            assert job.log is not None
+            job.log.error("worker_lost", stage=stage, reason=reason, job_items=count)
+
+    def stage_broken(self, stage: str, error: BaseException) -> None:
+        log.error("stage_broken", stage=stage, error=str(error))
+        self._on_broken(f"stage {stage} is broken: {error}")
+
+
+class ProgressReporter:
+    """Every `interval_s`, publishes each in-flight job's progress.json (for `enqueue
+    --wait` and dashboards) if it changed, and brings its local log file up to date."""
+
+    def __init__(self, ledger: Ledger, blobs: BlobStore, interval_s: float):
+        self._ledger = ledger
+        self._blobs = blobs
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self._interval_s):
+            for job in self._ledger.unsettled():
+                if job.log is not None:
+                    self._report(job)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _report(self, job: Job) -> None:
+        assert job.log is not None and job.spec is not None
+        try:
+            job.log.flush()
+        except OSError as error:
+            log.warning("job_log_not_written", job_id=job.job_id, error=repr(error))
+        finished = job.finished_items
+        if finished == job.progress_reported:
+            return
+        progress = {
+            "job_id": job.job_id,
+            "items": len(job.inputs),
+            "finished": finished,
+            "failed": job.failed,
+        }
+        try:
+            self._blobs.put(
+                job.spec.output_location("progress.json"),
+                json.dumps(progress).encode(),
+                "application/json",
+            )
+        except Exception as error:
+            log.warning("progress_upload_failed", job_id=job.job_id, error=repr(error))
+            return
+        job.progress_reported = finished

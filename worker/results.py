@@ -1,0 +1,207 @@
+"""Results: the regrouper files each item's result under its job, in its place; the
+finisher writes a complete job's outputs (job.json last) and acks it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+
+from worker.channel import Channel
+from worker.engine import Item, Pipeline
+from worker.ledger import Job, JobState
+from worker.outcomes import Lifecycle
+from worker.plugins import Postprocessor
+from worker.ports import BlobStore
+from worker.retry import Backoff
+
+log = structlog.get_logger()
+
+# A finish whose writes failed (each after its own retries) is tried this many times in
+# all, the lease kept meanwhile, before the job is released for a later delivery.
+FINISH_ATTEMPTS = 3
+FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
+
+
+class Regrouper:
+    """Takes each item out of the pipeline and files its result under its job. An item
+    that failed for a transient reason sends its job back for a later try instead: a
+    throttled download is no fault of the input."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        lifecycle: Lifecycle,
+        finisher: Finisher,
+        postprocess: Postprocessor,
+    ):
+        self._pipeline = pipeline
+        self._ledger = lifecycle.ledger
+        self._outcomes = lifecycle.outcomes
+        self._metrics = lifecycle.metrics
+        self._progress = lifecycle.progress
+        self._finisher = finisher
+        self._postprocess = postprocess
+
+    def run(self) -> None:
+        while True:
+            item = self._pipeline.next_result()
+            self._progress.beat()
+            job = self._ledger.get(item.job)
+            if job is None or job.state is not JobState.RUNNING:
+                continue  # released while its items were inside
+            if item.error is not None and item.error.transient:
+                where = f"{item.error.stage} of input {item.index}"
+                self._outcomes.retry_later(job, f"{where}: {item.error.message}")
+                continue
+            result = self._result(job, item)
+            self._metrics.item_finished(failed="error" in result)
+            finished = self._ledger.record(item.job, item.index, result)
+            if finished is not None:
+                self._finisher.submit(finished)
+
+    def _result(self, job: Job, item: Item) -> dict[str, Any]:
+        """The results.jsonl record of one item: prediction fields, or its error."""
+        assert job.spec is not None and job.log is not None
+        record: dict[str, Any] = {"index": item.index, "input": job.inputs[item.index]}
+        error = item.error
+        if error is None:
+            try:
+                return {**record, **self._postprocess(item.value, job.spec.params)}
+            except Exception as failure:
+                error_fields = {"type": type(failure).__name__, "message": str(failure)[:1000]}
+                stage = "postprocess"
+        else:
+            error_fields = {"type": error.type, "message": error.message}
+            stage = error.stage
+        job.log.error(
+            "item_failed", index=item.index, input=record["input"], stage=stage, **error_fields
+        )
+        return {**record, "error": error_fields}
+
+
+class _Abandoned(Exception):
+    """The job was released (shutdown, an open circuit) while its outputs were written."""
+
+
+class Finisher:
+    """Writes finished jobs' outputs and acks them, on `threads` threads of its own."""
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        lifecycle: Lifecycle,
+        worker_info: dict[str, Any],
+        notify: Callable[[str], None] | None,
+        *,
+        capacity: int,
+    ):
+        self._blobs = blobs
+        self._outcomes = lifecycle.outcomes
+        self._metrics = lifecycle.metrics
+        self._progress = lifecycle.progress
+        self._worker_info = worker_info
+        self._notify = notify
+        # Never full: it holds at most the jobs held, and it is sized for all of them.
+        self._queue: Channel[Job] = Channel(capacity)
+        self._closed = threading.Event()
+
+    def submit(self, job: Job) -> None:
+        self._queue.put(job)
+
+    def run(self) -> None:
+        while True:
+            self._finish(self._queue.get())
+
+    def close(self) -> None:
+        """Stop taking jobs and cut waits between tries short (shutdown)."""
+        self._closed.set()
+        self._queue.close()
+
+    def _finish(self, job: Job) -> None:
+        """Write the outputs, `job.json` last, and ack the job."""
+        summary = self._summary(job)
+        if not self._written(job, self._outputs(job, summary)):
+            return
+        assert job.log is not None
+        try:
+            job.log.discard()
+        except OSError as error:
+            log.warning("job_log_not_removed", job_id=job.job_id, error=repr(error))
+        if not self._outcomes.ack(job):
+            return
+        self._metrics.jobs.labels(summary["status"]).inc()
+        log.info(
+            "job_finished",
+            **{key: summary[key] for key in ("job_id", "status", "items", "duration_s")},
+        )
+        if self._notify:
+            try:
+                self._notify(json.dumps(summary))
+            except Exception as error:
+                log.warning("notify_failed", job_id=job.job_id, error=repr(error))
+
+    def _written(self, job: Job, outputs: list[tuple[str, bytes, str]]) -> bool:
+        """Write the outputs, trying again while the lease is kept; False if the job was
+        released instead (here, or by shutdown meanwhile)."""
+        for attempt in range(1, FINISH_ATTEMPTS + 1):
+            try:
+                self._write(job, outputs)
+                return True
+            except _Abandoned:
+                return False
+            except Exception as error:
+                log.warning(
+                    "job_upload_failed", job_id=job.job_id, attempt=attempt, error=repr(error)
+                )
+                self._progress.beat()
+                if attempt == FINISH_ATTEMPTS or self._closed.wait(FINISH_BACKOFF.delay_s(attempt)):
+                    self._outcomes.retry_later(job, f"upload failed: {error!r}")
+                    return False
+        return False
+
+    def _outputs(self, job: Job, summary: dict[str, Any]) -> list[tuple[str, bytes, str]]:
+        """(name, content, content type) of each output, in the order they are written."""
+        assert job.log is not None
+        job.log.info(
+            "job_finished", **{k: summary[k] for k in ("status", "items", "failed", "duration_s")}
+        )
+        job.log.info("stage_timings", **{name: vars(t) for name, t in job.timings.items()})
+        results = b"".join(json.dumps(r).encode() + b"\n" for r in job.results)
+        # Compact: the indented encoder is pure Python and cost a tenth of a small job.
+        return [
+            ("results.jsonl", results, "application/x-ndjson"),
+            ("job.log", job.log.lines(), "application/x-ndjson"),
+            ("job.json", json.dumps(summary).encode() + b"\n", "application/json"),
+        ]
+
+    def _write(self, job: Job, outputs: list[tuple[str, bytes, str]]) -> None:
+        assert job.spec is not None
+        for name, data, content_type in outputs:
+            if job.settled:
+                raise _Abandoned
+            self._blobs.put(job.spec.output_location(name), data, content_type)
+
+    def _summary(self, job: Job) -> dict[str, Any]:
+        finished_at = time.time()
+        return {
+            "job_id": job.job_id,
+            "status": job.status.value,
+            "items": len(job.inputs),
+            "succeeded": job.succeeded,
+            "failed": job.failed,
+            "received_at": _iso(job.received_at),
+            "finished_at": _iso(finished_at),
+            "duration_s": round(finished_at - job.received_at, 3),
+            "attempt": job.attempt,
+            "worker": self._worker_info,
+        }
+
+
+def _iso(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds")
