@@ -333,21 +333,33 @@ def test_a_small_job_is_not_stuck_behind_a_big_one_received_with_it(
     assert _output(blobs, "small", "job.json")["attempt"] == 1
 
 
-def test_a_throttled_input_sends_its_job_back_instead_of_failing_it(tmp_path: Path) -> None:
-    """A download that is still throttled after its retries is no fault of the input:
-    the job is released with the reason and done again on its next delivery; it is
-    never finished with the throttling in its results."""
+def test_a_throttled_input_is_fed_again_and_never_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download still throttled after its call's retries is no fault of the input. It
+    is fed again within the delivery; an input that stays unreachable for all its tries
+    sends the job back to the queue, with the reason, to be done on a later delivery.
+    Neither job is ever finished with the throttling in its results."""
+    monkeypatch.setattr(results, "INPUT_BACKOFF", Backoff(base_s=0.01, cap_s=0.01))
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    uris = _images(blobs, 3)
-    blobs.failing_gets[uris[1]] = [TransientError("SlowDown: reduce your request rate")]
-    _send(source, "throttled", uris)
+    uris = _images(blobs, 4)
+    slow_down = TransientError("SlowDown: reduce your request rate")
+    blobs.failing_gets[uris[1]] = [slow_down] * (results.INPUT_RETRIES - 1)
+    blobs.failing_gets[uris[3]] = [slow_down] * results.INPUT_RETRIES
+    _send(source, "flaky", uris[:2])
+    _send(source, "unreachable", uris[2:])
     with capture_logs() as logs:
         _run(source, blobs, tmp_path, retry_delay_seconds=0)
-    summary = _output(blobs, "throttled", "job.json")
-    assert (summary["status"], summary["attempt"]) == ("succeeded", 2)
-    assert all("error" not in r for r in _output(blobs, "throttled", "results.jsonl"))
+    for job_id, attempt in (("flaky", 1), ("unreachable", 2)):
+        summary = _output(blobs, job_id, "job.json")
+        assert (summary["status"], summary["attempt"]) == ("succeeded", attempt)
+        assert all("error" not in r for r in _output(blobs, job_id, "results.jsonl"))
+    assert _output(blobs, "flaky", "job.log").count('"input_retried"') == results.INPUT_RETRIES - 1
     [released] = [e for e in logs if e["event"] == "job_released"]
-    assert released["reason"] == "fetch of input 1: SlowDown: reduce your request rate"
+    assert (released["job_id"], released["reason"]) == (
+        "unreachable",
+        "fetch of input 1: SlowDown: reduce your request rate",
+    )
 
 
 def test_a_failed_upload_keeps_the_lease_and_is_tried_again(

@@ -345,11 +345,13 @@ def test_sigkill_of_the_daemon_loses_nothing(
     started at once with `--drain` does the rest, the dead one's jobs included once
     their leases run out: every job has exactly one complete, in-order results.jsonl
     and job.json, and both queues are empty."""
-    stack = aws.stack(visibility_timeout_s=4)
+    # Leases longer than a daemon's start, so the new daemon's first receive finds the
+    # dead one's messages still in flight.
+    stack = aws.stack(visibility_timeout_s=12)
     uris = list(upload_samples(aws.s3, stack.bucket, 180, seed=10))
     jobs = {f"job-{n:02d}": uris[n * 6 : n * 6 + 6] for n in range(30)}
     _send_jobs(aws, stack, jobs)
-    lease = ["--visibility-timeout-seconds", "4", "--heartbeat-interval-seconds", "1"]
+    lease = ["--visibility-timeout-seconds", "12", "--heartbeat-interval-seconds", "3"]
     model = _slow_model(4)
     env = aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.1").env
     first = start_daemon(_args(stack, tmp_path, *lease, *model), env=env)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,27 @@ def test_the_feed_takes_jobs_in_turn(tmp_path: Path) -> None:
     ]
 
 
+def test_an_item_fed_again_comes_first_once_due(tmp_path: Path) -> None:
+    """An item whose input could not be read for now is fed again once its delay has
+    passed, ahead of the jobs' turns; one whose job was released meanwhile is dropped."""
+    ledger = Ledger()
+    job = _held(ledger, 1, 3, tmp_path)
+    other = _held(ledger, 2, 1, tmp_path)
+    assert ledger.next_item() == (job, 0)
+    ledger.retry_item(job, 0, delay_s=0.2)
+    assert ledger.next_item() == (other, 0)
+    assert ledger.next_item() == (job, 1)
+    assert ledger.next_item() == (job, 2)
+    started = time.monotonic()
+    assert ledger.next_item() == (job, 0)  # waited for it to be due
+    assert time.monotonic() - started > 0.1 and job.item_retries == {0: 1}
+    ledger.retry_item(job, 2, delay_s=0)
+    ledger.release(job)
+    ledger.close()
+    with pytest.raises(Closed):
+        ledger.next_item()
+
+
 def test_the_feed_stops_when_the_ledger_closes(tmp_path: Path) -> None:
     """After `close` nothing more is received and the feeder's wait ends with Closed."""
     ledger = Ledger()
@@ -165,6 +187,14 @@ class LedgerMachine(RuleBasedStateMachine):
         if self.fed:
             job, index = self.fed.pop(number % len(self.fed))
             self.ledger.record(job.key, index, {"error": {}} if failed else {})
+
+    @rule(number=st.integers(0, 50))
+    def feed_again(self, number: int) -> None:
+        if self.fed:
+            job, index = self.fed.pop(number % len(self.fed))
+            self.ledger.retry_item(job, index, delay_s=0)
+            if job.state is JobState.RUNNING:
+                self.fed.append(self.ledger.next_item())
 
     @rule(number=st.integers(0, 50), state=st.sampled_from(sorted(SETTLE)))
     def settle(self, number: int, state: JobState) -> None:

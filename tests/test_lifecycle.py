@@ -100,11 +100,11 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
 def test_throttled_and_reset_downloads_never_reach_the_results(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
-    """60% of input downloads answered 503 SlowDown and 10% reset mid-connection: every
-    job still succeeds, with no throttling or reset in any result. Downloads are
-    retried under their own budgets; a job whose input stays unreachable goes back to
-    the queue and is done on a later delivery."""
-    stack = aws.stack()
+    """60% of input downloads answered 503 SlowDown and a quarter of the rest reset
+    mid-connection, with 3 tries per call: every job still succeeds, with no throttling
+    or reset in any result. Downloads are retried under their own budgets; a job whose
+    input stays unreachable goes back to the queue and is done on a later delivery."""
+    stack = aws.stack(max_receive_count=20)
     uris = list(upload_samples(aws.s3, stack.bucket, 32, seed=32))
     jobs = {f"job-{n:02d}": uris[n * 4 : n * 4 + 4] for n in range(8)}
     _send_jobs(aws, stack, jobs)
@@ -113,7 +113,9 @@ def test_throttled_and_reset_downloads_never_reach_the_results(
     proxy.add(Fault("reset", _input_get, probability=0.25, kind="reset"))
     with proxy.serving() as proxy_url:
         daemon = start_daemon(
-            _args(stack, tmp_path, "--drain", "--retry-delay-seconds", "1"),
+            _args(
+                stack, tmp_path, "--drain", "--retry-delay-seconds", "1", "--aws-max-attempts", "3"
+            ),
             env=aws.with_endpoint(proxy_url).env,
         )
         assert daemon.wait(180) == 0, daemon.stderr[-3000:]
@@ -121,6 +123,12 @@ def test_throttled_and_reset_downloads_never_reach_the_results(
     for job_id, inputs in jobs.items():
         _assert_complete(aws, stack, job_id, inputs)
         assert b"SlowDown" not in aws.read(_out(stack, job_id), "results.jsonl")
+    # Some inputs stayed unreachable past a call's 3 tries and were fed again.
+    assert any(
+        event["event"] == "input_retried"
+        for job in jobs
+        for event in aws.log_events(_out(stack, job))
+    )
     assert aws.queue_depth(stack.queue_url) == (0, 0)
     assert aws.dead_letters(stack.dlq_url) == []
 

@@ -12,7 +12,8 @@ transition instead of flipping flags, one method per transition:
 - received: leased from the moment it is received (the lease keeper renews every job
   that is not settled), not yet validated;
 - admitted: valid, its inputs known (a manifest read), waiting for the feeder;
-- running: its items are being fed into the pipeline or are inside it;
+- running: its items are being fed into the pipeline or are inside it (an input that
+  could not be read for now is fed again, `retry_item`);
 - finishing: every item's result is in; its outputs are being written;
 - acked, released, dead-lettered: settled. A settled job stays in the ledger until its
   SQS call has returned (`forget`), so the daemon is not idle, nor `--drain` done, while
@@ -25,6 +26,7 @@ say): the others get None. Any move the table does not allow is a bug, and raise
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import threading
 import time
@@ -101,6 +103,7 @@ class Job:
     log: JobLog | None = None
     results: list[dict[str, Any] | None] = field(default_factory=list)
     fed: int = 0
+    item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
     succeeded: int = 0
     failed: int = 0
     progress_reported: int = 0
@@ -141,6 +144,7 @@ class Ledger:
         self._jobs: dict[str, Job] = {}
         self._by_message: dict[str, Job] = {}  # unsettled jobs only
         self._feeding: deque[Job] = deque()  # jobs with items not yet fed, round robin
+        self._again: list[tuple[float, int, Job, int]] = []  # (due, tie-break, job, index)
         self._changed = threading.Condition(threading.RLock())
         self._closed = False
         self._deliveries = itertools.count(1)
@@ -177,11 +181,15 @@ class Ledger:
             self._changed.notify_all()
 
     def next_item(self) -> tuple[Job, int]:
-        """The next item to feed, taking jobs in turn so a small job is not stuck behind
-        a big one; its job moves ADMITTED -> RUNNING with its first item. Waits for one;
-        raises `Closed` once the ledger is closed."""
+        """The next item to feed: one due to be fed again, else the next of the jobs in
+        turn, so a small job is not stuck behind a big one; its job moves ADMITTED ->
+        RUNNING with its first item. Waits for one; raises `Closed` once closed."""
         with self._changed:
             while not self._closed:
+                while self._again and self._again[0][0] <= time.monotonic():
+                    _, _, job, index = heapq.heappop(self._again)
+                    if job.state is JobState.RUNNING:
+                        return job, index
                 while self._feeding:
                     job = self._feeding.popleft()
                     if job.state not in FEEDABLE:
@@ -193,8 +201,20 @@ class Ledger:
                     if job.fed < len(job.inputs):
                         self._feeding.append(job)
                     return job, index
-                self._changed.wait()
+                due_in_s = self._again[0][0] - time.monotonic() if self._again else None
+                self._changed.wait(due_in_s)
             raise Closed
+
+    def retry_item(self, job: Job, index: int, delay_s: float) -> None:
+        """Feed a running job's item again after `delay_s`: its input could not be read
+        for now. Its result is still outstanding."""
+        with self._changed:
+            if job.state is not JobState.RUNNING:
+                return
+            job.item_retries[index] = job.item_retries.get(index, 0) + 1
+            due = time.monotonic() + delay_s
+            heapq.heappush(self._again, (due, next(self._deliveries), job, index))
+            self._changed.notify_all()
 
     def record(self, key: str, index: int, result: dict[str, Any]) -> Job | None:
         """File one item's result; the job if that was its last (RUNNING -> FINISHING).

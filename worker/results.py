@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from worker.channel import Channel
-from worker.engine import Item, Pipeline
+from worker.engine import Item, ItemError, Pipeline
 from worker.ledger import Job, JobState
 from worker.outcomes import Lifecycle
 from worker.plugins import Postprocessor
@@ -22,6 +22,10 @@ from worker.retry import Backoff
 
 log = structlog.get_logger()
 
+# An input that could not be read for now (its call's retries spent) is fed again this
+# many times in all per delivery, after these delays, before its job is released.
+INPUT_RETRIES = 4
+INPUT_BACKOFF = Backoff(base_s=0.5, cap_s=10.0)
 # A finish whose writes failed (each after its own retries) is tried this many times in
 # all, the lease kept meanwhile, before the job is released for a later delivery.
 FINISH_ATTEMPTS = 3
@@ -30,8 +34,8 @@ FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
 
 class Regrouper:
     """Takes each item out of the pipeline and files its result under its job. An item
-    that failed for a transient reason sends its job back for a later try instead: a
-    throttled download is no fault of the input."""
+    that failed for a transient reason is no fault of the input: it is fed again, and if
+    it keeps failing its job goes back to the queue for a later delivery."""
 
     def __init__(
         self,
@@ -56,14 +60,25 @@ class Regrouper:
             if job is None or job.state is not JobState.RUNNING:
                 continue  # released while its items were inside
             if item.error is not None and item.error.transient:
-                where = f"{item.error.stage} of input {item.index}"
-                self._outcomes.retry_later(job, f"{where}: {item.error.message}")
+                self._retry(job, item, item.error)
                 continue
             result = self._result(job, item)
             self._metrics.item_finished(failed="error" in result)
             finished = self._ledger.record(item.job, item.index, result)
             if finished is not None:
                 self._finisher.submit(finished)
+
+    def _retry(self, job: Job, item: Item, error: ItemError) -> None:
+        """Feed the item again after a backoff; once it has had `INPUT_RETRIES` tries,
+        give the job back for a later delivery."""
+        assert job.log is not None
+        retried = job.item_retries.get(item.index, 0)
+        if retried + 1 >= INPUT_RETRIES:
+            where = f"{error.stage} of input {item.index}"
+            self._outcomes.retry_later(job, f"{where}: {error.message}")
+            return
+        job.log.info("input_retried", index=item.index, stage=error.stage, error=error.message)
+        self._ledger.retry_item(job, item.index, INPUT_BACKOFF.delay_s(retried + 1))
 
     def _result(self, job: Job, item: Item) -> dict[str, Any]:
         """The results.jsonl record of one item: prediction fields, or its error."""
