@@ -24,5 +24,15 @@ class SlowUniform(nn.Module):
 
 
 def factory() -> nn.Module:
-    """1 s per batch, or SLOW_MODEL_SECONDS_PER_BATCH."""
+    """1 s per batch, or SLOW_MODEL_SECONDS_PER_BATCH. Stage children read it, and they
+    fork from a server that keeps the environment it started with: tests running the
+    daemon in their own process use the fixed speeds below instead."""
     return SlowUniform(float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "1")))
+
+
+def tenth_of_a_second() -> nn.Module:
+    return SlowUniform(0.1)
+
+
+def five_seconds() -> nn.Module:
+    return SlowUniform(5)

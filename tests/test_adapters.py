@@ -72,11 +72,12 @@ def test_extend_reports_stale_handles_and_ack_deletes(parts: tuple[Any, Any, Any
 
 
 def test_dead_letter_moves_message_with_reason(parts: tuple[Any, Any, Any]) -> None:
-    """A dead-lettered message leaves the queue."""
+    """A dead-lettered message, then acked, leaves the queue."""
     source, _, send = parts
     send("junk")
     [message] = source.receive(1, 0, 30)
     assert source.dead_letter(message, "not JSON")
+    source.ack(message.receipt_handle)
     assert source.receive(10, 0, 0) == []
     with pytest.raises(Exception, match="ReceiptHandleIsInvalid"):
         source.release(message.receipt_handle)

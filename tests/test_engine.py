@@ -260,6 +260,16 @@ def test_out_of_memory_splits_the_batch_and_lowers_the_batch_size_for_a_while() 
         assert max(size for _, size in observer.calls) == 16, observer.calls
 
 
+def test_out_of_memory_on_a_single_item_is_not_the_items_fault() -> None:
+    """An item that does not fit even alone is memory pressure (every item of a stage
+    has the same shape): its error is transient, so its job retries it, never fails it."""
+    stage = ProcessStage("inference", functools.partial(stagefns.memory_limited, 0))
+    with Pipeline([stage], RecordingObserver()) as pipeline:
+        [result] = run_items(pipeline, [Item("j", 0, 0)])
+    assert result.error is not None
+    assert (result.error.type, result.error.transient) == ("OutOfMemoryError", True)
+
+
 def test_setup_failure_is_reported_at_start() -> None:
     """A stage whose set-up raises (a bad model) stops the pipeline from starting."""
     pipeline = _process_pipeline(

@@ -139,3 +139,33 @@ def _keeper(
         progress=progress or Progress(stall_after_s=float("inf"), clock=clock),
         clock=clock,
     )
+
+
+class ReleaseDuringRenewal(InMemoryJobSource):
+    """Releases the job (as the daemon's `Outcomes` would, from another thread) after the
+    keeper took its list of leases and before its renewal call reaches SQS."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__(clock)
+        self.release_first: tuple[Ledger, Job] | None = None
+
+    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
+        if self.release_first is not None:
+            ledger, job = self.release_first
+            self.release_first = None
+            ledger.release(job, 0)
+            self.release(job.receipt_handle, 0)
+        return super().extend(receipt_handles, visibility_timeout_s)
+
+
+def test_a_release_that_lands_during_a_renewal_is_not_undone(tmp_path: Path) -> None:
+    """The renewal carried the released job's handle: it would hide the message for a
+    whole visibility timeout. The keeper releases it again, with the delay it was given."""
+    clock = ManualClock()
+    source, ledger = ReleaseDuringRenewal(clock), Ledger()
+    source.send("{}")
+    job = _admit(ledger, source, tmp_path)
+    source.release_first = (ledger, job)
+    _keeper(ledger, source, clock).renew_all()
+    [again] = source.receive(10, 0, 30)
+    assert again.message_id == job.message.message_id

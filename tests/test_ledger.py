@@ -77,6 +77,11 @@ def test_illegal_moves_raise_and_settling_is_won_once(tmp_path: Path) -> None:
     _admit(ledger, job, 1, tmp_path)
     with pytest.raises(IllegalTransition):
         _admit(ledger, job, 1, tmp_path)
+    late = ledger.receive(_message(2))
+    assert late is not None and ledger.release(late)
+    body = json.dumps({"inputs": ["s3://bkt/k"], "output": "s3://bkt/o/"})
+    spec = parse_job_message(body, frozenset())
+    assert not ledger.admit(late, spec, ["s3://bkt/k"], JobLog(tmp_path / "late.log", "late"))
     ledger.next_item()
     with pytest.raises(IllegalTransition):
         ledger.dead_letter(job)
@@ -141,10 +146,10 @@ def test_a_redelivery_of_a_held_message_renews_its_handle(tmp_path: Path) -> Non
     job = _held(ledger, 1, 1, tmp_path)
     ledger.mark_lease_lost(job.key)
     assert ledger.leases() == {}
-    assert ledger.redelivered(ReceivedMessage("m1", "{}", "m1#new", 2))
+    assert ledger.adopt_redelivery(ReceivedMessage("m1", "{}", "m1#new", 2))
     assert ledger.leases() == {job.key: "m1#new"}
     ledger.release(job)
-    assert not ledger.redelivered(ReceivedMessage("m1", "{}", "m1#newer", 3))
+    assert not ledger.adopt_redelivery(ReceivedMessage("m1", "{}", "m1#newer", 3))
 
 
 class LedgerMachine(RuleBasedStateMachine):

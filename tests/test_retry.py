@@ -100,6 +100,23 @@ def test_a_throttled_call_that_never_succeeds_is_transient(
 
 
 @pytest.mark.parametrize(
+    ("code", "status"),
+    [("InvalidAccessKeyId", 403), ("SignatureDoesNotMatch", 403), ("RequestTimeTooSkewed", 403)],
+)
+def test_the_workers_credentials_or_clock_are_not_the_inputs_fault(
+    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch, code: str, status: int
+) -> None:
+    """A refusal that names the worker's credentials or clock, not the object, is
+    transient: the job is retried later rather than its inputs failed."""
+    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    blobs, stubber = s3
+    for _ in range(3):
+        _error(stubber, code, status)
+    with pytest.raises(TransientError, match=code):
+        blobs.get(WHERE)
+
+
+@pytest.mark.parametrize(
     ("code", "status", "raised"),
     [
         ("NoSuchKey", 404, MissingObject),

@@ -21,8 +21,10 @@ import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import (
     ClientError,
+    CredentialRetrievalError,
     HTTPClientError,
     IncompleteReadError,
+    NoCredentialsError,
 )
 from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
@@ -75,6 +77,12 @@ TRANSIENT_CODES = frozenset(
         "ExpiredToken",
         "ExpiredTokenException",
         "KMS.ThrottlingException",
+        # The worker's credentials or clock, not the object: the next try may pass.
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "RequestTimeTooSkewed",
+        "InvalidToken",
+        "TokenRefreshRequired",
     }
 )
 TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -83,6 +91,8 @@ TRANSIENT_EXCEPTIONS = (
     HTTPClientError,  # connection closed or reset, read timeout, broken response stream
     IncompleteReadError,  # the body was shorter than its Content-Length
     urllib3.exceptions.HTTPError,
+    NoCredentialsError,  # the instance metadata service did not answer in time
+    CredentialRetrievalError,
 )
 
 
@@ -246,7 +256,6 @@ class SqsJobSource(_Retrying):
                 QueueUrl=dlq_url, MessageBody=message.body or " ", MessageAttributes=attributes
             )
         )
-        self.ack(message.receipt_handle)
         return True
 
     def counts(self) -> QueueCounts:

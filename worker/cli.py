@@ -107,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         # Until the daemon runs (and installs its own handlers) nothing is held: a stop
-        # signal during start-up (imports, model loading) just ends the process cleanly.
+        # signal during start-up (imports, settings) just ends the process cleanly. Once
+        # it runs, a signal during its stages' start stops it as soon as they are up.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, _exit_before_start)
         code = _run(args)

@@ -220,27 +220,28 @@ class Daemon:
                 ),
                 grace_s,
             )
+        deadline = time.monotonic() + self.shutdown_tail_s
         closing = threading.Thread(target=self._close, name="shutdown", daemon=True)
         closing.start()
         closing.join(self.shutdown_tail_s)
+        # Meanwhile a long poll still under way may have brought messages: the intake
+        # releases them once it sees the ledger closed.
+        self._supervisor.join("intake", max(0.0, deadline - time.monotonic()))
         if closing.is_alive():
             log.error("shutdown_deadline_passed", tail_s=self.shutdown_tail_s)
 
     def _close(self) -> None:
-        started = time.monotonic()
         self._ledger.close()
+        if self._protection:  # first: protection of an instance never expires by itself
+            self._protection.stop()
+            self._supervisor.join("protection", self.shutdown_tail_s)
+            self._protection.unprotect()
         cause = self._broken_cause
         self._outcomes.release_all(f"worker broken: {cause}" if cause else "shutdown")
         self._finisher.close()
         self._pipeline.close()
         self._leases.stop()
         self._reporter.stop()
-        if self._protection:
-            self._protection.stop()
-            self._supervisor.join("protection", self.shutdown_tail_s)
-            self._protection.unprotect()
-        # A long poll still under way may bring messages: the intake releases them.
-        self._supervisor.join("intake", self.shutdown_tail_s - (time.monotonic() - started))
 
 
 def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:

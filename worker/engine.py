@@ -46,9 +46,9 @@ from worker.errors import TransientError, WorkerFault
 
 ArenaMode = Literal["write", "read"] | None
 
-# A child that died holding an item gets this many tries at it before the item fails,
-# so one input that kills its worker (a decoder segfault) cannot loop forever.
-MAX_ATTEMPTS_AFTER_CRASH = 3
+# An item whose child died or hung while holding it gets this many tries before it is
+# blamed, so one input that kills or hangs its worker cannot loop forever.
+MAX_ITEM_ATTEMPTS = 3
 # A child that dies before it is ready is started again this many times in all; a set-up
 # that raises is not retried (it would raise again).
 START_ATTEMPTS = 3
@@ -76,7 +76,9 @@ class ItemError:
 
     @classmethod
     def from_exception(cls, error: BaseException, stage: str) -> ItemError:
-        transient = isinstance(error, TransientError)
+        # Out of memory on one item is memory pressure, not the item: every item of a
+        # stage has the same shape, and it fitted before.
+        transient = isinstance(error, TransientError | torch.OutOfMemoryError)
         return cls(type(error).__name__, str(error)[:1000], stage, transient)
 
 
@@ -219,6 +221,7 @@ class _Stage:
         self.max_batch_wait_s = max_batch_wait_ms / 1000
         self._threads: list[threading.Thread] = []
         self._lowered_batch_size: tuple[int, float] | None = None  # (size, until monotonic)
+        self.stopping = threading.Event()
 
     def lower_batch_size(self, batch_size: int, for_s: float) -> None:
         """Take at most `batch_size` items at a time for the next `for_s` seconds."""
@@ -252,6 +255,7 @@ class _Stage:
     def stop(self) -> None:
         """Wait up to `STOP_GRACE_S` in all for the stage's threads (daemon threads: one
         stuck in a network call is left behind, not waited for)."""
+        self.stopping.set()
         deadline = time.monotonic() + STOP_GRACE_S
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -275,6 +279,8 @@ class _Stage:
         except Closed:
             return
         except Exception as error:
+            if self.stopping.is_set():
+                return  # its child or channel was closed under it: the stage is stopping
             log.exception("stage_thread_failed", stage=self.name)
             self._observer.stage_broken(self.name, error)
 
@@ -347,7 +353,8 @@ class StageSetupError(Exception):
 
 
 class _ChildProcess:
-    """One child of a `ProcessStage` and the pipe that feeds it (used by one thread)."""
+    """One child of a `ProcessStage` and the pipe that feeds it: used by its driver
+    thread, and stopped by `ProcessStage.stop` from another."""
 
     def __init__(self, stage: ProcessStage, number: int):
         self._stage = stage
@@ -363,6 +370,9 @@ class _ChildProcess:
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 self._spawn()
+                if self._stage.stopping.is_set():  # a restart that raced the stage's stop
+                    self.stop(graceful=False)
+                    raise Closed
                 return
             except WorkerLost as lost:
                 self.stop(graceful=False)
@@ -433,23 +443,24 @@ class _ChildProcess:
         return fault
 
     def _receive(self, timeout_s: float | None) -> Any:
-        assert self._conn is not None
+        # Its own references: `stop` (from another thread) may let go of them meanwhile.
+        conn, process = self._conn, self._process
+        if conn is None or process is None:
+            raise WorkerDied(f"{self._name} was stopped")
         # A reply already waiting (the usual case with pipelined batches) needs no
         # selector over the pipe and the sentinel, which costs several times the poll.
         ready: Sequence[object] = (
-            [self._conn]
-            if self._conn.poll(0)
-            else wait([self._conn, self._process.sentinel], timeout_s)
+            [conn] if conn.poll(0) else wait([conn, process.sentinel], timeout_s)
         )
-        if self._conn in ready:
+        if conn in ready:
             try:
-                return self._conn.recv()
+                return conn.recv()
             except (EOFError, ConnectionResetError):
                 pass
         if not ready:
             raise WorkerHung(f"{self._name} gave no answer in {timeout_s} s")
-        self._process.join(STOP_GRACE_S)
-        raise WorkerDied(f"{self._name} exited with code {self._process.exitcode}")
+        process.join(STOP_GRACE_S)
+        raise WorkerDied(f"{self._name} exited with code {process.exitcode}")
 
     def stop(self, graceful: bool = True) -> None:
         """Ask the child to exit (it ignores SIGTERM), and kill it if it does not."""
@@ -514,7 +525,6 @@ class ProcessStage(_Stage):
         self.oom_cooldown_s = oom_cooldown_s
         self.arena: TensorArena | None = None
         self._children: list[_ChildProcess] = []
-        self._stopping = threading.Event()
 
     def start(
         self,
@@ -561,7 +571,7 @@ class ProcessStage(_Stage):
     def stop(self) -> None:
         """Stop the children (killing those that do not stop within `STOP_GRACE_S`),
         then their driver threads, which the children's exit unblocks."""
-        self._stopping.set()
+        self.stopping.set()
         with ThreadPoolExecutor(max(1, len(self._children))) as pool:
             list(pool.map(_ChildProcess.stop, self._children))
         super().stop()
@@ -628,7 +638,7 @@ class ProcessStage(_Stage):
             self._forward(items)
 
     def _restart(self, child: _ChildProcess, items: list[Item], lost: WorkerLost) -> None:
-        if self._stopping.is_set():
+        if self.stopping.is_set():
             raise Closed
         self._observer.worker_lost(self.name, items, str(lost))
         try:
@@ -669,7 +679,7 @@ class ProcessStage(_Stage):
             return
         item = live[0]
         item.attempts += 1
-        if isinstance(lost, WorkerDied) and item.attempts < MAX_ATTEMPTS_AFTER_CRASH:
+        if item.attempts < MAX_ITEM_ATTEMPTS:
             self._run(child, live)
             return
         fault = child.probe(self.timeout_s)

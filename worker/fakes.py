@@ -131,7 +131,6 @@ class InMemoryJobSource:
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         with self._lock:
             self.dead_letters.append((message, reason))
-        self.ack(message.receipt_handle)
         return True
 
     def counts(self) -> QueueCounts:

@@ -110,7 +110,7 @@ class Intake:
     def _hold(self, message: ReceivedMessage) -> Job | None:
         """Enter a message in the ledger, leased from now; None if it is one already held
         (its lease ran out unnoticed and it came back here) or the daemon is stopping."""
-        if self._ledger.redelivered(message):
+        if self._ledger.adopt_redelivery(message):
             log.warning("job_redelivered_while_in_flight", message_id=message.message_id)
             return None
         job = self._ledger.receive(message)
@@ -141,7 +141,9 @@ class Intake:
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
             return
         job_id = spec.job_id or job.message.message_id
-        self._ledger.admit(job, spec, inputs, JobLog(settings.log_dir / f"{job_id}.log", job_id))
+        log_file = JobLog(settings.log_dir / f"{job_id}.log", job_id)
+        if not self._ledger.admit(job, spec, inputs, log_file):
+            return  # released by shutdown meanwhile
         assert job.log is not None
         job.log.info(
             "job_received",

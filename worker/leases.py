@@ -3,7 +3,8 @@
 One ticker renews all leases in batched calls (as aws-dotnet-messaging does) rather than
 one timer per message. A job is settled in the ledger *before* its message is deleted,
 and settled jobs are not renewed, so a renewal never races a delete
-(bbc/sqs-consumer#260). Leases are renewed only while the daemon makes progress: a
+(bbc/sqs-consumer#260); a release that lands while a renewal is on its way is made
+again after it. Leases are renewed only while the daemon makes progress: a
 stuck daemon lets its jobs go back to the queue rather than hold them for 12 hours.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import structlog
 
-from worker.ledger import Job, Ledger
+from worker.ledger import Job, JobState, Ledger
 from worker.ports import JobSource
 from worker.supervisor import Progress
 
@@ -74,12 +75,15 @@ class LeaseKeeper:
         if self._progress.stalled():
             log.error("lease_renewal_withheld", leases=len(leases), idle_s=self._progress.idle_s())
             return
+        held = [job for key in leases if (job := self._ledger.get(key)) is not None]
         try:
             failures = self._source.extend(list(leases.values()), self._visibility_timeout_s)
         except Exception as error:
             # Half the timeout is still left: the next tick tries again.
             log.warning("lease_renewal_failed", error=repr(error), leases=len(leases))
             return
+        finally:
+            self._redo_releases(held)
         log.info("leases_extended", leases=len(leases) - len(failures), failed=len(failures))
         self._on_renewed(len(leases) - len(failures), len(failures))
         for key, handle in leases.items():
@@ -94,6 +98,17 @@ class LeaseKeeper:
                     log.warning("lease_lost", job_id=job.job_id, code=code)
             else:
                 log.warning("lease_renewal_failed", message_id=key, code=code)
+
+    def _redo_releases(self, renewed: list[Job]) -> None:
+        """A job released while this renewal was on its way may just have been hidden
+        again for a whole visibility timeout: release it again, with its delay."""
+        for job in renewed:
+            if job.state is not JobState.RELEASED or job.lease_lost:
+                continue
+            try:
+                self._source.release(job.receipt_handle, job.release_delay_s)
+            except Exception as error:
+                log.warning("release_failed", job_id=job.job_id, error=repr(error))
 
     def _release_at_ceiling(self) -> None:
         now = self._clock()

@@ -104,6 +104,7 @@ class Job:
     results: list[dict[str, Any] | None] = field(default_factory=list)
     fed: int = 0
     item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
+    release_delay_s: int = 0  # once released: how long it is to stay hidden
     succeeded: int = 0
     failed: int = 0
     progress_reported: int = 0
@@ -169,9 +170,12 @@ class Ledger:
             self._changed.notify_all()
             return job
 
-    def admit(self, job: Job, spec: JobMessage, inputs: list[str], log: JobLog) -> None:
-        """RECEIVED -> ADMITTED: the message is valid; its items may be fed."""
+    def admit(self, job: Job, spec: JobMessage, inputs: list[str], log: JobLog) -> bool:
+        """RECEIVED -> ADMITTED: the message is valid; its items may be fed. False if it
+        was settled meanwhile (released by shutdown while it was being validated)."""
         with self._changed:
+            if job.settled:
+                return False
             self._move(job, JobState.ADMITTED)
             job.spec, job.inputs, job.log = spec, inputs, log
             job.job_id = spec.job_id or job.message.message_id
@@ -179,6 +183,7 @@ class Ledger:
             self._outstanding += len(inputs)
             self._feeding.append(job)
             self._changed.notify_all()
+            return True
 
     def next_item(self) -> tuple[Job, int]:
         """The next item to feed: one due to be fed again, else the next of the jobs in
@@ -241,9 +246,14 @@ class Ledger:
         """FINISHING -> ACKED: its outputs are written. False if settled meanwhile."""
         return self._settle(job, JobState.ACKED)
 
-    def release(self, job: Job) -> bool:
-        """-> RELEASED: hand it back to the queue unfinished. False if settled already."""
-        return self._settle(job, JobState.RELEASED)
+    def release(self, job: Job, delay_s: int = 0) -> bool:
+        """-> RELEASED: hand it back to the queue unfinished, visible again after
+        `delay_s`. False if settled already."""
+        with self._changed:
+            released = self._settle(job, JobState.RELEASED)
+            if released:
+                job.release_delay_s = delay_s
+            return released
 
     def dead_letter(self, job: Job) -> bool:
         """RECEIVED -> DEAD_LETTERED: a poison message. False if settled already."""
@@ -277,7 +287,7 @@ class Ledger:
 
     # Leases ------------------------------------------------------------------
 
-    def redelivered(self, message: ReceivedMessage) -> bool:
+    def adopt_redelivery(self, message: ReceivedMessage) -> bool:
         """A new delivery of a message this daemon still works on (its lease ran out
         unnoticed): keep working under the new receipt handle. False if not held."""
         with self._changed:
@@ -308,10 +318,6 @@ class Ledger:
     def get(self, key: str) -> Job | None:
         with self._changed:
             return self._jobs.get(key)
-
-    def jobs(self) -> list[Job]:
-        with self._changed:
-            return list(self._jobs.values())
 
     def unsettled(self) -> list[Job]:
         with self._changed:

@@ -62,7 +62,7 @@ class Outcomes:
 
     def release(self, job: Job, reason: str, delay_s: int = 0) -> None:
         """Give a job back unfinished, visible again after `delay_s`."""
-        if not self._ledger.release(job):
+        if not self._ledger.release(job, delay_s):
             return
         self._note_released(job, reason, delay_s)
         try:
@@ -97,10 +97,12 @@ class Outcomes:
             dead_lettered=moved,
         )
         try:
-            if not moved:
+            if moved:  # with the job's handle: the message may have come back since
+                self._source.ack(job.receipt_handle)
+            else:
                 self._source.release(job.receipt_handle, self.retry_delay_s(job.attempt))
         except Exception as error:
-            log.warning("release_failed", message_id=job.message.message_id, error=repr(error))
+            log.warning("settle_failed", message_id=job.message.message_id, error=repr(error))
         finally:
             self._forget(job)
 

@@ -69,7 +69,8 @@ class JobSource(Protocol):
         """Renew leases; returns the error code of each handle that could not be renewed."""
 
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
-        """Move a message to the dead-letter queue with `reason`; False if there is none."""
+        """Copy a message to the dead-letter queue with `reason` (the caller then acks
+        it); False if there is none."""
 
     def counts(self) -> QueueCounts:
         """The queue's visible, in-flight and delayed message counts."""

@@ -37,6 +37,7 @@ class JobObserver:
         self._progress = progress
         self._timeline = timeline
         self._on_broken = on_broken
+        self._timings = threading.Lock()  # fetch threads report at once
 
     def _jobs_of(self, items: Sequence[Item]) -> list[tuple[Job, int]]:
         counts = Counter(item.job for item in items)
@@ -52,7 +53,8 @@ class JobObserver:
         self._metrics.stage_ran(stage, len(items), duration_s)
         for job, count in self._jobs_of(items):
             assert job.log is not None
-            job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
+            with self._timings:
+                job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
             if len(items) > 1:
                 job.log.info(
                     "batch_done",

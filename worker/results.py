@@ -22,8 +22,8 @@ from worker.retry import Backoff
 
 log = structlog.get_logger()
 
-# An input that could not be read for now (its call's retries spent) is fed again this
-# many times in all per delivery, after these delays, before its job is released.
+# An input that could not be read for now (its call's retries spent) is tried this many
+# times in all per delivery, fed again after these delays, before its job is released.
 INPUT_RETRIES = 4
 INPUT_BACKOFF = Backoff(base_s=0.5, cap_s=10.0)
 # A finish whose writes failed (each after its own retries) is tried this many times in
@@ -105,7 +105,8 @@ class _Abandoned(Exception):
 
 
 class Finisher:
-    """Writes finished jobs' outputs and acks them, on `threads` threads of its own."""
+    """Writes finished jobs' outputs and acks them; each thread that runs `run` (the
+    daemon starts as many as it fetches at once) finishes one job at a time."""
 
     def __init__(
         self,
