@@ -85,6 +85,35 @@ class Aws:
             messages += batch
         return messages
 
+    def auto_scaling_group(self, name: str) -> str:
+        """An Auto Scaling group of one instance; returns the instance id."""
+        ec2 = self.client("ec2")
+        autoscaling = self.client("autoscaling")
+        ec2.create_launch_template(
+            LaunchTemplateName=name,
+            LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "g5.xlarge"},
+        )
+        subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
+        autoscaling.create_auto_scaling_group(
+            AutoScalingGroupName=name,
+            LaunchTemplate={"LaunchTemplateName": name},
+            MinSize=1,
+            MaxSize=2,
+            DesiredCapacity=1,
+            VPCZoneIdentifier=subnet,
+        )
+        [instance] = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])[
+            "AutoScalingGroups"
+        ][0]["Instances"]
+        return str(instance["InstanceId"])
+
+    def protected(self, instance_id: str) -> bool:
+        """Whether the instance is protected from scale-in."""
+        [instance] = self.client("autoscaling").describe_auto_scaling_instances(
+            InstanceIds=[instance_id]
+        )["AutoScalingInstances"]
+        return bool(instance["ProtectedFromScaleIn"])
+
     def queue_depth(self, queue_url: str) -> tuple[int, int]:
         """(visible, in flight) messages."""
         attributes = self.sqs.get_queue_attributes(

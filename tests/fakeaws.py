@@ -39,33 +39,45 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-@contextmanager
-def fake_imds(instance_id: str, group_name: str) -> Iterator[str]:
-    """IMDSv2: a token from PUT /latest/api/token, then metadata only with that token."""
-    paths = {
-        "/latest/meta-data/instance-id": instance_id,
-        "/latest/meta-data/tags/instance/aws:autoscaling:groupName": group_name,
-    }
+class FakeImds:
+    """IMDSv2: a token from PUT /latest/api/token, then metadata only with that token.
+    `paths` may change while it serves (a notice appearing), and `token` too (the
+    service restarted: tokens handed out before are refused); `token_requests` counts
+    the tokens handed out."""
 
-    class Imds(_Handler):
-        def do_PUT(self) -> None:
-            if self.path == "/latest/api/token" and self.headers.get(
-                "X-aws-ec2-metadata-token-ttl-seconds"
-            ):
-                self._reply(200, IMDS_TOKEN.encode())
-            else:
-                self._reply(400, b"")
+    def __init__(self, instance_id: str, group_name: str):
+        self.paths = {
+            "/latest/meta-data/instance-id": instance_id,
+            "/latest/meta-data/tags/instance/aws:autoscaling:groupName": group_name,
+        }
+        self.token = IMDS_TOKEN
+        self.token_requests = 0
 
-        def do_GET(self) -> None:
-            if self.headers.get("X-aws-ec2-metadata-token") != IMDS_TOKEN:
-                self._reply(401, b"")  # IMDSv1 (no token) is refused, as on a hardened host
-            elif self.path in paths:
-                self._reply(200, paths[self.path].encode())
-            else:
-                self._reply(404, b"")
+    @contextmanager
+    def serving(self) -> Iterator[str]:
+        imds = self
 
-    with serve_http(Imds) as url:
-        yield url
+        class Imds(_Handler):
+            def do_PUT(self) -> None:
+                if self.path == "/latest/api/token" and self.headers.get(
+                    "X-aws-ec2-metadata-token-ttl-seconds"
+                ):
+                    imds.token_requests += 1
+                    self._reply(200, imds.token.encode())
+                else:
+                    self._reply(400, b"")
+
+            def do_GET(self) -> None:
+                value = imds.paths.get(self.path)
+                if self.headers.get("X-aws-ec2-metadata-token") != imds.token:
+                    self._reply(401, b"")  # IMDSv1 (no token) is refused, as on a hardened host
+                elif value is None:
+                    self._reply(404, b"")
+                else:
+                    self._reply(200, value.encode())
+
+        with serve_http(Imds) as url:
+            yield url
 
 
 class FakeEcsAgent:

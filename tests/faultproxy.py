@@ -1,6 +1,7 @@
 """An HTTP proxy in front of the moto server that counts requests and answers chosen
 ones with faults: an AWS error (500 InternalError, 503 SlowDown, ...), a slow answer,
-or a connection reset with no answer at all.
+or a connection reset with no answer at all; or with a canned answer, for an API moto
+does not implement.
 
 The daemon talks to it as its AWS endpoint, so the faults are real HTTP that botocore
 sees, and the daemon's own retry and classification code handles, exactly as with a
@@ -33,7 +34,7 @@ class Request:
     method: str
     path: str
     action: str  # the API action: X-Amz-Target (JSON protocol) or Action= (query protocol)
-    body: str = ""  # SQS names the queue in the body (JSON protocol)
+    body: str = ""  # an API call's parameters (JSON or query protocol)
 
 
 @dataclass
@@ -42,17 +43,19 @@ class Fault:
     (None: all of them), each with `probability`.
 
     `kind` "error" answers `status` with an AWS error `code`; "slow" forwards the
-    request after `delay_s`; "reset" closes the connection without an answer.
+    request after `delay_s`; "reset" closes the connection without an answer; "answer"
+    answers `status` with `body`.
     """
 
     name: str
     matches: Callable[[Request], bool]
     times: int | None = None
     probability: float = 1.0
-    kind: Literal["error", "slow", "reset"] = "error"
+    kind: Literal["error", "slow", "reset", "answer"] = "error"
     status: int = 500
     code: str = "InternalError"
     delay_s: float = 0.0
+    body: str = ""
 
 
 class FaultProxy:
@@ -63,6 +66,7 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self.injected: Counter[str] = Counter()
         self.actions: Counter[str] = Counter()  # every request seen, by action
+        self._requests: list[Request] = []
         self._lock = threading.Lock()
 
     def fail(self, name: str, matches: Callable[[Request], bool], times: int | None) -> None:
@@ -77,9 +81,15 @@ class FaultProxy:
         with self._lock:
             self._faults.clear()
 
+    def requests(self, action: str) -> list[Request]:
+        """Every request for `action` seen so far, in order."""
+        with self._lock:
+            return [request for request in self._requests if request.action == action]
+
     def _fault_for(self, request: Request) -> Fault | None:
         with self._lock:
             self.actions[request.action] += 1
+            self._requests.append(request)
             for fault in self._faults:
                 if not fault.matches(request):
                     continue
@@ -103,13 +113,17 @@ class FaultProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 target = self.headers.get("X-Amz-Target", "").rpartition(".")[2]
                 query_action = parse_qs(body.decode(errors="replace")).get("Action", [""])[0]
-                text = body.decode(errors="replace") if target else ""
+                text = body.decode(errors="replace") if target or query_action else ""
                 request = Request(
                     self.command, self.path.split("?")[0], target or query_action, text
                 )
                 fault = proxy._fault_for(request)
                 if fault is not None and fault.kind == "reset":
                     self._reset()
+                    return
+                if fault is not None and fault.kind == "answer":
+                    headers = [("Content-Type", "text/xml")]
+                    self._reply(fault.status, headers, fault.body.encode())
                     return
                 if fault is not None and fault.kind == "error":
                     error = f"<Error><Code>{fault.code}</Code><Message>injected</Message></Error>"

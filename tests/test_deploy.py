@@ -51,7 +51,9 @@ def test_template_passes_cfn_lint() -> None:
 
 def test_template_locks_things_down() -> None:
     """Private, encrypted bucket; encrypted queues; IMDSv2 only; the daemon's policy
-    names only the actions it calls; ECS gives the daemon 120 s after SIGTERM."""
+    names only the actions it calls, and on ECS task protection for its own tasks; ECS
+    gives the daemon 120 s after SIGTERM; on EC2,
+    scale-in waits for the daemon through a lifecycle hook it is told the name of."""
     template, problems = decode(str(TEMPLATE))
     assert not problems and template is not None
     resources = template["Resources"]
@@ -79,10 +81,20 @@ def test_template_locks_things_down() -> None:
         "s3:GetObject",
         "s3:PutObject",
         "autoscaling:SetInstanceProtection",
+        "autoscaling:CompleteLifecycleAction",
         "logs:CreateLogStream",
         "logs:PutLogEvents",
     }
     assert all(statement["Resource"] != "*" for statement in statements)
+    [task_policy] = resources["TaskRole"]["Properties"]["Policies"]
+    [task_statement] = task_policy["PolicyDocument"]["Statement"]
+    assert set(task_statement["Action"]) == {"ecs:UpdateTaskProtection", "ecs:GetTaskProtection"}
+    assert "task/${Cluster}/*" in json.dumps(task_statement["Resource"])
+    hook = resources["TerminationHook"]["Properties"]
+    assert hook["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
+    assert hook["LifecycleHookName"] == {"Fn::Sub": "${AWS::StackName}-drain"}
+    user_data = resources["LaunchTemplate"]["Properties"]["LaunchTemplateData"]["UserData"]
+    assert "WORKER_LIFECYCLE_HOOK_NAME=${AWS::StackName}-drain" in json.dumps(user_data)
     assert template["Parameters"]["StopTimeoutSeconds"]["Default"] == 120
     [container] = resources["TaskDefinition"]["Properties"]["ContainerDefinitions"]
     assert container["StopTimeout"] == {"Ref": "StopTimeoutSeconds"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -220,6 +221,30 @@ def test_hung_worker_is_replaced_and_the_item_times_out() -> None:
         results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(["a", "hang", "b"])])
     errors = {r.index: r.error for r in results if r.error}
     assert list(errors) == [1] and errors[1] is not None and errors[1].type == "WorkerHung"
+
+
+def test_a_hang_is_caught_while_a_big_request_waits_for_the_hung_child() -> None:
+    """The driver queues the next request behind the one the child hangs on; that one
+    is larger than a pipe holds, so writing it waits for a child that never reads. The
+    hang is still caught at the timeout, and the big inputs go through."""
+    big = "x" * (4 << 20)
+    values = ["hang", big, big, big, big]
+    pipeline = _process_pipeline(
+        stagefns.faulty_writer, functools.partial(stagefns.sleepy_reader, 0.0), timeout_s=1.0
+    )
+    results: list[Item] = []
+    with pipeline:
+        runner = threading.Thread(
+            target=lambda: results.extend(
+                run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+            ),
+            daemon=True,
+        )
+        runner.start()
+        runner.join(30)
+        assert not runner.is_alive(), "the driver is stuck writing to a hung child"
+    errors = {r.index: r.error for r in results if r.error}
+    assert list(errors) == [0] and errors[0] is not None and errors[0].type == "WorkerHung"
 
 
 def test_batch_retried_after_inference_process_dies(tmp_path: Any) -> None:

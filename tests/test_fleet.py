@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Aws
-from tests.fakeaws import FakeEcsAgent, fake_imds
+from tests.fakeaws import FakeEcsAgent, FakeImds
 from tests.faultproxy import FaultProxy
 from tests.test_faults import (
     StartDaemon,
@@ -32,36 +32,6 @@ from worker.demo import upload_samples
 pytestmark = pytest.mark.e2e
 
 
-def _auto_scaling_group(aws: Aws, name: str) -> str:
-    """An Auto Scaling group of one instance in moto; returns the instance id."""
-    ec2 = aws.client("ec2")
-    autoscaling = aws.client("autoscaling")
-    ec2.create_launch_template(
-        LaunchTemplateName=name,
-        LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "g5.xlarge"},
-    )
-    subnet = ec2.describe_subnets()["Subnets"][0]["SubnetId"]
-    autoscaling.create_auto_scaling_group(
-        AutoScalingGroupName=name,
-        LaunchTemplate={"LaunchTemplateName": name},
-        MinSize=1,
-        MaxSize=2,
-        DesiredCapacity=1,
-        VPCZoneIdentifier=subnet,
-    )
-    [instance] = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=[name])[
-        "AutoScalingGroups"
-    ][0]["Instances"]
-    return str(instance["InstanceId"])
-
-
-def _protected(aws: Aws, instance_id: str) -> bool:
-    [instance] = aws.client("autoscaling").describe_auto_scaling_instances(
-        InstanceIds=[instance_id]
-    )["AutoScalingInstances"]
-    return bool(instance["ProtectedFromScaleIn"])
-
-
 def test_asg_protection_is_on_while_busy_and_off_when_idle_or_stopped(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
@@ -69,30 +39,30 @@ def test_asg_protection_is_on_while_busy_and_off_when_idle_or_stopped(
     so through the idle grace, is unprotected after it, and again on SIGTERM: two
     SetInstanceProtection calls per busy period, counted at the HTTP level."""
     stack = aws.stack()
-    instance_id = _auto_scaling_group(aws, f"{stack.bucket}-workers")
+    instance_id = aws.auto_scaling_group(f"{stack.bucket}-workers")
     uris = list(upload_samples(aws.s3, stack.bucket, 6, seed=14))
-    proxy = FaultProxy(aws.endpoint)
-    with proxy.serving() as proxy_url, fake_imds(instance_id, f"{stack.bucket}-workers") as imds:
+    proxy, imds = FaultProxy(aws.endpoint), FakeImds(instance_id, f"{stack.bucket}-workers")
+    with proxy.serving() as proxy_url, imds.serving() as imds_url:
         env = {
             **aws.with_endpoint(proxy_url).env,
-            "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds,
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds_url,
             "AWS_EC2_METADATA_DISABLED": "false",
         }
         daemon = start_daemon(_args(stack, tmp_path, "--idle-grace-seconds", "3"), env=env)
         assert daemon.wait_for("scale_in_protection")[0]["mode"] == "asg"
-        assert not _protected(aws, instance_id)
+        assert not aws.protected(instance_id)
         _send_jobs(aws, stack, {"a": uris[:3], "b": uris[3:]})
         daemon.wait_for("job_finished", 2)
-        assert _protected(aws, instance_id)  # still within the idle grace
+        assert aws.protected(instance_id)  # still within the idle grace
         daemon.wait_for("scale_in_protection_set", 2)
-        assert not _protected(aws, instance_id)
+        assert not aws.protected(instance_id)
 
         _send_jobs(aws, stack, {"c": uris[:2]})
         daemon.wait_for("job_finished", 3)
-        assert _protected(aws, instance_id)
+        assert aws.protected(instance_id)
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(60) == 0, daemon.stderr[-3000:]
-    assert not _protected(aws, instance_id)
+    assert not aws.protected(instance_id)
     states = [e["protected"] for e in daemon.events("scale_in_protection_set")]
     assert states == [True, False, True, False]
     assert proxy.actions["SetInstanceProtection"] == 4
@@ -170,9 +140,10 @@ def test_three_daemons_share_a_queue_and_survive_losing_one(
 
     for job_id, inputs in jobs.items():
         _assert_complete(aws, stack, job_id, inputs)
+    # Every daemon did some of the work. (The killed one may have acked a job and died
+    # before its log line, so the lines need not name every job: the outputs do.)
     finished = [{e["job_id"] for e in daemon.events("job_finished")} for daemon in daemons]
-    assert all(finished), [len(f) for f in finished]  # every daemon did some of the work
-    assert set().union(*finished) == set(jobs)
+    assert all(finished), [len(f) for f in finished]
     assert aws.queue_depth(stack.queue_url) == (0, 0)
     assert aws.dead_letters(stack.dlq_url) == []
 

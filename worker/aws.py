@@ -12,11 +12,15 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import boto3
+import structlog
 import urllib3.exceptions
 from botocore.config import Config
 from botocore.exceptions import (
@@ -31,7 +35,15 @@ from botocore.exceptions import (
 )
 
 from worker.errors import AccessDenied, MissingObject, TransientError
-from worker.ports import QueueCounts, ReceivedMessage, S3Location, ScaleInGuard
+from worker.ports import (
+    Notice,
+    NoticeKind,
+    NoticeSource,
+    QueueCounts,
+    ReceivedMessage,
+    S3Location,
+    ScaleInGuard,
+)
 from worker.retry import call_with_retries
 from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_CALL
 
@@ -42,12 +54,19 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+log = structlog.get_logger()
+
 MAX_REASON_CHARS = 1000
 IMDS_DEFAULT_ENDPOINT = "http://169.254.169.254"
 IMDS_TOKEN_TTL_S = 60
+IMDS_TOKEN_MARGIN_S = 10
 IMDS_TIMEOUT_S = 2.0
+INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
+SPOT_INSTANCE_ACTION_PATH = "/latest/meta-data/spot/instance-action"
+TARGET_LIFECYCLE_STATE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-state"
+REBALANCE_RECOMMENDATION_PATH = "/latest/meta-data/events/recommendations/rebalance"
 ECS_AGENT_TIMEOUT_S = 5.0
-ASG_NAME_TAG = "aws:autoscaling:groupName"
+ASG_NAME_PATH = "/latest/meta-data/tags/instance/aws:autoscaling:groupName"
 CONNECT_TIMEOUT_S = 5
 # Longer than SQS's longest long poll (20 s), or a quiet receive would time out.
 READ_TIMEOUT_S = 30
@@ -297,8 +316,9 @@ class S3BlobStore(_Retrying):
         )
 
 
-class ProtectionUnavailable(Exception):
-    """The environment offers no way to protect this machine (not EC2 ASG, not ECS)."""
+class PlatformUnavailable(Exception):
+    """The machine lacks what the settings ask of it (scale-in protection outside an
+    Auto Scaling group or ECS, interruption notices without instance metadata)."""
 
 
 class AsgGuard(_Retrying):
@@ -356,20 +376,141 @@ class EcsGuard:
             raise RuntimeError(f"ECS agent refused task protection: {answer}")
 
 
-def imds_get(path: str, endpoint: str | None = None) -> str:
-    """GET an instance metadata path with an IMDSv2 session token (token first)."""
-    base = (endpoint or os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT") or "").rstrip("/")
-    base = base or IMDS_DEFAULT_ENDPOINT
-    token_request = urllib.request.Request(
-        base + "/latest/api/token",
-        method="PUT",
-        headers={"X-aws-ec2-metadata-token-ttl-seconds": str(IMDS_TOKEN_TTL_S)},
-    )
-    with urllib.request.urlopen(token_request, timeout=IMDS_TIMEOUT_S) as reply:
-        token = reply.read().decode()
-    request = urllib.request.Request(base + path, headers={"X-aws-ec2-metadata-token": token})
-    with urllib.request.urlopen(request, timeout=IMDS_TIMEOUT_S) as reply:
-        return reply.read().decode()  # type: ignore[no-any-return]
+class Imds:
+    """The instance metadata service, IMDSv2: a session token first, reused until
+    shortly before it expires."""
+
+    def __init__(self, endpoint: str | None = None, clock: Callable[[], float] = time.monotonic):
+        base = endpoint or os.environ.get("AWS_EC2_METADATA_SERVICE_ENDPOINT") or ""
+        self._base = base.rstrip("/") or IMDS_DEFAULT_ENDPOINT
+        self._clock = clock
+        self._token = ""
+        self._token_until = float("-inf")
+
+    def read(self, path: str) -> str | None:
+        """The value at `path`, or None where the service has none (404)."""
+        request = urllib.request.Request(
+            self._base + path, headers={"X-aws-ec2-metadata-token": self._session_token()}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=IMDS_TIMEOUT_S) as reply:
+                return reply.read().decode()  # type: ignore[no-any-return]
+        except urllib.error.HTTPError as error:
+            if error.code == 404:
+                return None
+            if error.code == 401:  # the token expired early (the service restarted)
+                self._token_until = float("-inf")
+            raise
+
+    def get(self, path: str) -> str:
+        """The value at `path`; raises `OSError` where there is none."""
+        value = self.read(path)
+        if value is None:
+            raise FileNotFoundError(f"instance metadata has no {path}")
+        return value
+
+    def _session_token(self) -> str:
+        if self._clock() < self._token_until:
+            return self._token
+        request = urllib.request.Request(
+            self._base + "/latest/api/token",
+            method="PUT",
+            headers={"X-aws-ec2-metadata-token-ttl-seconds": str(IMDS_TOKEN_TTL_S)},
+        )
+        with urllib.request.urlopen(request, timeout=IMDS_TIMEOUT_S) as reply:
+            self._token = reply.read().decode()
+        self._token_until = self._clock() + IMDS_TOKEN_TTL_S - IMDS_TOKEN_MARGIN_S
+        return self._token
+
+
+class ImdsNotices:
+    """Interruption notices as EC2 publishes them in instance metadata: a spot
+    interruption (with the time the instance goes), an Auto Scaling termination (where a
+    lifecycle hook holds the instance until it is told to continue), and a rebalance
+    recommendation."""
+
+    def __init__(self, imds: Imds, lifecycle_hook: Callable[[], None] | None = None):
+        self._imds = imds
+        self._lifecycle_hook = lifecycle_hook
+
+    def poll(self) -> Notice | None:
+        action = self._imds.read(SPOT_INSTANCE_ACTION_PATH)
+        if action is not None:  # {"action": "terminate" | "stop" | "hibernate", "time": ...}
+            return Notice(NoticeKind.TERMINATION, "spot-interruption", _spot_deadline(action))
+        if self._imds.read(TARGET_LIFECYCLE_STATE_PATH) == "Terminated":
+            return Notice(NoticeKind.TERMINATION, "scale-in", acknowledge=self._lifecycle_hook)
+        if self._imds.read(REBALANCE_RECOMMENDATION_PATH) is not None:
+            return Notice(NoticeKind.REBALANCE, "rebalance-recommendation")
+        return None
+
+
+def _spot_deadline(action: str) -> float | None:
+    """When a spot notice says the instance goes; None (the grace period then) for a
+    notice that cannot be read, which is still a notice."""
+    try:
+        return datetime.fromisoformat(json.loads(action)["time"]).timestamp()
+    except (ValueError, KeyError, TypeError) as error:
+        log.error("spot_notice_unreadable", notice=action[:200], error=repr(error))
+        return None
+
+
+class LifecycleHook(_Retrying):
+    """An Auto Scaling lifecycle hook that holds this instance while it terminates."""
+
+    def __init__(
+        self,
+        client: AutoScalingClient,
+        group_name: str,
+        hook_name: str,
+        instance_id: str,
+        attempts: int = DEFAULT_AWS_MAX_ATTEMPTS,
+    ):
+        super().__init__(attempts)
+        self._client = client
+        self._group_name = group_name
+        self._hook_name = hook_name
+        self._instance_id = instance_id
+
+    def complete(self) -> None:
+        """Let the instance go on terminating."""
+        self._call(
+            lambda: self._client.complete_lifecycle_action(
+                AutoScalingGroupName=self._group_name,
+                LifecycleHookName=self._hook_name,
+                InstanceId=self._instance_id,
+                LifecycleActionResult="CONTINUE",
+            )
+        )
+
+
+def interruption_notices(
+    mode: str, lifecycle_hook: str | None, asg_name: str | None, max_attempts: int
+) -> NoticeSource | None:
+    """Where interruption notices come from for `mode` (auto, imds, off); None for off.
+
+    `auto` watches instance metadata where it answers (EC2, ECS on EC2), else nothing
+    (Fargate, a laptop). `imds`, or a lifecycle hook to complete, that cannot work raises
+    `PlatformUnavailable`, so a misconfigured fleet fails at start.
+    """
+    required = mode == "imds" or lifecycle_hook is not None
+    metadata_off = os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true"
+    if mode == "off" or (metadata_off and not required):
+        return None
+    imds = Imds()
+    try:
+        instance_id = imds.get(INSTANCE_ID_PATH)
+        group = (asg_name or imds.get(ASG_NAME_PATH)) if lifecycle_hook else ""
+    except OSError as error:
+        if not required:
+            return None
+        raise PlatformUnavailable(
+            f"interruption notices need instance metadata, which did not say which instance "
+            f"(and group, for --lifecycle-hook-name) this is: {error}"
+        ) from error
+    if not lifecycle_hook:
+        return ImdsNotices(imds)
+    hook = LifecycleHook(autoscaling_client(), group, lifecycle_hook, instance_id, max_attempts)
+    return ImdsNotices(imds, hook.complete)
 
 
 def scale_in_guard(
@@ -379,24 +520,25 @@ def scale_in_guard(
 
     `auto` takes ECS when the agent's URI is set, else EC2 Auto Scaling when the instance
     metadata service answers, else off. An explicit mode that cannot work raises
-    `ProtectionUnavailable`, so a misconfigured fleet fails at start, not at scale-in.
+    `PlatformUnavailable`, so a misconfigured fleet fails at start, not at scale-in.
     """
     if mode == "off":
         return None
     agent_uri = os.environ.get("ECS_AGENT_URI")
     if mode == "ecs" or (mode == "auto" and agent_uri):
         if not agent_uri:
-            raise ProtectionUnavailable("--protection ecs, but ECS_AGENT_URI is not set")
+            raise PlatformUnavailable("--protection ecs, but ECS_AGENT_URI is not set")
         return EcsGuard(agent_uri, ecs_expires_minutes)
     if mode == "auto" and os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true":
         return None
     try:
-        instance_id = imds_get("/latest/meta-data/instance-id")
-        group = asg_name or imds_get(f"/latest/meta-data/tags/instance/{ASG_NAME_TAG}")
+        imds = Imds()
+        instance_id = imds.get(INSTANCE_ID_PATH)
+        group = asg_name or imds.get(ASG_NAME_PATH)
     except OSError as error:
         if mode == "auto":
             return None
-        raise ProtectionUnavailable(
+        raise PlatformUnavailable(
             f"--protection asg, but the instance metadata service did not say which "
             f"instance and group this is ({error}); is the instance in an Auto Scaling "
             "group with instance metadata tags on, or is --asg-name missing?"

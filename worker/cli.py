@@ -161,9 +161,15 @@ def _run(args: argparse.Namespace) -> int:
             settings.ecs_protection_minutes,
             settings.aws_max_attempts,
         )
-        daemon = Daemon(settings, source, blobs, guard=guard, notify=notify)
+        notices = aws.interruption_notices(
+            settings.interruption_notices,
+            settings.lifecycle_hook_name,
+            settings.asg_name,
+            settings.aws_max_attempts,
+        )
+        daemon = Daemon(settings, source, blobs, guard=guard, notices=notices, notify=notify)
         return daemon.run().code
-    except (PluginError, StageSetupError, aws.ProtectionUnavailable) as error:
+    except (PluginError, StageSetupError, aws.PlatformUnavailable) as error:
         print(f"cannot start: {error}", file=sys.stderr)
         return EXIT_USAGE
 

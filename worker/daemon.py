@@ -8,17 +8,19 @@
     lease keeper   renews every held message's lease while work progresses
     progress       each in-flight job's progress.json and local log file
     protection     scale-in protection on while jobs are held
+    interruptions  spot, scale-in and rebalance notices from instance metadata
     watchdog       a daemon that holds work and moves none of it is broken
 
 Every loop runs under one `Supervisor`; the main thread starts them, waits for a reason
-to stop (a signal, a drained queue, a broken worker) and shuts down within a hard
-deadline. What happens to a job when something fails is the table in docs/DESIGN.md
-("Job lifecycle"), one method per row.
+to stop (a signal, an interruption notice, a drained queue, a broken worker) and shuts
+down within a hard deadline. What happens to a job when something fails is the table in
+docs/DESIGN.md ("Job lifecycle"), one method per row.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
@@ -33,12 +35,21 @@ import structlog
 from worker import __version__
 from worker.engine import Pipeline, ProcessStage, StageObserver, TensorArena, ThreadStage
 from worker.intake import Feeder, Intake
+from worker.interruptions import InterruptionWatch
 from worker.leases import LeaseKeeper
 from worker.ledger import Ledger
 from worker.metrics import Metrics, serving
 from worker.outcomes import Lifecycle, Outcomes
 from worker.plugins import inference_setup, load_postprocessor, load_preprocessor, preprocess_setup
-from worker.ports import BlobStore, JobSource, S3Location, ScaleInGuard
+from worker.ports import (
+    BlobStore,
+    JobSource,
+    Notice,
+    NoticeKind,
+    NoticeSource,
+    S3Location,
+    ScaleInGuard,
+)
 from worker.protection import ProtectionKeeper
 from worker.reporting import JobObserver, ProgressReporter
 from worker.results import Finisher, Regrouper
@@ -63,6 +74,7 @@ class ExitCode(StrEnum):
 
     DRAINED = "drained"
     SIGNALLED = "signalled"
+    INTERRUPTED = "interrupted"  # the platform announced the machine's end
     BROKEN = "broken"
 
     @property
@@ -80,6 +92,7 @@ class Daemon:
         blobs: BlobStore,
         *,
         guard: ScaleInGuard | None = None,
+        notices: NoticeSource | None = None,
         notify: Callable[[str], None] | None = None,
         timeline: Timeline | None = None,
     ):
@@ -101,6 +114,9 @@ class Daemon:
         self._exit = threading.Event()
         self._exit_reason: ExitCode | None = None
         self._broken_cause: str | None = None
+        self._notice: Notice | None = None  # the termination notice acted on
+        self._signalled = False
+        self._hand_back_at = float("inf")  # (monotonic) the notice's end less the margin
         observer = JobObserver(ledger, metrics, progress, timeline, self._break)
         self._pipeline = _pipeline(settings, blobs, observer)
         worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
@@ -135,6 +151,13 @@ class Daemon:
         }
         if self._protection:
             self._units["protection"] = self._protection.run
+        self._interruptions = (
+            InterruptionWatch(notices, settings.notice_poll_seconds, self._interrupted)
+            if notices
+            else None
+        )
+        if self._interruptions:
+            self._units["interruptions"] = self._interruptions.run
         self._supervisor = Supervisor(self._break, progress, lambda: len(ledger) > 0, self._exit)
         metrics.follow(jobs_held=lambda: len(ledger), queue_depths=self._pipeline.queue_depths)
 
@@ -148,6 +171,8 @@ class Daemon:
                     serving(self._settings.metrics_port, self._metrics, self.health_problem)
                 )
             self._pipeline.start()
+            if self._interruptions:  # a restarted daemon takes no work on a doomed machine
+                self._interruptions.check()
             for name, unit in self._units.items():
                 self._supervisor.spawn(name, unit)
             self._supervisor.start_watching(WATCHDOG_INTERVAL_S)
@@ -174,6 +199,31 @@ class Daemon:
     def _drained(self) -> None:
         self._stop(ExitCode.DRAINED)
 
+    def _interrupted(self, notice: Notice) -> None:
+        """The platform says this machine is going away. Take no more work; on a
+        termination also shut down, handing back what cannot finish before it goes."""
+        left_s = None if notice.deadline is None else notice.deadline - time.time()
+        if notice.kind is NoticeKind.REBALANCE:  # at risk, not yet going: finish what is held
+            self._stopping.set()
+            self._ledger.wake()
+        else:
+            previous = self._notice  # a scale-in seen first still wants its hook completed
+            if previous is not None and notice.acknowledge is None:
+                notice = dataclasses.replace(notice, acknowledge=previous.acknowledge)
+            self._notice = notice
+            if left_s is not None:
+                margin_s = self._settings.interruption_margin_seconds
+                self._hand_back_at = time.monotonic() + left_s - margin_s
+            self._stop(ExitCode.INTERRUPTED)
+        self._metrics.interruption_notices.labels(notice.kind.value, notice.cause).inc()
+        log.warning(
+            "interruption_notice",
+            kind=notice.kind.value,
+            cause=notice.cause,
+            seconds_left=None if left_s is None else round(left_s, 1),
+            jobs_held=len(self._ledger),
+        )
+
     def _break(self, cause: str) -> None:
         """The worker itself is at fault: stop taking jobs and give back what is held,
         unwritten, so the orchestrator replaces this worker (the circuit opens)."""
@@ -195,10 +245,11 @@ class Daemon:
         only set flags, and the previous ones are back once the daemon has stopped."""
 
         def handle(signum: int, _frame: object) -> None:
-            if self._stopping.is_set():
+            if self._signalled:
                 self._hurry.set()
                 self._ledger.wake()
                 return
+            self._signalled = True
             self._stop(ExitCode.SIGNALLED)
 
         previous = {signum: signal.signal(signum, handle) for signum in SHUTDOWN_SIGNALS}
@@ -209,17 +260,10 @@ class Daemon:
                 signal.signal(signum, handler)
 
     def _shutdown(self, reason: ExitCode) -> None:
-        """Let held jobs finish within the grace period (on a signal), then give back the
-        rest and stop everything, within `shutdown_tail_s` more whatever hangs."""
-        if reason is ExitCode.SIGNALLED and len(self._ledger):
-            grace_s = self._settings.grace_seconds
-            log.info("draining_in_flight_jobs", jobs=len(self._ledger), grace_s=grace_s)
-            self._ledger.wait_until(
-                lambda: (
-                    not len(self._ledger) or self._hurry.is_set() or self._broken_cause is not None
-                ),
-                grace_s,
-            )
+        """Let held jobs finish (on a signal or a notice), then give back the rest and
+        stop everything, within `shutdown_tail_s` more whatever hangs."""
+        if reason in (ExitCode.SIGNALLED, ExitCode.INTERRUPTED):
+            self._finish_held_jobs()
         deadline = time.monotonic() + self.shutdown_tail_s
         closing = threading.Thread(target=self._close, name="shutdown", daemon=True)
         closing.start()
@@ -230,18 +274,70 @@ class Daemon:
         if closing.is_alive():
             log.error("shutdown_deadline_passed", tail_s=self.shutdown_tail_s)
 
+    def _finish_held_jobs(self) -> None:
+        """Wait for held jobs to finish until the grace period ends, or until the time a
+        notice gives the machine (less the margin) if that comes first; a notice may
+        arrive, and bring that time closer, while this waits."""
+
+        def finished() -> bool:
+            return not len(self._ledger) or self._hurry.is_set() or self._broken_cause is not None
+
+        def finished_or_moved(hand_back_at: float) -> bool:
+            return finished() or self._hand_back_at != hand_back_at
+
+        if finished():
+            return
+        log.info("draining_in_flight_jobs", jobs=len(self._ledger))
+        grace_ends = time.monotonic() + self._settings.grace_seconds
+        while not finished():
+            hand_back_at = self._hand_back_at
+            left_s = min(grace_ends, hand_back_at) - time.monotonic()
+            if left_s <= 0:
+                return
+            self._ledger.wait_until(functools.partial(finished_or_moved, hand_back_at), left_s)
+
     def _close(self) -> None:
         self._ledger.close()
+        if self._interruptions:
+            self._interruptions.stop()
         if self._protection:  # first: protection of an instance never expires by itself
             self._protection.stop()
             self._supervisor.join("protection", self.shutdown_tail_s)
             self._protection.unprotect()
-        cause = self._broken_cause
-        self._outcomes.release_all(f"worker broken: {cause}" if cause else "shutdown")
+        handed_back = self._outcomes.release_all(self._release_reason())
+        if self._notice is not None:
+            self._interruption_handled(self._notice, handed_back)
+        elif handed_back:
+            reason = (self._exit_reason or ExitCode.SIGNALLED).value
+            self._metrics.jobs_handed_back.labels(reason).inc(handed_back)
         self._finisher.close()
         self._pipeline.close()
         self._leases.stop()
         self._reporter.stop()
+
+    def _interruption_handled(self, notice: Notice, handed_back: int) -> None:
+        """Say what was handed back; let a waiting lifecycle hook go on at once, before
+        the rest of the shutdown, which may hang past its deadline."""
+        self._metrics.jobs_handed_back.labels(ExitCode.INTERRUPTED.value).inc(handed_back)
+        log.warning(
+            "interruption_handled",
+            kind=notice.kind.value,
+            cause=notice.cause,
+            handed_back=handed_back,
+        )
+        if notice.acknowledge is None:
+            return
+        try:
+            notice.acknowledge()
+        except Exception as error:
+            log.error("lifecycle_action_not_completed", error=repr(error))
+
+    def _release_reason(self) -> str:
+        if self._broken_cause is not None:
+            return f"worker broken: {self._broken_cause}"
+        if self._notice is not None:
+            return f"interrupted: {self._notice.cause}"
+        return "shutdown"
 
 
 def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:

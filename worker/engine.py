@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import queue
 import signal
 import threading
 import time
@@ -354,13 +355,18 @@ class StageSetupError(Exception):
 
 class _ChildProcess:
     """One child of a `ProcessStage` and the pipe that feeds it: used by its driver
-    thread, and stopped by `ProcessStage.stop` from another."""
+    thread, and stopped by `ProcessStage.stop` from another.
+
+    Requests are written by a thread of their own: a request larger than the pipe holds
+    waits for the child to read it, and a child that hangs never does. The driver must
+    still be free to wait for the reply with its timeout, and see the hang."""
 
     def __init__(self, stage: ProcessStage, number: int):
         self._stage = stage
         self._name = f"{stage.name}-{number}"
         self._process: Any = None
         self._conn: Connection | None = None
+        self._requests: queue.SimpleQueue[Any] | None = None
         self._lifeline: Connection | None = None
         self._ready = False
 
@@ -408,6 +414,13 @@ class _ChildProcess:
         if status != "ready":
             self.stop(graceful=False)
             raise StageSetupError(f"{self._name} set-up failed:\n{detail}")
+        self._requests = queue.SimpleQueue()
+        threading.Thread(
+            target=_write_requests,
+            args=(parent_conn, self._requests),
+            name=f"{self._name}-writer",
+            daemon=True,
+        ).start()
         self._ready = True
         log.info("stage_worker_started", stage=self._stage.name, worker=self._name, pid=detail)
 
@@ -417,12 +430,11 @@ class _ChildProcess:
         return self._ready and process is not None and bool(process.is_alive())
 
     def send(self, request: Any) -> None:
-        """Queue a request; the child answers requests in the order they were sent."""
-        assert self._conn is not None
-        try:
-            self._conn.send(request)
-        except (BrokenPipeError, ConnectionResetError) as error:
-            raise WorkerDied(f"{self._name} pipe broke: {error}") from error
+        """Queue a request; the child answers requests in the order they were sent. A
+        child that dies meanwhile is seen by `receive`."""
+        if self._requests is None:
+            raise WorkerDied(f"{self._name} was stopped")
+        self._requests.put(request)
 
     def receive(self, timeout_s: float | None) -> _Reply:
         """The oldest unanswered request's reply; raises `WorkerLost` if the child died or
@@ -467,18 +479,18 @@ class _ChildProcess:
         self._ready = False
         if self._process is None:
             return
-        if self._conn is not None:
-            if graceful:
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError, OSError):
-                    self._conn.send(None)
-            self._conn.close()
-            self._conn = None
-        if graceful:
+        requests, self._requests = self._requests, None
+        if requests is not None:
+            requests.put(None)  # after what is queued: the child exits when it reads it
+        if graceful and requests is not None:
             self._process.join(STOP_GRACE_S)
         if self._process.is_alive():
             self._process.kill()
         self._process.join()
         self._process = None
+        if self._conn is not None:  # the writer, if stuck in a write, fails and ends
+            self._conn.close()
+            self._conn = None
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
@@ -686,6 +698,19 @@ class ProcessStage(_Stage):
         if fault is not None:
             self._break(WorkerFault(f"{lost}, and a fresh worker failed its probe: {fault}"))
         item.error = ItemError(type(lost).__name__, str(lost), self.name)
+
+
+def _write_requests(conn: Connection, requests: queue.SimpleQueue[Any]) -> None:
+    """Write requests to a child in order, until the one that tells it to exit (None)
+    or until the pipe breaks (the child died, or was stopped)."""
+    while True:
+        request = requests.get()
+        try:
+            conn.send(request)
+        except (OSError, ValueError):  # broken, or closed by `stop`
+            return
+        if request is None:
+            return
 
 
 def _process_context() -> Any:

@@ -73,6 +73,18 @@ class Metrics:
             ["protected", "outcome"],
             registry=registry,
         )
+        self.interruption_notices = Counter(
+            "worker_interruption_notices",
+            "Interruption notices acted on, by kind and cause.",
+            ["kind", "cause"],
+            registry=registry,
+        )
+        self.jobs_handed_back = Counter(
+            "worker_jobs_handed_back",
+            "Jobs released unfinished at shutdown, by why the daemon stopped.",
+            ["reason"],
+            registry=registry,
+        )
         self._stage_metrics: dict[str, tuple[Any, Any]] = {}
         self._items_succeeded = self.items.labels("succeeded")
         self._items_failed = self.items.labels("failed")

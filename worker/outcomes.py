@@ -106,9 +106,9 @@ class Outcomes:
         finally:
             self._forget(job)
 
-    def release_all(self, reason: str) -> None:
+    def release_all(self, reason: str) -> int:
         """Give back every unsettled job at once (shutdown, an open circuit), in batched
-        calls: hundreds of jobs must not take hundreds of round trips."""
+        calls: hundreds of jobs must not take hundreds of round trips. Returns how many."""
         jobs = [job for job in self._ledger.unsettled() if self._ledger.release(job)]
         for job in jobs:
             self._note_released(job, reason, 0)
@@ -124,6 +124,7 @@ class Outcomes:
                 log.warning("release_failed", jobs=len(failures), codes=sorted(failures.values()))
         for job in jobs:
             self._forget(job)
+        return len(jobs)
 
     def _note_released(self, job: Job, reason: str, delay_s: int) -> None:
         self._metrics.jobs.labels("released").inc()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 _S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<key>.*)$")
@@ -94,3 +96,28 @@ class ScaleInGuard(Protocol):
     renew_every_s: float | None  # protection that expires by itself is renewed this often
 
     def set_protected(self, protected: bool) -> None: ...
+
+
+class NoticeKind(StrEnum):
+    REBALANCE = "rebalance"  # the instance is at risk: take no new work
+    TERMINATION = "termination"  # the instance is going away: hand back what cannot finish
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Word from the platform that this machine is going away, before any signal.
+
+    `deadline` is when it goes (epoch seconds), where the notice says; `acknowledge`,
+    where the platform waits for one (a lifecycle hook), tells it the daemon is done."""
+
+    kind: NoticeKind
+    cause: str  # spot-interruption, scale-in, rebalance-recommendation
+    deadline: float | None = None
+    acknowledge: Callable[[], None] | None = None
+
+
+class NoticeSource(Protocol):
+    """Where interruption notices appear (instance metadata)."""
+
+    def poll(self) -> Notice | None:
+        """The most serious notice standing now, or None."""

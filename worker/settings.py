@@ -189,6 +189,26 @@ class Settings(BaseSettings):
         le=2880,
         description="Expiry asked for ECS task protection; renewed at half of it while busy.",
     )
+    interruption_notices: Literal["auto", "imds", "off"] = Field(
+        default="auto",
+        description="Watch instance metadata for spot interruptions, Auto Scaling "
+        "terminations and rebalance recommendations: imds, off, or auto (imds where "
+        "instance metadata answers).",
+    )
+    notice_poll_seconds: float = Field(
+        default=5, gt=0, le=30, description="How often instance metadata is read for notices."
+    )
+    interruption_margin_seconds: float = Field(
+        default=20,
+        ge=0,
+        description="On a spot interruption, jobs still running this long before the "
+        "instance goes are handed back (released), leaving time to exit.",
+    )
+    lifecycle_hook_name: str | None = Field(
+        default=None,
+        description="Auto Scaling lifecycle hook (autoscaling:EC2_INSTANCE_TERMINATING) "
+        "that holds this instance while it shuts down; completed once the daemon is done.",
+    )
     metrics_port: int = Field(
         default=DEFAULT_METRICS_PORT,
         ge=0,
@@ -225,13 +245,18 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _lease_geometry(self) -> Settings:
+    def _consistent(self) -> Settings:
         # Half, so that one failed or late renewal still leaves the lease alive.
         if self.heartbeat_interval_seconds * 2 > self.visibility_timeout_seconds:
             raise ValueError(
                 f"heartbeat_interval_seconds ({self.heartbeat_interval_seconds}) must be at most "
                 f"half of visibility_timeout_seconds ({self.visibility_timeout_seconds}), so one "
                 "failed renewal does not lose the lease"
+            )
+        if self.lifecycle_hook_name and self.interruption_notices == "off":
+            raise ValueError(
+                "lifecycle_hook_name needs interruption_notices (auto or imds): the hook's "
+                "termination is read from instance metadata"
             )
         if self.visibility_timeout_seconds >= self.max_lease_seconds:
             raise ValueError(
