@@ -112,9 +112,15 @@ class LatentBlobStore(InMemoryBlobStore):
         self._wait()
         return super().get(location)
 
-    def put(self, location: S3Location, data: bytes, content_type: str) -> None:
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
         self._wait()
-        super().put(location, data, content_type)
+        return super().put(location, data, content_type, expect=expect)
+
+    def objects_under(self, prefix: S3Location) -> dict[str, str]:
+        self._wait()
+        return super().objects_under(prefix)
 
 
 class TimedSource(InMemoryJobSource):

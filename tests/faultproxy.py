@@ -81,6 +81,11 @@ class FaultProxy:
         with self._lock:
             self._faults.clear()
 
+    def paths(self, method: str) -> list[str]:
+        """The path of every `method` request seen so far (S3's REST calls: /bucket/key)."""
+        with self._lock:
+            return [request.path for request in self._requests if request.method == method]
+
     def requests(self, action: str) -> list[Request]:
         """Every request for `action` seen so far, in order."""
         with self._lock:

@@ -80,6 +80,8 @@ def test_template_locks_things_down() -> None:
         "sqs:SendMessage",
         "s3:GetObject",
         "s3:PutObject",
+        "s3:DeleteObject",
+        "s3:ListBucket",
         "autoscaling:SetInstanceProtection",
         "autoscaling:CompleteLifecycleAction",
         "logs:CreateLogStream",
@@ -98,6 +100,10 @@ def test_template_locks_things_down() -> None:
     assert template["Parameters"]["StopTimeoutSeconds"]["Default"] == 120
     [container] = resources["TaskDefinition"]["Properties"]["ContainerDefinitions"]
     assert container["StopTimeout"] == {"Ref": "StopTimeoutSeconds"}
+    # /dev/shm holds the batch arena: Docker's 64 MiB default is raised on both platforms.
+    assert container["LinuxParameters"]["SharedMemorySize"] == {"Ref": "SharedMemoryMiB"}
+    assert "--shm-size ${SharedMemoryMiB}m" in json.dumps(user_data)
+    assert template["Parameters"]["SharedMemoryMiB"]["Default"] >= 1024
 
 
 @pytest.mark.e2e

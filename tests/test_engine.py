@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
 import threading
 import time
@@ -21,6 +22,7 @@ from worker.engine import (
     ItemError,
     Pipeline,
     ProcessStage,
+    SharedMemoryTooSmall,
     StageSetupError,
     TensorArena,
     ThreadStage,
@@ -432,3 +434,17 @@ def test_stages_overlap() -> None:
     slowest_stage_s, all_stages_s = per_item_s * count, 3 * per_item_s * count
     assert wall_s < 1.5 * slowest_stage_s, (wall_s, slowest_stage_s)
     assert wall_s < 0.5 * all_stages_s
+
+
+def test_an_arena_larger_than_shared_memory_is_refused_before_it_is_made(
+    tmp_path: Path,
+) -> None:
+    """A shared tensor bigger than the space left where it lives is no error when made:
+    the first write past the space kills the process with SIGBUS. The arena is measured
+    against the free space first, and refused with what to do."""
+    stats = os.statvfs(tmp_path)
+    slot_bytes = 3 * 1024 * 1024
+    slots = stats.f_bavail * stats.f_frsize // slot_bytes + 1
+    with pytest.raises(SharedMemoryTooSmall, match="--shm-size"):
+        TensorArena((3, 1024, 1024), slots, shared_memory=tmp_path)
+    assert TensorArena((3, 8, 8), 4, shared_memory=tmp_path).tensor.shape == (4, 3, 8, 8)

@@ -64,14 +64,12 @@ def test_a_job_goes_through_its_lifecycle_leased_until_settled(tmp_path: Path) -
 
 
 def test_illegal_moves_raise_and_settling_is_won_once(tmp_path: Path) -> None:
-    """The table decides: a received job cannot be acked, a running one cannot be
-    dead-lettered, an unsettled one cannot be forgotten. Settling twice is a race that
+    """The table decides: a running job cannot be dead-lettered nor acked before its
+    results are in, an unsettled one cannot be forgotten. Settling twice is a race that
     the first caller wins; the loser gets False, not an error."""
     ledger = Ledger()
     job = ledger.receive(_message(1))
     assert job is not None
-    with pytest.raises(IllegalTransition):
-        ledger.ack(job)
     with pytest.raises(IllegalTransition):
         ledger.forget(job)
     _admit(ledger, job, 1, tmp_path)
@@ -90,6 +88,46 @@ def test_illegal_moves_raise_and_settling_is_won_once(tmp_path: Path) -> None:
     assert ledger.release(job) and not ledger.release(job) and not ledger.ack(job)
     assert ledger.record(job.key, 0, {}) is None  # a result arriving after the release
     assert ledger.outstanding_items() == 0
+
+
+def test_a_resumed_job_is_fed_only_what_is_left_and_counts_what_it_resumed(
+    tmp_path: Path,
+) -> None:
+    ledger = Ledger()
+    job = ledger.receive(_message(1))
+    assert job is not None
+    inputs = [f"s3://bkt/{index}" for index in range(4)]
+    spec = parse_job_message(json.dumps({"inputs": inputs, "output": "s3://bkt/o/"}), frozenset())
+    resumed = {0: {"label": "a"}, 2: {"error": {"type": "Corrupt"}}}
+    assert ledger.admit(job, spec, inputs, JobLog(tmp_path / "j.log", "j"), resumed)
+    assert (job.resumed, job.succeeded, job.failed) == (2, 1, 1)
+    assert ledger.outstanding_items() == 2
+    assert [ledger.next_item()[1] for _ in range(2)] == [1, 3]
+    assert ledger.record(job.key, 3, {"label": "d"}) is None
+    assert ledger.take_unsaved(job) == [(3, {"label": "d"})]  # resumed ones are saved
+    assert ledger.record(job.key, 1, {"label": "b"}) is job
+    assert job.state is JobState.FINISHING and job.status.value == "partial"
+
+    everything = ledger.receive(_message(2))
+    assert everything is not None
+    log = JobLog(tmp_path / "k.log", "k")
+    assert ledger.admit(everything, spec, inputs, log, {index: {} for index in range(4)})
+    assert everything.state is JobState.FINISHING and ledger.outstanding_items() == 0
+
+
+def test_a_cancelled_job_stops_feeding_and_drops_late_results(tmp_path: Path) -> None:
+    ledger = Ledger()
+    job = _held(ledger, 1, 3, tmp_path)
+    assert ledger.next_item() == (job, 0)
+    assert ledger.cancel(job) and not ledger.cancel(job)
+    assert job.state is JobState.FINISHING and job.status.value == "cancelled"
+    assert ledger.outstanding_items() == 0
+    assert ledger.record(job.key, 0, {"label": "late"}) is None
+    assert ledger.ack(job) and ledger.outstanding_items() == 0  # not counted twice
+    ledger.forget(job)
+    ledger.close()
+    with pytest.raises(Closed):
+        ledger.next_item()  # nothing of it left to feed
 
 
 def test_the_feed_takes_jobs_in_turn(tmp_path: Path) -> None:

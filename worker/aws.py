@@ -34,8 +34,9 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
-from worker.errors import AccessDenied, MissingObject, TransientError
+from worker.errors import AccessDenied, MissingObject, PreconditionFailed, TransientError
 from worker.ports import (
+    ABSENT,
     Notice,
     NoticeKind,
     NoticeSource,
@@ -50,13 +51,18 @@ from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient
     from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import ObjectIdentifierTypeDef
     from mypy_boto3_sqs import SQSClient
+    from mypy_boto3_sqs.type_defs import MessageTypeDef
 
 T = TypeVar("T")
 
 log = structlog.get_logger()
 
 MAX_REASON_CHARS = 1000
+# A continuation's message attributes (`SqsJobSource.requeue`).
+EARLIER_ATTEMPTS_ATTRIBUTE = "worker.earlier-attempts"
+FIRST_MESSAGE_ATTRIBUTE = "worker.first-message-id"
 IMDS_DEFAULT_ENDPOINT = "http://169.254.169.254"
 IMDS_TOKEN_TTL_S = 60
 IMDS_TOKEN_MARGIN_S = 10
@@ -67,6 +73,7 @@ TARGET_LIFECYCLE_STATE_PATH = "/latest/meta-data/autoscaling/target-lifecycle-st
 REBALANCE_RECOMMENDATION_PATH = "/latest/meta-data/events/recommendations/rebalance"
 ECS_AGENT_TIMEOUT_S = 5.0
 ASG_NAME_PATH = "/latest/meta-data/tags/instance/aws:autoscaling:groupName"
+S3_MAX_KEYS_PER_DELETE = 1000
 CONNECT_TIMEOUT_S = 5
 # Longer than SQS's longest long poll (20 s), or a quiet receive would time out.
 READ_TIMEOUT_S = 30
@@ -96,6 +103,7 @@ TRANSIENT_CODES = frozenset(
         "ExpiredToken",
         "ExpiredTokenException",
         "KMS.ThrottlingException",
+        "ConditionalRequestConflict",  # a concurrent conditional write: try again
         # The worker's credentials or clock, not the object: the next try may pass.
         "InvalidAccessKeyId",
         "SignatureDoesNotMatch",
@@ -105,6 +113,12 @@ TRANSIENT_CODES = frozenset(
     }
 )
 TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+CLASSES_BY_CODE: tuple[tuple[frozenset[str], type[Exception]], ...] = (
+    (MISSING_OBJECT_CODES, MissingObject),
+    (ACCESS_DENIED_CODES, AccessDenied),
+    (frozenset({"PreconditionFailed"}), PreconditionFailed),  # a conditional write, beaten
+    (TRANSIENT_CODES, TransientError),
+)
 TRANSIENT_EXCEPTIONS = (
     BotoConnectionError,  # endpoint unreachable, connect timeout
     HTTPClientError,  # connection closed or reset, read timeout, broken response stream
@@ -123,13 +137,10 @@ def classify(error: Exception) -> Exception:
         code = details.get("Code", "")
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         message = f"{code or status}: {details.get('Message', '')}"
-        if code in MISSING_OBJECT_CODES:
-            return MissingObject(message)
-        if code in ACCESS_DENIED_CODES:
-            return AccessDenied(message)
-        if code in TRANSIENT_CODES or status in TRANSIENT_STATUSES:
-            return TransientError(message)
-        return error
+        for codes, kind in CLASSES_BY_CODE:
+            if code in codes:
+                return kind(message)
+        return TransientError(message) if status in TRANSIENT_STATUSES else error
     if isinstance(error, TRANSIENT_EXCEPTIONS):
         return TransientError(f"{type(error).__name__}: {error}")
     return error
@@ -215,17 +226,10 @@ class SqsJobSource(_Retrying):
                 WaitTimeSeconds=wait_s,
                 VisibilityTimeout=visibility_timeout_s,
                 MessageSystemAttributeNames=["ApproximateReceiveCount"],
+                MessageAttributeNames=[EARLIER_ATTEMPTS_ATTRIBUTE, FIRST_MESSAGE_ATTRIBUTE],
             )
         )
-        return [
-            ReceivedMessage(
-                message_id=message["MessageId"],
-                body=message["Body"],
-                receipt_handle=message["ReceiptHandle"],
-                receive_count=int(message.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
-            )
-            for message in reply.get("Messages", [])
-        ]
+        return [_received(message) for message in reply.get("Messages", [])]
 
     def ack(self, receipt_handle: str) -> None:
         self._call(
@@ -238,6 +242,17 @@ class SqsJobSource(_Retrying):
         self._call(
             lambda: self._client.change_message_visibility(
                 QueueUrl=self._queue_url, ReceiptHandle=receipt_handle, VisibilityTimeout=delay_s
+            )
+        )
+
+    def requeue(self, message: ReceivedMessage) -> None:
+        attributes: Any = {
+            EARLIER_ATTEMPTS_ATTRIBUTE: {"DataType": "Number", "StringValue": str(message.attempt)},
+            FIRST_MESSAGE_ATTRIBUTE: {"DataType": "String", "StringValue": message.job_message_id},
+        }
+        self._call(
+            lambda: self._client.send_message(
+                QueueUrl=self._queue_url, MessageBody=message.body, MessageAttributes=attributes
             )
         )
 
@@ -308,12 +323,69 @@ class S3BlobStore(_Retrying):
 
         return self._call(read)
 
-    def put(self, location: S3Location, data: bytes, content_type: str) -> None:
-        self._call(
-            lambda: self._client.put_object(
-                Bucket=location.bucket, Key=location.key, Body=data, ContentType=content_type
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
+        conditions: dict[str, Any] = {}
+        if expect is not None:
+            conditions = {"IfNoneMatch": "*"} if expect == ABSENT else {"IfMatch": expect}
+        try:
+            reply = self._call(
+                lambda: self._client.put_object(
+                    Bucket=location.bucket,
+                    Key=location.key,
+                    Body=data,
+                    ContentType=content_type,
+                    **conditions,
+                )
             )
+        except MissingObject as missing:
+            if expect is None:
+                raise
+            raise PreconditionFailed(f"{location} was removed: {missing}") from missing
+        return reply["ETag"]
+
+    def objects_under(self, prefix: S3Location) -> dict[str, str]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=prefix.bucket, Prefix=prefix.key, Delimiter="/"
         )
+        listed: dict[str, str] = {}
+        for page in self._call(lambda: tuple(pages)):
+            for entry in page.get("Contents", []):
+                listed[entry["Key"][len(prefix.key) :]] = entry["ETag"]
+        return listed
+
+    def delete(self, locations: list[S3Location]) -> None:
+        for bucket in {location.bucket for location in locations}:
+            keys: list[ObjectIdentifierTypeDef] = [
+                {"Key": loc.key} for loc in locations if loc.bucket == bucket
+            ]
+            for start in range(0, len(keys), S3_MAX_KEYS_PER_DELETE):
+                chunk = keys[start : start + S3_MAX_KEYS_PER_DELETE]
+                reply = self._call(
+                    functools.partial(
+                        self._client.delete_objects,
+                        Bucket=bucket,
+                        Delete={"Objects": chunk, "Quiet": True},
+                    )
+                )
+                if reply.get("Errors"):
+                    failed = reply["Errors"][0]
+                    raise RuntimeError(f"{len(reply['Errors'])} not deleted, first: {failed}")
+
+
+def _received(message: MessageTypeDef) -> ReceivedMessage:
+    """A received message, with what a continuation carries (`requeue`)."""
+    carried: dict[str, Any] = dict(message.get("MessageAttributes", {}))
+    earlier = carried.get(EARLIER_ATTEMPTS_ATTRIBUTE, {}).get("StringValue", "")
+    return ReceivedMessage(
+        message_id=message["MessageId"],
+        body=message["Body"],
+        receipt_handle=message["ReceiptHandle"],
+        receive_count=int(message.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
+        earlier_attempts=int(earlier) if earlier.isdigit() else 0,
+        first_message_id=carried.get(FIRST_MESSAGE_ATTRIBUTE, {}).get("StringValue", ""),
+    )
 
 
 class PlatformUnavailable(Exception):

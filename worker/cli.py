@@ -1,4 +1,4 @@
-"""The command line: `run` the daemon, `enqueue` a job, or run the `demo`."""
+"""The command line: `run` the daemon, `enqueue` or `cancel` a job, or run the `demo`."""
 
 from __future__ import annotations
 
@@ -12,15 +12,18 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from worker import aws
+from worker.checkpoints import CANCEL_MARKER
 from worker.joblog import configure_daemon_logging
 from worker.message import JobMessage
 from worker.plugins import PluginError
+from worker.ports import S3Location
 from worker.settings import DEFAULT_METRICS_PORT, add_settings_flags, settings_from_flags
 
 EXIT_USAGE = 2
@@ -68,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout-seconds", type=float, default=3600, help="give up waiting after this"
     )
     enqueue.add_argument("inputs", nargs="*", metavar="URI", help="s3:// input URIs")
+
+    cancel = commands.add_parser(
+        "cancel",
+        help="cancel a queued or running job",
+        description="Ask for a job to be cancelled by writing a `cancel` object under its "
+        "output prefix. A daemon running the job stops it within its "
+        "--progress-interval-seconds, writes job.json with status `cancelled` and the "
+        "results it had finished, and deletes its message; a daemon that receives it later "
+        "does the same without running it. A finished job (job.json written) is left as it is.",
+    )
+    cancel.add_argument("--output", required=True, help="the job's s3:// output prefix")
+    cancel.add_argument("--reason", default="", help="a note kept in the cancel object")
 
     demo = commands.add_parser(
         "demo",
@@ -122,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         os._exit(code)
     if args.command == "enqueue":
         sys.exit(_enqueue(args))
+    if args.command == "cancel":
+        sys.exit(_cancel(args.output, args.reason))
     if args.command == "healthcheck":
         sys.exit(_healthcheck(args.port))
     if args.command == "bench":
@@ -139,7 +156,7 @@ def _exit_before_start(_signum: int, _frame: object) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from worker.daemon import Daemon
-    from worker.engine import StageSetupError
+    from worker.engine import SharedMemoryTooSmall, StageSetupError
 
     try:
         settings = settings_from_flags(args)
@@ -169,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         daemon = Daemon(settings, source, blobs, guard=guard, notices=notices, notify=notify)
         return daemon.run().code
-    except (PluginError, StageSetupError, aws.PlatformUnavailable) as error:
+    except (PluginError, StageSetupError, SharedMemoryTooSmall, aws.PlatformUnavailable) as error:
         print(f"cannot start: {error}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -219,6 +236,23 @@ def _enqueue(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cancel(output: str, reason: str) -> int:
+    try:
+        prefix = S3Location.parse(output if output.endswith("/") else f"{output}/")
+    except ValueError as error:
+        print(f"--output: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    blobs = aws.S3BlobStore(aws.s3_client(2))
+    if "job.json" in blobs.objects_under(prefix):
+        print(f"{prefix}job.json exists: the job is finished, nothing to cancel", file=sys.stderr)
+        return 1
+    request = {"requested_at": datetime.now(UTC).isoformat(), "reason": reason}
+    marker = S3Location(prefix.bucket, prefix.key + CANCEL_MARKER)
+    blobs.put(marker, json.dumps(request).encode(), "application/json")
+    print(f"cancel requested: {marker}")
+    return 0
+
+
 def _wait(message: JobMessage, timeout_s: float) -> int:
     """Follow a job with a progress bar until its job.json appears; print the summary."""
     s3 = aws.s3_client(2)
@@ -234,7 +268,8 @@ def _wait(message: JobMessage, timeout_s: float) -> int:
     while time.monotonic() - started < timeout_s:
         summary = read("job.json")
         if summary is not None:
-            _draw(summary["items"], summary["items"], summary["failed"], time.monotonic() - started)
+            finished = summary["succeeded"] + summary["failed"]
+            _draw(finished, summary["items"], summary["failed"], time.monotonic() - started)
             print(file=sys.stderr)
             print(json.dumps(summary, indent=2))
             return 0 if summary["status"] == "succeeded" else 1

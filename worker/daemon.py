@@ -6,7 +6,8 @@
     regrouper      each result -> its job in the ledger -> complete? -> finisher
     finisher       results.jsonl, job.log, job.json (last) -> ack
     lease keeper   renews every held message's lease while work progresses
-    progress       each in-flight job's progress.json and local log file
+    progress       each in-flight job's progress.json and local log file; cancellations
+    checkpointer   each running job's finished results, in parts, for a later delivery
     protection     scale-in protection on while jobs are held
     interruptions  spot, scale-in and rebalance notices from instance metadata
     watchdog       a daemon that holds work and moves none of it is broken
@@ -20,19 +21,17 @@ docs/DESIGN.md ("Job lifecycle"), one method per row.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
-import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from enum import StrEnum
+from collections.abc import Callable
 
 import structlog
 
 from worker import __version__
+from worker.checkpoints import Checkpointer, Checkpoints
 from worker.engine import Pipeline, ProcessStage, StageObserver, TensorArena, ThreadStage
 from worker.intake import Feeder, Intake
 from worker.interruptions import InterruptionWatch
@@ -41,21 +40,16 @@ from worker.ledger import Ledger
 from worker.metrics import Metrics, serving
 from worker.outcomes import Lifecycle, Outcomes
 from worker.plugins import inference_setup, load_postprocessor, load_preprocessor, preprocess_setup
-from worker.ports import (
-    BlobStore,
-    JobSource,
-    Notice,
-    NoticeKind,
-    NoticeSource,
-    S3Location,
-    ScaleInGuard,
-)
+from worker.ports import BlobStore, JobSource, NoticeSource, S3Location, ScaleInGuard
 from worker.protection import ProtectionKeeper
 from worker.reporting import JobObserver, ProgressReporter
 from worker.results import Finisher, Regrouper
 from worker.settings import Settings
+from worker.shutdown import ExitCode, Shutdown
 from worker.supervisor import Progress, Supervisor
 from worker.timeline import Timeline
+
+__all__ = ["Daemon", "ExitCode"]
 
 log = structlog.get_logger()
 
@@ -66,20 +60,6 @@ MIN_SHUTDOWN_TAIL_S = 10.0
 # A healthy daemon moves something at least every batch, or replaces a hung worker.
 STALL_MARGIN_S = 60.0
 WATCHDOG_INTERVAL_S = 5.0
-SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class ExitCode(StrEnum):
-    """Why the daemon stopped; `code` is the process exit status."""
-
-    DRAINED = "drained"
-    SIGNALLED = "signalled"
-    INTERRUPTED = "interrupted"  # the platform announced the machine's end
-    BROKEN = "broken"
-
-    @property
-    def code(self) -> int:
-        return 1 if self is ExitCode.BROKEN else 0
 
 
 class Daemon:
@@ -107,65 +87,90 @@ class Daemon:
             + STALL_MARGIN_S
         )
         progress = Progress(stall_after_s)
-        self._outcomes = Outcomes(ledger, source, metrics, progress, settings.retry_delay_seconds)
+        checkpoints = Checkpoints(blobs, ledger)
+        self._outcomes = Outcomes(
+            ledger,
+            source,
+            metrics,
+            progress,
+            retry_delay_s=settings.retry_delay_seconds,
+            checkpoints=checkpoints,
+        )
         lifecycle = Lifecycle(ledger, self._outcomes, metrics, progress)
-        self._stopping = threading.Event()  # no more receiving
-        self._hurry = threading.Event()  # cut the grace period short
-        self._exit = threading.Event()
-        self._exit_reason: ExitCode | None = None
-        self._broken_cause: str | None = None
-        self._notice: Notice | None = None  # the termination notice acted on
-        self._signalled = False
-        self._hand_back_at = float("inf")  # (monotonic) the notice's end less the margin
-        observer = JobObserver(ledger, metrics, progress, timeline, self._break)
+        self._shutdown = shutdown = Shutdown(
+            ledger, metrics, settings.grace_seconds, settings.interruption_margin_seconds
+        )
+        observer = JobObserver(ledger, metrics, progress, timeline, shutdown.broken)
         self._pipeline = _pipeline(settings, blobs, observer)
         worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
-        self._finisher = Finisher(blobs, lifecycle, worker_info, notify, capacity=settings.max_jobs)
+        self._finisher = finisher = Finisher(
+            blobs, checkpoints, lifecycle, worker_info, notify, capacity=settings.max_jobs
+        )
+        self._checkpointer = Checkpointer(
+            ledger, checkpoints, settings.checkpoint_items, settings.checkpoint_seconds
+        )
         self._leases = LeaseKeeper(
             ledger,
             source,
             settings.visibility_timeout_seconds,
             settings.heartbeat_interval_seconds,
             max_lease_s=settings.max_lease_seconds,
-            on_ceiling=lambda job: self._outcomes.release(job, "lease ceiling reached"),
+            on_ceiling=self._outcomes.lease_ceiling_reached,
             progress=progress,
             on_renewed=metrics.leases_renewed,
         )
-        self._reporter = ProgressReporter(ledger, blobs, settings.progress_interval_seconds)
+        self._reporter = ProgressReporter(
+            ledger,
+            blobs,
+            checkpoints,
+            settings.progress_interval_seconds,
+            cancel=finisher.cancel,
+        )
         self._protection = (
             ProtectionKeeper(ledger, guard, settings.idle_grace_seconds, metrics.protection_called)
             if guard
             else None
         )
+        self._interruptions = (
+            InterruptionWatch(notices, settings.notice_poll_seconds, shutdown.interrupted)
+            if notices
+            else None
+        )
         postprocess = load_postprocessor(settings.postprocess)
         intake = Intake(
-            settings, source, blobs, lifecycle, self._stopping, on_drained=self._drained
+            settings,
+            source,
+            blobs,
+            lifecycle,
+            shutdown.stopping,
+            checkpoints=checkpoints,
+            finish=finisher.submit,
+            on_drained=shutdown.drained,
         )
         self._units: dict[str, Callable[[], object]] = {
             "intake": intake.run,
             "feeder": Feeder(ledger, self._pipeline).run,
-            "regrouper": Regrouper(self._pipeline, lifecycle, self._finisher, postprocess).run,
-            **{f"finisher-{n}": self._finisher.run for n in range(settings.fetch_concurrency)},
+            "regrouper": Regrouper(self._pipeline, lifecycle, finisher, postprocess).run,
+            **{f"finisher-{n}": finisher.run for n in range(settings.fetch_concurrency)},
             "lease-keeper": self._leases.run,
             "progress": self._reporter.run,
+            "checkpointer": self._checkpointer.run,
         }
         if self._protection:
             self._units["protection"] = self._protection.run
-        self._interruptions = (
-            InterruptionWatch(notices, settings.notice_poll_seconds, self._interrupted)
-            if notices
-            else None
-        )
         if self._interruptions:
             self._units["interruptions"] = self._interruptions.run
-        self._supervisor = Supervisor(self._break, progress, lambda: len(ledger) > 0, self._exit)
+        self._supervisor = Supervisor(
+            shutdown.broken, progress, lambda: len(ledger) > 0, shutdown.requested
+        )
         metrics.follow(jobs_held=lambda: len(ledger), queue_depths=self._pipeline.queue_depths)
 
     def run(self) -> ExitCode:
-        """Serve until drained (with `drain`), signalled, or broken; then shut down."""
+        """Serve until drained (with `drain`), signalled, interrupted or broken; then
+        shut down within `shutdown_tail_s` more than the time held jobs are given."""
         log.info("daemon_starting", settings=self._settings.model_dump(mode="json"))
         with contextlib.ExitStack() as running:
-            running.enter_context(self._signal_handlers())
+            running.enter_context(self._shutdown.signal_handlers())
             if self._settings.metrics_port:
                 running.enter_context(
                     serving(self._settings.metrics_port, self._metrics, self.health_problem)
@@ -177,16 +182,16 @@ class Daemon:
                 self._supervisor.spawn(name, unit)
             self._supervisor.start_watching(WATCHDOG_INTERVAL_S)
             log.info("daemon_started")
-            self._exit.wait()
-            reason = self._exit_reason or ExitCode.SIGNALLED
-            self._shutdown(reason)
+            reason = self._shutdown.wait()
+            self._shutdown.let_held_jobs_finish()
+            self._close_within_tail()
         log.info("daemon_stopped", reason=reason.value, exit_code=reason.code)
         return reason
 
     def health_problem(self) -> str | None:
         """Why the daemon is unhealthy (broken, a stage down, stalled), or None."""
-        if self._broken_cause is not None:
-            return f"broken: {self._broken_cause}"
+        if self._shutdown.broken_cause is not None:
+            return f"broken: {self._shutdown.broken_cause}"
         dead = self._pipeline.dead_stages()
         if dead:
             return f"stage worker down: {', '.join(dead)}"
@@ -194,76 +199,9 @@ class Daemon:
 
     def stop(self) -> None:
         """Shut down as on SIGTERM (for a daemon embedded in another program)."""
-        self._stop(ExitCode.SIGNALLED)
+        self._shutdown.request(ExitCode.SIGNALLED)
 
-    def _drained(self) -> None:
-        self._stop(ExitCode.DRAINED)
-
-    def _interrupted(self, notice: Notice) -> None:
-        """The platform says this machine is going away. Take no more work; on a
-        termination also shut down, handing back what cannot finish before it goes."""
-        left_s = None if notice.deadline is None else notice.deadline - time.time()
-        if notice.kind is NoticeKind.REBALANCE:  # at risk, not yet going: finish what is held
-            self._stopping.set()
-            self._ledger.wake()
-        else:
-            previous = self._notice  # a scale-in seen first still wants its hook completed
-            if previous is not None and notice.acknowledge is None:
-                notice = dataclasses.replace(notice, acknowledge=previous.acknowledge)
-            self._notice = notice
-            if left_s is not None:
-                margin_s = self._settings.interruption_margin_seconds
-                self._hand_back_at = time.monotonic() + left_s - margin_s
-            self._stop(ExitCode.INTERRUPTED)
-        self._metrics.interruption_notices.labels(notice.kind.value, notice.cause).inc()
-        log.warning(
-            "interruption_notice",
-            kind=notice.kind.value,
-            cause=notice.cause,
-            seconds_left=None if left_s is None else round(left_s, 1),
-            jobs_held=len(self._ledger),
-        )
-
-    def _break(self, cause: str) -> None:
-        """The worker itself is at fault: stop taking jobs and give back what is held,
-        unwritten, so the orchestrator replaces this worker (the circuit opens)."""
-        if self._broken_cause is None:
-            self._broken_cause = cause
-            log.error("worker_broken", cause=cause)
-        self._stop(ExitCode.BROKEN)
-
-    def _stop(self, reason: ExitCode) -> None:
-        if self._exit_reason is None or reason is ExitCode.BROKEN:
-            self._exit_reason = reason
-        self._stopping.set()
-        self._exit.set()
-        self._ledger.wake()
-
-    @contextlib.contextmanager
-    def _signal_handlers(self) -> Iterator[None]:
-        """SIGTERM or SIGINT: shut down; a second one: cut the grace short. The handlers
-        only set flags, and the previous ones are back once the daemon has stopped."""
-
-        def handle(signum: int, _frame: object) -> None:
-            if self._signalled:
-                self._hurry.set()
-                self._ledger.wake()
-                return
-            self._signalled = True
-            self._stop(ExitCode.SIGNALLED)
-
-        previous = {signum: signal.signal(signum, handle) for signum in SHUTDOWN_SIGNALS}
-        try:
-            yield
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
-    def _shutdown(self, reason: ExitCode) -> None:
-        """Let held jobs finish (on a signal or a notice), then give back the rest and
-        stop everything, within `shutdown_tail_s` more whatever hangs."""
-        if reason in (ExitCode.SIGNALLED, ExitCode.INTERRUPTED):
-            self._finish_held_jobs()
+    def _close_within_tail(self) -> None:
         deadline = time.monotonic() + self.shutdown_tail_s
         closing = threading.Thread(target=self._close, name="shutdown", daemon=True)
         closing.start()
@@ -274,28 +212,6 @@ class Daemon:
         if closing.is_alive():
             log.error("shutdown_deadline_passed", tail_s=self.shutdown_tail_s)
 
-    def _finish_held_jobs(self) -> None:
-        """Wait for held jobs to finish until the grace period ends, or until the time a
-        notice gives the machine (less the margin) if that comes first; a notice may
-        arrive, and bring that time closer, while this waits."""
-
-        def finished() -> bool:
-            return not len(self._ledger) or self._hurry.is_set() or self._broken_cause is not None
-
-        def finished_or_moved(hand_back_at: float) -> bool:
-            return finished() or self._hand_back_at != hand_back_at
-
-        if finished():
-            return
-        log.info("draining_in_flight_jobs", jobs=len(self._ledger))
-        grace_ends = time.monotonic() + self._settings.grace_seconds
-        while not finished():
-            hand_back_at = self._hand_back_at
-            left_s = min(grace_ends, hand_back_at) - time.monotonic()
-            if left_s <= 0:
-                return
-            self._ledger.wait_until(functools.partial(finished_or_moved, hand_back_at), left_s)
-
     def _close(self) -> None:
         self._ledger.close()
         if self._interruptions:
@@ -304,40 +220,16 @@ class Daemon:
             self._protection.stop()
             self._supervisor.join("protection", self.shutdown_tail_s)
             self._protection.unprotect()
-        handed_back = self._outcomes.release_all(self._release_reason())
-        if self._notice is not None:
-            self._interruption_handled(self._notice, handed_back)
-        elif handed_back:
-            reason = (self._exit_reason or ExitCode.SIGNALLED).value
-            self._metrics.jobs_handed_back.labels(reason).inc(handed_back)
+        self._checkpointer.stop()
+        shutdown = self._shutdown
+        handed_back = self._outcomes.release_all(
+            shutdown.release_reason(), hand_over=shutdown.broken_cause is None
+        )
+        shutdown.handed_back(handed_back)
         self._finisher.close()
         self._pipeline.close()
         self._leases.stop()
         self._reporter.stop()
-
-    def _interruption_handled(self, notice: Notice, handed_back: int) -> None:
-        """Say what was handed back; let a waiting lifecycle hook go on at once, before
-        the rest of the shutdown, which may hang past its deadline."""
-        self._metrics.jobs_handed_back.labels(ExitCode.INTERRUPTED.value).inc(handed_back)
-        log.warning(
-            "interruption_handled",
-            kind=notice.kind.value,
-            cause=notice.cause,
-            handed_back=handed_back,
-        )
-        if notice.acknowledge is None:
-            return
-        try:
-            notice.acknowledge()
-        except Exception as error:
-            log.error("lifecycle_action_not_completed", error=repr(error))
-
-    def _release_reason(self) -> str:
-        if self._broken_cause is not None:
-            return f"worker broken: {self._broken_cause}"
-        if self._notice is not None:
-            return f"interrupted: {self._notice.cause}"
-        return "shutdown"
 
 
 def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import queue
 import signal
@@ -36,6 +37,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
 import structlog
@@ -63,6 +65,8 @@ PIPELINED_BATCHES = 2
 OOM_COOLDOWN_S = 300.0
 
 log = structlog.get_logger()
+# Where torch puts shared tensors on Linux (shm_open).
+SHARED_MEMORY_DIR = Path("/dev/shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +173,15 @@ class TensorArena:
     the stages before the reader, however large the backlog.
     """
 
-    def __init__(self, slot_shape: Sequence[int], slots: int, dtype: torch.dtype = torch.uint8):
+    def __init__(
+        self,
+        slot_shape: Sequence[int],
+        slots: int,
+        dtype: torch.dtype = torch.uint8,
+        shared_memory: Path = SHARED_MEMORY_DIR,
+    ):
+        needed = slots * math.prod(slot_shape) * dtype.itemsize
+        _check_shared_memory(shared_memory, needed, f"{slots} slots of {tuple(slot_shape)}")
         self.tensor = torch.empty((slots, *slot_shape), dtype=dtype).share_memory_()
         self._free: Channel[int] = Channel(slots)
         for slot in range(slots):
@@ -186,6 +198,27 @@ class TensorArena:
     def close(self) -> None:
         """Wake everyone waiting for a slot."""
         self._free.close()
+
+
+class SharedMemoryTooSmall(Exception):
+    """The shared-memory file system cannot hold the batch arena."""
+
+
+def _check_shared_memory(where: Path, needed: int, what: str) -> None:
+    """Refuse to start when shared memory cannot hold the arena. A shared tensor in a
+    file system too small for it is no error when it is made: the first write past the
+    space there kills the process with SIGBUS, mid-batch. (Docker's /dev/shm is 64 MiB
+    unless the container is given more.)"""
+    if not where.is_dir():
+        return  # not Linux: torch shares memory another way
+    stats = os.statvfs(where)
+    free = stats.f_bavail * stats.f_frsize
+    if needed > free:
+        raise SharedMemoryTooSmall(
+            f"{where} has {free / 2**20:.0f} MiB free and the batch arena ({what}) needs "
+            f"{needed / 2**20:.0f} MiB: give the container more shared memory (docker run "
+            "--shm-size, ECS LinuxParameters.SharedMemorySize) or lower --batch-size"
+        )
 
 
 class BatchGatherer:

@@ -5,6 +5,8 @@
   released to run again later, never finished with the error in its results.
 - `MissingObject`, `AccessDenied`: permanent for that object. For an input this is the
   item's own error record; for a manifest the message is poison.
+- `PreconditionFailed`: a conditional write found the object changed since it was read:
+  another attempt at the same job wrote it first, so this one is fenced off.
 - `WorkerFault`: the worker itself is broken (a stage fails for everything, known-good
   input included). Never an item's error: the daemon stops and hands its jobs back.
 
@@ -25,6 +27,10 @@ class MissingObject(LookupError):
 class AccessDenied(PermissionError):
     """Reading or writing the object is not allowed (S3 also says this for a missing key
     when the caller may not list the bucket): retrying will not help."""
+
+
+class PreconditionFailed(Exception):
+    """A conditional write did not happen: the object is no longer as this writer saw it."""
 
 
 class WorkerFault(Exception):

@@ -7,17 +7,18 @@ message is visible at once.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import threading
 import time
 import uuid
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from worker.errors import MissingObject
-from worker.ports import QueueCounts, ReceivedMessage, S3Location
+from worker.errors import MissingObject, PreconditionFailed
+from worker.ports import ABSENT, QueueCounts, ReceivedMessage, S3Location
 
 
 @dataclass
@@ -28,6 +29,8 @@ class _Stored:
     receipt_handle: str | None = None
     receive_count: int = 0
     ready: bool = True  # in the ready queue
+    earlier_attempts: int = 0
+    first_message_id: str = ""
 
 
 class InMemoryJobSource:
@@ -49,11 +52,16 @@ class InMemoryJobSource:
         self.receive_calls = 0
         self.extend_calls = 0
 
-    def send(self, body: str) -> str:
+    def send(self, body: str, *, earlier_attempts: int = 0, first_message_id: str = "") -> str:
         """Enqueue a message; returns its id."""
         with self._lock:
             message_id = str(uuid.uuid4())
-            stored = _Stored(message_id, body)
+            stored = _Stored(
+                message_id,
+                body,
+                earlier_attempts=earlier_attempts,
+                first_message_id=first_message_id,
+            )
             self._messages[message_id] = stored
             self._ready.append(stored)
             self._lock.notify_all()
@@ -81,7 +89,12 @@ class InMemoryJobSource:
                 self._hide(stored, now + visibility_timeout_s)
                 received.append(
                     ReceivedMessage(
-                        stored.message_id, stored.body, stored.receipt_handle, stored.receive_count
+                        stored.message_id,
+                        stored.body,
+                        stored.receipt_handle,
+                        stored.receive_count,
+                        stored.earlier_attempts,
+                        stored.first_message_id,
                     )
                 )
             return received
@@ -115,6 +128,13 @@ class InMemoryJobSource:
         if self.extend([receipt_handle], delay_s):
             raise LookupError(f"ReceiptHandleIsInvalid: {receipt_handle}")
 
+    def requeue(self, message: ReceivedMessage) -> None:
+        self.send(
+            message.body,
+            earlier_attempts=message.attempt,
+            first_message_id=message.job_message_id,
+        )
+
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
         with self._lock:
             self.extend_calls += 1
@@ -140,11 +160,29 @@ class InMemoryJobSource:
             return QueueCounts(visible, len(self._messages) - visible, 0)
 
 
-class InMemoryBlobStore:
-    """A dict of objects keyed by `s3://bucket/key`."""
+class _Objects(dict[str, bytes]):
+    """Objects by `s3://bucket/key`, also filed under the prefix they sit directly in, so
+    a listing costs what S3's does however many objects there are (the speed figures
+    use this fake, and the daemon lists each job's output prefix)."""
 
     def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
+        super().__init__()
+        self.under: defaultdict[str, set[str]] = defaultdict(set)
+
+    def __setitem__(self, uri: str, data: bytes) -> None:
+        super().__setitem__(uri, data)
+        self.under[uri.rsplit("/", 1)[0] + "/"].add(uri)
+
+    def __delitem__(self, uri: str) -> None:
+        super().__delitem__(uri)
+        self.under[uri.rsplit("/", 1)[0] + "/"].discard(uri)
+
+
+class InMemoryBlobStore:
+    """A dict of objects keyed by `s3://bucket/key`, with S3's ETags and conditions."""
+
+    def __init__(self) -> None:
+        self.objects = _Objects()
         self._lock = threading.Lock()
 
     def get(self, location: S3Location) -> bytes:
@@ -154,9 +192,35 @@ class InMemoryBlobStore:
             except KeyError:
                 raise MissingObject(f"{location} does not exist") from None
 
-    def put(self, location: S3Location, data: bytes, content_type: str) -> None:
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
         with self._lock:
+            current = self.objects.get(str(location))
+            if expect is not None and expect != (ABSENT if current is None else _etag(current)):
+                raise PreconditionFailed(f"{location} changed since it was read")
             self.objects[str(location)] = data
+            return _etag(data)
+
+    def objects_under(self, prefix: S3Location) -> dict[str, str]:
+        start = str(prefix)
+        folder = start.rsplit("/", 1)[0] + "/"
+        with self._lock:
+            return {
+                uri[len(start) :]: _etag(self.objects[uri])
+                for uri in self.objects.under[folder]
+                if uri.startswith(start)
+            }
+
+    def delete(self, locations: list[S3Location]) -> None:
+        with self._lock:
+            for location in locations:
+                if str(location) in self.objects:
+                    del self.objects[str(location)]
+
+
+def _etag(data: bytes) -> str:
+    return f'"{hashlib.md5(data).hexdigest()}"'
 
 
 class RecordingGuard:

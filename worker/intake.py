@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import structlog
 
+from worker.checkpoints import Checkpoints
 from worker.engine import Item, Pipeline
 from worker.errors import AccessDenied, MissingObject
 from worker.joblog import JobLog
-from worker.ledger import Job, Ledger
+from worker.ledger import Job, JobState, Ledger
 from worker.message import PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
 from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
@@ -41,11 +42,15 @@ class Intake:
         lifecycle: Lifecycle,
         stopping: threading.Event,
         *,
+        checkpoints: Checkpoints,
+        finish: Callable[[Job], None],
         on_drained: Callable[[], None],
     ):
         self._settings = settings
         self._source = source
         self._blobs = blobs
+        self._checkpoints = checkpoints
+        self._finish = finish
         self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
         self._progress = lifecycle.progress
@@ -77,7 +82,7 @@ class Intake:
             self._drained_readings = 0
             for job in [job for message in messages if (job := self._hold(message))]:
                 if self._stopping.is_set():
-                    self._outcomes.release(job, "shutting down")
+                    self._outcomes.hand_over(job, "shutting down")
                 else:
                     self._admit(job)
 
@@ -122,7 +127,8 @@ class Intake:
         return job
 
     def _admit(self, job: Job) -> None:
-        """Validate the message and read its manifest; admit it, or settle it."""
+        """Validate the message, read its manifest and what earlier deliveries left under
+        its output; admit it (resuming from their checkpoints), or settle it."""
         settings = self._settings
         try:
             spec = parse_job_message(job.message.body, settings.allowed_buckets)
@@ -131,6 +137,7 @@ class Intake:
                 raise PoisonMessage(
                     f"{len(inputs)} inputs is over the limit of {settings.max_items_per_job}"
                 )
+            prior = self._checkpoints.read(spec, inputs)
         except PoisonMessage as poison:
             self._outcomes.dead_letter(job, str(poison))
             return
@@ -140,19 +147,44 @@ class Intake:
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
             return
-        job_id = spec.job_id or job.message.message_id
-        log_file = JobLog(settings.log_dir / f"{job_id}.log", job_id)
-        if not self._ledger.admit(job, spec, inputs, log_file):
+        job_id = spec.job_id or job.message.job_message_id
+        if prior.summary is not None:
+            log.info("job_already_done", job_id=job_id, status=prior.summary.get("status"))
+            self._outcomes.ack(job)
+            return
+        if job.message.message_id in prior.superseded:
+            log.info("job_handed_over_already", job_id=job_id)
+            self._outcomes.ack(job)
+            return
+        job.inputs_digest, job.output_etags = prior.digest, prior.etags
+        job.checkpoint.leftovers = prior.leftovers
+        log_file = JobLog(settings.log_dir / f"{job_id}.log", job_id, prior.earlier_log)
+        admitted = self._ledger.admit(
+            job, spec, inputs, log_file, prior.resumed, cancelled=prior.cancel_requested
+        )
+        if not admitted:
             return  # released by shutdown meanwhile
         assert job.log is not None
         job.log.info(
             "job_received",
             items=len(inputs),
+            resumed=job.resumed,
             attempt=job.attempt,
             message_id=job.message.message_id,
         )
-        log.info("job_received", job_id=job_id, items=len(inputs), attempt=job.attempt)
+        log.info(
+            "job_received",
+            job_id=job_id,
+            items=len(inputs),
+            resumed=job.resumed,
+            attempt=job.attempt,
+        )
         self._progress.beat()
+        if job.cancelled:
+            job.log.info("job_cancelled", finished=job.finished_items)
+            log.info("job_cancelled", job_id=job_id, finished=job.finished_items)
+        if job.state is JobState.FINISHING:  # cancelled, or every result resumed
+            self._finish(job)
 
     def _read_manifest(self, uri: str) -> list[str]:
         try:

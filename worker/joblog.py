@@ -43,7 +43,8 @@ class JobLog:
     CPU on one-image jobs.
     """
 
-    def __init__(self, path: Path, job_id: str):
+    def __init__(self, path: Path, job_id: str, earlier: bytes = b""):
+        self._earlier = earlier  # earlier deliveries' lines, from their checkpoints
         self._lines = _Lines(path)
         self._logger: Any = structlog.wrap_logger(
             self._lines,
@@ -63,8 +64,12 @@ class JobLog:
         self._logger.error(event, **fields)
 
     def lines(self) -> bytes:
-        """This attempt's lines so far."""
-        return self._lines.joined()
+        """Earlier deliveries' lines, then this one's so far."""
+        return self._earlier + self._lines.joined()
+
+    def since(self, mark: int) -> tuple[bytes, int]:
+        """This delivery's lines after the first `mark`, and the mark after them."""
+        return self._lines.since(mark)
 
     def flush(self) -> None:
         self._lines.write()
@@ -99,6 +104,10 @@ class _Lines:
     def joined(self) -> bytes:
         with self._lock:
             return "".join(self._kept).encode()
+
+    def since(self, mark: int) -> tuple[bytes, int]:
+        with self._lock:
+            return "".join(self._kept[mark:]).encode(), len(self._kept)
 
     def write(self) -> None:
         """Append the lines not yet in the file (none once discarded)."""

@@ -5,16 +5,19 @@ transition instead of flipping flags, one method per transition:
 
     RECEIVED --admit--> ADMITTED --next_item--> RUNNING --record (last)--> FINISHING --ack--> ACKED
        |                   |                       |                           |
+       |                   +--------cancel, or everything resumed------------->|
        |                   +-----------------------+----------release----------+--> RELEASED
        +--release--> RELEASED
        +--dead_letter--> DEAD_LETTERED
+       +--ack--> ACKED (done already: an earlier delivery wrote its job.json)
 
 - received: leased from the moment it is received (the lease keeper renews every job
   that is not settled), not yet validated;
 - admitted: valid, its inputs known (a manifest read), waiting for the feeder;
 - running: its items are being fed into the pipeline or are inside it (an input that
   could not be read for now is fed again, `retry_item`);
-- finishing: every item's result is in; its outputs are being written;
+- finishing: every item's result is in (or the job was cancelled); its outputs are
+  being written;
 - acked, released, dead-lettered: settled. A settled job stays in the ledger until its
   SQS call has returned (`forget`), so the daemon is not idle, nor `--drain` done, while
   a release is still on its way.
@@ -31,9 +34,10 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
 from worker.channel import Closed
@@ -53,11 +57,14 @@ class JobState(StrEnum):
 
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.RECEIVED: frozenset({JobState.ADMITTED, JobState.RELEASED, JobState.DEAD_LETTERED}),
-    JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.RELEASED}),
+    JobState.RECEIVED: frozenset(
+        {JobState.ADMITTED, JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED}
+    ),
+    JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.FINISHING, JobState.RELEASED}),
     JobState.RUNNING: frozenset({JobState.FINISHING, JobState.RELEASED}),
     JobState.FINISHING: frozenset({JobState.ACKED, JobState.RELEASED}),
 }
+NOTHING_RESUMED: Mapping[int, dict[str, Any]] = MappingProxyType({})
 SETTLED = frozenset({JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED})
 FEEDABLE = frozenset({JobState.ADMITTED, JobState.RUNNING})
 
@@ -70,6 +77,7 @@ class JobStatus(StrEnum):
     SUCCEEDED = "succeeded"
     PARTIAL = "partial"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 @dataclass
@@ -84,6 +92,17 @@ class StageTiming:
         self.calls += 1
         self.items += items
         self.busy_s += duration_s
+
+
+@dataclass
+class CheckpointState:
+    """How far this delivery has checkpointed its job (`worker.checkpoints`)."""
+
+    parts: int = 0
+    log_mark: int = 0  # job log lines saved so far
+    saved_at: float = field(default_factory=time.monotonic)  # the last part, or admission
+    leftovers: bool = False  # earlier deliveries' checkpoint objects are under the output
+    lock: threading.Lock = field(default_factory=threading.Lock)  # saving or removing
 
 
 @dataclass(eq=False)
@@ -102,21 +121,28 @@ class Job:
     inputs: list[str] = field(default_factory=list)
     log: JobLog | None = None
     results: list[dict[str, Any] | None] = field(default_factory=list)
-    fed: int = 0
+    fed: int = 0  # the feed's place in `inputs`
+    unfed: int = 0  # items not fed yet
     item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
     release_delay_s: int = 0  # once released: how long it is to stay hidden
     succeeded: int = 0
     failed: int = 0
+    resumed: int = 0  # results an earlier delivery checkpointed
+    cancelled: bool = False
+    unsaved: list[int] = field(default_factory=list)  # results not yet checkpointed
+    inputs_digest: str = ""
+    output_etags: dict[str, str] = field(default_factory=dict)  # as seen at admission
+    checkpoint: CheckpointState = field(default_factory=CheckpointState)
     progress_reported: int = 0
     timings: dict[str, StageTiming] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.receipt_handle = self.receipt_handle or self.message.receipt_handle
-        self.job_id = self.job_id or self.message.message_id
+        self.job_id = self.job_id or self.message.job_message_id
 
     @property
     def attempt(self) -> int:
-        return self.message.receive_count
+        return self.message.attempt
 
     @property
     def settled(self) -> bool:
@@ -133,6 +159,8 @@ class Job:
 
     @property
     def status(self) -> JobStatus:
+        if self.cancelled:
+            return JobStatus.CANCELLED
         if self.failed == 0:
             return JobStatus.SUCCEEDED
         return JobStatus.FAILED if self.succeeded == 0 else JobStatus.PARTIAL
@@ -170,18 +198,51 @@ class Ledger:
             self._changed.notify_all()
             return job
 
-    def admit(self, job: Job, spec: JobMessage, inputs: list[str], log: JobLog) -> bool:
-        """RECEIVED -> ADMITTED: the message is valid; its items may be fed. False if it
-        was settled meanwhile (released by shutdown while it was being validated)."""
+    def admit(
+        self,
+        job: Job,
+        spec: JobMessage,
+        inputs: list[str],
+        log: JobLog,
+        resumed: Mapping[int, dict[str, Any]] = NOTHING_RESUMED,
+        *,
+        cancelled: bool = False,
+    ) -> bool:
+        """RECEIVED -> ADMITTED: the message is valid; its items not in `resumed` (results
+        an earlier delivery checkpointed) may be fed. With none left, or `cancelled`, it
+        is FINISHING at once. False if it was settled meanwhile (released by shutdown
+        while it was being validated)."""
         with self._changed:
             if job.settled:
                 return False
             self._move(job, JobState.ADMITTED)
             job.spec, job.inputs, job.log = spec, inputs, log
-            job.job_id = spec.job_id or job.message.message_id
+            job.job_id = spec.job_id or job.message.job_message_id
             job.results = [None] * len(inputs)
-            self._outstanding += len(inputs)
-            self._feeding.append(job)
+            for index, result in resumed.items():
+                job.results[index] = result
+                job.failed += "error" in result
+            job.resumed = len(resumed)
+            job.succeeded = job.resumed - job.failed
+            job.cancelled = cancelled
+            job.unfed = 0 if cancelled else job.outstanding_items
+            if job.unfed:
+                self._outstanding += job.unfed
+                self._feeding.append(job)
+            else:
+                self._move(job, JobState.FINISHING)
+            self._changed.notify_all()
+            return True
+
+    def cancel(self, job: Job) -> bool:
+        """ADMITTED | RUNNING -> FINISHING: stop feeding it; results still in the pipeline
+        are dropped. False if it is finishing or settled already."""
+        with self._changed:
+            if job.state not in FEEDABLE:
+                return False
+            self._outstanding -= job.outstanding_items
+            job.cancelled = True
+            self._move(job, JobState.FINISHING)
             self._changed.notify_all()
             return True
 
@@ -201,9 +262,12 @@ class Ledger:
                         continue  # released while it waited for its turn
                     if job.state is JobState.ADMITTED:
                         self._move(job, JobState.RUNNING)
+                    while job.results[job.fed] is not None:  # resumed from a checkpoint
+                        job.fed += 1
                     index = job.fed
                     job.fed += 1
-                    if job.fed < len(job.inputs):
+                    job.unfed -= 1
+                    if job.unfed:
                         self._feeding.append(job)
                     return job, index
                 due_in_s = self._again[0][0] - time.monotonic() if self._again else None
@@ -231,6 +295,7 @@ class Ledger:
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
+            job.unsaved.append(index)
             self._outstanding -= 1
             if "error" in result:
                 job.failed += 1
@@ -255,6 +320,17 @@ class Ledger:
                 job.release_delay_s = delay_s
             return released
 
+    def take_unsaved(self, job: Job) -> list[tuple[int, dict[str, Any]]]:
+        """The results recorded since the last call, for a checkpoint."""
+        with self._changed:
+            indices, job.unsaved = job.unsaved, []
+            return [(index, job.results[index] or {}) for index in indices]
+
+    def keep_unsaved(self, job: Job, indices: list[int]) -> None:
+        """Results taken for a checkpoint that could not be written: due for the next."""
+        with self._changed:
+            job.unsaved.extend(indices)
+
     def dead_letter(self, job: Job) -> bool:
         """RECEIVED -> DEAD_LETTERED: a poison message. False if settled already."""
         return self._settle(job, JobState.DEAD_LETTERED)
@@ -271,9 +347,9 @@ class Ledger:
         with self._changed:
             if job.settled:
                 return False
-            was_admitted = job.state is not JobState.RECEIVED
+            was_feedable = job.state in FEEDABLE
             self._move(job, state)
-            if was_admitted:
+            if was_feedable:
                 self._outstanding -= job.outstanding_items
             if self._by_message.get(job.message.message_id) is job:
                 del self._by_message[job.message.message_id]

@@ -1,17 +1,25 @@
-"""Every way a job leaves this daemon: acked, released (now or later), dead-lettered.
+"""Every way a job leaves this daemon: acked, released (now or later), handed over,
+dead-lettered.
 
 Each one moves the job's state in the ledger first (which stops its lease renewals, and
 which only one caller can win), then makes the SQS call, then forgets the job. None of
 them raises: a failed SQS call is logged, and the message comes back by itself when its
 visibility timeout runs out.
+
+A job given back because this worker was interrupted (a signal, a spot or scale-in
+notice, the lease ceiling), not because it failed, is handed over: what it finished is
+checkpointed, and it goes back as a continuation message that carries its attempts, so
+interruptions never spend the queue's maxReceiveCount. Failures still do.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
 
+from worker.checkpoints import Checkpoints
 from worker.ledger import Job, Ledger
 from worker.metrics import Metrics
 from worker.ports import JobSource
@@ -20,6 +28,8 @@ from worker.settings import MAX_RETRY_DELAY_S, SQS_MAX_ENTRIES_PER_BATCH_CALL
 from worker.supervisor import Progress
 
 log = structlog.get_logger()
+
+HAND_OVER_THREADS = 16
 
 
 class Outcomes:
@@ -31,10 +41,13 @@ class Outcomes:
         source: JobSource,
         metrics: Metrics,
         progress: Progress,
+        *,
         retry_delay_s: float,
+        checkpoints: Checkpoints,
     ):
         self._ledger = ledger
         self._source = source
+        self._checkpoints = checkpoints
         self._metrics = metrics
         self._progress = progress
         self._retry_backoff = Backoff(base_s=retry_delay_s, cap_s=MAX_RETRY_DELAY_S)
@@ -106,13 +119,45 @@ class Outcomes:
         finally:
             self._forget(job)
 
-    def release_all(self, reason: str) -> int:
-        """Give back every unsettled job at once (shutdown, an open circuit), in batched
-        calls: hundreds of jobs must not take hundreds of round trips. Returns how many."""
+    def hand_over(self, job: Job, reason: str) -> None:
+        """Give back a job this worker cannot go on with through no fault of the job's:
+        its results so far checkpointed, as a continuation message."""
+        if not self._ledger.release(job):
+            return
+        self._note_released(job, reason, 0)
+        try:
+            if not self._continued(job) and not job.lease_lost:
+                self._source.release(job.receipt_handle)
+        except Exception as error:
+            log.warning("release_failed", job_id=job.job_id, error=repr(error))
+        finally:
+            self._forget(job)
+
+    def lease_ceiling_reached(self, job: Job) -> None:
+        """The job has been held as long as SQS allows. Handed over if this delivery
+        moved it forward; if not, released, so that a job no delivery can move (one
+        input slower than the ceiling) reaches the DLQ instead of going round forever."""
+        if job.finished_items > job.resumed:
+            self.hand_over(job, "lease ceiling reached")
+        else:
+            self.release(job, "lease ceiling reached, no progress")
+
+    def release_all(self, reason: str, *, hand_over: bool) -> int:
+        """Give back every unsettled job at once (shutdown, an open circuit), each one's
+        results so far checkpointed; handed over as continuations, or (a broken worker:
+        the jobs may be why) released in batched calls. Returns how many."""
         jobs = [job for job in self._ledger.unsettled() if self._ledger.release(job)]
         for job in jobs:
             self._note_released(job, reason, 0)
-        handles = [job.receipt_handle for job in jobs if not job.lease_lost]
+        # At once: hundreds of jobs must not take hundreds of round trips in a row.
+        with ThreadPoolExecutor(HAND_OVER_THREADS, thread_name_prefix="hand-over") as pool:
+            if hand_over:
+                continued = list(pool.map(self._continued, jobs))
+            else:
+                continued = [False] * len(jobs)
+                list(pool.map(self._checkpoints.save, jobs))
+        released = [job for job, done in zip(jobs, continued, strict=True) if not done]
+        handles = [job.receipt_handle for job in released if not job.lease_lost]
         for start in range(0, len(handles), SQS_MAX_ENTRIES_PER_BATCH_CALL):
             chunk = handles[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
             try:
@@ -125,6 +170,26 @@ class Outcomes:
         for job in jobs:
             self._forget(job)
         return len(jobs)
+
+    def _continued(self, job: Job) -> bool:
+        """Checkpoint the job, send its continuation, delete this message; False if no
+        continuation was sent (the job is to be released instead). Never raises."""
+        self._checkpoints.save(job)
+        if job.lease_lost:  # another delivery has it now
+            return True
+        try:
+            self._source.requeue(job.message)
+        except Exception as error:
+            log.warning("continuation_not_sent", job_id=job.job_id, error=repr(error))
+            return False
+        try:
+            self._source.ack(job.receipt_handle)
+        except Exception as error:
+            # The old message comes back after its lease: it is marked, so that whoever
+            # receives it acks it instead of running the job beside its continuation.
+            log.warning("handed_over_message_not_deleted", job_id=job.job_id, error=repr(error))
+            self._checkpoints.supersede(job)
+        return True
 
     def _note_released(self, job: Job, reason: str, delay_s: int) -> None:
         self._metrics.jobs.labels("released").inc()

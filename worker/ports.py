@@ -51,6 +51,19 @@ class ReceivedMessage:
     body: str
     receipt_handle: str
     receive_count: int
+    # Set on a continuation (`JobSource.requeue`): the deliveries before it, and the
+    # message the job was first sent as, which names it when its body does not.
+    earlier_attempts: int = 0
+    first_message_id: str = ""
+
+    @property
+    def attempt(self) -> int:
+        """Deliveries of the job so far, this one included."""
+        return self.earlier_attempts + self.receive_count
+
+    @property
+    def job_message_id(self) -> str:
+        return self.first_message_id or self.message_id
 
 
 class JobSource(Protocol):
@@ -67,6 +80,11 @@ class JobSource(Protocol):
     def release(self, receipt_handle: str, delay_s: int = 0) -> None:
         """Make a message visible again after `delay_s` (0: at once) for another try."""
 
+    def requeue(self, message: ReceivedMessage) -> None:
+        """Send the job again as a new message that carries its attempts so far (the
+        caller then acks the old one): a continuation starts at receive count 1, so an
+        interruption does not spend the queue's maxReceiveCount."""
+
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
         """Renew leases; returns the error code of each handle that could not be renewed."""
 
@@ -78,6 +96,9 @@ class JobSource(Protocol):
         """The queue's visible, in-flight and delayed message counts."""
 
 
+ABSENT = ""  # `BlobStore.put(expect=ABSENT)`: the object must not exist yet
+
+
 class BlobStore(Protocol):
     """Object storage (S3)."""
 
@@ -85,8 +106,19 @@ class BlobStore(Protocol):
         """The object's bytes; raises `MissingObject`, `AccessDenied` or `TransientError`
         (after its own retries), or another error that retrying will not cure."""
 
-    def put(self, location: S3Location, data: bytes, content_type: str) -> None:
-        """Write (or overwrite) an object."""
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
+        """Write (or overwrite) an object; returns its new ETag. With `expect` the write
+        is conditional: `ABSENT` if the object must not exist yet, else the ETag it must
+        still have; `PreconditionFailed` if it does not hold (another writer was first)."""
+
+    def objects_under(self, prefix: S3Location) -> dict[str, str]:
+        """The objects directly under `prefix` (names after it, none with a "/"), each
+        with its ETag."""
+
+    def delete(self, locations: list[S3Location]) -> None:
+        """Remove objects; one that is already gone is no error."""
 
 
 class ScaleInGuard(Protocol):

@@ -11,8 +11,9 @@ from typing import Any
 
 import structlog
 
+from worker.checkpoints import Checkpoints
 from worker.engine import Item
-from worker.ledger import Job, Ledger, StageTiming
+from worker.ledger import FEEDABLE, Job, Ledger, StageTiming
 from worker.metrics import Metrics
 from worker.ports import BlobStore
 from worker.supervisor import Progress
@@ -81,12 +82,23 @@ class JobObserver:
 
 class ProgressReporter:
     """Every `interval_s`, publishes each in-flight job's progress.json (for `enqueue
-    --wait` and dashboards) if it changed, and brings its local log file up to date."""
+    --wait` and dashboards) if it changed, brings its local log file up to date, and
+    stops a job whose cancellation was asked for (its finish then writes what it has)."""
 
-    def __init__(self, ledger: Ledger, blobs: BlobStore, interval_s: float):
+    def __init__(
+        self,
+        ledger: Ledger,
+        blobs: BlobStore,
+        checkpoints: Checkpoints,
+        interval_s: float,
+        *,
+        cancel: Callable[[Job], None],
+    ):
         self._ledger = ledger
         self._blobs = blobs
+        self._checkpoints = checkpoints
         self._interval_s = interval_s
+        self._cancel = cancel
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -94,9 +106,18 @@ class ProgressReporter:
             for job in self._ledger.unsettled():
                 if job.log is not None:
                     self._report(job)
+                if job.state in FEEDABLE and self._cancel_requested(job):
+                    self._cancel(job)
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def _cancel_requested(self, job: Job) -> bool:
+        try:
+            return self._checkpoints.cancel_requested(job)
+        except Exception as error:
+            log.warning("cancel_check_failed", job_id=job.job_id, error=repr(error))
+            return False
 
     def _report(self, job: Job) -> None:
         assert job.log is not None and job.spec is not None

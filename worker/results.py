@@ -13,11 +13,13 @@ from typing import Any
 import structlog
 
 from worker.channel import Channel
+from worker.checkpoints import Checkpoints
 from worker.engine import Item, ItemError, Pipeline
+from worker.errors import PreconditionFailed
 from worker.ledger import Job, JobState
 from worker.outcomes import Lifecycle
 from worker.plugins import Postprocessor
-from worker.ports import BlobStore
+from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
 
 log = structlog.get_logger()
@@ -101,7 +103,8 @@ class Regrouper:
 
 
 class _Abandoned(Exception):
-    """The job was released (shutdown, an open circuit) while its outputs were written."""
+    """The job was released (shutdown, an open circuit, fenced off) while its outputs
+    were written."""
 
 
 class Finisher:
@@ -111,6 +114,7 @@ class Finisher:
     def __init__(
         self,
         blobs: BlobStore,
+        checkpoints: Checkpoints,
         lifecycle: Lifecycle,
         worker_info: dict[str, Any],
         notify: Callable[[str], None] | None,
@@ -118,6 +122,8 @@ class Finisher:
         capacity: int,
     ):
         self._blobs = blobs
+        self._checkpoints = checkpoints
+        self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
         self._metrics = lifecycle.metrics
         self._progress = lifecycle.progress
@@ -129,6 +135,16 @@ class Finisher:
 
     def submit(self, job: Job) -> None:
         self._queue.put(job)
+
+    def cancel(self, job: Job) -> None:
+        """Stop a running job (asked for with `worker cancel`) and finish it with the
+        results it has: job.json says `cancelled`."""
+        if not self._ledger.cancel(job):
+            return  # finishing or settled already
+        assert job.log is not None
+        job.log.info("job_cancelled", finished=job.finished_items)
+        log.info("job_cancelled", job_id=job.job_id, finished=job.finished_items)
+        self.submit(job)
 
     def run(self) -> None:
         while True:
@@ -149,6 +165,10 @@ class Finisher:
             job.log.discard()
         except OSError as error:
             log.warning("job_log_not_removed", job_id=job.job_id, error=repr(error))
+        try:
+            self._checkpoints.remove(job)
+        except Exception as error:  # harmless left over: the next delivery sees job.json
+            log.warning("checkpoint_not_removed", job_id=job.job_id, error=repr(error))
         if not self._outcomes.ack(job):
             return
         self._metrics.jobs.labels(summary["status"]).inc()
@@ -171,6 +191,10 @@ class Finisher:
                 return True
             except _Abandoned:
                 return False
+            except PreconditionFailed as error:
+                log.warning("job_fenced", job_id=job.job_id, error=str(error))
+                self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
+                return False
             except Exception as error:
                 log.warning(
                     "job_upload_failed", job_id=job.job_id, attempt=attempt, error=repr(error)
@@ -188,7 +212,8 @@ class Finisher:
             "job_finished", **{k: summary[k] for k in ("status", "items", "failed", "duration_s")}
         )
         job.log.info("stage_timings", **{name: vars(t) for name, t in job.timings.items()})
-        results = b"".join(json.dumps(r).encode() + b"\n" for r in job.results)
+        # A cancelled job's results are those it finished.
+        results = b"".join(json.dumps(r).encode() + b"\n" for r in job.results if r is not None)
         # Compact: the indented encoder is pure Python and cost a tenth of a small job.
         return [
             ("results.jsonl", results, "application/x-ndjson"),
@@ -197,11 +222,18 @@ class Finisher:
         ]
 
     def _write(self, job: Job, outputs: list[tuple[str, bytes, str]]) -> None:
+        """Each output on condition that it is as this delivery found it at admission (or
+        as it last wrote it): a delivery that wrote first fences this one off."""
         assert job.spec is not None
         for name, data, content_type in outputs:
             if job.settled:
                 raise _Abandoned
-            self._blobs.put(job.spec.output_location(name), data, content_type)
+            job.output_etags[name] = self._blobs.put(
+                job.spec.output_location(name),
+                data,
+                content_type,
+                expect=job.output_etags.get(name, ABSENT),
+            )
 
     def _summary(self, job: Job) -> dict[str, Any]:
         finished_at = time.time()
@@ -211,6 +243,8 @@ class Finisher:
             "items": len(job.inputs),
             "succeeded": job.succeeded,
             "failed": job.failed,
+            "resumed": job.resumed,
+            "inputs_digest": job.inputs_digest,
             "received_at": _iso(job.received_at),
             "finished_at": _iso(finished_at),
             "duration_s": round(finished_at - job.received_at, 3),

@@ -142,8 +142,19 @@ class Settings(BaseSettings):
     progress_interval_seconds: float = Field(
         default=10,
         gt=0,
-        description="How often each in-flight job's progress.json is refreshed (if changed) "
-        "and its local log file written.",
+        description="How often each in-flight job's progress.json is refreshed (if changed), "
+        "its local log file written, and a request to cancel it looked for.",
+    )
+    checkpoint_items: int = Field(
+        default=1000,
+        ge=1,
+        description="A running job's finished results are saved under its output (a "
+        "checkpoint part) every this many results, so a later delivery resumes from them.",
+    )
+    checkpoint_seconds: float = Field(
+        default=60,
+        gt=0,
+        description="... or every this many seconds, whichever comes first.",
     )
     preprocess_timeout_seconds: float = Field(
         default=30, gt=0, description="Per-item preprocessing limit; a hung worker is replaced."

@@ -1,0 +1,358 @@
+"""Resumable, cancellable and fenced jobs, in-process against the in-memory fakes: what
+a delivery finds under a job's output decides what it runs and what it may write."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.conftest import REPO, Aws, run_daemon
+from tests.faultproxy import FaultProxy
+from tests.test_daemon import _images, _output, _run, _send
+from tests.test_e2e import _enqueue_command
+from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
+from tests.test_interruptions import _run_while, _settings, _wait_until
+from worker.checkpoints import CANCEL_MARKER, CHECKPOINT_PREFIX
+from worker.daemon import Daemon, ExitCode
+from worker.demo import upload_samples
+from worker.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.ports import S3Location
+
+
+class CountingBlobs(InMemoryBlobStore):
+    """Counts reads of each object; can act just before a chosen object is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+        self.before_put: dict[str, Callable[[], None]] = {}
+
+    def get(self, location: S3Location) -> bytes:
+        self.reads[str(location)] += 1
+        return super().get(location)
+
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
+        act = self.before_put.pop(str(location), None)
+        if act is not None:
+            act()
+        return super().put(location, data, content_type, expect=expect)
+
+    def inputs_read(self, uris: list[str]) -> int:
+        return sum(self.reads[uri] for uri in uris)
+
+    def names(self, job_id: str) -> list[str]:
+        prefix = f"s3://bkt/out/{job_id}/"
+        return sorted(uri.removeprefix(prefix) for uri in self.objects if uri.startswith(prefix))
+
+
+def _parts(blobs: CountingBlobs, job_id: str) -> list[str]:
+    return [name for name in blobs.names(job_id) if name.startswith(CHECKPOINT_PREFIX)]
+
+
+def test_an_interrupted_job_resumes_from_its_checkpoint_and_ends_as_if_uninterrupted(
+    tmp_path: Path,
+) -> None:
+    """A 40-item job is stopped part-way (SIGTERM, no grace): what it finished is saved
+    as checkpoint parts and the job handed over as a new message (its receive count starts
+    again, so interruptions do not spend maxReceiveCount). The next delivery reads only the inputs
+    not done; its results.jsonl is byte for byte an uninterrupted run's, its job.log
+    holds both deliveries' lines, job.json counts the attempt and the resumed items, and
+    the parts are gone."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 40)
+    _send(source, "long", uris)
+    first = Daemon(_settings(tmp_path, checkpoint_items=5, grace_seconds=0), source, blobs)
+
+    def drive() -> None:
+        _wait_until(lambda: len(_parts(blobs, "long")) >= 4)  # 2 parts of 5 (and 2 logs)
+        first.stop()
+
+    assert _run_while(first, drive) is ExitCode.SIGNALLED
+    assert "job.json" not in blobs.names("long") and len(source) == 1
+    # Handed over as a continuation: a fresh message, which knows the attempt before it.
+    [continuation] = source.receive(1, 0, 0)
+    assert (continuation.receive_count, continuation.earlier_attempts) == (1, 1)
+    read_first = blobs.inputs_read(uris)
+
+    _run(source, blobs, tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=1)
+    summary = _output(blobs, "long", "job.json")
+    read_again = blobs.inputs_read(uris) - read_first
+    assert summary["resumed"] >= 10 and read_again == 40 - summary["resumed"]
+    # Deliveries: the first, the test's look at the continuation, the one that finished.
+    assert (summary["attempt"], summary["status"], summary["items"]) == (3, "succeeded", 40)
+    assert _parts(blobs, "long") == []
+    received = [
+        json.loads(line)
+        for line in _output(blobs, "long", "job.log").splitlines()
+        if '"job_received"' in line
+    ]
+    assert [event["attempt"] for event in received] == [1, 3]
+
+    _send(source, "whole", uris)
+    _run(source, blobs, tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=4)
+    whole = blobs.objects["s3://bkt/out/whole/results.jsonl"]
+    assert blobs.objects["s3://bkt/out/long/results.jsonl"] == whole
+
+
+def test_a_job_already_done_is_acked_without_running_it_again(tmp_path: Path) -> None:
+    """A second delivery of a finished job (the ack was lost, or the job was sent twice)
+    reads no input and leaves job.json as it was; the same output with other inputs is
+    a new job, and runs."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 6)
+    _send(source, "once", uris[:3])
+    _run(source, blobs, tmp_path)
+    summary = blobs.objects["s3://bkt/out/once/job.json"]
+    read = blobs.inputs_read(uris)
+
+    _send(source, "once", uris[:3])
+    with capture_logs() as logs:
+        _run(source, blobs, tmp_path)
+    assert [entry["job_id"] for entry in logs if entry["event"] == "job_already_done"] == ["once"]
+    assert blobs.inputs_read(uris) == read and len(source) == 0
+    assert blobs.objects["s3://bkt/out/once/job.json"] == summary
+
+    _send(source, "once", uris[3:])
+    _run(source, blobs, tmp_path)
+    assert blobs.inputs_read(uris) == read + 3
+    assert [r["input"] for r in _output(blobs, "once", "results.jsonl")] == uris[3:]
+
+
+def test_a_delivery_beaten_to_its_outputs_is_fenced_off_and_overwrites_nothing(
+    tmp_path: Path,
+) -> None:
+    """Another delivery of the job (its lease had run out here unnoticed) writes the
+    job's outputs while this one runs: this one's conditional write fails, it logs
+    `job_fenced` and writes nothing more; its message, given back, is then found done."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 2)
+    _send(source, "other", uris)
+    _run(source, blobs, tmp_path)  # "other" is what the newer delivery will have written
+    theirs = {
+        name: blobs.objects[f"s3://bkt/out/other/{name}"]
+        for name in ("results.jsonl", "job.log", "job.json")
+    }
+
+    def newer_delivery_writes() -> None:
+        for name, data in theirs.items():
+            blobs.objects[f"s3://bkt/out/raced/{name}"] = data
+
+    blobs.before_put["s3://bkt/out/raced/results.jsonl"] = newer_delivery_writes
+    _send(source, "raced", uris)
+    with capture_logs() as logs:
+        _run(source, blobs, tmp_path)
+    assert [entry["job_id"] for entry in logs if entry["event"] == "job_fenced"] == ["raced"]
+    assert [entry["job_id"] for entry in logs if entry["event"] == "job_already_done"] == ["raced"]
+    for name, data in theirs.items():
+        assert blobs.objects[f"s3://bkt/out/raced/{name}"] == data
+    assert len(source) == 0
+
+
+def test_a_job_cancelled_while_queued_is_acked_without_work(tmp_path: Path) -> None:
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 5)
+    blobs.objects[f"s3://bkt/out/queued/{CANCEL_MARKER}"] = b"{}"
+    _send(source, "queued", uris)
+    _run(source, blobs, tmp_path)
+    summary = _output(blobs, "queued", "job.json")
+    assert (summary["status"], summary["items"], summary["succeeded"]) == ("cancelled", 5, 0)
+    assert blobs.objects["s3://bkt/out/queued/results.jsonl"] == b""
+    assert blobs.inputs_read(uris) == 0 and len(source) == 0
+
+
+def test_a_running_job_is_cancelled_within_one_progress_interval(tmp_path: Path) -> None:
+    """The job stops being fed; job.json says `cancelled` with what was finished, those
+    results are in results.jsonl in input order, and the message is deleted."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 60)
+    _send(source, "running", uris)
+    daemon = Daemon(_settings(tmp_path, progress_interval_seconds=0.2), source, blobs)
+    asked_at: list[float] = []
+
+    def drive() -> None:
+        _wait_until(lambda: blobs.inputs_read(uris) >= 5)
+        blobs.objects[f"s3://bkt/out/running/{CANCEL_MARKER}"] = b"{}"
+        asked_at.append(time.monotonic())
+        _wait_until(lambda: "s3://bkt/out/running/job.json" in blobs.objects)
+        asked_at.append(time.monotonic())
+        _wait_until(lambda: len(source) == 0)
+        daemon.stop()
+
+    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
+    assert asked_at[1] - asked_at[0] < 1.5  # one 0.2 s interval, and the writes
+    summary = _output(blobs, "running", "job.json")
+    results = _output(blobs, "running", "results.jsonl")
+    assert summary["status"] == "cancelled" and 0 < summary["succeeded"] < 60
+    assert len(results) == summary["succeeded"]
+    assert [r["index"] for r in results] == sorted(r["index"] for r in results)
+    assert blobs.inputs_read(uris) < 60
+
+
+def _gets_of(proxy: FaultProxy, uris: list[str]) -> int:
+    paths = {"/" + uri.removeprefix("s3://") for uri in uris}
+    return sum(path in paths for path in proxy.paths("GET"))
+
+
+@pytest.mark.e2e
+def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """Against a moto server whose queue dead-letters a message on its second receive:
+    a daemon stopped by SIGTERM with no grace checkpoints what it finished and hands the
+    job over as a new message; the next daemon reads (through a counting proxy) only the
+    inputs not done, nothing is dead-lettered, and no checkpoint is left."""
+    stack = aws.stack(max_receive_count=1)
+    uris = list(upload_samples(aws.s3, stack.bucket, 40, seed=21))
+    _send_jobs(aws, stack, {"long": uris})
+    args = _args(stack, tmp_path, *_slow_model(1), "--grace-seconds", "0")
+    first, again = FaultProxy(aws.endpoint), FaultProxy(aws.endpoint)
+    with first.serving() as first_url:
+        daemon = start_daemon(
+            args, env={**aws.with_endpoint(first_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.1"}
+        )
+        daemon.wait_for("job_received")
+        time.sleep(2.5)
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0, daemon.stderr[-3000:]
+    output = _out(stack, "long")
+    assert "job.json" not in aws.names(output)
+    assert any(name.startswith(CHECKPOINT_PREFIX) for name in aws.names(output))
+    with again.serving() as again_url:
+        run = run_daemon(aws.with_endpoint(again_url), [*args, "--drain"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = aws.summary(output)
+    assert (summary["status"], summary["attempt"]) == ("succeeded", 2)
+    assert summary["resumed"] > 0
+    assert _gets_of(again, uris) == 40 - summary["resumed"]
+    assert _gets_of(first, uris) >= summary["resumed"]
+    assert [r["input"] for r in aws.results(output)] == uris
+    assert not any(name.startswith(CHECKPOINT_PREFIX) for name in aws.names(output))
+    assert aws.dead_letters(stack.dlq_url) == []
+
+
+@pytest.mark.e2e
+def test_a_daemon_that_lost_its_lease_is_fenced_off_by_the_newer_delivery(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """The first daemon cannot renew its lease (every renewal answers 500), so the
+    message reappears and a second daemon finishes the job first. When the slow first
+    one gets to its writes, they are refused (If-None-Match): it logs `job_fenced`, and
+    the outputs stay the second daemon's."""
+    stack = aws.stack(visibility_timeout_s=2)
+    uris = list(upload_samples(aws.s3, stack.bucket, 4, seed=22))
+    _send_jobs(aws, stack, {"raced": uris})
+    proxy = FaultProxy(aws.endpoint)
+    proxy.fail("renewals", lambda request: request.action == "ChangeMessageVisibilityBatch", None)
+    common = ["--visibility-timeout-seconds", "2", "--heartbeat-interval-seconds", "0.5"]
+    with proxy.serving() as proxy_url:
+        slow = start_daemon(
+            # One job at most: it does not take the message back when it reappears.
+            _args(stack, tmp_path / "slow", *_slow_model(1), *common, "--max-jobs", "1"),
+            env={**aws.with_endpoint(proxy_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "2"},
+        )
+        slow.wait_for("job_received")
+        fast = run_daemon(aws, [*_args(stack, tmp_path / "fast", *common), "--drain"])
+        assert fast.returncode == 0, fast.stderr[-3000:]
+        [fenced] = slow.wait_for("job_fenced", timeout_s=60)
+        slow.send_signal(signal.SIGTERM)
+        assert slow.wait(30) == 0, slow.stderr[-3000:]
+    assert fenced["job_id"] == "raced"
+    summary = aws.summary(_out(stack, "raced"))
+    assert summary["worker"]["pid"] != slow.pid and summary["attempt"] == 2
+    assert [r["input"] for r in aws.results(_out(stack, "raced"))] == uris
+
+
+@pytest.mark.e2e
+def test_worker_cancel_stops_a_running_job_and_a_queued_one(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """`worker cancel --output` on a running job: the daemon stops it within a progress
+    interval, writes job.json `cancelled` with what it finished, and deletes its message;
+    `enqueue --wait` shows it. A job cancelled before it is received is acked unread."""
+    stack = aws.stack()
+    uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 12 s of work
+    running, queued = _out(stack, "running"), _out(stack, "queued")
+    follower = subprocess.Popen(
+        [*_enqueue_command(stack.queue_url, "running", running), "--wait", *uris],
+        env=aws.env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    daemon = start_daemon(
+        _args(stack, tmp_path, *_slow_model(1), "--progress-interval-seconds", "0.5", "--drain"),
+        env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.2"},
+    )
+    daemon.wait_for("job_received")
+    _cancel(aws, queued)
+    _send_jobs(aws, stack, {"queued": uris})
+    _cancel(aws, running)
+    assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+    followed, _ = follower.communicate(timeout=30)
+    assert follower.returncode == 1  # not succeeded
+    assert json.loads(followed[followed.index("{") :])["status"] == "cancelled"
+    summary = aws.summary(running)
+    assert summary["status"] == "cancelled" and 0 < summary["succeeded"] < 60
+    assert len(aws.results(running)) == summary["succeeded"]
+    assert aws.summary(queued)["succeeded"] == 0 and aws.summary(queued)["status"] == "cancelled"
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+    finished = subprocess.run(
+        [sys.executable, "-m", "worker", "cancel", "--output", running],
+        env=aws.env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert finished.returncode == 1 and "nothing to cancel" in finished.stderr
+
+
+def _cancel(aws: Aws, output: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "worker", "cancel", "--output", output, "--reason", "test"],
+        env=aws.env,
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_a_job_that_reaches_the_lease_ceiling_moving_forward_is_handed_over(
+    tmp_path: Path,
+) -> None:
+    """Each delivery may hold the job for 5 s (SQS's 12 h, shrunk): what it finished is
+    checkpointed and the job handed over, so deliveries add up to the whole job. (Few
+    fetch threads: items of a handed-over delivery already inside the stages still run,
+    and with a 5 s lease they would eat much of the next delivery's time.)"""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 60)
+    _send(source, "endless", uris)
+    with capture_logs() as logs:
+        _run(
+            source,
+            blobs,
+            tmp_path,
+            model="tests.slow_model:tenth_of_a_second",
+            batch_size=1,
+            visibility_timeout_seconds=1,
+            heartbeat_interval_seconds=0.2,
+            max_lease_seconds=6,
+            fetch_concurrency=2,
+        )
+    summary = _output(blobs, "endless", "job.json")
+    ceilings = [entry for entry in logs if entry["event"] == "job_released"]
+    assert len(ceilings) == summary["attempt"] - 1 >= 1
+    assert {entry["reason"] for entry in ceilings} == {"lease ceiling reached"}
+    assert summary["status"] == "succeeded" and summary["resumed"] > 0

@@ -1,0 +1,102 @@
+"""Shutdown: which reason to stop wins, and how long held jobs are given."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from structlog.testing import capture_logs
+
+from worker.ledger import Ledger
+from worker.metrics import Metrics
+from worker.ports import Notice, NoticeKind, ReceivedMessage
+from worker.shutdown import ExitCode, Shutdown
+
+
+def _holding_one_job() -> Shutdown:
+    ledger = Ledger()
+    assert ledger.receive(ReceivedMessage("m1", "{}", "m1#handle", 1)) is not None
+    return Shutdown(ledger, Metrics(), grace_s=30.0, margin_s=1.0)
+
+
+def _timed(run: Callable[[], None]) -> float:
+    started = time.monotonic()
+    run()
+    return time.monotonic() - started
+
+
+def test_the_first_reason_is_kept_unless_the_worker_breaks() -> None:
+    ledger = Ledger()
+    shutdown = Shutdown(ledger, Metrics(), grace_s=30.0, margin_s=1.0)
+    shutdown.request(ExitCode.DRAINED)
+    shutdown.request(ExitCode.SIGNALLED)
+    assert shutdown.wait() is ExitCode.DRAINED
+    shutdown.broken("a dead GPU")
+    shutdown.broken("a second cause")
+    assert shutdown.wait() is ExitCode.BROKEN
+    assert shutdown.release_reason() == "worker broken: a dead GPU"
+
+
+def test_a_termination_notice_brings_the_hand_back_time_before_the_grace_ends() -> None:
+    shutdown = _holding_one_job()
+    shutdown.interrupted(Notice(NoticeKind.TERMINATION, "spot-interruption", time.time() + 2.0))
+    assert shutdown.wait() is ExitCode.INTERRUPTED
+    waited_s = _timed(shutdown.let_held_jobs_finish)
+    assert 0.7 < waited_s < 2.0, waited_s  # the notice's 2 s less the 1 s margin
+    assert shutdown.release_reason() == "interrupted: spot-interruption"
+
+
+def test_a_notice_arriving_during_the_grace_period_cuts_it_short() -> None:
+    shutdown = _holding_one_job()
+    shutdown.request(ExitCode.SIGNALLED)
+    later = threading.Timer(
+        0.3,
+        shutdown.interrupted,
+        [Notice(NoticeKind.TERMINATION, "spot-interruption", time.time() + 1.8)],
+    )
+    later.start()
+    try:
+        waited_s = _timed(shutdown.let_held_jobs_finish)
+    finally:
+        later.cancel()
+    assert 0.5 < waited_s < 2.0, waited_s
+
+
+def test_a_rebalance_stops_intake_but_is_no_reason_to_exit() -> None:
+    shutdown = _holding_one_job()
+    shutdown.interrupted(Notice(NoticeKind.REBALANCE, "rebalance-recommendation"))
+    assert shutdown.stopping.is_set()
+    assert not shutdown.requested.is_set()
+
+
+def test_a_drained_or_broken_daemon_gives_held_jobs_no_time() -> None:
+    for stop in ("drained", "broken"):
+        shutdown = _holding_one_job()
+        shutdown.drained() if stop == "drained" else shutdown.broken("a dead GPU")
+        assert _timed(shutdown.let_held_jobs_finish) < 0.1
+
+
+def test_the_scale_in_hook_is_completed_even_when_a_spot_notice_follows() -> None:
+    completed: list[str] = []
+    shutdown = _holding_one_job()
+    shutdown.interrupted(
+        Notice(NoticeKind.TERMINATION, "scale-in", acknowledge=lambda: completed.append("hook"))
+    )
+    shutdown.interrupted(Notice(NoticeKind.TERMINATION, "spot-interruption", time.time() + 60))
+    shutdown.handed_back(1)
+    assert completed == ["hook"]
+
+
+def test_a_failing_hook_completion_does_not_stop_the_shutdown() -> None:
+    def refuse() -> None:
+        raise RuntimeError("AccessDenied")
+
+    shutdown = _holding_one_job()
+    shutdown.interrupted(Notice(NoticeKind.TERMINATION, "scale-in", acknowledge=refuse))
+    with capture_logs() as logs:
+        shutdown.handed_back(0)
+    assert [entry["event"] for entry in logs] == [
+        "interruption_handled",
+        "lifecycle_action_not_completed",
+    ]

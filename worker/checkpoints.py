@@ -1,0 +1,203 @@
+"""What earlier deliveries of a job left under its output, and what this one leaves for
+the next.
+
+    output/
+      results.jsonl, job.log, job.json       the finished job; job.json, written last, says so
+      cancel                                 a request to cancel the job (`worker cancel`)
+      checkpoint-<inputs>-<delivery>-<n>.jsonl   results one delivery finished, part n
+      checkpoint-<inputs>-<delivery>-<n>.log     that delivery's job.log lines, part n
+      checkpoint-superseded-<message id>     that message was handed over, but not deleted
+
+`<inputs>` is a digest of the job's input list, so what was written for other inputs
+(an output prefix used again) is never taken for this job's. One listing of the prefix,
+at admission, says all of it: whether the job is done already (a job.json for the same
+inputs), whether it is to be cancelled, which results to resume from, and the ETag of
+each final output, which the finish then writes on condition that it is unchanged
+(another delivery that wrote first fences this one off). Checkpoint parts go once the
+job's job.json is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from worker.ledger import Job, JobState, Ledger
+from worker.message import JobMessage
+from worker.ports import BlobStore
+
+log = structlog.get_logger()
+
+FINAL_OUTPUTS = ("results.jsonl", "job.log", "job.json")
+CANCEL_MARKER = "cancel"
+CHECKPOINT_PREFIX = "checkpoint-"
+SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
+INPUTS_DIGEST_CHARS = 16
+# How often the checkpointer looks for jobs due a checkpoint.
+CHECK_EVERY_S = 1.0
+
+
+def inputs_digest(inputs: list[str]) -> str:
+    """Names one list of inputs, in order (job.json records it as `inputs_digest`)."""
+    return hashlib.sha256("\n".join(inputs).encode()).hexdigest()[:INPUTS_DIGEST_CHARS]
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What earlier deliveries left under a job's output, as read at its admission."""
+
+    digest: str
+    etags: dict[str, str]  # of the final outputs written so far
+    summary: dict[str, Any] | None  # job.json, if written for the same inputs
+    cancel_requested: bool
+    superseded: frozenset[str] = frozenset()  # messages continued as another
+    resumed: dict[int, dict[str, Any]] = field(default_factory=dict)  # results by index
+    earlier_log: bytes = b""
+    leftovers: bool = False  # checkpoint objects to remove once the job is done
+
+
+class Checkpoints:
+    """Reads and writes a job's state under its output prefix."""
+
+    def __init__(self, blobs: BlobStore, ledger: Ledger):
+        self._blobs = blobs
+        self._ledger = ledger
+
+    def read(self, spec: JobMessage, inputs: list[str]) -> Prior:
+        """One listing of the output prefix, then job.json and checkpoint parts as needed."""
+        digest = inputs_digest(inputs)
+        listing = self._blobs.objects_under(spec.output_location(""))
+        summary = None
+        if "job.json" in listing:
+            written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
+            summary = written if written and written.get("inputs_digest") == digest else None
+        own_parts = sorted(name for name in listing if name.startswith(_part_prefix(digest)))
+        resumed: dict[int, dict[str, Any]] = {}
+        earlier_log = []
+        for name in own_parts:
+            data = self._blobs.get(spec.output_location(name))
+            if name.endswith(".log"):
+                earlier_log.append(data)
+                continue
+            for line in data.splitlines():
+                record = _json(line, name) or {}
+                index = record.get("index")
+                if not isinstance(index, int) or not 0 <= index < len(inputs):
+                    continue
+                if inputs[index] == record.get("input"):
+                    resumed.setdefault(index, record)
+        return Prior(
+            digest,
+            {name: listing[name] for name in FINAL_OUTPUTS if name in listing},
+            summary,
+            CANCEL_MARKER in listing,
+            frozenset(
+                name.removeprefix(SUPERSEDED_PREFIX)
+                for name in listing
+                if name.startswith(SUPERSEDED_PREFIX)
+            ),
+            resumed,
+            b"".join(earlier_log),
+            any(name.startswith(CHECKPOINT_PREFIX) for name in listing),
+        )
+
+    def cancel_requested(self, job: Job) -> bool:
+        assert job.spec is not None
+        return CANCEL_MARKER in self._blobs.objects_under(job.spec.output_location(""))
+
+    def save(self, job: Job) -> None:
+        """Write the results recorded since the last part (and the log lines with them)
+        as the next part; on failure they stay due for the next one. Never raises."""
+        if job.spec is None or job.log is None:
+            return  # not admitted: nothing done
+        with job.checkpoint.lock:
+            results = self._ledger.take_unsaved(job)
+            if not results:
+                return
+            log_lines, log_mark = job.log.since(job.checkpoint.log_mark)
+            part = job.checkpoint.parts + 1
+            delivery = f"a{job.attempt:04d}-{job.message.message_id}"
+            name = f"{_part_prefix(job.inputs_digest)}{delivery}-{part:05d}"
+            try:
+                self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
+                records = b"".join(json.dumps(result).encode() + b"\n" for _, result in results)
+                self._blobs.put(
+                    job.spec.output_location(f"{name}.jsonl"), records, "application/x-ndjson"
+                )
+            except Exception as error:
+                log.warning("checkpoint_failed", job_id=job.job_id, error=repr(error))
+                self._ledger.keep_unsaved(job, [index for index, _ in results])
+                return
+            job.checkpoint.parts, job.checkpoint.log_mark = part, log_mark
+            job.checkpoint.saved_at = time.monotonic()
+            job.log.info("checkpoint_saved", part=part, items=len(results))
+
+    def supersede(self, job: Job) -> None:
+        """Mark the job's message as handed over: its continuation runs the job. Never
+        raises (without the mark both may run, and fenced writes keep the outputs whole)."""
+        if job.spec is None:
+            return
+        marker = job.spec.output_location(f"{SUPERSEDED_PREFIX}{job.message.message_id}")
+        try:
+            self._blobs.put(marker, b"", "text/plain")
+        except Exception as error:
+            log.warning("superseded_mark_failed", job_id=job.job_id, error=repr(error))
+
+    def remove(self, job: Job) -> None:
+        """Remove every checkpoint object under the job's output (its job.json is written)."""
+        assert job.spec is not None
+        with job.checkpoint.lock:
+            if not (job.checkpoint.parts or job.checkpoint.leftovers):
+                return
+            output = job.spec.output_location("")
+            listing = self._blobs.objects_under(output)
+            parts = [name for name in listing if name.startswith(CHECKPOINT_PREFIX)]
+            self._blobs.delete([job.spec.output_location(name) for name in parts])
+
+
+class Checkpointer:
+    """Saves a part of each running job's results every `every_items` results or every
+    `every_s` seconds, whichever comes first."""
+
+    def __init__(self, ledger: Ledger, checkpoints: Checkpoints, every_items: int, every_s: float):
+        self._ledger = ledger
+        self._checkpoints = checkpoints
+        self._every_items = every_items
+        self._every_s = every_s
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(min(CHECK_EVERY_S, self._every_s)):
+            for job in self._ledger.unsettled():
+                if self._due(job):
+                    self._checkpoints.save(job)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _due(self, job: Job) -> bool:
+        if job.state is not JobState.RUNNING or not job.unsaved:
+            return False
+        waited_s = time.monotonic() - job.checkpoint.saved_at
+        return len(job.unsaved) >= self._every_items or waited_s >= self._every_s
+
+
+def _json(data: bytes, name: str) -> dict[str, Any] | None:
+    """A JSON object, or None (logged) for anything else: something other than this
+    daemon wrote it, and it is no reason to refuse the job."""
+    try:
+        value = json.loads(data)
+    except ValueError as error:
+        log.warning("output_unreadable", name=name, error=str(error))
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _part_prefix(digest: str) -> str:
+    return f"{CHECKPOINT_PREFIX}{digest}-"
