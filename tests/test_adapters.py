@@ -11,9 +11,9 @@ import pytest
 from moto import mock_aws
 
 from worker.aws import S3BlobStore, SqsJobSource
-from worker.errors import MissingObject
+from worker.errors import MissingObject, PreconditionFailed
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.ports import S3Location
+from worker.ports import ABSENT, S3Location
 
 
 @pytest.fixture(params=["moto", "fake"])
@@ -91,6 +91,48 @@ def test_blob_round_trip_and_missing_key(parts: tuple[Any, Any, Any]) -> None:
     assert blobs.get(location) == b"\x00\x01"
     with pytest.raises(MissingObject):
         blobs.get(S3Location.parse("s3://bkt/nope"))
+
+
+def test_conditional_writes_listing_and_delete(parts: tuple[Any, Any, Any]) -> None:
+    """A write on condition of absence, or of the ETag seen, fails once another writer
+    was first; a listing names the objects directly under a prefix with their ETags."""
+    _, blobs, _ = parts
+    out = S3Location.parse("s3://bkt/out/")
+    results = S3Location.parse("s3://bkt/out/results.jsonl")
+    first = blobs.put(results, b"ours", "text/plain", expect=ABSENT)
+    with pytest.raises(PreconditionFailed):
+        blobs.put(results, b"theirs", "text/plain", expect=ABSENT)
+    second = blobs.put(results, b"ours, again", "text/plain", expect=first)
+    with pytest.raises(PreconditionFailed):
+        blobs.put(results, b"stale", "text/plain", expect=first)
+    blobs.put(S3Location.parse("s3://bkt/out/deeper/x"), b"", "text/plain")
+    assert blobs.objects_under(out) == {"results.jsonl": second}
+    blobs.delete([results, S3Location.parse("s3://bkt/out/never-there")])
+    assert blobs.objects_under(out) == {}
+    with pytest.raises(PreconditionFailed):
+        blobs.put(results, b"gone", "text/plain", expect=second)
+    if isinstance(blobs, S3BlobStore):
+        # A retried write whose first try landed meets its own bytes: not a fence.
+        mine = blobs.put(results, b"mine", "text/plain", expect=ABSENT)
+        assert blobs.put(results, b"mine", "text/plain", expect=ABSENT) == mine
+
+
+def test_a_continuation_carries_the_attempts_and_the_first_message(
+    parts: tuple[Any, Any, Any],
+) -> None:
+    source, _, send = parts
+    send("job")
+    [first] = source.receive(1, 0, 30)
+    source.requeue(first)
+    source.ack(first.receipt_handle)
+    [second] = source.receive(1, 0, 30)
+    assert (second.receive_count, second.attempt) == (1, 2)
+    assert second.message_id != first.message_id
+    assert second.job_message_id == first.message_id
+    source.requeue(second)
+    source.ack(second.receipt_handle)
+    [third] = source.receive(1, 0, 30)
+    assert third.attempt == 3 and third.job_message_id == first.message_id
 
 
 def test_fake_leases_run_out_and_renewals_hide_again() -> None:

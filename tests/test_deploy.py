@@ -100,10 +100,59 @@ def test_template_locks_things_down() -> None:
     assert template["Parameters"]["StopTimeoutSeconds"]["Default"] == 120
     [container] = resources["TaskDefinition"]["Properties"]["ContainerDefinitions"]
     assert container["StopTimeout"] == {"Ref": "StopTimeoutSeconds"}
+    stop_timeout = {"Name": "WORKER_STOP_TIMEOUT_SECONDS", "Value": {"Ref": "StopTimeoutSeconds"}}
+    assert stop_timeout in container["Environment"]
+    assert "WORKER_STOP_TIMEOUT_SECONDS=${StopTimeoutSeconds}" in json.dumps(user_data)
     # /dev/shm holds the batch arena: Docker's 64 MiB default is raised on both platforms.
     assert container["LinuxParameters"]["SharedMemorySize"] == {"Ref": "SharedMemoryMiB"}
     assert "--shm-size ${SharedMemoryMiB}m" in json.dumps(user_data)
     assert template["Parameters"]["SharedMemoryMiB"]["Default"] >= 1024
+
+
+def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runbooks() -> None:
+    """Backlog per worker stays defined at 0 workers, jobs waiting with none start one,
+    a job waiting too long adds one; ECS tasks go through a capacity provider that
+    grows the group and protects busy instances; Spot is an option with capacity
+    rebalancing; every operator alarm has a runbook in the README."""
+    template, problems = decode(str(TEMPLATE))
+    assert not problems and template is not None
+    resources, parameters = template["Resources"], template["Parameters"]
+    assert parameters["MinWorkers"]["MinValue"] == 0
+    for policy, config, divisor in (
+        ("BacklogScaling", "TargetTrackingConfiguration", "workers"),
+        ("ServiceBacklogScaling", "TargetTrackingScalingPolicyConfiguration", "tasks"),
+    ):
+        metrics = resources[policy]["Properties"][config]["CustomizedMetricSpecification"]
+        [expression] = [m["Expression"] for m in metrics["Metrics"] if "Expression" in m]
+        assert expression == f"IF({divisor} > 0, visible / {divisor}, visible)"
+    from_zero = resources["ScaleFromZero"]["Properties"]
+    [condition] = [m["Expression"] for m in from_zero["Metrics"] if "Expression" in m]
+    assert condition == "IF(visible > 0 AND workers == 0, 1, 0)"
+    adds_one = {"Fn::If": ["OnEc2", {"Ref": "GroupAddsOne"}, {"Ref": "ServiceAddsOne"}]}
+    assert from_zero["AlarmActions"] == [adds_one]
+    oldest = resources["OldestJobTooOld"]["Properties"]
+    assert oldest["MetricName"] == "ApproximateAgeOfOldestMessage"
+    assert (
+        oldest["Threshold"] == {"Ref": "MaxQueueWaitSeconds"} and adds_one in oldest["AlarmActions"]
+    )
+
+    provider = resources["CapacityProvider"]["Properties"]["AutoScalingGroupProvider"]
+    assert provider["ManagedScaling"]["Status"] == "ENABLED"
+    assert provider["ManagedTerminationProtection"] == "ENABLED"
+    service = resources["Service"]["Properties"]
+    assert "LaunchType" not in service
+    assert service["CapacityProviderStrategy"][0]["CapacityProvider"] == {"Ref": "CapacityProvider"}
+    group = resources["WorkerGroup"]["Properties"]
+    assert group["NewInstancesProtectedFromScaleIn"] == {"Fn::If": ["OnEcs", True, False]}
+    assert group["CapacityRebalance"] == {"Fn::If": ["OnSpot", True, False]}
+    distribution = group["MixedInstancesPolicy"]["InstancesDistribution"]
+    assert distribution["OnDemandPercentageAboveBaseCapacity"] == {"Fn::If": ["OnSpot", 0, 100]}
+
+    readme = (REPO / "README.md").read_text()
+    runbooks = readme[readme.index("### Alarms") :]
+    for alarm in ("DeadLetters", "OldestJobTooOld", "NoProgress", "WorkersUnhealthy"):
+        assert resources[alarm]["Type"] == "AWS::CloudWatch::Alarm"
+        assert f"**{alarm}**" in runbooks
 
 
 @pytest.mark.e2e

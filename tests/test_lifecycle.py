@@ -16,8 +16,8 @@ from tests.faultproxy import Fault, FaultProxy, Request
 from tests.faults import BREAK_MODEL_FILE
 from tests.test_faults import StartDaemon, _args, _assert_complete, _out, _send_jobs
 from tests.test_fleet import _free_port, _get
-from worker.daemon import MIN_SHUTDOWN_TAIL_S
 from worker.demo import upload_samples
+from worker.settings import MIN_SHUTDOWN_TAIL_S
 
 pytestmark = pytest.mark.e2e
 

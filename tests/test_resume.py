@@ -128,6 +128,63 @@ def test_a_job_already_done_is_acked_without_running_it_again(tmp_path: Path) ->
     assert blobs.inputs_read(uris) == read + 3
     assert [r["input"] for r in _output(blobs, "once", "results.jsonl")] == uris[3:]
 
+    source.send(
+        json.dumps(
+            {
+                "job_id": "once",
+                "inputs": uris[3:],
+                "output": "s3://bkt/out/once/",
+                "params": {"top_k": 1},
+            }
+        )
+    )
+    _run(source, blobs, tmp_path)  # other params: another request
+    assert blobs.inputs_read(uris) == read + 6
+    assert len(_output(blobs, "once", "results.jsonl")[0]["topk"]) == 1
+
+
+def test_outputs_left_mixed_by_two_deliveries_are_redone_whole(tmp_path: Path) -> None:
+    """job.json names the results.jsonl and job.log it completes by their ETags: when
+    another delivery's results.jsonl has landed since (two deliveries raced, each fenced
+    on one file), the job does not count as done, and the next delivery redoes it."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 3)
+    _send(source, "mixed", uris)
+    _run(source, blobs, tmp_path)
+    blobs.objects["s3://bkt/out/mixed/results.jsonl"] = b'{"index": 0, "from": "elsewhere"}\n'
+    _send(source, "mixed", uris)
+    with capture_logs() as logs:
+        _run(source, blobs, tmp_path)
+    assert not [entry for entry in logs if entry["event"] == "job_already_done"]
+    assert [r["input"] for r in _output(blobs, "mixed", "results.jsonl")] == uris
+    recorded = _output(blobs, "mixed", "job.json")["outputs"]
+    listed = blobs.objects_under(S3Location.parse("s3://bkt/out/mixed/"))
+    assert recorded == {name: listed[name] for name in ("results.jsonl", "job.log")}
+
+
+def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> None:
+    """A delivery that ran some of a job but finished none of it may be why the worker
+    stops (a health check failing while it runs): its job is released, not handed over,
+    so its receive counts and a job that can never move reaches the DLQ."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 2)
+    _send(source, "stuck", uris)
+    daemon = Daemon(
+        _settings(tmp_path, grace_seconds=0).model_copy(
+            update={"model": "tests.slow_model:five_seconds"}
+        ),
+        source,
+        blobs,
+    )
+
+    def drive() -> None:
+        _wait_until(lambda: blobs.inputs_read(uris) >= 1)
+        daemon.stop()
+
+    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
+    [again] = source.receive(1, 0, 30)
+    assert (again.receive_count, again.earlier_attempts) == (2, 0)
+
 
 def test_a_delivery_beaten_to_its_outputs_is_fenced_off_and_overwrites_nothing(
     tmp_path: Path,
@@ -169,6 +226,14 @@ def test_a_job_cancelled_while_queued_is_acked_without_work(tmp_path: Path) -> N
     assert (summary["status"], summary["items"], summary["succeeded"]) == ("cancelled", 5, 0)
     assert blobs.objects["s3://bkt/out/queued/results.jsonl"] == b""
     assert blobs.inputs_read(uris) == 0 and len(source) == 0
+
+    _send(source, "queued", uris)  # sent again while the cancel stands: cancelled again
+    _run(source, blobs, tmp_path)
+    assert blobs.inputs_read(uris) == 0 and len(source) == 0
+    del blobs.objects[f"s3://bkt/out/queued/{CANCEL_MARKER}"]
+    _send(source, "queued", uris)  # the cancel withdrawn: it runs
+    _run(source, blobs, tmp_path)
+    assert _output(blobs, "queued", "job.json")["status"] == "succeeded"
 
 
 def test_a_running_job_is_cancelled_within_one_progress_interval(tmp_path: Path) -> None:

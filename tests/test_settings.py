@@ -88,3 +88,16 @@ def test_fifo_queues_are_refused_at_start() -> None:
     for fields in ({"queue_url": "q.fifo"}, {"queue_url": "q", "dlq_url": "dead.fifo"}):
         with pytest.raises(ValidationError, match="FIFO queues are not supported"):
             Settings(**fields)
+
+
+def test_the_grace_period_is_derived_from_the_stop_timeout_and_checked_against_it() -> None:
+    """Between SIGTERM and SIGKILL the daemon needs its grace, its shutdown's tail (a
+    long poll's wait, at least 10 s) and 10 s to exit: the grace defaults to what is
+    left, and one that does not fit is refused rather than cut short by SIGKILL."""
+    assert Settings(queue_url="q", stop_timeout_seconds=120).grace_seconds == 90
+    short_polls = Settings(queue_url="q", stop_timeout_seconds=60, receive_wait_seconds=5)
+    assert short_polls.grace_seconds == 40
+    assert Settings(queue_url="q", stop_timeout_seconds=60, grace_seconds=30).grace_seconds == 30
+    with pytest.raises(ValidationError, match="does not fit in stop_timeout_seconds"):
+        Settings(queue_url="q", stop_timeout_seconds=60, grace_seconds=31)
+    assert Settings(queue_url="q").grace_seconds == 90  # no stop timeout known

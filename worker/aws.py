@@ -10,6 +10,7 @@ retries are off, so there is one retry policy, not two stacked.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import time
@@ -343,6 +344,22 @@ class S3BlobStore(_Retrying):
             if expect is None:
                 raise
             raise PreconditionFailed(f"{location} was removed: {missing}") from missing
+        except PreconditionFailed:
+            # A try whose answer was lost (a timeout, a reset) may have written it: then
+            # the retry fails its condition against our own write. Same bytes, no fence.
+            ours = f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+            if self._etag(location) != ours:
+                raise
+            return ours
+        return reply["ETag"]
+
+    def _etag(self, location: S3Location) -> str | None:
+        try:
+            reply = self._call(
+                lambda: self._client.head_object(Bucket=location.bucket, Key=location.key)
+            )
+        except MissingObject:
+            return None
         return reply["ETag"]
 
     def objects_under(self, prefix: S3Location) -> dict[str, str]:

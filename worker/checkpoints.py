@@ -4,17 +4,19 @@ the next.
     output/
       results.jsonl, job.log, job.json       the finished job; job.json, written last, says so
       cancel                                 a request to cancel the job (`worker cancel`)
-      checkpoint-<inputs>-<delivery>-<n>.jsonl   results one delivery finished, part n
-      checkpoint-<inputs>-<delivery>-<n>.log     that delivery's job.log lines, part n
+      checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
+      checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
       checkpoint-superseded-<message id>     that message was handed over, but not deleted
 
-`<inputs>` is a digest of the job's input list, so what was written for other inputs
-(an output prefix used again) is never taken for this job's. One listing of the prefix,
-at admission, says all of it: whether the job is done already (a job.json for the same
-inputs), whether it is to be cancelled, which results to resume from, and the ETag of
-each final output, which the finish then writes on condition that it is unchanged
-(another delivery that wrote first fences this one off). Checkpoint parts go once the
-job's job.json is written.
+`<request>` is a digest of the job's inputs (in order) and params, so what was written
+for another request (an output prefix used again) is never taken for this one's. One
+listing of the prefix, at admission, says all of it: whether the job is done already,
+whether it is to be cancelled, which results to resume from, and the ETag of each final
+output, which the finish then writes on condition that it is unchanged (another
+delivery that wrote first fences this one off). The three final writes are separate,
+so job.json records the ETags of the results.jsonl and job.log it completes: a job
+counts as done only if they are still the ones under the prefix, and a mix left by two
+deliveries racing is redone whole. Checkpoint parts go once the job's job.json is written.
 """
 
 from __future__ import annotations
@@ -38,14 +40,18 @@ FINAL_OUTPUTS = ("results.jsonl", "job.log", "job.json")
 CANCEL_MARKER = "cancel"
 CHECKPOINT_PREFIX = "checkpoint-"
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
-INPUTS_DIGEST_CHARS = 16
+REQUEST_DIGEST_CHARS = 16
+# The outputs job.json completes, with their ETags recorded in it.
+COMPLETED_OUTPUTS = ("results.jsonl", "job.log")
 # How often the checkpointer looks for jobs due a checkpoint.
 CHECK_EVERY_S = 1.0
 
 
-def inputs_digest(inputs: list[str]) -> str:
-    """Names one list of inputs, in order (job.json records it as `inputs_digest`)."""
-    return hashlib.sha256("\n".join(inputs).encode()).hexdigest()[:INPUTS_DIGEST_CHARS]
+def request_digest(inputs: list[str], params: dict[str, Any]) -> str:
+    """Names one request: its inputs, in order, and its params (job.json records it as
+    `request_digest`)."""
+    request = json.dumps([inputs, params], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(request.encode()).hexdigest()[:REQUEST_DIGEST_CHARS]
 
 
 @dataclass(frozen=True)
@@ -71,12 +77,13 @@ class Checkpoints:
 
     def read(self, spec: JobMessage, inputs: list[str]) -> Prior:
         """One listing of the output prefix, then job.json and checkpoint parts as needed."""
-        digest = inputs_digest(inputs)
+        digest = request_digest(inputs, spec.params)
         listing = self._blobs.objects_under(spec.output_location(""))
         summary = None
         if "job.json" in listing:
             written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
-            summary = written if written and written.get("inputs_digest") == digest else None
+            if written and _completes(written, digest, listing):
+                summary = written
         own_parts = sorted(name for name in listing if name.startswith(_part_prefix(digest)))
         resumed: dict[int, dict[str, Any]] = {}
         earlier_log = []
@@ -117,13 +124,15 @@ class Checkpoints:
         if job.spec is None or job.log is None:
             return  # not admitted: nothing done
         with job.checkpoint.lock:
+            if job.checkpoint.removed:
+                return  # finished meanwhile: its outputs are written
             results = self._ledger.take_unsaved(job)
             if not results:
                 return
             log_lines, log_mark = job.log.since(job.checkpoint.log_mark)
             part = job.checkpoint.parts + 1
             delivery = f"a{job.attempt:04d}-{job.message.message_id}"
-            name = f"{_part_prefix(job.inputs_digest)}{delivery}-{part:05d}"
+            name = f"{_part_prefix(job.request_digest)}{delivery}-{part:05d}"
             try:
                 self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
                 records = b"".join(json.dumps(result).encode() + b"\n" for _, result in results)
@@ -153,6 +162,7 @@ class Checkpoints:
         """Remove every checkpoint object under the job's output (its job.json is written)."""
         assert job.spec is not None
         with job.checkpoint.lock:
+            job.checkpoint.removed = True
             if not (job.checkpoint.parts or job.checkpoint.leftovers):
                 return
             output = job.spec.output_location("")
@@ -186,6 +196,18 @@ class Checkpointer:
             return False
         waited_s = time.monotonic() - job.checkpoint.saved_at
         return len(job.unsaved) >= self._every_items or waited_s >= self._every_s
+
+
+def _completes(summary: dict[str, Any], digest: str, listing: dict[str, str]) -> bool:
+    """Whether a job.json says this request is done: written for it, with the outputs it
+    completed still in place, and not a cancelled run whose `cancel` was since removed
+    (to run it again)."""
+    completed = {name: listing.get(name) for name in COMPLETED_OUTPUTS}
+    return (
+        summary.get("request_digest") == digest
+        and summary.get("outputs") == completed
+        and (summary.get("status") != "cancelled" or CANCEL_MARKER in listing)
+    )
 
 
 def _json(data: bytes, name: str) -> dict[str, Any] | None:

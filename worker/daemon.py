@@ -53,10 +53,6 @@ __all__ = ["Daemon", "ExitCode"]
 
 log = structlog.get_logger()
 
-# Shutdown's last steps (release what is held, stop the stage processes, drop scale-in
-# protection, release what a last long poll brings) get the long poll's wait, and at
-# least this long, after the grace period; then the daemon exits regardless.
-MIN_SHUTDOWN_TAIL_S = 10.0
 # A healthy daemon moves something at least every batch, or replaces a hung worker.
 STALL_MARGIN_S = 60.0
 WATCHDOG_INTERVAL_S = 5.0
@@ -77,7 +73,7 @@ class Daemon:
         timeline: Timeline | None = None,
     ):
         self._settings = settings
-        self.shutdown_tail_s = max(float(settings.receive_wait_seconds), MIN_SHUTDOWN_TAIL_S)
+        self.shutdown_tail_s = settings.shutdown_tail_s()
         settings.log_dir.mkdir(parents=True, exist_ok=True)
         self._ledger = ledger = Ledger()
         self._metrics = metrics = Metrics()

@@ -156,7 +156,7 @@ class Intake:
             log.info("job_handed_over_already", job_id=job_id)
             self._outcomes.ack(job)
             return
-        job.inputs_digest, job.output_etags = prior.digest, prior.etags
+        job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
         log_file = JobLog(settings.log_dir / f"{job_id}.log", job_id, prior.earlier_log)
         admitted = self._ledger.admit(

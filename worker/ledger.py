@@ -102,6 +102,7 @@ class CheckpointState:
     log_mark: int = 0  # job log lines saved so far
     saved_at: float = field(default_factory=time.monotonic)  # the last part, or admission
     leftovers: bool = False  # earlier deliveries' checkpoint objects are under the output
+    removed: bool = False  # the job is done and its checkpoints gone: save no more
     lock: threading.Lock = field(default_factory=threading.Lock)  # saving or removing
 
 
@@ -130,7 +131,7 @@ class Job:
     resumed: int = 0  # results an earlier delivery checkpointed
     cancelled: bool = False
     unsaved: list[int] = field(default_factory=list)  # results not yet checkpointed
-    inputs_digest: str = ""
+    request_digest: str = ""
     output_etags: dict[str, str] = field(default_factory=dict)  # as seen at admission
     checkpoint: CheckpointState = field(default_factory=CheckpointState)
     progress_reported: int = 0

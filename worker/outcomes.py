@@ -134,10 +134,9 @@ class Outcomes:
             self._forget(job)
 
     def lease_ceiling_reached(self, job: Job) -> None:
-        """The job has been held as long as SQS allows. Handed over if this delivery
-        moved it forward; if not, released, so that a job no delivery can move (one
-        input slower than the ceiling) reaches the DLQ instead of going round forever."""
-        if job.finished_items > job.resumed:
+        """The job has been held as long as SQS allows: handed over, or released if it
+        did not move (one input slower than the ceiling must reach the DLQ)."""
+        if _moved_or_untouched(job):
             self.hand_over(job, "lease ceiling reached")
         else:
             self.release(job, "lease ceiling reached, no progress")
@@ -153,9 +152,9 @@ class Outcomes:
         with ThreadPoolExecutor(HAND_OVER_THREADS, thread_name_prefix="hand-over") as pool:
             if hand_over:
                 continued = list(pool.map(self._continued, jobs))
-            else:
-                continued = [False] * len(jobs)
+            else:  # checkpointed all the same: what they finished is not done again
                 list(pool.map(self._checkpoints.save, jobs))
+                continued = [False] * len(jobs)
         released = [job for job, done in zip(jobs, continued, strict=True) if not done]
         handles = [job.receipt_handle for job in released if not job.lease_lost]
         for start in range(0, len(handles), SQS_MAX_ENTRIES_PER_BATCH_CALL):
@@ -177,6 +176,8 @@ class Outcomes:
         self._checkpoints.save(job)
         if job.lease_lost:  # another delivery has it now
             return True
+        if not _moved_or_untouched(job):
+            return False
         try:
             self._source.requeue(job.message)
         except Exception as error:
@@ -205,6 +206,14 @@ class Outcomes:
     def _forget(self, job: Job) -> None:
         self._ledger.forget(job)
         self._progress.beat()
+
+
+def _moved_or_untouched(job: Job) -> bool:
+    """Whether giving the job back should not count against it: this delivery moved it
+    forward, or ran none of it. One that ran without moving may be why the worker stops
+    (say, a health check that fails while it runs), so it counts, and cannot go round
+    forever without reaching the DLQ."""
+    return job.finished_items > job.resumed or job.fed == 0
 
 
 @dataclass(frozen=True)

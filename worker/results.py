@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from worker.channel import Channel
-from worker.checkpoints import Checkpoints
+from worker.checkpoints import COMPLETED_OUTPUTS, Checkpoints
 from worker.engine import Item, ItemError, Pipeline
 from worker.errors import PreconditionFailed
 from worker.ledger import Job, JobState
@@ -158,7 +158,7 @@ class Finisher:
     def _finish(self, job: Job) -> None:
         """Write the outputs, `job.json` last, and ack the job."""
         summary = self._summary(job)
-        if not self._written(job, self._outputs(job, summary)):
+        if not self._written(job, self._outputs(job, summary), summary):
             return
         assert job.log is not None
         try:
@@ -182,12 +182,14 @@ class Finisher:
             except Exception as error:
                 log.warning("notify_failed", job_id=job.job_id, error=repr(error))
 
-    def _written(self, job: Job, outputs: list[tuple[str, bytes, str]]) -> bool:
+    def _written(
+        self, job: Job, outputs: list[tuple[str, bytes, str]], summary: dict[str, Any]
+    ) -> bool:
         """Write the outputs, trying again while the lease is kept; False if the job was
         released instead (here, or by shutdown meanwhile)."""
         for attempt in range(1, FINISH_ATTEMPTS + 1):
             try:
-                self._write(job, outputs)
+                self._write(job, outputs, summary)
                 return True
             except _Abandoned:
                 return False
@@ -206,7 +208,8 @@ class Finisher:
         return False
 
     def _outputs(self, job: Job, summary: dict[str, Any]) -> list[tuple[str, bytes, str]]:
-        """(name, content, content type) of each output, in the order they are written."""
+        """(name, content, content type) of each output before job.json, in the order
+        they are written."""
         assert job.log is not None
         job.log.info(
             "job_finished", **{k: summary[k] for k in ("status", "items", "failed", "duration_s")}
@@ -218,22 +221,30 @@ class Finisher:
         return [
             ("results.jsonl", results, "application/x-ndjson"),
             ("job.log", job.log.lines(), "application/x-ndjson"),
-            ("job.json", json.dumps(summary).encode() + b"\n", "application/json"),
         ]
 
-    def _write(self, job: Job, outputs: list[tuple[str, bytes, str]]) -> None:
+    def _write(
+        self, job: Job, outputs: list[tuple[str, bytes, str]], summary: dict[str, Any]
+    ) -> None:
         """Each output on condition that it is as this delivery found it at admission (or
-        as it last wrote it): a delivery that wrote first fences this one off."""
+        as it last wrote it): a delivery that wrote first fences this one off. Then
+        job.json, naming the outputs it completes by their ETags."""
         assert job.spec is not None
         for name, data, content_type in outputs:
-            if job.settled:
-                raise _Abandoned
-            job.output_etags[name] = self._blobs.put(
-                job.spec.output_location(name),
-                data,
-                content_type,
-                expect=job.output_etags.get(name, ABSENT),
-            )
+            self._put(job, name, data, content_type)
+        summary["outputs"] = {name: job.output_etags[name] for name in COMPLETED_OUTPUTS}
+        self._put(job, "job.json", json.dumps(summary).encode() + b"\n", "application/json")
+
+    def _put(self, job: Job, name: str, data: bytes, content_type: str) -> None:
+        assert job.spec is not None
+        if job.settled:
+            raise _Abandoned
+        job.output_etags[name] = self._blobs.put(
+            job.spec.output_location(name),
+            data,
+            content_type,
+            expect=job.output_etags.get(name, ABSENT),
+        )
 
     def _summary(self, job: Job) -> dict[str, Any]:
         finished_at = time.time()
@@ -244,7 +255,7 @@ class Finisher:
             "succeeded": job.succeeded,
             "failed": job.failed,
             "resumed": job.resumed,
-            "inputs_digest": job.inputs_digest,
+            "request_digest": job.request_digest,
             "received_at": _iso(job.received_at),
             "finished_at": _iso(finished_at),
             "duration_s": round(finished_at - job.received_at, 3),

@@ -21,6 +21,12 @@ SQS_MAX_ENTRIES_PER_BATCH_CALL = 10
 DEFAULT_AWS_MAX_ATTEMPTS = 10
 DEFAULT_METRICS_PORT = 8000
 MAX_RETRY_DELAY_S = 15 * 60
+# Shutdown's last steps (release what is held, stop the stage processes, drop scale-in
+# protection, release what a last long poll brings) get the long poll's wait, and at
+# least this long, after the grace period; then the daemon exits regardless.
+MIN_SHUTDOWN_TAIL_S = 10.0
+# And the process this much more to exit before the platform's SIGKILL.
+STOP_MARGIN_S = 10.0
 
 
 class Settings(BaseSettings):
@@ -135,9 +141,16 @@ class Settings(BaseSettings):
     grace_seconds: float = Field(
         default=90,
         ge=0,
-        description="On SIGTERM, how long in-flight jobs may run before they are released; "
-        "the daemon exits at most receive-wait-seconds (at least 10 s) after that, "
-        "whatever hangs.",
+        description="On SIGTERM, how long in-flight jobs may run before they are handed "
+        "over; the daemon exits at most receive-wait-seconds (at least 10 s) after that, "
+        "whatever hangs. With stop-timeout-seconds it defaults to what fits in it.",
+    )
+    stop_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="The container's stop timeout (SIGTERM to SIGKILL: docker --stop-timeout, "
+        "ECS stopTimeout), where it is known: the grace period defaults to it less the "
+        "shutdown's tail and 10 s, and a grace that does not fit is refused at start.",
     )
     progress_interval_seconds: float = Field(
         default=10,
@@ -255,6 +268,22 @@ class Settings(BaseSettings):
             return frozenset(bucket.strip() for bucket in value.split(",") if bucket.strip())
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _grace_from_stop_timeout(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("stop_timeout_seconds") is None:
+            return data
+        if data.get("grace_seconds") is not None:
+            return data
+        stop_s = float(data["stop_timeout_seconds"])
+        wait_s = float(data.get("receive_wait_seconds", SQS_MAX_RECEIVE_WAIT_S))
+        grace_s = stop_s - max(wait_s, MIN_SHUTDOWN_TAIL_S) - STOP_MARGIN_S
+        return {**data, "grace_seconds": max(0.0, grace_s)}
+
+    def shutdown_tail_s(self) -> float:
+        """How long shutdown's last steps may take after the grace period."""
+        return max(float(self.receive_wait_seconds), MIN_SHUTDOWN_TAIL_S)
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         # Half, so that one failed or late renewal still leaves the lease alive.
@@ -268,6 +297,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "lifecycle_hook_name needs interruption_notices (auto or imds): the hook's "
                 "termination is read from instance metadata"
+            )
+        stop_s = self.stop_timeout_seconds
+        if (
+            stop_s is not None
+            and self.grace_seconds + self.shutdown_tail_s() + STOP_MARGIN_S > stop_s
+        ):
+            raise ValueError(
+                f"grace_seconds ({self.grace_seconds}) does not fit in stop_timeout_seconds "
+                f"({stop_s}) with the shutdown's tail ({self.shutdown_tail_s()} s) and "
+                f"{STOP_MARGIN_S} s to exit: the platform would SIGKILL the daemon while it "
+                "hands jobs over; lower the grace or raise the stop timeout"
             )
         if self.visibility_timeout_seconds >= self.max_lease_seconds:
             raise ValueError(
