@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
@@ -21,7 +22,7 @@ from worker.ledger import Job, JobState, Ledger
 from worker.message import PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
 from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
-from worker.settings import Settings
+from worker.settings import SQS_MAX_MESSAGES_PER_RECEIVE, Settings
 
 log = structlog.get_logger()
 
@@ -66,25 +67,31 @@ class Intake:
         return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
 
     def run(self) -> None:
-        while not self._stopping.is_set():
-            self._ledger.wait_until(lambda: self.room() > 0 or self._stopping.is_set())
-            if self._stopping.is_set():
-                return
-            idle = not len(self._ledger)
-            messages = self._receive(self.room())
-            if messages is None:
-                continue
-            if not messages:
-                if self._settings.drain and self._drained(idle):
-                    self._on_drained()
-                    return
-                continue
-            self._drained_readings = 0
-            for job in [job for message in messages if (job := self._hold(message))]:
+        # Admitting reads S3 (the output prefix, a manifest): the messages of a receive
+        # are admitted side by side, not one round trip after another.
+        with ThreadPoolExecutor(SQS_MAX_MESSAGES_PER_RECEIVE, "admit") as admitting:
+            while not self._stopping.is_set():
+                self._ledger.wait_until(lambda: self.room() > 0 or self._stopping.is_set())
                 if self._stopping.is_set():
-                    self._outcomes.hand_over(job, "shutting down")
-                else:
-                    self._admit(job)
+                    return
+                idle = not len(self._ledger)
+                messages = self._receive(self.room())
+                if messages is None:
+                    continue
+                if not messages:
+                    if self._settings.drain and self._drained(idle):
+                        self._on_drained()
+                        return
+                    continue
+                self._drained_readings = 0
+                held = [job for message in messages if (job := self._hold(message))]
+                list(admitting.map(self._admit_unless_stopping, held))
+
+    def _admit_unless_stopping(self, job: Job) -> None:
+        if self._stopping.is_set():
+            self._outcomes.hand_over(job, "shutting down")
+        else:
+            self._admit(job)
 
     def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
         """The messages received, or None when the receive failed (not an empty queue)."""
