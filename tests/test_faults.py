@@ -310,9 +310,11 @@ def test_sigterm_finishes_or_releases_everything_within_the_grace_period(
     done = {job for job in jobs if "job.json" in aws.names(_out(stack, job))}
     for job in set(jobs) - done:
         assert "results.jsonl" not in aws.names(_out(stack, job))
-    released = daemon.events("job_released")
-    assert {e["job_id"] for e in released} == set(jobs) - done and released
-    assert aws.queue_depth(stack.queue_url) == (len(jobs) - len(done), 0)
+    # A job whose job.json was being written as the grace ran out can be both complete
+    # and handed back: its next delivery finds it done and acks it.
+    released = {e["job_id"] for e in daemon.events("job_released")}
+    assert set(jobs) - done <= released and released
+    assert aws.queue_depth(stack.queue_url) == (len(released), 0)
     assert daemon.events("daemon_stopped")[0]["reason"] == "signalled"
 
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import structlog
 
-from worker.checkpoints import Checkpoints
+from worker.checkpoints import Checkpoints, Prior
 from worker.engine import Item, Pipeline
 from worker.errors import AccessDenied, MissingObject
 from worker.joblog import JobLog
 from worker.ledger import Job, JobState, Ledger
-from worker.message import PoisonMessage, parse_job_message, parse_manifest
+from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
 from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
 from worker.settings import SQS_MAX_MESSAGES_PER_RECEIVE, Settings
@@ -30,6 +31,12 @@ RECEIVE_ERROR_BACKOFF_S = 5.0
 # `--drain` stops only after this many empty receives in a row, each followed by queue
 # counters that read zero, with nothing held here in between.
 DRAINED_READINGS = 2
+
+
+class _Admission(NamedTuple):
+    spec: JobMessage
+    inputs: list[str]
+    prior: Prior
 
 
 class Intake:
@@ -68,8 +75,9 @@ class Intake:
 
     def run(self) -> None:
         # Admitting reads S3 (the output prefix, a manifest): the messages of a receive
-        # are admitted side by side, not one round trip after another.
-        with ThreadPoolExecutor(SQS_MAX_MESSAGES_PER_RECEIVE, "admit") as admitting:
+        # are read side by side, not one round trip after another, then admitted in the
+        # order they came.
+        with ThreadPoolExecutor(SQS_MAX_MESSAGES_PER_RECEIVE, "admit") as reading:
             while not self._stopping.is_set():
                 self._ledger.wait_until(lambda: self.room() > 0 or self._stopping.is_set())
                 if self._stopping.is_set():
@@ -85,13 +93,10 @@ class Intake:
                     continue
                 self._drained_readings = 0
                 held = [job for message in messages if (job := self._hold(message))]
-                list(admitting.map(self._admit_unless_stopping, held))
-
-    def _admit_unless_stopping(self, job: Job) -> None:
-        if self._stopping.is_set():
-            self._outcomes.hand_over(job, "shutting down")
-        else:
-            self._admit(job)
+                admissions = list(reading.map(self._read, held))
+                for job, admission in zip(held, admissions, strict=True):
+                    if admission is not None:
+                        self._admit(job, admission)
 
     def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
         """The messages received, or None when the receive failed (not an empty queue)."""
@@ -133,10 +138,14 @@ class Intake:
                 log.warning("release_failed", message_id=message.message_id, error=repr(error))
         return job
 
-    def _admit(self, job: Job) -> None:
+    def _read(self, job: Job) -> _Admission | None:
         """Validate the message, read its manifest and what earlier deliveries left under
-        its output; admit it (resuming from their checkpoints), or settle it."""
+        its output: what admitting it needs, or None if it is settled instead (poison,
+        unreadable for now, done already, handed over already, or the daemon stopping)."""
         settings = self._settings
+        if self._stopping.is_set():
+            self._outcomes.hand_over(job, "shutting down")
+            return None
         try:
             spec = parse_job_message(job.message.body, settings.allowed_buckets)
             inputs = spec.inputs or self._read_manifest(spec.manifest or "")
@@ -147,25 +156,32 @@ class Intake:
             prior = self._checkpoints.read(spec, inputs)
         except PoisonMessage as poison:
             self._outcomes.dead_letter(job, str(poison))
-            return
+            return None
         except Exception as error:  # transient, or not understood: never the sender's fault
             log.warning(
                 "job_admission_failed", message_id=job.message.message_id, error=repr(error)
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
-            return
+            return None
         job_id = spec.job_id or job.message.job_message_id
         if prior.summary is not None:
             log.info("job_already_done", job_id=job_id, status=prior.summary.get("status"))
             self._outcomes.ack(job)
-            return
+            return None
         if job.message.message_id in prior.superseded:
             log.info("job_handed_over_already", job_id=job_id)
             self._outcomes.ack(job)
-            return
+            return None
+        return _Admission(spec, inputs, prior)
+
+    def _admit(self, job: Job, admission: _Admission) -> None:
+        """Enter the job in the ledger, resuming from earlier deliveries' checkpoints."""
+        spec, inputs, prior = admission
+        job_id = spec.job_id or job.message.job_message_id
+        log_dir = self._settings.log_dir
         job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
-        log_file = JobLog(settings.log_dir / f"{job_id}.log", job_id, prior.earlier_log)
+        log_file = JobLog(log_dir / f"{job_id}.log", job_id, prior.earlier_log)
         admitted = self._ledger.admit(
             job, spec, inputs, log_file, prior.resumed, cancelled=prior.cancel_requested
         )
