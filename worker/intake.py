@@ -94,9 +94,10 @@ class Intake:
                 self._drained_readings = 0
                 held = [job for message in messages if (job := self._hold(message))]
                 admissions = list(reading.map(self._read, held))
-                for job, admission in zip(held, admissions, strict=True):
-                    if admission is not None:
-                        self._admit(job, admission)
+                with self._ledger.all_at_once():
+                    for job, admission in zip(held, admissions, strict=True):
+                        if admission is not None:
+                            self._admit(job, admission)
 
     def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
         """The messages received, or None when the receive failed (not an empty queue)."""

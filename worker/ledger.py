@@ -29,12 +29,13 @@ say): the others get None. Any move the table does not allow is a bug, and raise
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
@@ -415,6 +416,14 @@ class Ledger:
         """Block until `predicate()` holds (checked on every change or `wake`)."""
         with self._changed:
             return self._changed.wait_for(predicate, timeout_s)
+
+    @contextlib.contextmanager
+    def all_at_once(self) -> Iterator[None]:
+        """Make several changes that no other thread sees half done (the jobs of one
+        receive, admitted together: the feeder must not fill the pipeline with the first
+        before the others are in turn)."""
+        with self._changed:
+            yield
 
     def wake(self) -> None:
         """Make waiters re-check their predicate (after an outside event, like a signal)."""
