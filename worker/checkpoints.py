@@ -60,7 +60,7 @@ class Prior:
 
     digest: str
     etags: dict[str, str]  # of the final outputs written so far
-    summary: dict[str, Any] | None  # job.json, if written for the same inputs
+    summary: dict[str, Any] | None  # job.json, if it completes this same request
     cancel_requested: bool
     superseded: frozenset[str] = frozenset()  # messages continued as another
     resumed: dict[int, dict[str, Any]] = field(default_factory=dict)  # results by index
@@ -115,6 +115,7 @@ class Checkpoints:
         )
 
     def cancel_requested(self, job: Job) -> bool:
+        """Whether a `cancel` object has appeared under the job's output."""
         assert job.spec is not None
         return CANCEL_MARKER in self._blobs.objects_under(job.spec.output_location(""))
 
