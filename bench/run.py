@@ -36,6 +36,7 @@ from worker.daemon import Daemon
 from worker.engine import BatchGatherer, TensorArena
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.joblog import configure_daemon_logging
+from worker.plugins import load_model, load_preprocessor, resolve_device
 from worker.ports import ReceivedMessage, S3Location
 from worker.settings import Settings
 from worker.timeline import Timeline
@@ -197,6 +198,7 @@ def _load(
 
 @dataclass
 class DaemonRun:
+    settings: Settings
     wall_s: float
     items: int
     timeline: Timeline
@@ -224,7 +226,7 @@ def _run_daemon(
     if stop_after_s is not None:
         threading.Timer(stop_after_s, daemon.stop).start()
     daemon.run()
-    return DaemonRun(source.wall_s, sum(job_sizes), timeline, source)
+    return DaemonRun(config, source.wall_s, sum(job_sizes), timeline, source)
 
 
 def _median(runs: int, measure: Callable[[], float]) -> float:
@@ -234,16 +236,23 @@ def _median(runs: int, measure: Callable[[], float]) -> float:
 # The figures. ---------------------------------------------------------------------------
 
 
-def model_only_images_per_s(batches: int) -> float:
-    """The device model looping over ready uint8 batches: the ceiling for the daemon."""
-    model, batch = device_model(), torch.zeros(BATCH_SIZE, 3, 64, 64, dtype=torch.uint8)
-    started = time.perf_counter()
-    for _ in range(batches):
-        model(batch)
-    return batches * BATCH_SIZE / (time.perf_counter() - started)
+def model_only_images_per_s(settings: Settings, batches: int) -> float:
+    """The model looping over ready uint8 batches on its device: the daemon's ceiling."""
+    device = resolve_device(settings.device)
+    model = load_model(settings.model, device)
+    shape = (settings.batch_size, *load_preprocessor(settings.preprocess).output_shape)
+    batch = torch.zeros(shape, dtype=torch.uint8, device=device)
+    with torch.inference_mode():
+        model(batch)  # the first call pays for lazy initialisation, as warm-up does
+        started = time.perf_counter()
+        for _ in range(batches):
+            outputs = model(batch)
+        outputs.cpu()  # waits for the device
+    return batches * settings.batch_size / (time.perf_counter() - started)
 
 
 DEVICE_MODEL = "bench.run:device_model"
+OVERLAP_JOB_SIZE = 100
 # Many fetch threads hide the injected S3 latency; the figures without it use the defaults.
 OVERLAP_SETTINGS: dict[str, Any] = {
     "model": DEVICE_MODEL,
@@ -252,24 +261,51 @@ OVERLAP_SETTINGS: dict[str, Any] = {
 }
 
 
-def overlap(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, float]:
+def overlap(work_dir: Path, images: int, runs: int, out: Path, **settings: Any) -> dict[str, float]:
     """Daemon images/s over model-only images/s, and the inference lane's busy fraction."""
-    ratios, busy = [], []
+    ratios, busy, rates, ceilings = [], [], [], []
     for run in range(runs):
         daemon = _run_daemon(
-            [100] * (images // 100), LatentBlobStore(seed=run), work_dir, **OVERLAP_SETTINGS
+            [OVERLAP_JOB_SIZE] * (images // OVERLAP_JOB_SIZE),
+            LatentBlobStore(seed=run),
+            work_dir,
+            **{**OVERLAP_SETTINGS, **settings},
         )
-        ceiling = model_only_images_per_s(max(10, images // BATCH_SIZE // 2))
-        ratios.append(daemon.items / daemon.wall_s / ceiling)
+        ceiling = model_only_images_per_s(
+            daemon.settings, max(10, images // daemon.settings.batch_size // 2)
+        )
+        rates.append(daemon.items / daemon.wall_s)
+        ceilings.append(ceiling)
+        ratios.append(rates[-1] / ceiling)
         start = daemon.source.first_receive_s
         busy.append(
             daemon.timeline.busy_s("inference", start, start + daemon.wall_s) / daemon.wall_s
         )
-        daemon.timeline.write_chrome_trace(out / "timeline.json")
-        daemon.timeline.write_png(
-            out / "timeline.png", f"overlap run {run + 1}: {images} images, S3 latency injected"
+        daemon.timeline.write(out, f"overlap run {run + 1}: {images} images, S3 latency injected")
+    return {
+        "overlap_ratio": statistics.median(ratios),
+        "busy_fraction": statistics.median(busy),
+        "daemon_images_per_s": statistics.median(rates),
+        "model_only_images_per_s": statistics.median(ceilings),
+    }
+
+
+def own_model(out: Path, images: int, **settings: Any) -> int:
+    """The overlap figure for the user's model, preprocessor and batch size: how close
+    the daemon comes to the model alone, and the timeline that shows why not closer."""
+    out.mkdir(parents=True, exist_ok=True)
+    configure_daemon_logging(io.StringIO())
+    images = max(1, images // OVERLAP_JOB_SIZE) * OVERLAP_JOB_SIZE
+    with tempfile.TemporaryDirectory() as scratch:
+        chosen = Settings(queue_url="bench", **settings).model_dump(
+            mode="json", include=set(settings)
         )
-    return {"overlap_ratio": statistics.median(ratios), "busy_fraction": statistics.median(busy)}
+        report: dict[str, Any] = {"images": images, **chosen}
+        report.update(overlap(Path(scratch), images, 1, out, **settings))
+    _print_table(report)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'report.json'}, {out / 'timeline.json'}, {out / 'timeline.png'}")
+    return 0
 
 
 def sequential_worker_s(jobs: int, job_size: int, blobs: InMemoryBlobStore) -> float:

@@ -36,6 +36,9 @@ class ShapeNet(nn.Module):
 class Classifier(nn.Module):
     """uint8 NCHW batch in, class probabilities out: normalisation runs on the device."""
 
+    # Its version is left to the digest of its weights, which retraining changes.
+    model_name = "shapes-cnn"
+
     def __init__(self, net: nn.Module):
         super().__init__()
         self.net = net

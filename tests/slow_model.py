@@ -36,3 +36,15 @@ def tenth_of_a_second() -> nn.Module:
 
 def five_seconds() -> nn.Module:
     return SlowUniform(5)
+
+
+class SlowToWarmUp(SlowUniform):
+    """Answers one item at once (the probe, and the test's one-image job) and takes a
+    second for a batch of more: only the warm-up sends one."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return super().forward(batch) if len(batch) > 1 else torch.tensor([[1.0, 0, 0, 0]])
+
+
+def slow_to_warm_up() -> nn.Module:
+    return SlowToWarmUp(1.0)

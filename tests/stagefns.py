@@ -8,7 +8,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -98,6 +98,30 @@ class LayoutProbe(torch.nn.Module):
             and torch.get_autocast_dtype(batch.device.type) == torch.bfloat16,
         ]
         return torch.tensor([flags] * len(batch), dtype=torch.float32)
+
+
+class SizeRecorder(torch.nn.Module):
+    """Remembers the size of every batch it is given, in `SizeRecorder.sizes` (shared by
+    the instances of one process)."""
+
+    sizes: ClassVar[list[int]] = []
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        SizeRecorder.sizes.append(len(batch))
+        return torch.zeros(len(batch), 4)
+
+
+class OneAtATime(torch.nn.Module):
+    """Refuses batches of more than one item, as an export with a fixed batch of 1 does."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if len(batch) > 1:
+            raise ValueError(f"expected a batch of 1, got {len(batch)}")
+        return torch.zeros(1, 4)
+
+
+def one_at_a_time() -> torch.nn.Module:
+    return OneAtATime()
 
 
 def breakable_reader(marker_path: str) -> StageFunction:

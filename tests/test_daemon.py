@@ -5,11 +5,14 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from stages.synthetic import samples
@@ -56,10 +59,8 @@ def _images(blobs: InMemoryBlobStore, count: int) -> list[str]:
     return uris
 
 
-def _run(
-    source: InMemoryJobSource, blobs: InMemoryBlobStore, tmp_path: Path, **fields: Any
-) -> None:
-    settings = Settings(
+def _draining(tmp_path: Path, **fields: Any) -> Settings:
+    return Settings(
         queue_url="q",
         drain=True,
         receive_wait_seconds=0,
@@ -67,7 +68,12 @@ def _run(
         metrics_port=0,
         **fields,
     )
-    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
+
+
+def _run(
+    source: InMemoryJobSource, blobs: InMemoryBlobStore, tmp_path: Path, **fields: Any
+) -> None:
+    assert Daemon(_draining(tmp_path, **fields), source, blobs).run() is ExitCode.DRAINED
 
 
 def _output(blobs: InMemoryBlobStore, job_id: str, name: str) -> Any:
@@ -218,7 +224,7 @@ def test_finished_jobs_are_announced_on_the_notify_queue(tmp_path: Path) -> None
     settings = Settings(
         queue_url="q", drain=True, receive_wait_seconds=0, log_dir=tmp_path, metrics_port=0
     )
-    assert Daemon(settings, source, blobs, notify=notify).run() is ExitCode.DRAINED
+    assert Daemon(settings, source, blobs, notify=[notify]).run() is ExitCode.DRAINED
     [announced] = sent
     assert announced == _output(blobs, announced["job_id"], "job.json")
     assert {_output(blobs, job, "job.json")["status"] for job in ["first", "second"]} == {
@@ -485,3 +491,49 @@ def test_a_loop_that_raises_stops_the_daemon_and_gives_its_jobs_back(
     assert "progress bug" in (daemon.health_problem() or "")
     assert [m.body for m in source.receive(10, 0, 30)] != []  # visible again at once
     assert not blobs.written
+
+
+class TimedSource(InMemoryJobSource):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_receive_at: float | None = None
+
+    def receive(
+        self, max_messages: int, wait_s: int, visibility_timeout_s: int
+    ) -> list[ReceivedMessage]:
+        if self.first_receive_at is None:
+            self.first_receive_at = time.time()
+        return super().receive(max_messages, wait_s, visibility_timeout_s)
+
+
+def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path) -> None:
+    """The inference process runs a batch at the batch size and at each size bisection
+    falls back to before the first receive; meanwhile /healthz says the daemon is
+    starting. The model takes a second for any batch of more than one item, which only
+    the warm-up sends."""
+    source, blobs = TimedSource(), InMemoryBlobStore()
+    _send(source, "one", _images(blobs, 1))
+    settings = _draining(tmp_path, model="tests.slow_model:slow_to_warm_up", batch_size=4)
+    daemon = Daemon(settings, source, blobs)
+    health_while_starting = []
+
+    def watch_health() -> None:
+        while source.first_receive_at is None:
+            health_while_starting.append(daemon.health_problem())
+            time.sleep(0.05)
+
+    watching = threading.Thread(target=watch_health, daemon=True)
+    with capture_logs(processors=[structlog.processors.TimeStamper()]) as logs:
+        began = time.time()
+        watching.start()
+        assert daemon.run() is ExitCode.DRAINED
+    watching.join(5)
+
+    ready = next(event for event in logs if event["event"] == "model_ready")
+    assert ready["warm_up"]["batch_sizes"] == [4, 2, 1]
+    assert ready["timestamp"] - began >= 2.0  # the batches of 4 and 2 ran in set-up
+    assert source.first_receive_at is not None and source.first_receive_at > ready["timestamp"]
+    assert health_while_starting[0] is not None
+    assert health_while_starting[0].startswith("starting")
+    summary = _output(blobs, "one", "job.json")
+    assert summary["model"]["name"] == "tests.slow_model:slow_to_warm_up"

@@ -82,6 +82,7 @@ def test_template_locks_things_down() -> None:
         "s3:PutObject",
         "s3:DeleteObject",
         "s3:ListBucket",
+        "sns:Publish",
         "autoscaling:SetInstanceProtection",
         "autoscaling:CompleteLifecycleAction",
         "logs:CreateLogStream",
@@ -103,6 +104,9 @@ def test_template_locks_things_down() -> None:
     stop_timeout = {"Name": "WORKER_STOP_TIMEOUT_SECONDS", "Value": {"Ref": "StopTimeoutSeconds"}}
     assert stop_timeout in container["Environment"]
     assert "WORKER_STOP_TIMEOUT_SECONDS=${StopTimeoutSeconds}" in json.dumps(user_data)
+    notify_topic = {"Name": "WORKER_NOTIFY_TOPIC_ARN", "Value": {"Ref": "JobsFinishedTopic"}}
+    assert notify_topic in container["Environment"]
+    assert "WORKER_NOTIFY_TOPIC_ARN=${JobsFinishedTopic}" in json.dumps(user_data)
     # /dev/shm holds the batch arena: Docker's 64 MiB default is raised on both platforms.
     assert container["LinuxParameters"]["SharedMemorySize"] == {"Ref": "SharedMemoryMiB"}
     assert "--shm-size ${SharedMemoryMiB}m" in json.dumps(user_data)
@@ -160,8 +164,9 @@ def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runb
 def test_stack_deploys_into_moto_and_a_daemon_drains_its_queue(
     aws: Aws, tmp_path: Path, platform: str
 ) -> None:
-    """The stack creates an encrypted queue with a redrive policy, the bucket and the
-    worker group; a daemon given the stack's outputs drains a job from it. (moto skips
+    """The stack creates an encrypted queue with a redrive policy, the bucket, the topic
+    of finished jobs and the worker group; a daemon given the stack's outputs drains a
+    job from it and announces it on the topic and on a notification queue. (moto skips
     the target-tracking policies and the bucket's access block: the template test and
     cfn-lint check those.)"""
     ec2 = aws.client("ec2")
@@ -202,6 +207,19 @@ def test_stack_deploys_into_moto_and_a_daemon_drains_its_queue(
         AutoScalingGroupNames=[outputs["AutoScalingGroupName"]]
     )["AutoScalingGroups"]
 
+    sns = aws.client("sns")
+    subscriber_url = aws.sqs.create_queue(QueueName=f"{name}-subscriber")["QueueUrl"]
+    subscriber_arn = aws.sqs.get_queue_attributes(
+        QueueUrl=subscriber_url, AttributeNames=["QueueArn"]
+    )["Attributes"]["QueueArn"]
+    sns.subscribe(
+        TopicArn=outputs["JobsFinishedTopicArn"],
+        Protocol="sqs",
+        Endpoint=subscriber_arn,
+        Attributes={"RawMessageDelivery": "true"},
+    )
+    notify_url = aws.sqs.create_queue(QueueName=f"{name}-notices")["QueueUrl"]
+
     uris = list(upload_samples(aws.s3, bucket, 3, seed=18))
     output = f"s3://{bucket}/results/deployed/"
     aws.send(queue_url, {"job_id": "deployed", "inputs": uris, "output": output})
@@ -219,8 +237,16 @@ def test_stack_deploys_into_moto_and_a_daemon_drains_its_queue(
             "1",
             "--log-dir",
             str(tmp_path),
+            "--notify-topic-arn",
+            outputs["JobsFinishedTopicArn"],
+            "--notify-queue-url",
+            notify_url,
         ],
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert aws.summary(output)["status"] == "succeeded"
+    summary = aws.summary(output)
+    assert summary["status"] == "succeeded"
+    for announced_on in (subscriber_url, notify_url):
+        [notice] = aws.sqs.receive_message(QueueUrl=announced_on)["Messages"]
+        assert json.loads(notice["Body"]) == summary
     assert aws.queue_depth(queue_url) == (0, 0)

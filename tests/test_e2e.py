@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from tests.conftest import REPO, Aws, run_daemon
 from worker.demo import upload_samples
@@ -40,8 +41,9 @@ def _last_modified(aws: Aws, output: str, name: str) -> Any:
 def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path) -> None:
     """20 jobs (1-input, 50-input and a 1,000-input manifest) plus one poison message:
     every job gets one result line per input, in order, its log and its summary
-    (written last); the queue ends empty, the poison is dead-lettered with its reason,
-    and the default model is right on at least 95% of the images."""
+    (written last), each naming the model; the queue ends empty, the poison is
+    dead-lettered with its reason, the default model is right on at least 95% of the
+    images, and `--timeline-dir` holds the run's Chrome trace and PNG."""
     stack = aws.stack()
     labels = upload_samples(aws.s3, stack.bucket, 1000, seed=11)
     uris = list(labels)
@@ -90,6 +92,10 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
             "1",
             "--log-dir",
             str(log_dir),
+            "--model-version",
+            "3",
+            "--timeline-dir",
+            str(tmp_path / "timeline"),
         ],
     )
     assert run.returncode == 0, run.stderr[-3000:]
@@ -106,6 +112,9 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
             and summary["items"] == len(inputs) == summary["succeeded"]
         )
         assert summary["attempt"] == 1
+        assert summary["model"]["name"] == "shapes-cnn" and summary["model"]["version"] == "3"
+        assert summary["model"]["digest"].startswith("sha256:")
+        assert {r["model"] for r in results} == {"shapes-cnn@3"}
         events = [json.loads(line)["event"] for line in aws.read(output, "job.log").splitlines()]
         assert events[0] == "job_received" and "job_finished" in events
         assert not (log_dir / f"{job_id}.log").exists()  # done: its log is in S3
@@ -121,6 +130,13 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
     ]
     assert dead[0]["Body"] == "this is not json"
     assert "not UTF-8 JSON" in dead[0]["MessageAttributes"]["reason"]["StringValue"]
+    trace = json.loads((tmp_path / "timeline" / "timeline.json").read_text())
+    calls = [event for event in trace["traceEvents"] if event["ph"] == "X"]
+    assert {event["name"] for event in calls} == {"fetch", "preprocess", "inference"}
+    inferred = sum(event["args"]["items"] for event in calls if event["name"] == "inference")
+    assert inferred >= total
+    with Image.open(tmp_path / "timeline" / "timeline.png") as png:
+        assert png.format == "PNG"
 
 
 def test_job_longer_than_four_visibility_timeouts_is_received_once(

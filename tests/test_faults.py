@@ -150,7 +150,9 @@ def test_bad_inputs_and_poison_messages_fail_alone(
             "60",
         )
     )
-    assert daemon.wait(240) == 0, (daemon.events("worker_broken"), daemon.stderr[-3000:])
+    exit_code = daemon.wait(240)
+    broken = daemon.events("worker_broken") + daemon.events("stage_thread_failed")
+    assert exit_code == 0, (broken, daemon.stderr[-3000:])
 
     results = aws.results(_out(stack, "mixed"))
     assert [r["input"] for r in results] == mixed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -13,9 +14,13 @@ from stages.model import default_classifier
 from stages.postprocess import top_k
 from stages.preprocess import default_preprocessor
 from stages.synthetic import LABELS, samples
+from tests.stagefns import SizeRecorder
+from worker.engine import bisection_sizes
 from worker.plugins import (
     PluginError,
+    identify,
     inference_setup,
+    load_model,
     load_postprocessor,
     load_preprocessor,
     preprocess_setup,
@@ -67,18 +72,75 @@ def test_model_files_give_the_same_answers_as_the_factory(
     assert set(predicted) <= set(LABELS)
 
 
+def test_a_model_is_identified_by_its_weights_and_named_as_asked(tmp_path: Path) -> None:
+    """The digest is the file's sha256, or the state dict's; it changes with any weight
+    and not with a fresh load of the same ones. Name and version default to the
+    module's attributes, then to the reference and the digest; settings override them."""
+    factory = "stages.model:default_classifier"
+    shipped = identify(factory, default_classifier(), None, None)
+    assert shipped == identify(factory, default_classifier(), None, None)
+    assert shipped.name == "shapes-cnn"  # the Classifier's model_name
+    assert shipped.version == shipped.digest.removeprefix("sha256:")[:12]
+    retrained = default_classifier()
+    with torch.no_grad():
+        retrained.net.head.bias[0] += 1e-3
+    assert identify(factory, retrained, None, None).digest != shipped.digest
+
+    path = tmp_path / "shapes.pt"
+    _save_torchscript(path)
+    loaded = load_model(str(path), torch.device("cpu"))
+    from_file = identify(str(path), loaded, None, None)
+    assert from_file.digest == f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()}"
+    assert from_file.name == "shapes.pt"
+    named = identify(str(path), loaded, "resnet50", "2026-11")
+    assert (named.name, named.version, named.label) == ("resnet50", "2026-11", "resnet50@2026-11")
+
+
+def test_the_model_is_warmed_up_at_every_size_bisection_falls_back_to() -> None:
+    """Bisecting n items calls the model with halves, rounded both ways, down to 1; the
+    set-up runs each of those sizes once and reports them with the model's identity."""
+    assert bisection_sizes(64) == [64, 32, 16, 8, 4, 2, 1]
+    assert bisection_sizes(48) == [48, 24, 12, 6, 3, 2, 1]
+    assert bisection_sizes(5) == [5, 3, 2, 1]
+    assert bisection_sizes(1) == [1]
+    SizeRecorder.sizes.clear()
+    about = inference_setup(
+        "tests.stagefns:SizeRecorder", "cpu", SHAPE, batch_size=6, model_version="7"
+    ).about
+    assert SizeRecorder.sizes == [1, 6, 3, 2, 1]  # the probe, then the warm-up
+    assert about["warm_up"]["batch_sizes"] == [6, 3, 2, 1]
+    assert (
+        about["model"]
+        == identify("tests.stagefns:SizeRecorder", SizeRecorder(), None, "7").as_dict()
+    )
+
+
+def test_a_warm_up_size_out_of_memory_is_noted_and_any_other_failure_stops_the_start() -> None:
+    """Out of memory over 8 images: the start goes on (the stage bisects and lowers its
+    batch size at run time, as for any batch). A model that raises otherwise on a full
+    batch of zeros does not start, and the error says to lower the batch size."""
+    about = inference_setup("tests.faults:fragile_classifier", "cpu", SHAPE, batch_size=32).about
+    assert about["warm_up"]["out_of_memory"] == [32, 16]
+    with pytest.raises(PluginError, match=r"batch of 2 zeros.*lower --batch-size"):
+        inference_setup("tests.stagefns:one_at_a_time", "cpu", SHAPE, batch_size=2)
+
+
 def test_bfloat16_and_channels_last_are_applied_and_keep_the_answers() -> None:
     """`--precision bfloat16 --channels-last` reach the model (probed), and the default
     model's answers stay those of float32."""
     batch = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
     probe = inference_setup("tests.stagefns:LayoutProbe", "cpu", (3, 8, 8))
     assert probe.run(batch, [None] * 2) == [[0.0, 0.0, 0.0]] * 2
-    tuned = inference_setup("tests.stagefns:LayoutProbe", "cpu", (3, 8, 8), "bfloat16", True)
+    tuned = inference_setup(
+        "tests.stagefns:LayoutProbe", "cpu", (3, 8, 8), precision="bfloat16", channels_last=True
+    )
     assert tuned.run(batch, [None] * 2) == [[1.0, 1.0, 1.0]] * 2
     batch, _ = _batch(16)
     default = "stages.model:default_classifier"
     plain = inference_setup(default, "cpu", SHAPE).run(batch, [None] * 16)
-    fast = inference_setup(default, "cpu", SHAPE, "bfloat16", True).run(batch, [None] * 16)
+    fast = inference_setup(default, "cpu", SHAPE, precision="bfloat16", channels_last=True).run(
+        batch, [None] * 16
+    )
     assert [top_k(row, {})["label"] for row in fast] == [top_k(row, {})["label"] for row in plain]
     assert torch.allclose(torch.tensor(fast), torch.tensor(plain), atol=0.05)
 

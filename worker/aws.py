@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient
     from mypy_boto3_s3 import S3Client
     from mypy_boto3_s3.type_defs import ObjectIdentifierTypeDef
+    from mypy_boto3_sns import SNSClient
     from mypy_boto3_sqs import SQSClient
     from mypy_boto3_sqs.type_defs import MessageTypeDef
 
@@ -181,6 +182,10 @@ def sqs_client() -> SQSClient:
     return boto3.session.Session().client("sqs", config=_config())
 
 
+def sns_client() -> SNSClient:
+    return boto3.session.Session().client("sns", config=_config())
+
+
 def autoscaling_client() -> AutoScalingClient:
     return boto3.session.Session().client("autoscaling", config=_config())
 
@@ -200,6 +205,18 @@ class SqsSender(_Retrying):
 
     def __call__(self, body: str) -> None:
         self._call(lambda: self._client.send_message(QueueUrl=self._queue_url, MessageBody=body))
+
+
+class SnsPublisher(_Retrying):
+    """Publishes messages to one SNS topic (completion notices, fanned out by SNS)."""
+
+    def __init__(self, client: SNSClient, topic_arn: str, attempts: int = DEFAULT_AWS_MAX_ATTEMPTS):
+        super().__init__(attempts)
+        self._client = client
+        self._topic_arn = topic_arn
+
+    def __call__(self, body: str) -> None:
+        self._call(lambda: self._client.publish(TopicArn=self._topic_arn, Message=body))
 
 
 class SqsJobSource(_Retrying):

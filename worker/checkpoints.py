@@ -26,13 +26,16 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage
 from worker.ports import BlobStore
+
+if TYPE_CHECKING:
+    from worker.plugins import ModelIdentity
 
 log = structlog.get_logger()
 
@@ -47,10 +50,11 @@ COMPLETED_OUTPUTS = ("results.jsonl", "job.log")
 CHECK_EVERY_S = 1.0
 
 
-def request_digest(inputs: list[str], params: dict[str, Any]) -> str:
-    """Names one request: its inputs, in order, and its params (job.json records it as
-    `request_digest`)."""
-    request = json.dumps([inputs, params], sort_keys=True, separators=(",", ":"))
+def request_digest(inputs: list[str], params: dict[str, Any], model: ModelIdentity) -> str:
+    """Names one request: its inputs, in order, its params and the model that answers it
+    (job.json records it as `request_digest`). Another model's results are another
+    request's: they are neither resumed from nor taken as done."""
+    request = json.dumps([inputs, params, model.as_dict()], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(request.encode()).hexdigest()[:REQUEST_DIGEST_CHARS]
 
 
@@ -75,9 +79,9 @@ class Checkpoints:
         self._blobs = blobs
         self._ledger = ledger
 
-    def read(self, spec: JobMessage, inputs: list[str]) -> Prior:
+    def read(self, spec: JobMessage, inputs: list[str], model: ModelIdentity) -> Prior:
         """One listing of the output prefix, then job.json and checkpoint parts as needed."""
-        digest = request_digest(inputs, spec.params)
+        digest = request_digest(inputs, spec.params, model)
         listing = self._blobs.objects_under(spec.output_location(""))
         summary = None
         if "job.json" in listing:

@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from worker import aws
 from worker.checkpoints import CANCEL_MARKER
+from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
 from worker.joblog import configure_daemon_logging
 from worker.message import JobMessage
 from worker.plugins import PluginError
@@ -27,6 +28,18 @@ from worker.ports import S3Location
 from worker.settings import DEFAULT_METRICS_PORT, add_settings_flags, settings_from_flags
 
 EXIT_USAGE = 2
+# What `bench --model` takes of the daemon's settings, and how many images it runs.
+BENCH_MODEL_IMAGES = 2000
+BENCH_MODEL_SETTINGS = (
+    "model",
+    "preprocess",
+    "postprocess",
+    "device",
+    "precision",
+    "channels_last",
+    "batch_size",
+    "preprocess_workers",
+)
 WAIT_POLL_S = 1.0
 HEALTHCHECK_TIMEOUT_S = 4.0
 
@@ -92,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the queue is drained, and print what each job produced.",
     )
     demo.add_argument("--out", default="demo-out", help="where logs and downloaded results go")
+    demo.add_argument(
+        "--images",
+        type=int,
+        default=DEMO_IMAGES,
+        help=f"sample images to draw and upload; the large job reads them all, the six small "
+        f"ones take the first {DEMO_SMALL_JOB_IMAGES} (default: %(default)s)",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -103,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="bench-out", help="where the report and timeline go")
     bench.add_argument("--quick", action="store_true", help="smaller inputs, shorter runs")
+    own_model = bench.add_argument_group(
+        "your own model",
+        "With any of these, only the overlap figure runs, on that model and settings: "
+        "the daemon's images/s over the model's alone on ready batches, the inference "
+        "lane's busy fraction, and the timeline.",
+    )
+    add_settings_flags(own_model, only=BENCH_MODEL_SETTINGS)
+    own_model.add_argument(
+        "--images",
+        type=int,
+        help=f"images through the daemon, in jobs of 100 (default: {BENCH_MODEL_IMAGES})",
+    )
 
     healthcheck = commands.add_parser(
         "healthcheck",
@@ -143,11 +175,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(_healthcheck(args.port))
     if args.command == "bench":
         from bench.run import main as run_bench
+        from bench.run import own_model
 
+        chosen = {k: v for k, v in vars(args).items() if k in BENCH_MODEL_SETTINGS}
+        if chosen or args.images is not None:
+            sys.exit(own_model(Path(args.out), args.images or BENCH_MODEL_IMAGES, **chosen))
         sys.exit(run_bench(Path(args.out), args.quick))
-    from worker.demo import run_demo
 
-    sys.exit(run_demo(args.out))
+    if args.images < DEMO_SMALL_JOB_IMAGES:
+        print(f"--images: at least {DEMO_SMALL_JOB_IMAGES}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    sys.exit(run_demo(args.out, args.images))
 
 
 def _exit_before_start(_signum: int, _frame: object) -> None:
@@ -168,9 +206,11 @@ def _run(args: argparse.Namespace) -> int:
     attempts = settings.aws_max_attempts
     source = aws.SqsJobSource(sqs, settings.queue_url, settings.dlq_url, attempts)
     blobs = aws.S3BlobStore(aws.s3_client(settings.s3_connections), attempts)
-    notify = None
+    notify: list[Callable[[str], None]] = []
     if settings.notify_queue_url:
-        notify = aws.SqsSender(sqs, settings.notify_queue_url, attempts)
+        notify.append(aws.SqsSender(sqs, settings.notify_queue_url, attempts))
+    if settings.notify_topic_arn:
+        notify.append(aws.SnsPublisher(aws.sns_client(), settings.notify_topic_arn, attempts))
     try:
         guard = aws.scale_in_guard(
             settings.protection,

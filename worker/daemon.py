@@ -26,7 +26,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import structlog
 
@@ -39,7 +40,13 @@ from worker.leases import LeaseKeeper
 from worker.ledger import Ledger
 from worker.metrics import Metrics, serving
 from worker.outcomes import Lifecycle, Outcomes
-from worker.plugins import inference_setup, load_postprocessor, load_preprocessor, preprocess_setup
+from worker.plugins import (
+    ModelIdentity,
+    inference_setup,
+    load_postprocessor,
+    load_preprocessor,
+    preprocess_setup,
+)
 from worker.ports import BlobStore, JobSource, NoticeSource, S3Location, ScaleInGuard
 from worker.protection import ProtectionKeeper
 from worker.reporting import JobObserver, ProgressReporter
@@ -47,12 +54,16 @@ from worker.results import Finisher, Regrouper
 from worker.settings import Settings
 from worker.shutdown import ExitCode, Shutdown
 from worker.supervisor import Progress, Supervisor
-from worker.timeline import Timeline
+from worker.timeline import Timeline, TimelineWriter
 
 __all__ = ["Daemon", "ExitCode"]
 
 log = structlog.get_logger()
 
+# A live daemon's timeline: how often it is written, and how many stage calls it keeps
+# (about 100 bytes each).
+TIMELINE_EVERY_S = 60.0
+TIMELINE_KEEP = 100_000
 # A healthy daemon moves something at least every batch, or replaces a hung worker.
 STALL_MARGIN_S = 60.0
 WATCHDOG_INTERVAL_S = 5.0
@@ -69,7 +80,7 @@ class Daemon:
         *,
         guard: ScaleInGuard | None = None,
         notices: NoticeSource | None = None,
-        notify: Callable[[str], None] | None = None,
+        notify: Sequence[Callable[[str], None]] = (),
         timeline: Timeline | None = None,
     ):
         self._settings = settings
@@ -96,6 +107,12 @@ class Daemon:
         self._shutdown = shutdown = Shutdown(
             ledger, metrics, settings.grace_seconds, settings.interruption_margin_seconds
         )
+        self._timeline_writer = None
+        if settings.timeline_dir:
+            timeline = timeline or Timeline(keep=TIMELINE_KEEP)
+            self._timeline_writer = TimelineWriter(
+                timeline, settings.timeline_dir, TIMELINE_EVERY_S
+            )
         observer = JobObserver(ledger, metrics, progress, timeline, shutdown.broken)
         self._pipeline = _pipeline(settings, blobs, observer)
         worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
@@ -133,12 +150,14 @@ class Daemon:
             else None
         )
         postprocess = load_postprocessor(settings.postprocess)
+        self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
         intake = Intake(
             settings,
             source,
             blobs,
             lifecycle,
             shutdown.stopping,
+            model=self._model,
             checkpoints=checkpoints,
             finish=finisher.submit,
             on_drained=shutdown.drained,
@@ -156,6 +175,8 @@ class Daemon:
             self._units["protection"] = self._protection.run
         if self._interruptions:
             self._units["interruptions"] = self._interruptions.run
+        if self._timeline_writer:
+            self._units["timeline"] = self._timeline_writer.run
         self._supervisor = Supervisor(
             shutdown.broken, progress, lambda: len(ledger) > 0, shutdown.requested
         )
@@ -172,6 +193,7 @@ class Daemon:
                     serving(self._settings.metrics_port, self._metrics, self.health_problem)
                 )
             self._pipeline.start()
+            self._model_ready()
             if self._interruptions:  # a restarted daemon takes no work on a doomed machine
                 self._interruptions.check()
             for name, unit in self._units.items():
@@ -185,13 +207,23 @@ class Daemon:
         return reason
 
     def health_problem(self) -> str | None:
-        """Why the daemon is unhealthy (broken, a stage down, stalled), or None."""
+        """Why the daemon is not serving (starting, broken, a stage down, stalled), or None."""
         if self._shutdown.broken_cause is not None:
             return f"broken: {self._shutdown.broken_cause}"
+        if not self._model.done():
+            return "starting: the pipeline is being set up and the model warmed up"
         dead = self._pipeline.dead_stages()
         if dead:
             return f"stage worker down: {', '.join(dead)}"
         return self._supervisor.stall()
+
+    def _model_ready(self) -> None:
+        """Take the model's identity from the inference stage, set up and warmed up."""
+        about = self._pipeline.about("inference")
+        model = ModelIdentity(**about["model"])
+        self._metrics.model.info(model.as_dict())
+        log.info("model_ready", **model.as_dict(), warm_up=about["warm_up"])
+        self._model.set_result(model)
 
     def stop(self) -> None:
         """Shut down as on SIGTERM (for a daemon embedded in another program)."""
@@ -226,6 +258,8 @@ class Daemon:
         self._pipeline.close()
         self._leases.stop()
         self._reporter.stop()
+        if self._timeline_writer:
+            self._timeline_writer.stop()
 
 
 def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:
@@ -251,8 +285,11 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
                 settings.model,
                 settings.device,
                 tuple(item_shape),
-                settings.precision,
-                settings.channels_last,
+                batch_size=settings.batch_size,
+                precision=settings.precision,
+                channels_last=settings.channels_last,
+                model_name=settings.model_name,
+                model_version=settings.model_version,
             ),
             batch_size=settings.batch_size,
             max_batch_wait_ms=settings.max_batch_wait_ms,

@@ -38,6 +38,16 @@ LOCAL_AWS_ENV = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 DEMO_MAX_RECEIVE_COUNT = 3
+DEMO_IMAGES = 400
+DEMO_SMALL_JOBS = {
+    "single-1": 1,
+    "single-2": 1,
+    "single-3": 1,
+    "small-1": 3,
+    "small-2": 5,
+    "medium": 50,
+}
+DEMO_SMALL_JOB_IMAGES = sum(DEMO_SMALL_JOBS.values())
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,7 @@ def read_output(s3: S3Client, output: str, name: str) -> bytes:
     return s3.get_object(Bucket=location.bucket, Key=location.key)["Body"].read()
 
 
-def run_demo(out: str) -> int:
+def run_demo(out: str, images: int = DEMO_IMAGES) -> int:
     """Run the demo end to end and print a table of what each job produced."""
     out_dir = Path(out)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -121,7 +131,7 @@ def run_demo(out: str) -> int:
         session = boto3.session.Session()
         sqs, s3 = session.client("sqs"), session.client("s3")
         stack = create_stack(sqs, s3, "demo")
-        labels = upload_samples(s3, stack.bucket, 400)
+        labels = upload_samples(s3, stack.bucket, images)
         print(f"uploaded {len(labels)} sample images to s3://{stack.bucket}/images/")
         jobs = _enqueue_demo_jobs(sqs, s3, stack, list(labels))
         print(f"enqueued {len(jobs)} jobs; running the daemon until the queue is drained...")
@@ -138,10 +148,9 @@ def run_demo(out: str) -> int:
 def _enqueue_demo_jobs(
     sqs: SQSClient, s3: S3Client, stack: Stack, uris: list[str]
 ) -> dict[str, str]:
-    sizes = {"single-1": 1, "single-2": 1, "single-3": 1, "small-1": 3, "small-2": 5, "medium": 50}
     jobs: dict[str, str] = {}
     start = 0
-    for job_id, size in sizes.items():
+    for job_id, size in DEMO_SMALL_JOBS.items():
         output = f"s3://{stack.bucket}/results/{job_id}/"
         body = {"job_id": job_id, "inputs": uris[start : start + size], "output": output}
         sqs.send_message(QueueUrl=stack.queue_url, MessageBody=json.dumps(body))

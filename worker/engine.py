@@ -35,7 +35,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
@@ -90,10 +90,13 @@ class ItemError:
 @dataclass(frozen=True)
 class StageFunction:
     """What a process stage's set-up may return instead of a bare function: the function,
-    and a probe that runs it on known-good input and raises if that fails."""
+    a probe that runs it on known-good input and raises if that fails, and what the
+    set-up found out about itself (which model it loaded, how long it warmed up), which
+    the stage hands to the daemon once its children are ready."""
 
     run: Callable[..., Any]
     probe: Callable[[], object] | None = None
+    about: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -146,7 +149,7 @@ def isolate_failures(
             if len(positions) == 1:
                 outcomes[positions[0]] = ItemError.from_exception(error, stage)
                 return
-            middle = len(positions) // 2
+            middle = _middle(len(positions))
             run(positions[:middle])
             run(positions[middle:])
             return
@@ -156,6 +159,23 @@ def isolate_failures(
     if count:
         run(list(range(count)))
     return outcomes
+
+
+def bisection_sizes(count: int) -> list[int]:
+    """Every batch size `isolate_failures` may call with when it bisects `count` items
+    (largest first): the sizes a model must also run at after an error or an OOM."""
+    sizes: set[int] = set()
+    pending = {count}
+    while pending:
+        size = pending.pop()
+        if size >= 1 and size not in sizes:
+            sizes.add(size)
+            pending |= {_middle(size), size - _middle(size)}
+    return sorted(sizes, reverse=True)
+
+
+def _middle(count: int) -> int:
+    return count // 2
 
 
 def _apply(items: Sequence[Item], outcomes: Sequence[Any]) -> None:
@@ -402,6 +422,7 @@ class _ChildProcess:
         self._requests: queue.SimpleQueue[Any] | None = None
         self._lifeline: Connection | None = None
         self._ready = False
+        self.about: Mapping[str, Any] = {}
 
     def start(self) -> None:
         """Spawn the child and wait until its set-up is done. A child that dies or hangs
@@ -447,6 +468,7 @@ class _ChildProcess:
         if status != "ready":
             self.stop(graceful=False)
             raise StageSetupError(f"{self._name} set-up failed:\n{detail}")
+        pid, self.about = detail
         self._requests = queue.SimpleQueue()
         threading.Thread(
             target=_write_requests,
@@ -455,7 +477,7 @@ class _ChildProcess:
             daemon=True,
         ).start()
         self._ready = True
-        log.info("stage_worker_started", stage=self._stage.name, worker=self._name, pid=detail)
+        log.info("stage_worker_started", stage=self._stage.name, worker=self._name, pid=pid)
 
     def alive(self) -> bool:
         """Set up and running: False from a crash until its replacement is ready."""
@@ -595,6 +617,10 @@ class ProcessStage(_Stage):
 
     def alive(self) -> bool:
         return super().alive() and all(child.alive() for child in self._children)
+
+    def about(self) -> Mapping[str, Any]:
+        """What the set-up of its first child reported (`StageFunction.about`)."""
+        return self._children[0].about if self._children else {}
 
     def _serve_child(self, child: _ChildProcess) -> None:
         """Feed `child` batches until the inbox closes.
@@ -796,7 +822,7 @@ def _child_main(
         conn.send(("setup_failed", traceback.format_exc()))
         return
     gatherer = BatchGatherer(arena) if plan.arena_mode == "read" and arena is not None else None
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", (os.getpid(), stage_fn.about)))
     while True:
         try:
             request = conn.recv()
@@ -934,6 +960,13 @@ class Pipeline:
             stage.name: len(inbox)
             for stage, inbox in zip(self._stages, self._channels, strict=False)
         }
+
+    def about(self, stage_name: str) -> Mapping[str, Any]:
+        """What a started process stage's set-up reported about itself."""
+        for stage in self._stages:
+            if stage.name == stage_name and isinstance(stage, ProcessStage):
+                return stage.about()
+        raise KeyError(f"no process stage named {stage_name!r}")
 
     def dead_stages(self) -> list[str]:
         """Stages with a worker down (crashed, or being restarted right now)."""

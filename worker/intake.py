@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import structlog
@@ -22,6 +22,7 @@ from worker.joblog import JobLog
 from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
+from worker.plugins import ModelIdentity
 from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
 from worker.settings import SQS_MAX_MESSAGES_PER_RECEIVE, Settings
 
@@ -50,6 +51,7 @@ class Intake:
         lifecycle: Lifecycle,
         stopping: threading.Event,
         *,
+        model: Future[ModelIdentity],
         checkpoints: Checkpoints,
         finish: Callable[[Job], None],
         on_drained: Callable[[], None],
@@ -57,6 +59,7 @@ class Intake:
         self._settings = settings
         self._source = source
         self._blobs = blobs
+        self._model = model  # known once the inference stage is set up, before the first receive
         self._checkpoints = checkpoints
         self._finish = finish
         self._ledger = lifecycle.ledger
@@ -154,7 +157,7 @@ class Intake:
                 raise PoisonMessage(
                     f"{len(inputs)} inputs is over the limit of {settings.max_items_per_job}"
                 )
-            prior = self._checkpoints.read(spec, inputs)
+            prior = self._checkpoints.read(spec, inputs, self._model.result())
         except PoisonMessage as poison:
             self._outcomes.dead_letter(job, str(poison))
             return None
@@ -180,6 +183,7 @@ class Intake:
         spec, inputs, prior = admission
         job_id = spec.job_id or job.message.job_message_id
         log_dir = self._settings.log_dir
+        job.model = self._model.result()
         job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
         log_file = JobLog(log_dir / f"{job_id}.log", job_id, prior.earlier_log)

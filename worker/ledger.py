@@ -39,12 +39,15 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.channel import Closed
 from worker.joblog import JobLog
 from worker.message import JobMessage
 from worker.ports import ReceivedMessage
+
+if TYPE_CHECKING:
+    from worker.plugins import ModelIdentity
 
 
 class JobState(StrEnum):
@@ -132,6 +135,7 @@ class Job:
     resumed: int = 0  # results an earlier delivery checkpointed
     cancelled: bool = False
     unsaved: list[int] = field(default_factory=list)  # results not yet checkpointed
+    model: ModelIdentity | None = None  # the model it runs on, part of its request
     request_digest: str = ""
     output_etags: dict[str, str] = field(default_factory=dict)  # as seen at admission
     checkpoint: CheckpointState = field(default_factory=CheckpointState)

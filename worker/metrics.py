@@ -15,7 +15,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
 from prometheus_client.exposition import generate_latest
 
 log = structlog.get_logger()
@@ -34,6 +41,9 @@ class Metrics:
         )
         self.items = Counter(
             "worker_items", "Items finished, by outcome.", ["outcome"], registry=registry
+        )
+        self.model = Info(
+            "worker_model", "The model serving: name, version and digest.", registry=registry
         )
         self.jobs_in_flight = Gauge("worker_jobs_in_flight", "Jobs held now.", registry=registry)
         self.stage_busy = Counter(

@@ -7,15 +7,18 @@ is received.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from worker.engine import StageFunction
+from worker.engine import StageFunction, bisection_sizes
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
 EXPORT_SUFFIX = ".pt2"
@@ -73,6 +76,54 @@ def load_postprocessor(reference: str) -> Postprocessor:
     return postprocessor  # type: ignore[no-any-return]
 
 
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which model produced a result: a name and a version people choose, and the
+    sha256 of what was loaded (the model file, or the module's state dict), which
+    changes whenever the weights do even if nobody bumped the version."""
+
+    name: str
+    version: str
+    digest: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def identify(
+    reference: str, model: torch.nn.Module, name: str | None, version: str | None
+) -> ModelIdentity:
+    """The model's identity: the name and version given, else the module's own
+    `model_name` / `model_version` attributes, else the file's name or the factory's
+    reference and the digest's first 12 digits."""
+    if reference.endswith((EXPORT_SUFFIX, *TORCHSCRIPT_SUFFIXES)):
+        with open(reference, "rb") as file:
+            digest = hashlib.file_digest(file, "sha256").hexdigest()
+        default_name = Path(reference).name
+    else:
+        digest = _state_digest(model)
+        default_name = reference
+    return ModelIdentity(
+        name=name or getattr(model, "model_name", None) or default_name,
+        version=version or getattr(model, "model_version", None) or digest[:12],
+        digest=f"sha256:{digest}",
+    )
+
+
+def _state_digest(model: torch.nn.Module) -> str:
+    """sha256 over the state dict's names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}:{flat.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` is the first GPU when there is one, else the CPU."""
     if name == "auto":
@@ -106,13 +157,19 @@ def inference_setup(
     model_reference: str,
     device_name: str,
     item_shape: tuple[int, ...],
+    *,
+    batch_size: int = 1,
     precision: str = "float32",
     channels_last: bool = False,
+    model_name: str | None = None,
+    model_version: str | None = None,
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
-    batch of zeros, and return the batch function with that check as its probe."""
+    batch of zeros, warm it up, and return the batch function with that check as its
+    probe and the model's identity and warm-up time as what it reports."""
     device = resolve_device(device_name)
     model = load_model(model_reference, device)
+    identity = identify(model_reference, model, model_name, model_version)
     if channels_last:
         # Module.to takes memory_format (torch documents it); its type stubs omit it.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -141,7 +198,36 @@ def inference_setup(
             "daemon runs one at start, and again whenever a whole batch fails, to tell a "
             "broken worker from bad inputs"
         ) from error
-    return StageFunction(infer, probe)
+    warm_up = _warm_up(infer, item_shape, bisection_sizes(batch_size))
+    return StageFunction(infer, probe, {"model": identity.as_dict(), "warm_up": warm_up})
+
+
+def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) -> dict[str, Any]:
+    """Run a batch of zeros at each size the stage will meet first: the batch size, and
+    the sizes that error bisection and OOM recovery fall back to. The first real jobs
+    then do not pay for lazy CUDA init, cuDNN's autotuning or a compile step. A size
+    that does not fit in memory is noted, not fatal: the stage bisects such batches and
+    lowers its batch size, as it would for any batch that runs out of memory."""
+    started = time.perf_counter()
+    out_of_memory = []
+    for size in sizes:
+        batch = torch.zeros((size, *item_shape), dtype=torch.uint8)
+        try:
+            infer(batch, [None] * size)
+        except torch.OutOfMemoryError:
+            out_of_memory.append(size)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception as error:
+            raise PluginError(
+                f"the model fails on a batch of {size} zeros ({type(error).__name__}: "
+                f"{error}); lower --batch-size to what it takes"
+            ) from error
+    return {
+        "batch_sizes": sizes,
+        "out_of_memory": out_of_memory,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
 def preprocess_setup(reference: str) -> StageFunction:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -88,8 +88,10 @@ class Regrouper:
         record: dict[str, Any] = {"index": item.index, "input": job.inputs[item.index]}
         error = item.error
         if error is None:
+            assert job.model is not None
             try:
-                return {**record, **self._postprocess(item.value, job.spec.params)}
+                prediction = self._postprocess(item.value, job.spec.params)
+                return {**record, **prediction, "model": job.model.label}
             except Exception as failure:
                 error_fields = {"type": type(failure).__name__, "message": str(failure)[:1000]}
                 stage = "postprocess"
@@ -117,7 +119,7 @@ class Finisher:
         checkpoints: Checkpoints,
         lifecycle: Lifecycle,
         worker_info: dict[str, Any],
-        notify: Callable[[str], None] | None,
+        notify: Sequence[Callable[[str], None]],
         *,
         capacity: int,
     ):
@@ -176,9 +178,10 @@ class Finisher:
             "job_finished",
             **{key: summary[key] for key in ("job_id", "status", "items", "duration_s")},
         )
-        if self._notify:
+        notice = json.dumps(summary)
+        for notify in self._notify:
             try:
-                self._notify(json.dumps(summary))
+                notify(notice)
             except Exception as error:
                 log.warning("notify_failed", job_id=job.job_id, error=repr(error))
 
@@ -247,6 +250,7 @@ class Finisher:
         )
 
     def _summary(self, job: Job) -> dict[str, Any]:
+        assert job.model is not None
         finished_at = time.time()
         return {
             "job_id": job.job_id,
@@ -256,6 +260,7 @@ class Finisher:
             "failed": job.failed,
             "resumed": job.resumed,
             "request_digest": job.request_digest,
+            "model": job.model.as_dict(),
             "received_at": _iso(job.received_at),
             "finished_at": _iso(finished_at),
             "duration_s": round(finished_at - job.received_at, 3),

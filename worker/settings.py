@@ -7,6 +7,7 @@ Every field is also a command-line flag (`--batch-size`) and an environment vari
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -55,6 +56,16 @@ class Settings(BaseSettings):
         description="The model: 'module:factory' (a function returning a torch module), a "
         "torch.export archive 'path.pt2' or a TorchScript file 'path.pt'. It takes a uint8 "
         "NCHW batch on the device.",
+    )
+    model_name: str | None = Field(
+        default=None,
+        description="The model's name in job.json, results.jsonl and metrics (default: the "
+        "module's model_name attribute, else the file name or the factory's reference).",
+    )
+    model_version: str | None = Field(
+        default=None,
+        description="The model's version (default: the module's model_version attribute, "
+        "else the first 12 digits of its sha256 digest).",
     )
     preprocess: str = Field(
         default="stages.preprocess:default_preprocessor",
@@ -239,10 +250,21 @@ class Settings(BaseSettings):
         le=65535,
         description="Port serving /metrics (Prometheus) and /healthz; 0 turns both off.",
     )
+    timeline_dir: Path | None = Field(
+        default=None,
+        description="Write where the time goes here, every minute and at exit: "
+        "timeline.json (a Chrome trace of the last 100,000 stage calls, for Perfetto) and "
+        "timeline.png (one lane per stage).",
+    )
     notify_queue_url: str | None = Field(
         default=None,
         description="SQS queue that gets each finished job's job.json as a message "
         "(for services waiting on results).",
+    )
+    notify_topic_arn: str | None = Field(
+        default=None,
+        description="SNS topic that gets each finished job's job.json as a message (to fan "
+        "out to queues, Lambdas, e-mail; subscribers may filter on its status).",
     )
 
     @property
@@ -317,9 +339,12 @@ class Settings(BaseSettings):
         return self
 
 
-def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per settings field, with its description and default as help."""
+def add_settings_flags(parser: argparse._ActionsContainer, only: Sequence[str] = ()) -> None:
+    """Add one flag per settings field (or per field named in `only`), with its
+    description and default as help."""
     for name, field in Settings.model_fields.items():
+        if only and name not in only:
+            continue
         flag = "--" + name.replace("_", "-")
         env = f"WORKER_{name.upper()}"
         default = "" if field.is_required() else f" [default: {_show(field.default)}]"

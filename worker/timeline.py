@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from PIL import Image, ImageDraw
+
+log = structlog.get_logger()
 
 LANE_HEIGHT = 36
 LABEL_WIDTH = 110
@@ -32,10 +37,10 @@ class Interval:
 
 
 class Timeline:
-    """Busy intervals of every stage worker; thread-safe."""
+    """Busy intervals of every stage worker (the last `keep` of them, or all); thread-safe."""
 
-    def __init__(self) -> None:
-        self._intervals: list[Interval] = []
+    def __init__(self, keep: int | None = None) -> None:
+        self._intervals: deque[Interval] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
     def record(self, stage: str, items: int, duration_s: float) -> None:
@@ -71,6 +76,18 @@ class Timeline:
             else:
                 spans.append((interval.start_s, interval.end_s))
         return spans
+
+    def write(self, directory: Path, title: str) -> None:
+        """timeline.json (the Chrome trace) and timeline.png in `directory`, each put in
+        place whole, so a reader never opens half of one."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, write in (
+            ("timeline.json", self.write_chrome_trace),
+            ("timeline.png", lambda path: self.write_png(path, title)),
+        ):
+            partial = directory / f".{name}.partial{Path(name).suffix}"
+            write(partial)
+            os.replace(partial, directory / name)
 
     def write_chrome_trace(self, path: Path) -> None:
         """Chrome trace event format: one complete ('X') event per interval."""
@@ -144,3 +161,30 @@ def _column_shares(spans: list[tuple[float, float]], origin: float, span_s: floa
         for column in range(int(left), math.ceil(right)):
             shares[column] += min(right, column + 1) - max(left, column)
     return [min(share, 1.0) for share in shares]
+
+
+class TimelineWriter:
+    """Writes a running daemon's timeline to `directory` every `every_s`, and once more
+    when stopped."""
+
+    def __init__(self, timeline: Timeline, directory: Path, every_s: float):
+        self._timeline = timeline
+        self._directory = directory
+        self._every_s = every_s
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self._every_s):
+            self.write()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self.write()
+
+    def write(self) -> None:
+        """Never raises: a full disk is no reason to stop serving."""
+        calls = len(self._timeline.intervals())
+        try:
+            self._timeline.write(self._directory, f"worker pid {os.getpid()}, last {calls} calls")
+        except OSError as error:
+            log.warning("timeline_not_written", directory=str(self._directory), error=repr(error))
