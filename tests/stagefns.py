@@ -55,6 +55,17 @@ def faulty_writer() -> Callable[[Any, torch.Tensor], Any]:
     return write
 
 
+def faulty_runner() -> Callable[[Sequence[Any]], list[Any]]:
+    """Dies, segfaults, hangs or raises on the values named so; echoes the others."""
+
+    def run(values: Sequence[Any]) -> list[Any]:
+        for value in values:
+            inject_fault(str(value))
+        return list(values)
+
+    return run
+
+
 def kill_once_reader(marker_path: str) -> Callable[[torch.Tensor, Sequence[Any]], list[Any]]:
     """Dies on its first batch only (a marker file remembers), then answers."""
 

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import stagefns
+from worker import engine
 from worker.channel import Channel, Closed
 from worker.engine import (
     Item,
@@ -26,6 +27,7 @@ from worker.engine import (
     StageSetupError,
     TensorArena,
     ThreadStage,
+    _ChildProcess,
     isolate_failures,
 )
 
@@ -247,6 +249,36 @@ def test_a_hang_is_caught_while_a_big_request_waits_for_the_hung_child() -> None
         assert not runner.is_alive(), "the driver is stuck writing to a hung child"
     errors = {r.index: r.error for r in results if r.error}
     assert list(errors) == [0] and errors[0] is not None and errors[0].type == "WorkerHung"
+
+
+def test_a_stopped_childs_writer_ends_before_its_pipe_is_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replacement's pipe may get the descriptors the old one had, so a late write
+    of the old writer would reach the fresh child (it read the stop request and exited
+    0) or the daemon (it read None where it waited for "ready"). `stop` returns only
+    once the writer has ended, here one held up between taking a request and writing it."""
+    write_requests = engine._write_requests
+
+    class Late:
+        def __init__(self, requests: Any):
+            self._requests = requests
+
+        def get(self) -> Any:
+            request = self._requests.get()
+            time.sleep(0.5)
+            return request
+
+    monkeypatch.setattr(
+        engine, "_write_requests", lambda conn, requests: write_requests(conn, Late(requests))
+    )
+    child = _ChildProcess(ProcessStage("echo", stagefns.faulty_runner), 0)
+    child.start()
+    writer = next(t for t in threading.enumerate() if t.name == "echo-0-writer")
+    child.send([(None, "x")])
+    assert child.receive(5).outcomes == ["x"]
+    child.stop(graceful=False)
+    assert not writer.is_alive()
 
 
 def test_batch_retried_after_inference_process_dies(tmp_path: Any) -> None:

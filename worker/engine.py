@@ -421,6 +421,7 @@ class _ChildProcess:
         self._conn: Connection | None = None
         self._requests: queue.SimpleQueue[Any] | None = None
         self._lifeline: Connection | None = None
+        self._writer: threading.Thread | None = None
         self._ready = False
         self.about: Mapping[str, Any] = {}
 
@@ -470,12 +471,13 @@ class _ChildProcess:
             raise StageSetupError(f"{self._name} set-up failed:\n{detail}")
         pid, self.about = detail
         self._requests = queue.SimpleQueue()
-        threading.Thread(
+        self._writer = threading.Thread(
             target=_write_requests,
             args=(parent_conn, self._requests),
             name=f"{self._name}-writer",
             daemon=True,
-        ).start()
+        )
+        self._writer.start()
         self._ready = True
         log.info("stage_worker_started", stage=self._stage.name, worker=self._name, pid=pid)
 
@@ -543,7 +545,17 @@ class _ChildProcess:
             self._process.kill()
         self._process.join()
         self._process = None
-        if self._conn is not None:  # the writer, if stuck in a write, fails and ends
+        # With the child gone its writer's last write fails, or it writes the None above;
+        # either way it ends. It must end before the pipe is closed: a new pipe (the
+        # replacement's) may get the same descriptor numbers, and a late write of the
+        # old writer would land there (the fresh child read None and exited 0; the
+        # daemon read None where it waited for "ready").
+        if self._writer is not None:
+            self._writer.join(STOP_GRACE_S)
+            if self._writer.is_alive():
+                log.error("stage_writer_stuck", worker=self._name)
+            self._writer = None
+        if self._conn is not None:
             self._conn.close()
             self._conn = None
         if self._lifeline is not None:
