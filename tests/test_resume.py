@@ -3,6 +3,7 @@ a delivery finds under a job's output decides what it runs and what it may write
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -236,6 +237,24 @@ def test_a_job_cancelled_while_queued_is_acked_without_work(tmp_path: Path) -> N
     assert _output(blobs, "queued", "job.json")["status"] == "succeeded"
 
 
+def test_a_cancel_that_names_a_job_id_is_for_that_job_alone(tmp_path: Path) -> None:
+    """`worker cancel --job-id`: a `cancel` naming another job is no cancel for this one
+    (it runs, and the daemon logs it); one naming it is."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 3)
+    for job_id, meant_for in (("other", "someone-else"), ("named", "named")):
+        blobs.objects[f"s3://bkt/out/{job_id}/{CANCEL_MARKER}"] = json.dumps(
+            {"job_id": meant_for}
+        ).encode()
+        _send(source, job_id, uris)
+    with capture_logs() as logs:
+        _run(source, blobs, tmp_path)
+    assert _output(blobs, "other", "job.json")["status"] == "succeeded"
+    assert _output(blobs, "named", "job.json")["status"] == "cancelled"
+    ignored = [e for e in logs if e["event"] == "cancel_for_another_job"]
+    assert ignored and ignored[0]["cancel_job_id"] == "someone-else"
+
+
 def test_a_running_job_is_cancelled_within_one_progress_interval(tmp_path: Path) -> None:
     """The job stops being fed; job.json says `cancelled` with what was finished, those
     results are in results.jsonl in input order, and the message is deleted."""
@@ -344,9 +363,10 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
 ) -> None:
     """`worker cancel --output` on a running job: the daemon stops it within a progress
     interval, writes job.json `cancelled` with what it finished, and deletes its message;
-    `enqueue --wait` shows it. A job cancelled before it is received is acked unread."""
+    `enqueue --wait` shows it. A job cancelled before it is received is acked unread.
+    `--job-id` is refused for an output another job is writing."""
     stack = aws.stack()
-    uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 12 s of work
+    uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 24 s of work
     running, queued = _out(stack, "running"), _out(stack, "queued")
     follower = subprocess.Popen(
         [*_enqueue_command(stack.queue_url, "running", running), "--wait", *uris],
@@ -358,12 +378,15 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
     )
     daemon = start_daemon(
         _args(stack, tmp_path, *_slow_model(1), "--progress-interval-seconds", "0.5", "--drain"),
-        env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.2"},
+        env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.4"},
     )
     daemon.wait_for("job_received")
     _cancel(aws, queued)
     _send_jobs(aws, stack, {"queued": uris})
-    _cancel(aws, running)
+    _wait_for_progress(aws, running)
+    wrong_job = _cancel(aws, running, "--job-id", "queued", check=False)
+    assert wrong_job.returncode == 1 and "job running's output" in wrong_job.stderr
+    _cancel(aws, running, "--job-id", "running")
     assert daemon.wait(60) == 0, daemon.stderr[-3000:]
     followed, _ = follower.communicate(timeout=30)
     assert follower.returncode == 1  # not succeeded
@@ -373,25 +396,31 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
     assert len(aws.results(running)) == summary["succeeded"]
     assert aws.summary(queued)["succeeded"] == 0 and aws.summary(queued)["status"] == "cancelled"
     assert aws.queue_depth(stack.queue_url) == (0, 0)
-    finished = subprocess.run(
-        [sys.executable, "-m", "worker", "cancel", "--output", running],
-        env=aws.env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    finished = _cancel(aws, running, check=False)
     assert finished.returncode == 1 and "nothing to cancel" in finished.stderr
 
 
-def _cancel(aws: Aws, output: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "worker", "cancel", "--output", output, "--reason", "test"],
+def _cancel(
+    aws: Aws, output: str, *flags: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "cancel", "--output", output, "--reason", "test", *flags],
         env=aws.env,
         cwd=REPO,
-        check=True,
+        check=check,
         capture_output=True,
+        text=True,
     )
+
+
+def _wait_for_progress(aws: Aws, output: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aws.s3.exceptions.NoSuchKey):
+            aws.read(output, "progress.json")
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no progress.json under {output}")
 
 
 def test_a_job_that_reaches_the_lease_ceiling_moving_forward_is_handed_over(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from worker.errors import MissingObject
 from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage
 from worker.ports import BlobStore
@@ -79,14 +80,16 @@ class Checkpoints:
         self._blobs = blobs
         self._ledger = ledger
 
-    def read(self, spec: JobMessage, inputs: list[str], model: ModelIdentity) -> Prior:
-        """One listing of the output prefix, then job.json and checkpoint parts as needed."""
+    def read(self, spec: JobMessage, job_id: str, inputs: list[str], model: ModelIdentity) -> Prior:
+        """One listing of the output prefix, then job.json, `cancel` and checkpoint parts
+        as needed."""
         digest = request_digest(inputs, spec.params, model)
         listing = self._blobs.objects_under(spec.output_location(""))
+        cancelled = self._cancel_stands(spec, job_id, listing)
         summary = None
         if "job.json" in listing:
             written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
-            if written and _completes(written, digest, listing):
+            if written and _completes(written, digest, listing, cancelled):
                 summary = written
         own_parts = sorted(name for name in listing if name.startswith(_part_prefix(digest)))
         resumed: dict[int, dict[str, Any]] = {}
@@ -107,7 +110,7 @@ class Checkpoints:
             digest,
             {name: listing[name] for name in FINAL_OUTPUTS if name in listing},
             summary,
-            CANCEL_MARKER in listing,
+            cancelled,
             frozenset(
                 name.removeprefix(SUPERSEDED_PREFIX)
                 for name in listing
@@ -119,9 +122,25 @@ class Checkpoints:
         )
 
     def cancel_requested(self, job: Job) -> bool:
-        """Whether a `cancel` object has appeared under the job's output."""
+        """Whether a `cancel` object for this job has appeared under its output."""
         assert job.spec is not None
-        return CANCEL_MARKER in self._blobs.objects_under(job.spec.output_location(""))
+        listing = self._blobs.objects_under(job.spec.output_location(""))
+        return self._cancel_stands(job.spec, job.job_id, listing)
+
+    def _cancel_stands(self, spec: JobMessage, job_id: str, listing: dict[str, str]) -> bool:
+        """A `cancel` object is for whatever job writes to its prefix, or, if it names a
+        `job_id` (`worker cancel --job-id`), for that job alone."""
+        if CANCEL_MARKER not in listing:
+            return False
+        try:
+            request = _json(self._blobs.get(spec.output_location(CANCEL_MARKER)), CANCEL_MARKER)
+        except MissingObject:  # withdrawn since the listing
+            return False
+        meant_for = (request or {}).get("job_id")
+        if meant_for not in (None, job_id):
+            log.warning("cancel_for_another_job", job_id=job_id, cancel_job_id=meant_for)
+            return False
+        return True
 
     def save(self, job: Job) -> None:
         """Write the results recorded since the last part (and the log lines with them)
@@ -203,15 +222,17 @@ class Checkpointer:
         return len(job.unsaved) >= self._every_items or waited_s >= self._every_s
 
 
-def _completes(summary: dict[str, Any], digest: str, listing: dict[str, str]) -> bool:
+def _completes(
+    summary: dict[str, Any], digest: str, listing: dict[str, str], cancelled: bool
+) -> bool:
     """Whether a job.json says this request is done: written for it, with the outputs it
-    completed still in place, and not a cancelled run whose `cancel` was since removed
+    completed still in place, and not a cancelled run whose cancel was since withdrawn
     (to run it again)."""
     completed = {name: listing.get(name) for name in COMPLETED_OUTPUTS}
     return (
         summary.get("request_digest") == digest
         and summary.get("outputs") == completed
-        and (summary.get("status") != "cancelled" or CANCEL_MARKER in listing)
+        and (summary.get("status") != "cancelled" or cancelled)
     )
 
 

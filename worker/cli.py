@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         "does the same without running it. A finished job (job.json written) is left as it is.",
     )
     cancel.add_argument("--output", required=True, help="the job's s3:// output prefix")
+    cancel.add_argument(
+        "--job-id",
+        help="cancel only the job of this id at --output (refused if another job writes "
+        "its progress there); without it, whatever job writes to --output",
+    )
     cancel.add_argument("--reason", default="", help="a note kept in the cancel object")
 
     demo = commands.add_parser(
@@ -170,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "enqueue":
         sys.exit(_enqueue(args))
     if args.command == "cancel":
-        sys.exit(_cancel(args.output, args.reason))
+        sys.exit(_cancel(args.output, args.job_id, args.reason))
     if args.command == "healthcheck":
         sys.exit(_healthcheck(args.port))
     if args.command == "bench":
@@ -276,17 +281,26 @@ def _enqueue(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cancel(output: str, reason: str) -> int:
+def _cancel(output: str, job_id: str | None, reason: str) -> int:
     try:
         prefix = S3Location.parse(output if output.endswith("/") else f"{output}/")
     except ValueError as error:
         print(f"--output: {error}", file=sys.stderr)
         return EXIT_USAGE
     blobs = aws.S3BlobStore(aws.s3_client(2))
-    if "job.json" in blobs.objects_under(prefix):
+    listing = blobs.objects_under(prefix)
+    if "job.json" in listing:
         print(f"{prefix}job.json exists: the job is finished, nothing to cancel", file=sys.stderr)
         return 1
+    if job_id and "progress.json" in listing:
+        where = S3Location(prefix.bucket, prefix.key + "progress.json")
+        running = json.loads(blobs.get(where)).get("job_id")
+        if running != job_id:
+            print(f"{prefix} is job {running}'s output, not {job_id}'s", file=sys.stderr)
+            return 1
     request = {"requested_at": datetime.now(UTC).isoformat(), "reason": reason}
+    if job_id:
+        request["job_id"] = job_id
     marker = S3Location(prefix.bucket, prefix.key + CANCEL_MARKER)
     blobs.put(marker, json.dumps(request).encode(), "application/json")
     print(f"cancel requested: {marker}")

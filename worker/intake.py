@@ -157,7 +157,8 @@ class Intake:
                 raise PoisonMessage(
                     f"{len(inputs)} inputs is over the limit of {settings.max_items_per_job}"
                 )
-            prior = self._checkpoints.read(spec, inputs, self._model.result())
+            job_id = spec.job_id or job.message.job_message_id
+            prior = self._checkpoints.read(spec, job_id, inputs, self._model.result())
         except PoisonMessage as poison:
             self._outcomes.dead_letter(job, str(poison))
             return None
@@ -167,7 +168,6 @@ class Intake:
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
             return None
-        job_id = spec.job_id or job.message.job_message_id
         if prior.summary is not None:
             log.info("job_already_done", job_id=job_id, status=prior.summary.get("status"))
             self._outcomes.ack(job)
