@@ -79,8 +79,8 @@ def fragile_classifier() -> nn.Module:
 
 class BreakableClassifier(nn.Module):
     """The default classifier, until the file named by $BREAK_MODEL_FILE exists: from
-    then on it fails every batch, as after a sticky CUDA error or an Xid. Each batch
-    takes at least $SLOW_MODEL_SECONDS_PER_BATCH (default 0)."""
+    then on it fails every batch, as after a sticky CUDA error or an Xid. Each batch of
+    images takes at least $SLOW_MODEL_SECONDS_PER_BATCH (default 0)."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -89,7 +89,8 @@ class BreakableClassifier(nn.Module):
         self.seconds_per_batch = float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "0"))
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds_per_batch)
+        if batch.any():  # the daemon's probe and warm-up (zeros) pay no stand-in time
+            time.sleep(self.seconds_per_batch)
         if self.marker and os.path.exists(self.marker):
             raise RuntimeError(CUDA_ERROR)
         return self.inner(batch)  # type: ignore[no-any-return]

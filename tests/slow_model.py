@@ -10,17 +10,24 @@ from torch import nn
 
 
 class SlowUniform(nn.Module):
-    """Sleeps, then answers 'circle' for everything."""
+    """Sleeps on every batch of images, then answers 'circle' for everything. The
+    daemon's own batches of zeros (its probe, the warm-up at each batch size) are
+    answered at once: a test pays for the items it sends, not the warm-up's."""
 
     def __init__(self, seconds_per_batch: float):
         super().__init__()
         self.seconds_per_batch = seconds_per_batch
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds_per_batch)
-        scores = torch.zeros(len(batch), 4)
-        scores[:, 0] = 1.0
-        return scores
+        if batch.any():
+            time.sleep(self.seconds_per_batch)
+        return _circles(len(batch))
+
+
+def _circles(count: int) -> torch.Tensor:
+    scores = torch.zeros(count, 4)
+    scores[:, 0] = 1.0
+    return scores
 
 
 def factory() -> nn.Module:
@@ -38,13 +45,15 @@ def five_seconds() -> nn.Module:
     return SlowUniform(5)
 
 
-class SlowToWarmUp(SlowUniform):
+class SlowToWarmUp(nn.Module):
     """Answers one item at once (the probe, and the test's one-image job) and takes a
     second for a batch of more: only the warm-up sends one."""
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return super().forward(batch) if len(batch) > 1 else torch.tensor([[1.0, 0, 0, 0]])
+        if len(batch) > 1:
+            time.sleep(1.0)
+        return _circles(len(batch))
 
 
 def slow_to_warm_up() -> nn.Module:
-    return SlowToWarmUp(1.0)
+    return SlowToWarmUp()

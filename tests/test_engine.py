@@ -38,6 +38,7 @@ class RecordingObserver:
         self.events: list[str] = []
         self.lost: list[str] = []
         self.broken: list[str] = []
+        self.workers: list[tuple[str, int]] = []
 
     def stage_ran(self, stage: str, items: Sequence[Item], duration_s: float, events: Any) -> None:
         self.calls.append((stage, len(items)))
@@ -48,6 +49,9 @@ class RecordingObserver:
 
     def stage_broken(self, stage: str, error: BaseException) -> None:
         self.broken.append(f"{type(error).__name__}: {error}")
+
+    def workers_changed(self, stage: str, workers: int, reason: str) -> None:
+        self.workers.append((stage, workers))
 
 
 def run_items(pipeline: Pipeline, items: list[Item]) -> list[Item]:
@@ -279,6 +283,48 @@ def test_a_stopped_childs_writer_ends_before_its_pipe_is_closed(
     assert child.receive(5).outcomes == ["x"]
     child.stop(graceful=False)
     assert not writer.is_alive()
+
+
+def test_a_stage_grows_while_the_next_one_waits_and_shrinks_back_once_idle() -> None:
+    """Decoding at 20 ms an item (sleeping, so that two cores are no limit) feeds an
+    inference stage that waits for it: the preprocess stage grows from its floor of 1
+    to its ceiling of 3, every item comes through once and in one piece, and once the
+    input stops it shrinks back to 1, its extra processes gone."""
+    observer = RecordingObserver()
+    stages = [
+        ProcessStage(
+            "preprocess",
+            functools.partial(stagefns.sleepy_writer, 0.02),
+            workers=1,
+            max_workers=3,
+            arena_mode="write",
+        ),
+        ProcessStage(
+            "inference",
+            functools.partial(stagefns.sleepy_reader, 0.0),
+            batch_size=8,
+            max_batch_wait_ms=5,
+            arena_mode="read",
+        ),
+    ]
+    pipeline = Pipeline(
+        stages, observer, TensorArena((2, 2), slots=32), scale_every_s=0.2, shrink_after_s=1.0
+    )
+    items = [Item("j", i, i) for i in range(400)]
+    with pipeline:
+        feeder = threading.Thread(target=lambda: [pipeline.submit(i) for i in items])
+        feeder.start()
+        results = [pipeline.next_result() for _ in items]
+        feeder.join()
+        assert ("preprocess", 3) in observer.workers
+        deadline = time.monotonic() + 20
+        while pipeline.worker_counts()["preprocess"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pipeline.worker_counts() == {"preprocess": 1, "inference": 1}
+        assert observer.workers[-1] == ("preprocess", 1)
+        assert pipeline.dead_stages() == []
+    assert sorted(r.value for r in results) == [(i, i % 256) for i in range(400)]
+    assert not observer.lost and not observer.broken
 
 
 def test_batch_retried_after_inference_process_dies(tmp_path: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -50,14 +51,19 @@ class Channel(Generic[T]):
         """Take the oldest entry, waiting for one; raises `Closed` once closed."""
         return self.get_batch(1, 0.0)[0]
 
-    def get_batch(self, max_entries: int, max_wait_s: float) -> list[T]:
+    def get_batch(
+        self, max_entries: int, max_wait_s: float, unless: Callable[[], bool] | None = None
+    ) -> list[T]:
         """Take 1 to `max_entries` entries.
 
         Waits as long as needed for the first entry, then at most `max_wait_s` more for
-        the batch to fill, so a lone item is not held back waiting for company.
+        the batch to fill, so a lone item is not held back waiting for company. Returns
+        nothing if `unless()` holds while it waits for the first (checked on `wake`).
         """
         with self._not_empty:
             while not self._entries and not self._closed:
+                if unless is not None and unless():
+                    return []
                 self._not_empty.wait()
             deadline = time.monotonic() + max_wait_s
             while len(self._entries) < max_entries and not self._closed:
@@ -73,6 +79,11 @@ class Channel(Generic[T]):
             if self._entries:
                 self._not_empty.notify()
             return batch
+
+    def wake(self) -> None:
+        """Have every reader waiting for an entry check its `unless` again."""
+        with self._lock:
+            self._not_empty.notify_all()
 
     def close(self) -> None:
         """Wake every waiter with `Closed`; entries still inside are dropped."""

@@ -39,6 +39,7 @@ BENCH_MODEL_SETTINGS = (
     "channels_last",
     "batch_size",
     "preprocess_workers",
+    "preprocess_workers_max",
 )
 WAIT_POLL_S = 1.0
 HEALTHCHECK_TIMEOUT_S = 4.0

@@ -180,7 +180,11 @@ class Daemon:
         self._supervisor = Supervisor(
             shutdown.broken, progress, lambda: len(ledger) > 0, shutdown.requested
         )
-        metrics.follow(jobs_held=lambda: len(ledger), queue_depths=self._pipeline.queue_depths)
+        metrics.follow(
+            jobs_held=lambda: len(ledger),
+            queue_depths=self._pipeline.queue_depths,
+            worker_counts=self._pipeline.worker_counts,
+        )
 
     def run(self) -> ExitCode:
         """Serve until drained (with `drain`), signalled, interrupted or broken; then
@@ -275,6 +279,7 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
             "preprocess",
             functools.partial(preprocess_setup, settings.preprocess),
             workers=settings.preprocess_workers,
+            max_workers=settings.preprocess_workers_ceiling,
             timeout_s=settings.preprocess_timeout_seconds,
             arena_mode="write",
         ),
@@ -299,5 +304,5 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
     ]
     # Enough decoded images for the batch being inferred, the next two being assembled,
     # and one in the hands of each preprocessing worker.
-    arena_slots = 3 * settings.batch_size + 2 * settings.preprocess_workers
+    arena_slots = 3 * settings.batch_size + 2 * settings.preprocess_workers_ceiling
     return Pipeline(stages, observer=observer, arena=TensorArena(item_shape, arena_slots))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import queue
@@ -63,6 +64,13 @@ PIPELINED_BATCHES = 2
 # After an out-of-memory error, batches stay at the size that fitted for this long:
 # retrying the full size at once would only run out of memory again.
 OOM_COOLDOWN_S = 300.0
+# WorkerScaler: how often it looks, and the utilisation of a stage's workers (their
+# time on requests over the wall time) above which it adds one when the next stage
+# waits, and below which (counted as if one fewer did the work) it removes one.
+SCALE_EVERY_S = 2.0
+SHRINK_AFTER_S = 30.0
+GROW_ABOVE_UTILISATION = 0.8
+SHRINK_BELOW_UTILISATION = 0.6
 
 log = structlog.get_logger()
 # Where torch puts shared tensors on Linux (shm_open).
@@ -125,6 +133,9 @@ class StageObserver(Protocol):
     def stage_broken(self, stage: str, error: BaseException) -> None:
         """A stage cannot go on (its set-up fails, its worker fails known-good input, its
         thread raised): the pipeline is unusable."""
+
+    def workers_changed(self, stage: str, workers: int, reason: str) -> None:
+        """A process stage grew or shrank to `workers` (`WorkerScaler`)."""
 
 
 def isolate_failures(
@@ -271,6 +282,7 @@ class _Stage:
             raise ValueError(f"stage {name}: workers and batch_size must be at least 1")
         self.name = name
         self.workers = workers
+        self.max_workers = workers
         self.batch_size = batch_size
         self.max_batch_wait_s = max_batch_wait_ms / 1000
         self._threads: list[threading.Thread] = []
@@ -295,7 +307,7 @@ class _Stage:
 
     @property
     def inbox_capacity(self) -> int:
-        return 2 * max(self.workers, self.batch_size)
+        return 2 * max(self.max_workers, self.batch_size)
 
     def start(
         self,
@@ -311,7 +323,7 @@ class _Stage:
         stuck in a network call is left behind, not waited for)."""
         self.stopping.set()
         deadline = time.monotonic() + STOP_GRACE_S
-        for thread in self._threads:
+        for thread in list(self._threads):
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def alive(self) -> bool:
@@ -338,8 +350,8 @@ class _Stage:
             log.exception("stage_thread_failed", stage=self.name)
             self._observer.stage_broken(self.name, error)
 
-    def _next_batch(self) -> list[Item]:
-        return self._inbox.get_batch(self.current_batch_size(), self.max_batch_wait_s)
+    def _next_batch(self, unless: Callable[[], bool] | None = None) -> list[Item]:
+        return self._inbox.get_batch(self.current_batch_size(), self.max_batch_wait_s, unless)
 
 
 class ThreadStage(_Stage):
@@ -416,7 +428,9 @@ class _ChildProcess:
 
     def __init__(self, stage: ProcessStage, number: int):
         self._stage = stage
+        self.number = str(number)
         self._name = f"{stage.name}-{number}"
+        self.retiring = threading.Event()  # set by `ProcessStage.shrink`
         self._process: Any = None
         self._conn: Connection | None = None
         self._requests: queue.SimpleQueue[Any] | None = None
@@ -589,6 +603,7 @@ class ProcessStage(_Stage):
         setup: Callable[[], Callable[..., Any] | StageFunction],
         *,
         workers: int = 1,
+        max_workers: int | None = None,
         batch_size: int = 1,
         max_batch_wait_ms: float = 0,
         timeout_s: float | None = None,
@@ -597,6 +612,7 @@ class ProcessStage(_Stage):
         oom_cooldown_s: float = OOM_COOLDOWN_S,
     ):
         super().__init__(name, workers, batch_size, max_batch_wait_ms)
+        self.max_workers = max(workers, max_workers or workers)
         self.setup = setup
         self.timeout_s = timeout_s
         self.arena_mode = arena_mode
@@ -604,6 +620,9 @@ class ProcessStage(_Stage):
         self.oom_cooldown_s = oom_cooldown_s
         self.arena: TensorArena | None = None
         self._children: list[_ChildProcess] = []
+        self._numbers = itertools.count(workers)  # of children added later
+        self._busy_s = 0.0  # the children's time on requests, all together
+        self._lock = threading.Lock()  # the two above; drivers and the scaler share them
 
     def start(
         self,
@@ -624,11 +643,51 @@ class ProcessStage(_Stage):
         except BaseException:
             self.stop()
             raise
-        for number, child in enumerate(self._children):
-            self._spawn_thread(functools.partial(self._serve_child, child), str(number))
+        for child in self._children:
+            self._spawn_thread(functools.partial(self._serve_child, child), child.number)
 
     def alive(self) -> bool:
         return super().alive() and all(child.alive() for child in self._children)
+
+    def worker_count(self) -> int:
+        with self._lock:
+            return sum(not child.retiring.is_set() for child in self._children)
+
+    def busy_s(self) -> float:
+        """How long the children have spent on requests since the stage started."""
+        with self._lock:
+            return self._busy_s
+
+    def grow(self) -> bool:
+        """Start one more child (up to `max_workers`); False if there is no room or it
+        could not start."""
+        if self.worker_count() >= self.max_workers or self.stopping.is_set():
+            return False
+        child = _ChildProcess(self, next(self._numbers))
+        try:
+            child.start()
+        except (StageSetupError, Closed) as error:
+            log.warning("stage_worker_not_added", stage=self.name, error=str(error))
+            return False
+        with self._lock:  # `stop` sets `stopping`, then takes the children it stops
+            added = not self.stopping.is_set()
+            if added:
+                self._children.append(child)
+        if not added:
+            child.stop(graceful=False)
+            return False
+        self._spawn_thread(functools.partial(self._serve_child, child), child.number)
+        return True
+
+    def shrink(self) -> bool:
+        """Have one child (down to `workers`) finish what it holds and stop."""
+        with self._lock:
+            serving = [child for child in self._children if not child.retiring.is_set()]
+            if len(serving) <= self.workers:
+                return False
+            serving[-1].retiring.set()
+        self._inbox.wake()
+        return True
 
     def about(self) -> Mapping[str, Any]:
         """What the set-up of its first child reported (`StageFunction.about`)."""
@@ -645,18 +704,32 @@ class ProcessStage(_Stage):
         """
         in_flight: deque[list[Item]] = deque()  # batches sent, oldest first
         while True:
+            if child.retiring.is_set() and not in_flight:
+                self._retire(child)
+                return
             full_batch_waiting = len(self._inbox) >= self.current_batch_size()
             if not in_flight or (len(in_flight) < PIPELINED_BATCHES and full_batch_waiting):
-                self._dispatch(child, in_flight, self._next_batch())
+                items = self._next_batch(unless=child.retiring.is_set)
+                if items:
+                    self._dispatch(child, in_flight, items)
             else:
                 self._complete_oldest(child, in_flight)
+
+    def _retire(self, child: _ChildProcess) -> None:
+        """Stop a child that `shrink` chose, with this, its driver thread."""
+        with self._lock:
+            self._children.remove(child)
+            self._threads.remove(threading.current_thread())
+        child.stop()
 
     def stop(self) -> None:
         """Stop the children (killing those that do not stop within `STOP_GRACE_S`),
         then their driver threads, which the children's exit unblocks."""
         self.stopping.set()
-        with ThreadPoolExecutor(max(1, len(self._children))) as pool:
-            list(pool.map(_ChildProcess.stop, self._children))
+        with self._lock:
+            children = list(self._children)
+        with ThreadPoolExecutor(max(1, len(children))) as pool:
+            list(pool.map(_ChildProcess.stop, children))
         super().stop()
 
     def _dispatch(
@@ -691,6 +764,8 @@ class ProcessStage(_Stage):
         return [(item.slot, item.value) for item in live]
 
     def _file_reply(self, live: list[Item], reply: _Reply) -> None:
+        with self._lock:
+            self._busy_s += reply.duration_s
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
         _apply(live, reply.outcomes)
@@ -791,6 +866,15 @@ def _process_context() -> Any:
     context = torch_mp.get_context("forkserver")
     context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return context
+
+
+def _logging_failures(run: Callable[[], None], name: str) -> None:
+    """A helper thread whose failure must not stop the pipeline (scaling is an
+    optimisation): it is logged, and the stage keeps the workers it has."""
+    try:
+        run()
+    except Exception:
+        log.exception("pipeline_helper_failed", helper=name)
 
 
 def _live(items: list[Item]) -> list[Item]:
@@ -930,6 +1014,56 @@ def _capture_logs() -> list[dict[str, Any]]:
     return events
 
 
+class WorkerScaler:
+    """Keeps a process stage's worker count between its `workers` and `max_workers` as
+    demand goes: one more when the stage after it waits for input (fewer items ahead
+    of it than a batch) while this stage's workers are nearly all busy, and one fewer
+    once the workers left would have had time to spare for `shrink_after_s`."""
+
+    def __init__(
+        self,
+        stage: ProcessStage,
+        downstream: Channel[Item],
+        downstream_batch_size: int,
+        observer: StageObserver,
+        *,
+        every_s: float,
+        shrink_after_s: float,
+    ):
+        self._stage = stage
+        self._downstream = downstream
+        self._downstream_batch_size = downstream_batch_size
+        self._observer = observer
+        self._every_s = every_s
+        self._shrink_after_s = shrink_after_s
+
+    def run(self, stopping: threading.Event) -> None:
+        busy_s, at = self._stage.busy_s(), time.monotonic()
+        spare_since: float | None = None
+        while not stopping.wait(self._every_s):
+            workers = self._stage.worker_count()
+            now, now_busy_s = time.monotonic(), self._stage.busy_s()
+            utilisation = (now_busy_s - busy_s) / (workers * (now - at))
+            busy_s, at = now_busy_s, now
+            starving = len(self._downstream) < self._downstream_batch_size
+            if starving and utilisation >= GROW_ABOVE_UTILISATION:
+                spare_since = None
+                if self._stage.grow():
+                    self._changed(f"the next stage waits, workers {utilisation:.0%} busy")
+            elif utilisation * workers <= (workers - 1) * SHRINK_BELOW_UTILISATION:
+                spare_since = spare_since if spare_since is not None else now
+                if now - spare_since >= self._shrink_after_s and self._stage.shrink():
+                    spare_since = None
+                    self._changed(f"workers {utilisation:.0%} busy")
+            else:
+                spare_since = None
+
+    def _changed(self, reason: str) -> None:
+        workers = self._stage.worker_count()
+        log.info("stage_workers_changed", stage=self._stage.name, workers=workers, reason=reason)
+        self._observer.workers_changed(self._stage.name, workers, reason)
+
+
 class Pipeline:
     """Stages joined by bounded channels: `submit` items in, take `next_result` out."""
 
@@ -938,12 +1072,17 @@ class Pipeline:
         stages: Sequence[_Stage],
         observer: StageObserver,
         arena: TensorArena | None = None,
+        *,
+        scale_every_s: float = SCALE_EVERY_S,
+        shrink_after_s: float = SHRINK_AFTER_S,
     ):
         self._stages = list(stages)
+        self._scaling = {"every_s": scale_every_s, "shrink_after_s": shrink_after_s}
         self._observer = observer
         self._arena = arena
         self._channels: list[Channel[Item]] = [Channel(stage.inbox_capacity) for stage in stages]
         self._channels.append(Channel(OUTPUT_CAPACITY))
+        self._closing = threading.Event()
 
     def start(self) -> None:
         """Start every stage (children included), all at once: each child imports torch
@@ -965,6 +1104,22 @@ class Pipeline:
         except BaseException:
             self.close()
             raise
+        for number, stage in enumerate(self._stages):
+            if isinstance(stage, ProcessStage) and stage.max_workers > stage.workers:
+                after = self._stages[number + 1] if number + 1 < len(self._stages) else None
+                scaler = WorkerScaler(
+                    stage,
+                    self._channels[number + 1],
+                    after.batch_size if after else 1,
+                    self._observer,
+                    **self._scaling,
+                )
+                threading.Thread(
+                    target=_logging_failures,
+                    args=(functools.partial(scaler.run, self._closing), f"{stage.name}-scaler"),
+                    name=f"{stage.name}-scaler",
+                    daemon=True,
+                ).start()
 
     def queue_depths(self) -> dict[str, int]:
         """Items waiting in front of each stage, by stage name."""
@@ -979,6 +1134,14 @@ class Pipeline:
             if stage.name == stage_name and isinstance(stage, ProcessStage):
                 return stage.about()
         raise KeyError(f"no process stage named {stage_name!r}")
+
+    def worker_counts(self) -> dict[str, int]:
+        """Child processes serving each process stage now, by stage name."""
+        return {
+            stage.name: stage.worker_count()
+            for stage in self._stages
+            if isinstance(stage, ProcessStage)
+        }
 
     def dead_stages(self) -> list[str]:
         """Stages with a worker down (crashed, or being restarted right now)."""
@@ -995,6 +1158,7 @@ class Pipeline:
     def close(self) -> None:
         """Stop every stage and child process, all at once, within about two
         `STOP_GRACE_S`; items still inside are dropped."""
+        self._closing.set()
         for channel in self._channels:
             channel.close()
         if self._arena is not None:

@@ -52,6 +52,12 @@ class Metrics:
             ["stage"],
             registry=registry,
         )
+        self.stage_workers = Gauge(
+            "worker_stage_workers",
+            "Processes serving each process stage (preprocess follows demand).",
+            ["stage"],
+            registry=registry,
+        )
         self.stage_queue_depth = Gauge(
             "worker_stage_queue_depth",
             "Items waiting in front of each stage.",
@@ -100,14 +106,21 @@ class Metrics:
         self._items_failed = self.items.labels("failed")
 
     def follow(
-        self, jobs_held: Callable[[], int], queue_depths: Callable[[], dict[str, int]]
+        self,
+        jobs_held: Callable[[], int],
+        queue_depths: Callable[[], dict[str, int]],
+        worker_counts: Callable[[], dict[str, int]],
     ) -> None:
         """Read the gauges from the daemon when scraped, rather than keep them updated."""
         self.jobs_in_flight.set_function(jobs_held)
-        for stage in queue_depths():
-            self.stage_queue_depth.labels(stage).set_function(
-                functools.partial(lambda stage: queue_depths()[stage], stage)
-            )
+        for gauge, read in (
+            (self.stage_queue_depth, queue_depths),
+            (self.stage_workers, worker_counts),
+        ):
+            for stage in read():
+                gauge.labels(stage).set_function(
+                    functools.partial(lambda read, stage: read()[stage], read, stage)
+                )
 
     def stage_ran(self, stage: str, items: int, duration_s: float) -> None:
         # Looking labels up costs more than the update: bind each stage's once.

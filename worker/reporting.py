@@ -75,6 +75,10 @@ class JobObserver:
             assert job.log is not None
             job.log.error("worker_lost", stage=stage, reason=reason, job_items=count)
 
+    def workers_changed(self, stage: str, workers: int, reason: str) -> None:
+        if self._timeline is not None:
+            self._timeline.count(f"{stage} workers", workers)
+
     def stage_broken(self, stage: str, error: BaseException) -> None:
         log.error("stage_broken", stage=stage, error=str(error))
         self._on_broken(f"stage {stage} is broken: {error}")

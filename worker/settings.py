@@ -7,6 +7,7 @@ Every field is also a command-line flag (`--batch-size`) and an environment vari
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -93,7 +94,19 @@ class Settings(BaseSettings):
         default=20, ge=0, description="How long a partial batch waits for more items."
     )
     preprocess_workers: int = Field(
-        default=2, ge=1, le=256, description="Preprocessing (decode/resize) processes."
+        default=2,
+        ge=1,
+        le=256,
+        description="Preprocessing (decode/resize) processes, at least: the floor.",
+    )
+    preprocess_workers_max: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="Preprocessing processes, at most: one more starts while the inference "
+        "stage waits for decoded images and those running are busy, and one stops once the "
+        "rest would have time to spare for 30 s (default: the CPU count, at least "
+        "--preprocess-workers; equal to it for a fixed count).",
     )
     fetch_concurrency: int = Field(
         default=16,
@@ -268,6 +281,10 @@ class Settings(BaseSettings):
     )
 
     @property
+    def preprocess_workers_ceiling(self) -> int:
+        return max(self.preprocess_workers, self.preprocess_workers_max or os.cpu_count() or 1)
+
+    @property
     def s3_connections(self) -> int:
         """Connections for downloads, uploads of finished jobs and progress writes."""
         return 2 * self.fetch_concurrency + 1
@@ -314,6 +331,11 @@ class Settings(BaseSettings):
                 f"heartbeat_interval_seconds ({self.heartbeat_interval_seconds}) must be at most "
                 f"half of visibility_timeout_seconds ({self.visibility_timeout_seconds}), so one "
                 "failed renewal does not lose the lease"
+            )
+        if (self.preprocess_workers_max or self.preprocess_workers) < self.preprocess_workers:
+            raise ValueError(
+                f"preprocess_workers_max ({self.preprocess_workers_max}) is below "
+                f"preprocess_workers ({self.preprocess_workers})"
             )
         if self.lifecycle_hook_name and self.interruption_notices == "off":
             raise ValueError(

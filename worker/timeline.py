@@ -41,6 +41,7 @@ class Timeline:
 
     def __init__(self, keep: int | None = None) -> None:
         self._intervals: deque[Interval] = deque(maxlen=keep)
+        self._counts: deque[tuple[str, float, int]] = deque(maxlen=keep)  # (name, at_s, value)
         self._lock = threading.Lock()
 
     def record(self, stage: str, items: int, duration_s: float) -> None:
@@ -51,6 +52,16 @@ class Timeline:
         )
         with self._lock:
             self._intervals.append(interval)
+
+    def count(self, name: str, value: int) -> None:
+        """A value that changed now, such as a stage's number of workers (a counter
+        track in the trace)."""
+        with self._lock:
+            self._counts.append((name, time.perf_counter(), value))
+
+    def counts(self, name: str) -> list[tuple[float, int]]:
+        with self._lock:
+            return [(at_s, value) for counted, at_s, value in self._counts if counted == name]
 
     def intervals(self, stage: str | None = None) -> list[Interval]:
         with self._lock:
@@ -112,6 +123,18 @@ class Timeline:
                 "args": {"items": i.items},
             }
             for i in intervals
+        ]
+        with self._lock:
+            counts = list(self._counts)
+        events += [
+            {
+                "name": name,
+                "ph": "C",
+                "pid": 1,
+                "ts": round((at_s - origin) * 1e6, 1),
+                "args": {"value": value},
+            }
+            for name, at_s, value in counts
         ]
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
