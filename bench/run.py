@@ -36,7 +36,7 @@ from worker.daemon import Daemon
 from worker.engine import BatchGatherer, TensorArena
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.joblog import configure_daemon_logging
-from worker.plugins import load_model, load_preprocessor, resolve_device
+from worker.plugins import inference_devices, load_model, load_preprocessor, resolve_device
 from worker.ports import ReceivedMessage, S3Location
 from worker.settings import Settings
 from worker.timeline import Timeline
@@ -252,7 +252,7 @@ def _median(runs: int, measure: Callable[[], float]) -> float:
 
 def model_only_images_per_s(settings: Settings, batches: int) -> float:
     """The model looping over ready uint8 batches on its device: the daemon's ceiling."""
-    device = resolve_device(settings.device)
+    device = resolve_device(inference_devices(settings.device)[0])
     model = load_model(settings.model, device)
     shape = (settings.batch_size, *load_preprocessor(settings.preprocess).output_shape)
     batch = torch.zeros(shape, dtype=torch.uint8, device=device)
@@ -410,6 +410,23 @@ def adaptive_workers(work_dir: Path, images: int) -> dict[str, float]:
         "adaptive_speedup": rate["adaptive"] / rate["fixed"],
         "adaptive_decoders_peak": float(peak),
     }
+
+
+def multi_device(work_dir: Path, images: int) -> dict[str, float]:
+    """Images/s with two inference processes (`--device cpu,cpu`, as `cuda:0,cuda:1`)
+    over one, the device stand-in the bottleneck and decoding free."""
+    rates = {}
+    for devices in ("cpu", "cpu,cpu"):
+        daemon = _run_daemon(
+            [OVERLAP_JOB_SIZE] * (images // OVERLAP_JOB_SIZE),
+            InMemoryBlobStore(),
+            work_dir,
+            model=DEVICE_MODEL,
+            preprocess="bench.run:noop_preprocessor",
+            device=devices,
+        )
+        rates[devices] = daemon.items / daemon.wall_s
+    return {"multi_device_scaling": rates["cpu,cpu"] / rates["cpu"]}
 
 
 def per_job_batching_s(job_sizes: list[int]) -> float:
@@ -583,6 +600,7 @@ TARGETS = {
     "handoff_fraction_of_inference": ("<=", 0.05),
     "redeliveries": ("<=", 0.0),
     "adaptive_speedup": (">=", 2.0),
+    "multi_device_scaling": (">=", 1.8),
 }
 
 
@@ -605,6 +623,7 @@ def main(out: Path, quick: bool) -> int:
             lambda: handoff(10 if quick else 40, runs),
             lambda: backlog(work_dir, 12 if quick else 40),
             lambda: adaptive_workers(work_dir, 3000 if quick else 6000),
+            lambda: multi_device(work_dir, 3000 if quick else 6000),
         ]
         for step in steps:
             report.update(step())

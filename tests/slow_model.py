@@ -12,14 +12,16 @@ from torch import nn
 class SlowUniform(nn.Module):
     """Sleeps on every batch of images, then answers 'circle' for everything. The
     daemon's own batches of zeros (its probe, the warm-up at each batch size) are
-    answered at once: a test pays for the items it sends, not the warm-up's."""
+    answered at once unless `zeros_too`: a test pays for the items it sends, not for
+    the warm-up."""
 
-    def __init__(self, seconds_per_batch: float):
+    def __init__(self, seconds_per_batch: float, zeros_too: bool = False):
         super().__init__()
         self.seconds_per_batch = seconds_per_batch
+        self.zeros_too = zeros_too
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        if batch.any():
+        if self.zeros_too or batch.any():
             time.sleep(self.seconds_per_batch)
         return _circles(len(batch))
 
@@ -39,6 +41,11 @@ def factory() -> nn.Module:
 
 def tenth_of_a_second() -> nn.Module:
     return SlowUniform(0.1)
+
+
+def tenth_of_a_second_on_any_batch() -> nn.Module:
+    """Zeros too: the bench's model-only baseline runs it on batches of zeros."""
+    return SlowUniform(0.1, zeros_too=True)
 
 
 def five_seconds() -> nn.Module:

@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from worker.ports import ReceivedMessage, S3Location
 from worker.reporting import ProgressReporter
 from worker.retry import Backoff
 from worker.settings import Settings
+from worker.timeline import Timeline
 
 
 class CountingSource(InMemoryJobSource):
@@ -537,3 +539,24 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path) -> 
     assert health_while_starting[0].startswith("starting")
     summary = _output(blobs, "one", "job.json")
     assert summary["model"]["name"] == "tests.slow_model:slow_to_warm_up"
+
+
+def test_one_inference_process_per_device_each_fed_while_free(tmp_path: Path) -> None:
+    """`--device cpu,cpu` runs two inference processes (the way `cuda:0,cuda:1` does):
+    batches go to whichever is free, so both run some, and every job's results are in
+    input order. 0.1 s a batch of 4: 48 images keep both busy."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    uris = _images(blobs, 48)
+    for number in range(4):
+        _send(source, f"part-{number}", uris[number * 12 : number * 12 + 12])
+    timeline = Timeline()
+    settings = _draining(
+        tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=4, device="cpu,cpu"
+    )
+    assert Daemon(settings, source, blobs, timeline=timeline).run() is ExitCode.DRAINED
+    batches = Counter(interval.worker for interval in timeline.intervals("inference"))
+    assert set(batches) == {"inference-0", "inference-1"}
+    assert sum(i.items for i in timeline.intervals("inference")) == 48
+    for number in range(4):
+        results = _output(blobs, f"part-{number}", "results.jsonl")
+        assert [r["input"] for r in results] == uris[number * 12 : number * 12 + 12]

@@ -107,6 +107,10 @@ def test_template_locks_things_down() -> None:
     notify_topic = {"Name": "WORKER_NOTIFY_TOPIC_ARN", "Value": {"Ref": "JobsFinishedTopic"}}
     assert notify_topic in container["Environment"]
     assert "WORKER_NOTIFY_TOPIC_ARN=${JobsFinishedTopic}" in json.dumps(user_data)
+    # One worker per instance, on all of its GPUs (an inference process each).
+    gpus = {"Type": "GPU", "Value": {"Ref": "GpusPerInstance"}}
+    assert container["ResourceRequirements"] == [gpus]
+    assert "--gpus all" in json.dumps(user_data)
     # /dev/shm holds the batch arena: Docker's 64 MiB default is raised on both platforms.
     assert container["LinuxParameters"]["SharedMemorySize"] == {"Ref": "SharedMemoryMiB"}
     assert "--shm-size ${SharedMemoryMiB}m" in json.dumps(user_data)

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from tests.conftest import REPO
 from worker.cli import build_parser
+from worker.plugins import inference_devices
 from worker.settings import Settings, settings_from_flags
 
 
@@ -101,3 +102,11 @@ def test_the_grace_period_is_derived_from_the_stop_timeout_and_checked_against_i
     with pytest.raises(ValidationError, match="does not fit in stop_timeout_seconds"):
         Settings(queue_url="q", stop_timeout_seconds=60, grace_seconds=31)
     assert Settings(queue_url="q").grace_seconds == 90  # no stop timeout known
+
+
+def test_devices_are_a_list_of_torch_devices_or_auto() -> None:
+    """One inference process per device named; a malformed list is refused at start."""
+    assert Settings(queue_url="q", device="cuda:0, cuda:2").device == "cuda:0,cuda:2"
+    assert inference_devices("cpu,cpu") == ["cpu", "cpu"]
+    with pytest.raises(ValidationError, match="comma-separated"):
+        Settings(queue_url="q", device="gpu 0")

@@ -2,7 +2,7 @@
 
     intake         receive (when there is room) -> lease in the ledger -> admit or settle
     feeder         held jobs' items, in turn -> pipeline
-    pipeline       fetch (threads) -> preprocess (processes) -> inference (one process)
+    pipeline       fetch (threads) -> preprocess (processes) -> inference (one per device)
     regrouper      each result -> its job in the ledger -> complete? -> finisher
     finisher       results.jsonl, job.log, job.json (last) -> ack
     lease keeper   renews every held message's lease while work progresses
@@ -42,6 +42,7 @@ from worker.metrics import Metrics, serving
 from worker.outcomes import Lifecycle, Outcomes
 from worker.plugins import (
     ModelIdentity,
+    inference_devices,
     inference_setup,
     load_postprocessor,
     load_preprocessor,
@@ -267,8 +268,9 @@ class Daemon:
 
 
 def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:
-    """fetch (threads) -> preprocess (processes) -> inference (one process)."""
+    """fetch (threads) -> preprocess (processes) -> inference (a process per device)."""
     item_shape = load_preprocessor(settings.preprocess).output_shape
+    devices = inference_devices(settings.device)
     stages = [
         ThreadStage(
             "fetch",
@@ -285,24 +287,27 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
         ),
         ProcessStage(
             "inference",
-            functools.partial(
-                inference_setup,
-                settings.model,
-                settings.device,
-                tuple(item_shape),
-                batch_size=settings.batch_size,
-                precision=settings.precision,
-                channels_last=settings.channels_last,
-                model_name=settings.model_name,
-                model_version=settings.model_version,
-            ),
+            [
+                functools.partial(
+                    inference_setup,
+                    settings.model,
+                    device,
+                    tuple(item_shape),
+                    batch_size=settings.batch_size,
+                    precision=settings.precision,
+                    channels_last=settings.channels_last,
+                    model_name=settings.model_name,
+                    model_version=settings.model_version,
+                )
+                for device in devices
+            ],
             batch_size=settings.batch_size,
             max_batch_wait_ms=settings.max_batch_wait_ms,
             timeout_s=settings.inference_timeout_seconds,
             arena_mode="read",
         ),
     ]
-    # Enough decoded images for the batch being inferred, the next two being assembled,
-    # and one in the hands of each preprocessing worker.
-    arena_slots = 3 * settings.batch_size + 2 * settings.preprocess_workers_ceiling
+    # Enough decoded images, for each inference process, for the batch being inferred
+    # and the next two being assembled, and two in the hands of each preprocessing worker.
+    arena_slots = 3 * settings.batch_size * len(devices) + 2 * settings.preprocess_workers_ceiling
     return Pipeline(stages, observer=observer, arena=TensorArena(item_shape, arena_slots))

@@ -119,6 +119,10 @@ class Item:
     attempts: int = 0
 
 
+# What a process stage runs once in each child: it makes the function the child runs.
+StageSetup = Callable[[], "Callable[..., Any] | StageFunction"]
+
+
 class StageObserver(Protocol):
     """What the engine reports; the daemon turns it into job logs and statistics."""
 
@@ -428,7 +432,7 @@ class _ChildProcess:
 
     def __init__(self, stage: ProcessStage, number: int):
         self._stage = stage
-        self.number = str(number)
+        self.number = number
         self._name = f"{stage.name}-{number}"
         self.retiring = threading.Event()  # set by `ProcessStage.shrink`
         self._process: Any = None
@@ -468,7 +472,9 @@ class _ChildProcess:
             args=(
                 child_conn,
                 lifeline_reader,
-                _ChildPlan(self._stage.name, self._stage.setup, self._stage.arena_mode),
+                _ChildPlan(
+                    self._stage.name, self._stage.setup_of(self.number), self._stage.arena_mode
+                ),
                 arena_tensor,
             ),
             name=self._name,
@@ -586,7 +592,8 @@ class ProcessStage(_Stage):
     """Runs a function made by `setup()` in `workers` child processes.
 
     `setup` runs once per child (load the model there, once); it must be picklable
-    (a module-level function or a `functools.partial` of one). It returns the function,
+    (a module-level function or a `functools.partial` of one). A sequence of set-ups is
+    one per child, a fixed number (one per GPU, say). A set-up returns the function,
     or a `StageFunction` with the function and its probe. The function's form depends
     on `arena_mode`:
 
@@ -600,7 +607,7 @@ class ProcessStage(_Stage):
     def __init__(
         self,
         name: str,
-        setup: Callable[[], Callable[..., Any] | StageFunction],
+        setup: StageSetup | Sequence[StageSetup],
         *,
         workers: int = 1,
         max_workers: int | None = None,
@@ -611,9 +618,15 @@ class ProcessStage(_Stage):
         setup_timeout_s: float = 300,
         oom_cooldown_s: float = OOM_COOLDOWN_S,
     ):
+        setups = list(setup) if isinstance(setup, Sequence) else None
+        if setups is not None:
+            if max_workers or workers != 1:
+                raise ValueError(f"stage {name}: one set-up per worker fixes their number")
+            workers = len(setups)
         super().__init__(name, workers, batch_size, max_batch_wait_ms)
         self.max_workers = max(workers, max_workers or workers)
-        self.setup = setup
+        self._setups = setups
+        self._setup = setup
         self.timeout_s = timeout_s
         self.arena_mode = arena_mode
         self.setup_timeout_s = setup_timeout_s
@@ -644,10 +657,17 @@ class ProcessStage(_Stage):
             self.stop()
             raise
         for child in self._children:
-            self._spawn_thread(functools.partial(self._serve_child, child), child.number)
+            self._spawn_thread(functools.partial(self._serve_child, child), str(child.number))
 
     def alive(self) -> bool:
         return super().alive() and all(child.alive() for child in self._children)
+
+    def setup_of(self, number: int) -> StageSetup:
+        """The set-up of the child with this number."""
+        if self._setups is not None:
+            return self._setups[number]
+        assert callable(self._setup)
+        return self._setup
 
     def worker_count(self) -> int:
         with self._lock:
@@ -676,7 +696,7 @@ class ProcessStage(_Stage):
         if not added:
             child.stop(graceful=False)
             return False
-        self._spawn_thread(functools.partial(self._serve_child, child), child.number)
+        self._spawn_thread(functools.partial(self._serve_child, child), str(child.number))
         return True
 
     def shrink(self) -> bool:
@@ -886,7 +906,7 @@ class _ChildPlan:
     """What a child process is told about its stage (pickled across)."""
 
     stage: str
-    setup: Callable[[], Callable[..., Any] | StageFunction]
+    setup: StageSetup
     arena_mode: ArenaMode
 
 

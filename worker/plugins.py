@@ -124,6 +124,15 @@ def _state_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def inference_devices(setting: str) -> list[str]:
+    """The devices named by `--device`, one inference process each; `auto` is every
+    visible GPU, else the CPU. (Counting GPUs here leaves CUDA to the children: they
+    fork from a server process that never initialised it.)"""
+    if setting == "auto":
+        return [f"cuda:{number}" for number in range(torch.cuda.device_count())] or ["cpu"]
+    return setting.split(",")
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` is the first GPU when there is one, else the CPU."""
     if name == "auto":

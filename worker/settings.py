@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -77,7 +78,11 @@ class Settings(BaseSettings):
         description="'module:function': turns one model output row and the job's params "
         "into the prediction fields of results.jsonl.",
     )
-    device: str = Field(default="auto", description="torch device: auto, cpu, cuda, cuda:1, ...")
+    device: str = Field(
+        default="auto",
+        description="torch device of the model, or several, comma-separated, for one "
+        "inference process each (cuda:0,cuda:2): auto is every visible GPU, else the CPU.",
+    )
     precision: Literal["float32", "bfloat16"] = Field(
         default="float32",
         description="Run the model under bfloat16 autocast (on GPUs with bfloat16 tensor "
@@ -299,6 +304,16 @@ class Settings(BaseSettings):
                 "standard queue"
             )
         return value
+
+    @field_validator("device")
+    @classmethod
+    def _devices(cls, value: str) -> str:
+        devices = [device.strip() for device in value.split(",")]
+        if value != "auto" and not all(re.fullmatch(r"[a-z]+(:\d+)?", d) for d in devices):
+            raise ValueError(
+                f"{value!r}: give auto, or torch devices (cpu, cuda, cuda:1), comma-separated"
+            )
+        return ",".join(devices)
 
     @field_validator("allowed_buckets", mode="before")
     @classmethod
