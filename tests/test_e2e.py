@@ -39,13 +39,13 @@ def _last_modified(aws: Aws, output: str, name: str) -> Any:
 
 
 def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path) -> None:
-    """20 jobs (1-input, 50-input and a 1,000-input manifest) plus one poison message:
+    """20 jobs (1-input, 50-input and a 450-input manifest, 7 batches) plus one poison message:
     every job gets one result line per input, in order, its log and its summary
     (written last), each naming the model; the queue ends empty, the poison is
     dead-lettered with its reason, the default model is right on at least 95% of the
     images, and `--timeline-dir` holds the run's Chrome trace and PNG."""
     stack = aws.stack()
-    labels = upload_samples(aws.s3, stack.bucket, 1000, seed=11)
+    labels = upload_samples(aws.s3, stack.bucket, 450, seed=11)
     uris = list(labels)
     manifest_uri = f"s3://{stack.bucket}/manifests/big.txt"
     aws.s3.put_object(Bucket=stack.bucket, Key="manifests/big.txt", Body="\n".join(uris).encode())
