@@ -851,7 +851,7 @@ class ProcessStage(_Stage):
             self._run(child, live, after=lost)
             return
         if len(live) > 1:
-            middle = len(live) // 2
+            middle = _middle(len(live))
             self._run(child, live[:middle])
             self._run(child, live[middle:])
             return

@@ -7,6 +7,7 @@ is received.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import time
@@ -86,8 +87,9 @@ class ModelIdentity:
     version: str
     digest: str
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
+        """`name@version`, on every line of results.jsonl: made once, not per item."""
         return f"{self.name}@{self.version}"
 
     def as_dict(self) -> dict[str, str]:

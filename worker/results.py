@@ -178,7 +178,7 @@ class Finisher:
             "job_finished",
             **{key: summary[key] for key in ("job_id", "status", "items", "duration_s")},
         )
-        notice = json.dumps(summary)
+        notice = json.dumps(summary) if self._notify else ""
         for notify in self._notify:
             try:
                 notify(notice)
