@@ -22,8 +22,10 @@ lint: $(VENV)/installed
 	$(PY) -m ruff format --check worker stages bench tests
 	$(PY) -m mypy
 
+# Three tests at a time: most of the suite's time is end-to-end tests waiting on moto,
+# timers and child processes, not using a core.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 3 --dist worksteal
 
 # Not part of `make test`: the randomized fault test with more seeds, each for longer
 # (about 2 minutes a seed on 2 cores). `make test` plays one seed for 20 s.

@@ -12,21 +12,22 @@ from stages.synthetic import LABELS
 WEIGHTS = Path(__file__).parent / "weights" / "shapes_cnn.pt"
 
 
+def conv_block(inputs: int, outputs: int) -> nn.Sequential:
+    """3x3 convolution, batch norm, ReLU, then half the size."""
+    return nn.Sequential(
+        nn.Conv2d(inputs, outputs, 3, padding=1),
+        nn.BatchNorm2d(outputs),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+    )
+
+
 class ShapeNet(nn.Module):
     """Three conv blocks and a linear head: about 53k parameters, 64x64 RGB input."""
 
     def __init__(self, classes: int = len(LABELS)):
         super().__init__()
-
-        def block(inputs: int, outputs: int) -> nn.Sequential:
-            return nn.Sequential(
-                nn.Conv2d(inputs, outputs, 3, padding=1),
-                nn.BatchNorm2d(outputs),
-                nn.ReLU(inplace=True),
-                nn.MaxPool2d(2),
-            )
-
-        self.features = nn.Sequential(block(3, 24), block(24, 48), block(48, 96))
+        self.features = nn.Sequential(conv_block(3, 24), conv_block(24, 48), conv_block(48, 96))
         self.head = nn.Linear(96, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +45,12 @@ class Classifier(nn.Module):
         self.net = net
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        x = batch.float().div_(127.5).sub_(1.0)
-        return torch.softmax(self.net(x), dim=1)
+        return torch.softmax(self.net(normalise(batch)), dim=1)
+
+
+def normalise(batch: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels to floats in [-1, 1], as the models were trained."""
+    return batch.float().div_(127.5).sub_(1.0)
 
 
 def default_classifier() -> nn.Module:

@@ -27,10 +27,16 @@ def _contrasting(rng: random.Random, background: tuple[int, int, int]) -> tuple[
             return colour
 
 
-def draw_shape(label: str, rng: random.Random) -> Image.Image:
-    """One RGB image of a `label` shape at a random place, size, colour and rotation."""
-    side = rng.randrange(48, 160)
-    background = _colour(rng)
+def draw_shape(
+    label: str,
+    rng: random.Random,
+    side: int | None = None,
+    background: tuple[int, int, int] | None = None,
+) -> Image.Image:
+    """One RGB image of a `label` shape at a random place, size, colour and rotation
+    (on a square of `side` pixels in `background`, when given)."""
+    side = side or rng.randrange(48, 160)
+    background = background or _colour(rng)
     image = Image.new("RGB", (side, side), background)
     draw = ImageDraw.Draw(image)
     fill = _contrasting(rng, background)
@@ -79,3 +85,33 @@ def samples(count: int, seed: int) -> Iterator[tuple[str, bytes]]:
     for number in range(count):
         label = LABELS[number % len(LABELS)]
         yield label, encode(draw_shape(label, rng), rng)
+
+
+# Boards: a square of TILES x TILES tiles, each empty or holding one shape.
+TILES = 2
+TILE_SIDE = 64
+
+
+def draw_board(rng: random.Random) -> tuple[Image.Image, list[tuple[int, str]]]:
+    """A board on one background colour, and the (tile, label) of each shape on it, in
+    tile order (row by row)."""
+    background = _colour(rng)
+    board = Image.new("RGB", (TILES * TILE_SIDE, TILES * TILE_SIDE), background)
+    shapes = []
+    for tile in range(TILES * TILES):
+        if rng.random() < 0.4:
+            continue
+        label = rng.choice(LABELS)
+        row, column = divmod(tile, TILES)
+        shape = draw_shape(label, rng, TILE_SIDE, background)
+        board.paste(shape, (column * TILE_SIDE, row * TILE_SIDE))
+        shapes.append((tile, label))
+    return board, shapes
+
+
+def boards(count: int, seed: int) -> Iterator[tuple[list[tuple[int, str]], bytes]]:
+    """`count` (shapes, encoded board) pairs, reproducible from `seed`."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        board, shapes = draw_board(rng)
+        yield shapes, encode(board, rng)

@@ -207,7 +207,11 @@ class DaemonProcess:
         deadline = time.monotonic() + timeout_s
         while len(events := self.events(name)) < count:
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no {count} x {name}; stderr:\n{self.stderr[-3000:]}")
+                events_tail = "".join(self._lines["stdout"][-30:])
+                raise AssertionError(
+                    f"no {count} x {name}; last events:\n{events_tail}\n"
+                    f"stderr:\n{self.stderr[-3000:]}"
+                )
             time.sleep(0.05)
         return events
 
@@ -279,3 +283,41 @@ def run_daemon(aws: Aws, args: list[str], timeout_s: float = 240) -> DaemonRun:
         leftovers = daemon.close()
     assert not leftovers, f"processes left behind: {leftovers}"
     return DaemonRun(returncode, daemon.stdout, daemon.stderr)
+
+
+def enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "enqueue",
+        "--queue-url",
+        queue_url,
+        "--job-id",
+        job_id,
+        "--output",
+        output,
+        *more,
+    ]
+
+
+@contextlib.contextmanager
+def following(
+    aws: Aws, queue_url: str, job_id: str, output: str, *more: str
+) -> Iterator[subprocess.Popen[str]]:
+    """`worker enqueue --wait`: sends a job and follows it to its summary. However the
+    test ends, the follower is stopped and its pipes closed."""
+    follower = subprocess.Popen(
+        enqueue_command(queue_url, job_id, output, "--wait", *more),
+        env=aws.env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield follower
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        follower.communicate()

@@ -4,24 +4,32 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
+
+GATE_WAIT_S = 120.0
 
 
 class SlowUniform(nn.Module):
     """Sleeps on every batch of images, then answers 'circle' for everything. The
     daemon's own batches of zeros (its probe, the warm-up at each batch size) are
     answered at once unless `zeros_too`: a test pays for the items it sends, not for
-    the warm-up."""
+    the warm-up. With a `gate`, each batch of images first waits for that file to exist
+    (at most `GATE_WAIT_S`), so a test decides when the work can go on."""
 
-    def __init__(self, seconds_per_batch: float, zeros_too: bool = False):
+    def __init__(self, seconds_per_batch: float, zeros_too: bool = False, gate: str = ""):
         super().__init__()
         self.seconds_per_batch = seconds_per_batch
         self.zeros_too = zeros_too
+        self.gate = Path(gate) if gate else None
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if self.zeros_too or batch.any():
+            deadline = time.monotonic() + GATE_WAIT_S
+            while self.gate and not self.gate.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             time.sleep(self.seconds_per_batch)
         return _circles(len(batch))
 
@@ -33,10 +41,14 @@ def _circles(count: int) -> torch.Tensor:
 
 
 def factory() -> nn.Module:
-    """1 s per batch, or SLOW_MODEL_SECONDS_PER_BATCH. Stage children read it, and they
-    fork from a server that keeps the environment it started with: tests running the
-    daemon in their own process use the fixed speeds below instead."""
-    return SlowUniform(float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "1")))
+    """1 s per batch, or SLOW_MODEL_SECONDS_PER_BATCH, gated by SLOW_MODEL_GATE_FILE if
+    set. Stage children read them, and they fork from a server that keeps the
+    environment it started with: tests running the daemon in their own process use the
+    fixed speeds below instead."""
+    return SlowUniform(
+        float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "1")),
+        gate=os.environ.get("SLOW_MODEL_GATE_FILE", ""),
+    )
 
 
 def tenth_of_a_second() -> nn.Module:

@@ -178,3 +178,50 @@ def dies_at_first_start(marker_path: str, times: int = 1) -> Callable[[Any, torc
         marker.write_text(str(started + 1))
         os.kill(os.getpid(), signal.SIGKILL)
     return sleepy_writer(0.0)
+
+
+def fill_reader(fails_on: int) -> Callable[[torch.Tensor, Sequence[Any]], list[Any]]:
+    """A stand-in detector: each row's fill value; raises for a batch holding `fails_on`."""
+
+    def read(batch: torch.Tensor, _values: Sequence[Any]) -> list[Any]:
+        fills = [int(row.flatten()[0]) for row in batch]
+        if fails_on in fills:
+            raise ValueError(f"cannot read {fails_on}")
+        return fills
+
+    return read
+
+
+def numbered_parts(
+    fails_on: int,
+) -> Callable[[torch.Tensor, int, Sequence[torch.Tensor]], list[str]]:
+    """A stand-in fan-out: `found % 4` parts of the image, part k filled with k and
+    about "found.k"; raises for `fails_on`. It checks that the image it is given is still
+    the one the detector read (its slot was kept for it)."""
+
+    def fan_out(image: torch.Tensor, found: int, outs: Sequence[torch.Tensor]) -> list[str]:
+        if found == fails_on:
+            raise ValueError(f"cannot cut {found}")
+        if int(image.flatten()[0]) != found:
+            raise AssertionError(f"slot of {found} was overwritten")
+        for number in range(found % 4):
+            outs[number].fill_(number)
+        return [f"{found}.{number}" for number in range(found % 4)]
+
+    return fan_out
+
+
+def part_reader(
+    max_batch: int, fails_on: str
+) -> Callable[[torch.Tensor, Sequence[Any]], list[Any]]:
+    """A stand-in second model: (about, fill) per part; runs out of memory on batches
+    over `max_batch` and raises for a batch holding the part about `fails_on`."""
+
+    def read(batch: torch.Tensor, abouts: Sequence[Any]) -> list[Any]:
+        if len(abouts) > max_batch:
+            raise torch.OutOfMemoryError(f"cannot fit {len(abouts)} parts (test)")
+        if fails_on in abouts:
+            raise ValueError(f"cannot read {fails_on}")
+        return [(about, int(row.flatten()[0])) for about, row in zip(abouts, batch, strict=True)]
+
+    return read

@@ -2,33 +2,32 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from PIL import Image
 
-from tests.conftest import REPO, Aws, run_daemon
-from worker.demo import upload_samples
+from stages.synthetic import boards
+from tests.conftest import REPO, Aws, enqueue_command, following, run_daemon
+from worker.demo import Stack, upload_samples
 
 pytestmark = pytest.mark.e2e
 
 
-def _enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> list[str]:
+def _drain_args(stack: Stack, log_dir: Path, *more: str) -> list[str]:
+    """`run` flags for a daemon that empties the stack's queue and exits."""
     return [
-        sys.executable,
-        "-m",
-        "worker",
-        "enqueue",
         "--queue-url",
-        queue_url,
-        "--job-id",
-        job_id,
-        "--output",
-        output,
+        stack.queue_url,
+        "--drain",
+        "--receive-wait-seconds",
+        "1",
+        "--log-dir",
+        str(log_dir),
         *more,
     ]
 
@@ -62,7 +61,7 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
         )
     jobs["manifest"] = uris
     enqueue = subprocess.run(
-        _enqueue_command(
+        enqueue_command(
             stack.queue_url,
             "manifest",
             f"s3://{stack.bucket}/out/manifest/",
@@ -82,21 +81,16 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
     log_dir = tmp_path / "logs"
     run = run_daemon(
         aws,
-        [
-            "--queue-url",
-            stack.queue_url,
+        _drain_args(
+            stack,
+            log_dir,
             "--dlq-url",
             stack.dlq_url,
-            "--drain",
-            "--receive-wait-seconds",
-            "1",
-            "--log-dir",
-            str(log_dir),
             "--model-version",
             "3",
             "--timeline-dir",
             str(tmp_path / "timeline"),
-        ],
+        ),
     )
     assert run.returncode == 0, run.stderr[-3000:]
 
@@ -148,43 +142,27 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
     stack = aws.stack(visibility_timeout_s=2)
     uris = list(upload_samples(aws.s3, stack.bucket, 9, seed=3))
     output = f"s3://{stack.bucket}/out/slow/"
-    follower = subprocess.Popen(
-        [
-            *_enqueue_command(stack.queue_url, "slow", output),
-            "--wait",
-            "--timeout-seconds",
-            "120",
-            *uris,
-        ],
-        env=aws.env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    run = run_daemon(
-        aws,
-        [
-            "--queue-url",
-            stack.queue_url,
-            "--drain",
-            "--receive-wait-seconds",
-            "1",
-            "--visibility-timeout-seconds",
-            "2",
-            "--heartbeat-interval-seconds",
-            "0.5",
-            "--batch-size",
-            "1",
-            "--model",
-            "tests.slow_model:factory",
-            "--log-dir",
-            str(tmp_path),
-            "--progress-interval-seconds",
-            "0.5",
-        ],
-    )
-    followed, progress_bar = follower.communicate(timeout=60)
+    with following(
+        aws, stack.queue_url, "slow", output, "--timeout-seconds", "120", *uris
+    ) as follower:
+        run = run_daemon(
+            aws,
+            _drain_args(
+                stack,
+                tmp_path,
+                "--visibility-timeout-seconds",
+                "2",
+                "--heartbeat-interval-seconds",
+                "0.5",
+                "--batch-size",
+                "1",
+                "--model",
+                "tests.slow_model:factory",
+                "--progress-interval-seconds",
+                "0.5",
+            ),
+        )
+        followed, progress_bar = follower.communicate(timeout=60)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(aws.read(output, "job.json"))
     assert summary["duration_s"] >= 4 * 2
@@ -200,3 +178,64 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
     )
     assert any(f"] {n}/9 items" in progress_bar for n in range(1, 9)), progress_bar
     assert "] 9/9 items" in progress_bar
+
+
+def test_a_chain_of_models_finds_and_names_the_shapes_on_each_board(
+    aws: Aws, tmp_path: Path
+) -> None:
+    """`--pipeline stages/boards.toml`: the tile finder, a fan-out into one crop per shape
+    found, and the default classifier on the crops, each model in its own process. Each
+    board's line lists its shapes in tile order with their boxes and labels; an empty
+    board has none; an input that does not decode is that input's error; job.json names
+    the chain and both its models, and every line carries the chain's name@version."""
+    stack = aws.stack()
+    truth: dict[str, list[tuple[int, str]]] = {}
+    for number, (shapes, data) in enumerate(boards(30, seed=21)):
+        aws.s3.put_object(Bucket=stack.bucket, Key=f"boards/{number}", Body=data)
+        truth[f"s3://{stack.bucket}/boards/{number}"] = shapes
+    empty = io.BytesIO()
+    Image.new("RGB", (128, 128), (40, 90, 160)).save(empty, format="PNG")
+    aws.s3.put_object(Bucket=stack.bucket, Key="boards/empty", Body=empty.getvalue())
+    aws.s3.put_object(Bucket=stack.bucket, Key="boards/corrupt", Body=b"\xff\xd8 not a jpeg")
+    inputs = [*truth, f"s3://{stack.bucket}/boards/empty", f"s3://{stack.bucket}/boards/corrupt"]
+    output = f"s3://{stack.bucket}/out/boards/"
+    aws.send(stack.queue_url, {"job_id": "boards", "inputs": inputs, "output": output})
+
+    run = run_daemon(
+        aws,
+        _drain_args(
+            stack,
+            tmp_path,
+            "--pipeline",
+            str(REPO / "stages" / "boards.toml"),
+            "--preprocess-workers",
+            "1",
+        ),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ready = [json.loads(line) for line in run.stdout.splitlines() if '"model_ready"' in line]
+    assert [event["name"] for event in ready] == ["tile-finder", "shapes-cnn"]
+
+    results = aws.results(output)
+    assert [r["input"] for r in results] == inputs
+    correct = total = 0
+    for result in results[: len(truth)]:
+        shapes = truth[result["input"]]
+        found = result["objects"]
+        assert [o["tile"] for o in found] == [tile for tile, _ in shapes], result
+        assert result["count"] == len(shapes)
+        for o in found:
+            row, column = divmod(o["tile"], 2)
+            assert o["box"] == [column / 2, row / 2, (column + 1) / 2, (row + 1) / 2]
+            assert o["found_score"] >= 0.5
+        correct += sum(o["label"] == label for o, (_, label) in zip(found, shapes, strict=True))
+        total += len(shapes)
+    assert total > 30 and correct / total >= 0.95, (correct, total)
+    assert results[-2]["count"] == 0 and results[-2]["objects"] == []
+    assert results[-1]["error"]["type"] == "UnidentifiedImageError"
+    assert {r["model"] for r in results if "error" not in r} == {"shape-boards@1"}
+    summary = aws.summary(output)
+    assert summary["status"] == "partial" and summary["failed"] == 1
+    model = summary["model"]
+    assert (model["name"], model["version"]) == ("shape-boards", "1")
+    assert [step["name"] for step in model["steps"]] == ["tile-finder", "shapes-cnn"]

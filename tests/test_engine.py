@@ -176,13 +176,12 @@ def _process_pipeline(
     timeout_s: float = 30,
     observer: RecordingObserver | None = None,
 ) -> Pipeline:
+    arena = TensorArena((2, 2), slots=16)
     stages = [
-        ProcessStage("preprocess", writer, workers=2, arena_mode="write", timeout_s=timeout_s),
-        ProcessStage(
-            "inference", reader, batch_size=batch_size, max_batch_wait_ms=5, arena_mode="read"
-        ),
+        ProcessStage("preprocess", writer, workers=2, writes=arena, timeout_s=timeout_s),
+        ProcessStage("inference", reader, batch_size=batch_size, max_batch_wait_ms=5, reads=arena),
     ]
-    return Pipeline(stages, observer or RecordingObserver(), TensorArena((2, 2), slots=16))
+    return Pipeline(stages, observer or RecordingObserver())
 
 
 def test_process_stages_move_tensors_through_the_arena() -> None:
@@ -279,10 +278,63 @@ def test_a_stopped_childs_writer_ends_before_its_pipe_is_closed(
     child = _ChildProcess(ProcessStage("echo", stagefns.faulty_runner), 0)
     child.start()
     writer = next(t for t in threading.enumerate() if t.name == "echo-0-writer")
-    child.send([(None, "x")])
+    child.send([engine._Task(None, "x", ())])
     assert child.receive(5).outcomes == ["x"]
     child.stop(graceful=False)
     assert not writer.is_alive()
+
+
+def test_a_fan_out_splits_items_into_parts_that_come_back_whole_and_in_order() -> None:
+    """decode -> detector -> fan-out -> classifier, each a process stage. The detector
+    keeps each image's slot for the fan-out, which cuts `found % 4` parts into slots of
+    a second arena. Items come out whole: their parts' results in part order, none for
+    an item with no parts. Per-item errors are caught at every stage (the detector,
+    the fan-out, and one part at the classifier, which makes its whole an error), the
+    classifier recovers from running out of memory by bisecting, and small arenas with
+    a second wave of items show that no slot leaks."""
+    images = TensorArena((2,), slots=12)
+    crops = TensorArena((2,), slots=10)
+    stages = [
+        ProcessStage("decode", functools.partial(stagefns.sleepy_writer, 0.0), writes=images),
+        ProcessStage(
+            "detector",
+            functools.partial(stagefns.fill_reader, 9),
+            batch_size=4,
+            max_batch_wait_ms=5,
+            reads=images,
+            keeps_slots=True,
+        ),
+        ProcessStage(
+            "crops",
+            functools.partial(stagefns.numbered_parts, 7),
+            reads=images,
+            writes=crops,
+            max_parts=3,
+        ),
+        ProcessStage(
+            "classifier",
+            functools.partial(stagefns.part_reader, 2, "10.1"),
+            batch_size=6,
+            max_batch_wait_ms=5,
+            reads=crops,
+        ),
+    ]
+    with Pipeline(stages, RecordingObserver()) as pipeline:
+        for wave in range(2):
+            results = run_items(pipeline, [Item("j", i, i) for i in range(40)])
+            assert sorted(item.index for item in results) == list(range(40)), wave
+            by_index = {item.index: item for item in results}
+            for index, item in by_index.items():
+                if index in (7, 9, 10):
+                    continue
+                assert item.error is None, (index, item.error)
+                expected = [(f"{index}.{k}", (f"{index}.{k}", k)) for k in range(index % 4)]
+                assert item.value == expected
+            assert by_index[9].error and by_index[9].error.stage == "detector"
+            assert by_index[7].error and by_index[7].error.stage == "crops"
+            assert by_index[10].error and by_index[10].error.stage == "classifier"
+            assert by_index[10].error.message == "part 2 of 2: cannot read 10.1"
+        assert stages[3].current_batch_size() == 2  # lowered after running out of memory
 
 
 def test_a_stage_grows_while_the_next_one_waits_and_shrinks_back_once_idle() -> None:
@@ -291,25 +343,24 @@ def test_a_stage_grows_while_the_next_one_waits_and_shrinks_back_once_idle() -> 
     to its ceiling of 3, every item comes through once and in one piece, and once the
     input stops it shrinks back to 1, its extra processes gone."""
     observer = RecordingObserver()
+    arena = TensorArena((2, 2), slots=32)
     stages = [
         ProcessStage(
             "preprocess",
             functools.partial(stagefns.sleepy_writer, 0.02),
             workers=1,
             max_workers=3,
-            arena_mode="write",
+            writes=arena,
         ),
         ProcessStage(
             "inference",
             functools.partial(stagefns.sleepy_reader, 0.0),
             batch_size=8,
             max_batch_wait_ms=5,
-            arena_mode="read",
+            reads=arena,
         ),
     ]
-    pipeline = Pipeline(
-        stages, observer, TensorArena((2, 2), slots=32), scale_every_s=0.2, shrink_after_s=1.0
-    )
+    pipeline = Pipeline(stages, observer, scale_every_s=0.2, shrink_after_s=1.0)
     items = [Item("j", i, i) for i in range(400)]
     with pipeline:
         feeder = threading.Thread(target=lambda: [pipeline.submit(i) for i in items])
@@ -438,8 +489,8 @@ def test_an_item_that_kills_every_worker_is_blamed_only_if_the_probe_passes() ->
     fault: after the item's tries, the fresh process's probe dies too, and the stage is
     reported broken instead of failing the item."""
     observer = RecordingObserver()
-    stages = [ProcessStage("preprocess", stagefns.doomed_writer, arena_mode="write")]
-    with Pipeline(stages, observer, TensorArena((2,), slots=4)) as pipeline:
+    stages = [ProcessStage("preprocess", stagefns.doomed_writer, writes=TensorArena((2,), slots=4))]
+    with Pipeline(stages, observer) as pipeline:
         pipeline.submit(Item("j", 0, 0))
         _wait_until(lambda: observer.broken)
     assert "WorkerFault" in observer.broken[0] and "failed its probe" in observer.broken[0]
@@ -450,16 +501,12 @@ def test_a_worker_that_dies_during_start_up_is_started_again(tmp_path: Path) -> 
     that dies at every start stops the pipeline from starting."""
     once = functools.partial(stagefns.dies_at_first_start, str(tmp_path / "once"))
     with Pipeline(
-        [ProcessStage("preprocess", once, arena_mode="write")],
-        RecordingObserver(),
-        TensorArena((2,), slots=4),
+        [ProcessStage("preprocess", once, writes=TensorArena((2,), slots=4))], RecordingObserver()
     ) as pipeline:
         assert [r.value for r in run_items(pipeline, [Item("j", 0, 3)])] == [3]
     always = functools.partial(stagefns.dies_at_first_start, str(tmp_path / "always"), 99)
     pipeline = Pipeline(
-        [ProcessStage("preprocess", always, arena_mode="write")],
-        RecordingObserver(),
-        TensorArena((2,), slots=4),
+        [ProcessStage("preprocess", always, writes=TensorArena((2,), slots=4))], RecordingObserver()
     )
     with pytest.raises(StageSetupError, match="did not start"):
         pipeline.start()
@@ -491,20 +538,21 @@ def test_stages_overlap() -> None:
         time.sleep(per_item_s * len(values))
         return values
 
+    arena = TensorArena((2,), slots=16)
     stages = [
         ThreadStage("fetch", fetch),
         ProcessStage(
-            "preprocess", functools.partial(stagefns.sleepy_writer, per_item_s), arena_mode="write"
+            "preprocess", functools.partial(stagefns.sleepy_writer, per_item_s), writes=arena
         ),
         ProcessStage(
             "inference",
             functools.partial(stagefns.sleepy_reader, per_item_s),
             batch_size=4,
             max_batch_wait_ms=50,
-            arena_mode="read",
+            reads=arena,
         ),
     ]
-    with Pipeline(stages, RecordingObserver(), TensorArena((2,), slots=16)) as pipeline:
+    with Pipeline(stages, RecordingObserver()) as pipeline:
         started = time.perf_counter()
         results = run_items(pipeline, [Item("j", i, i) for i in range(count)])
         wall_s = time.perf_counter() - started

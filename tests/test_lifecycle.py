@@ -83,7 +83,11 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
     done = {job for job in jobs if "job.json" in aws.names(_out(stack, job))}
     assert all(aws.summary(_out(stack, job))["status"] == "succeeded" for job in done)
     assert all("results.jsonl" not in aws.names(_out(stack, job)) for job in set(jobs) - done)
-    assert aws.queue_depth(stack.queue_url) == (len(jobs) - len(done), 0)
+    # A job whose job.json was written just before the circuit opened may not have been
+    # deleted: its next delivery acks it unread. Every other job is back in the queue.
+    acked = {event["job_id"] for event in daemon.events("job_finished")}
+    assert acked <= done
+    assert aws.queue_depth(stack.queue_url) == (len(jobs) - len(acked), 0)
     # The fault cost each job it held one receive (this receive is the next one), and
     # jobs it had not received yet none.
     counts = [

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import REPO, Aws, run_daemon
+from tests.conftest import REPO, Aws, following, run_daemon
 from tests.faultproxy import FaultProxy
 from tests.test_daemon import _images, _output, _run, _send
-from tests.test_e2e import _enqueue_command
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
 from tests.test_interruptions import _run_while, _settings, _wait_until
 from worker.checkpoints import CANCEL_MARKER, CHECKPOINT_PREFIX
@@ -330,24 +329,30 @@ def test_a_daemon_that_lost_its_lease_is_fenced_off_by_the_newer_delivery(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
     """The first daemon cannot renew its lease (every renewal answers 500), so the
-    message reappears and a second daemon finishes the job first. When the slow first
-    one gets to its writes, they are refused (If-None-Match): it logs `job_fenced`, and
-    the outputs stay the second daemon's."""
+    message reappears and a second daemon finishes the job first (the first one's model
+    waits for it). When the slow first one gets to its writes, they are refused
+    (If-None-Match): it logs `job_fenced`, and the outputs stay the second daemon's."""
     stack = aws.stack(visibility_timeout_s=2)
     uris = list(upload_samples(aws.s3, stack.bucket, 4, seed=22))
     _send_jobs(aws, stack, {"raced": uris})
     proxy = FaultProxy(aws.endpoint)
     proxy.fail("renewals", lambda request: request.action == "ChangeMessageVisibilityBatch", None)
     common = ["--visibility-timeout-seconds", "2", "--heartbeat-interval-seconds", "0.5"]
+    gate = tmp_path / "fast-daemon-done"
     with proxy.serving() as proxy_url:
         slow = start_daemon(
             # One job at most: it does not take the message back when it reappears.
-            _args(stack, tmp_path / "slow", *_slow_model(1), *common, "--max-jobs", "1"),
-            env={**aws.with_endpoint(proxy_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "2"},
+            _args(stack, tmp_path / "slow", *_slow_model(4), *common, "--max-jobs", "1"),
+            env={
+                **aws.with_endpoint(proxy_url).env,
+                "SLOW_MODEL_SECONDS_PER_BATCH": "0.5",
+                "SLOW_MODEL_GATE_FILE": str(gate),
+            },
         )
         slow.wait_for("job_received")
         fast = run_daemon(aws, [*_args(stack, tmp_path / "fast", *common), "--drain"])
         assert fast.returncode == 0, fast.stderr[-3000:]
+        gate.touch()
         [fenced] = slow.wait_for("job_fenced", timeout_s=60)
         slow.send_signal(signal.SIGTERM)
         assert slow.wait(30) == 0, slow.stderr[-3000:]
@@ -368,27 +373,23 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 24 s of work
     running, queued = _out(stack, "running"), _out(stack, "queued")
-    follower = subprocess.Popen(
-        [*_enqueue_command(stack.queue_url, "running", running), "--wait", *uris],
-        env=aws.env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    daemon = start_daemon(
-        _args(stack, tmp_path, *_slow_model(1), "--progress-interval-seconds", "0.5", "--drain"),
-        env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.4"},
-    )
-    daemon.wait_for("job_received")
-    _cancel(aws, queued)
-    _send_jobs(aws, stack, {"queued": uris})
-    _wait_for_progress(aws, running)
-    wrong_job = _cancel(aws, running, "--job-id", "queued", check=False)
-    assert wrong_job.returncode == 1 and "job running's output" in wrong_job.stderr
-    _cancel(aws, running, "--job-id", "running")
-    assert daemon.wait(60) == 0, daemon.stderr[-3000:]
-    followed, _ = follower.communicate(timeout=30)
+    with following(aws, stack.queue_url, "running", running, *uris) as follower:
+        daemon = start_daemon(
+            _args(
+                stack, tmp_path, *_slow_model(1), "--progress-interval-seconds", "0.5", "--drain"
+            ),
+            env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.4"},
+        )
+        daemon.wait_for("job_received")
+        _cancel(aws, queued)
+        _send_jobs(aws, stack, {"queued": uris})
+        _wait_for_progress(aws, running)
+        wrong_job = _cancel(aws, running, "--job-id", "queued", check=False)
+        assert wrong_job.returncode == 1 and "job running's output" in wrong_job.stderr
+        cancelled = _cancel(aws, running, "--job-id", "running", check=False)
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+        followed, _ = follower.communicate(timeout=30)
     assert follower.returncode == 1  # not succeeded
     assert json.loads(followed[followed.index("{") :])["status"] == "cancelled"
     summary = aws.summary(running)

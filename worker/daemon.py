@@ -2,7 +2,8 @@
 
     intake         receive (when there is room) -> lease in the ledger -> admit or settle
     feeder         held jobs' items, in turn -> pipeline
-    pipeline       fetch (threads) -> preprocess (processes) -> inference (one per device)
+    pipeline       fetch (threads) -> preprocess (processes) -> inference (one per device),
+                   or a chain: -> inference-1 -> fan-out (processes) -> inference-2
     regrouper      each result -> its job in the ledger -> complete? -> finisher
     finisher       results.jsonl, job.log, job.json (last) -> ack
     lease keeper   renews every held message's lease while work progresses
@@ -33,7 +34,14 @@ import structlog
 
 from worker import __version__
 from worker.checkpoints import Checkpointer, Checkpoints
-from worker.engine import Pipeline, ProcessStage, StageObserver, TensorArena, ThreadStage
+from worker.engine import (
+    PIPELINED_BATCHES,
+    Pipeline,
+    ProcessStage,
+    StageObserver,
+    TensorArena,
+    ThreadStage,
+)
 from worker.intake import Feeder, Intake
 from worker.interruptions import InterruptionWatch
 from worker.leases import LeaseKeeper
@@ -42,10 +50,13 @@ from worker.metrics import Metrics, serving
 from worker.outcomes import Lifecycle, Outcomes
 from worker.plugins import (
     ModelIdentity,
+    fan_out_setup,
     inference_devices,
     inference_setup,
+    load_fan_out,
     load_postprocessor,
     load_preprocessor,
+    pipeline_identity,
     preprocess_setup,
 )
 from worker.ports import BlobStore, JobSource, NoticeSource, S3Location, ScaleInGuard
@@ -54,6 +65,7 @@ from worker.reporting import JobObserver, ProgressReporter
 from worker.results import Finisher, Regrouper
 from worker.settings import Settings
 from worker.shutdown import ExitCode, Shutdown
+from worker.spec import ModelStep, PipelineSpec
 from worker.supervisor import Progress, Supervisor
 from worker.timeline import Timeline, TimelineWriter
 
@@ -150,7 +162,7 @@ class Daemon:
             if notices
             else None
         )
-        postprocess = load_postprocessor(settings.postprocess)
+        postprocess = load_postprocessor(settings.pipeline_spec().postprocess)
         self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
         intake = Intake(
             settings,
@@ -223,12 +235,18 @@ class Daemon:
         return self._supervisor.stall()
 
     def _model_ready(self) -> None:
-        """Take the model's identity from the inference stage, set up and warmed up."""
-        about = self._pipeline.about("inference")
-        model = ModelIdentity(**about["model"])
-        self._metrics.model.info(model.as_dict())
-        log.info("model_ready", **model.as_dict(), warm_up=about["warm_up"])
-        self._model.set_result(model)
+        """Take the models' identities from their stages, set up and warmed up."""
+        spec = self._settings.pipeline_spec()
+        models = []
+        for step in spec.models:
+            about = self._pipeline.about(spec.stage_name(step))
+            models.append(ModelIdentity(**about["model"]))
+            log.info("model_ready", **about["model"], warm_up=about["warm_up"])
+        identity = pipeline_identity(spec, models)
+        self._metrics.model.info(identity.labels())
+        if identity.steps:
+            log.info("pipeline_ready", **identity.labels())
+        self._model.set_result(identity)
 
     def stop(self) -> None:
         """Shut down as on SIGTERM (for a daemon embedded in another program)."""
@@ -268,10 +286,22 @@ class Daemon:
 
 
 def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:
-    """fetch (threads) -> preprocess (processes) -> inference (a process per device)."""
-    item_shape = load_preprocessor(settings.preprocess).output_shape
-    devices = inference_devices(settings.device)
-    stages = [
+    """fetch (threads) -> preprocess (processes) -> a model (a process per device), or a
+    model -> a fan-out (processes) -> a model."""
+    spec = settings.pipeline_spec()
+    decode_ceiling = settings.preprocess_workers_ceiling
+    images = load_preprocessor(spec.preprocess).output_shape
+    first, *rest = spec.models
+    fan_out = spec.fan_out
+    # Enough decoded images, for each process of the model that reads them, for the
+    # batch being inferred and the next two being assembled, and two in the hands of
+    # each worker that writes or (a fan-out) still reads them.
+    image_arena = TensorArena(
+        images,
+        3 * first.batch_size * len(_devices(first, settings))
+        + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0)),
+    )
+    stages: list[ThreadStage | ProcessStage] = [
         ThreadStage(
             "fetch",
             lambda uris: [blobs.get(S3Location.parse(uri)) for uri in uris],
@@ -279,35 +309,72 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
         ),
         ProcessStage(
             "preprocess",
-            functools.partial(preprocess_setup, settings.preprocess),
+            functools.partial(preprocess_setup, spec.preprocess),
             workers=settings.preprocess_workers,
-            max_workers=settings.preprocess_workers_ceiling,
+            max_workers=decode_ceiling,
             timeout_s=settings.preprocess_timeout_seconds,
-            arena_mode="write",
+            writes=image_arena,
         ),
-        ProcessStage(
-            "inference",
-            [
-                functools.partial(
-                    inference_setup,
-                    settings.model,
-                    device,
-                    tuple(item_shape),
-                    batch_size=settings.batch_size,
-                    precision=settings.precision,
-                    channels_last=settings.channels_last,
-                    model_name=settings.model_name,
-                    model_version=settings.model_version,
-                )
-                for device in devices
-            ],
-            batch_size=settings.batch_size,
-            max_batch_wait_ms=settings.max_batch_wait_ms,
-            timeout_s=settings.inference_timeout_seconds,
-            arena_mode="read",
-        ),
+        _model_stage(spec, first, settings, images, image_arena, keeps_slots=bool(fan_out)),
     ]
-    # Enough decoded images, for each inference process, for the batch being inferred
-    # and the next two being assembled, and two in the hands of each preprocessing worker.
-    arena_slots = 3 * settings.batch_size * len(devices) + 2 * settings.preprocess_workers_ceiling
-    return Pipeline(stages, observer=observer, arena=TensorArena(item_shape, arena_slots))
+    if fan_out:
+        (second,) = rest
+        parts = load_fan_out(fan_out.fan_out).output_shape
+        part_arena = TensorArena(
+            parts,
+            3 * second.batch_size * len(_devices(second, settings))
+            + PIPELINED_BATCHES * fan_out.workers * fan_out.max_parts,
+        )
+        stages += [
+            ProcessStage(
+                spec.stage_name(fan_out),
+                functools.partial(fan_out_setup, fan_out.fan_out),
+                workers=fan_out.workers,
+                timeout_s=settings.preprocess_timeout_seconds,
+                reads=image_arena,
+                writes=part_arena,
+                max_parts=fan_out.max_parts,
+            ),
+            _model_stage(spec, second, settings, parts, part_arena),
+        ]
+    return Pipeline(stages, observer=observer)
+
+
+def _model_stage(
+    spec: PipelineSpec,
+    step: ModelStep,
+    settings: Settings,
+    item_shape: Sequence[int],
+    arena: TensorArena,
+    *,
+    keeps_slots: bool = False,
+) -> ProcessStage:
+    """One model's stage: a process per device, each loading and warming up the model."""
+    return ProcessStage(
+        spec.stage_name(step),
+        [
+            functools.partial(
+                inference_setup,
+                step.model,
+                device,
+                tuple(item_shape),
+                batch_size=step.batch_size,
+                precision=step.precision or settings.precision,
+                channels_last=settings.channels_last
+                if step.channels_last is None
+                else step.channels_last,
+                model_name=step.name,
+                model_version=step.version,
+            )
+            for device in _devices(step, settings)
+        ],
+        batch_size=step.batch_size,
+        max_batch_wait_ms=settings.max_batch_wait_ms,
+        timeout_s=settings.inference_timeout_seconds,
+        reads=arena,
+        keeps_slots=keeps_slots,
+    )
+
+
+def _devices(step: ModelStep, settings: Settings) -> list[str]:
+    return inference_devices(step.device or settings.device)

@@ -19,6 +19,9 @@ functions and knows nothing of images, models, S3 or SQS.
 - Large values cross process boundaries through a `TensorArena`: preallocated shared
   memory whose slots one stage writes in place and a later stage reads, so only slot
   numbers travel through pipes.
+- A fan-out stage turns each item into parts (an image into crops of what a detector
+  found), each in a slot of another arena; later stages run the parts as items, and
+  `Pipeline.next_result` puts each item back together from its parts, in order.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
@@ -48,7 +51,7 @@ import torch.multiprocessing as torch_mp
 from worker.channel import Channel, Closed
 from worker.errors import TransientError, WorkerFault
 
-ArenaMode = Literal["write", "read"] | None
+ArenaMode = Literal["write", "read", "fan-out"] | None
 
 # An item whose child died or hung while holding it gets this many tries before it is
 # blamed, so one input that kills or hangs its worker cannot loop forever.
@@ -61,6 +64,7 @@ PROBE = "probe"  # the request that asks a child to run its stage's probe
 FORKSERVER_PRELOAD = ("torch", "worker.engine")
 OUTPUT_CAPACITY = 1024
 PIPELINED_BATCHES = 2
+_WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 # After an out-of-memory error, batches stay at the size that fitted for this long:
 # retrying the full size at once would only run out of memory again.
 OOM_COOLDOWN_S = 300.0
@@ -107,6 +111,18 @@ class StageFunction:
     about: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """What makes an item part of another: it is part `number` of `count` that a fan-out
+    made of the item it numbered `whole`, and `about` is what the fan-out said of it
+    (the box a crop was cut from, say)."""
+
+    whole: int
+    number: int
+    count: int
+    about: Any
+
+
 @dataclass(slots=True)
 class Item:
     """One unit of work: `index` of job `job`, its current `value` or its `error`."""
@@ -117,6 +133,8 @@ class Item:
     error: ItemError | None = None
     slot: int | None = None
     attempts: int = 0
+    part: Part | None = None
+    part_slots: tuple[int, ...] = ()  # slots a fan-out holds for this item's parts
 
 
 # What a process stage runs once in each child: it makes the function the child runs.
@@ -318,9 +336,12 @@ class _Stage:
         inbox: Channel[Item],
         outbox: Channel[Item],
         observer: StageObserver,
-        arena: TensorArena | None,
+        finished: Channel[Item],
     ) -> None:
-        self._inbox, self._outbox, self._observer, self._arena = inbox, outbox, observer, arena
+        """Serve `inbox` into `outbox`; an item with nothing left for the stages after
+        this one goes straight to `finished`, the pipeline's output."""
+        self._inbox, self._outbox, self._observer = inbox, outbox, observer
+        self._finished = finished
 
     def stop(self) -> None:
         """Wait up to `STOP_GRACE_S` in all for the stage's threads (daemon threads: one
@@ -377,9 +398,9 @@ class ThreadStage(_Stage):
         inbox: Channel[Item],
         outbox: Channel[Item],
         observer: StageObserver,
-        arena: TensorArena | None,
+        finished: Channel[Item],
     ) -> None:
-        super().start(inbox, outbox, observer, arena)
+        super().start(inbox, outbox, observer, finished)
         for number in range(self.workers):
             self._spawn_thread(self._serve, str(number))
 
@@ -466,16 +487,15 @@ class _ChildProcess:
         parent_conn, child_conn = context.Pipe()
         # Never written to: the child sees it close when this process dies, however it dies.
         lifeline_reader, self._lifeline = context.Pipe(duplex=False)
-        arena_tensor = self._stage.arena.tensor if self._stage.arena else None
+        stage = self._stage
         process = context.Process(
             target=_child_main,
             args=(
                 child_conn,
                 lifeline_reader,
-                _ChildPlan(
-                    self._stage.name, self._stage.setup_of(self.number), self._stage.arena_mode
-                ),
-                arena_tensor,
+                _ChildPlan(stage.name, stage.setup_of(self.number), stage.mode),
+                stage.reads.tensor if stage.reads else None,
+                stage.writes.tensor if stage.writes else None,
             ),
             name=self._name,
             daemon=True,
@@ -595,13 +615,18 @@ class ProcessStage(_Stage):
     (a module-level function or a `functools.partial` of one). A sequence of set-ups is
     one per child, a fixed number (one per GPU, say). A set-up returns the function,
     or a `StageFunction` with the function and its probe. The function's form depends
-    on `arena_mode`:
+    on the arenas the stage `reads` and `writes`:
 
-    - `None`: `fn(values) -> outputs`
-    - `"write"`: `fn(value, out) -> output`, per item, writing into `out`, the item's
+    - neither: `fn(values) -> outputs`
+    - writes: `fn(value, out) -> output`, per item, writing into `out`, the item's
       arena slot, in place (decode an image straight into shared memory).
-    - `"read"`: `fn(batch, values) -> outputs`, where `batch` stacks the items' arena
-      slots; the slots are given back once the call returns.
+    - reads: `fn(batch, values) -> outputs`, where `batch` stacks the items' arena
+      slots; the slots are given back once the call returns, unless `keeps_slots`
+      (a fan-out after it still reads them).
+    - both, a fan-out: `fn(slot, value, outs) -> abouts`, per item, writing up to
+      `max_parts` parts into the slots `outs` of the arena it writes and saying what
+      each is about; the item goes on as its parts, each an item of its own, and one
+      with no parts goes straight to the pipeline's output, with the value `[]`.
     """
 
     def __init__(
@@ -614,7 +639,10 @@ class ProcessStage(_Stage):
         batch_size: int = 1,
         max_batch_wait_ms: float = 0,
         timeout_s: float | None = None,
-        arena_mode: ArenaMode = None,
+        reads: TensorArena | None = None,
+        writes: TensorArena | None = None,
+        keeps_slots: bool = False,
+        max_parts: int = 1,
         setup_timeout_s: float = 300,
         oom_cooldown_s: float = OOM_COOLDOWN_S,
     ):
@@ -628,10 +656,14 @@ class ProcessStage(_Stage):
         self._setups = setups
         self._setup = setup
         self.timeout_s = timeout_s
-        self.arena_mode = arena_mode
+        self.reads, self.writes = reads, writes
+        self.mode: ArenaMode = (
+            ("fan-out" if writes else "read") if reads else ("write" if writes else None)
+        )
+        self.keeps_slots = keeps_slots
+        self.max_parts = max_parts
         self.setup_timeout_s = setup_timeout_s
         self.oom_cooldown_s = oom_cooldown_s
-        self.arena: TensorArena | None = None
         self._children: list[_ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
@@ -642,12 +674,9 @@ class ProcessStage(_Stage):
         inbox: Channel[Item],
         outbox: Channel[Item],
         observer: StageObserver,
-        arena: TensorArena | None,
+        finished: Channel[Item],
     ) -> None:
-        super().start(inbox, outbox, observer, arena)
-        if self.arena_mode and arena is None:
-            raise ValueError(f"stage {self.name} needs a TensorArena")
-        self.arena = arena
+        super().start(inbox, outbox, observer, finished)
         self._children = [_ChildProcess(self, number) for number in range(self.workers)]
         # Children start in parallel: each imports torch and may load a model.
         try:
@@ -775,13 +804,20 @@ class ProcessStage(_Stage):
         self._file_reply(_live(items), reply)
         self._forward(items)
 
-    def _request(self, live: list[Item]) -> list[tuple[int | None, Any]]:
-        if self.arena_mode == "write":
-            assert self.arena is not None
-            for item in live:
-                if item.slot is None:
-                    item.slot = self.arena.acquire()
-        return [(item.slot, item.value) for item in live]
+    def arenas(self) -> list[TensorArena]:
+        return [arena for arena in (self.reads, self.writes) if arena is not None]
+
+    def _request(self, live: list[Item]) -> list[_Task]:
+        """What the child is sent: each item's slot, value and the slots for its parts;
+        a writing stage takes slots for them first (waiting while none is free)."""
+        for item in live:
+            if self.mode == "write" and item.slot is None:
+                assert self.writes is not None
+                item.slot = self.writes.acquire()
+            elif self.mode == "fan-out" and not item.part_slots:
+                assert self.writes is not None
+                item.part_slots = tuple(self.writes.acquire() for _ in range(self.max_parts))
+        return [_Task(item.slot, item.value, item.part_slots) for item in live]
 
     def _file_reply(self, live: list[Item], reply: _Reply) -> None:
         with self._lock:
@@ -794,11 +830,31 @@ class ProcessStage(_Stage):
     def _forward(self, items: list[Item]) -> None:
         """Hand the batch on, giving back the arena slots a reading stage is done with."""
         for item in items:
-            if self.arena_mode == "read" and item.slot is not None:
-                assert self.arena is not None
-                self.arena.release(item.slot)
+            if self.reads is not None and not self.keeps_slots and item.slot is not None:
+                self.reads.release(item.slot)
                 item.slot = None
+            if self.mode == "fan-out":
+                self._fan_out(item)
+            else:
+                self._outbox.put(item)
+
+    def _fan_out(self, item: Item) -> None:
+        """Hand the item on as its parts, each in one of the slots taken for them."""
+        assert self.writes is not None
+        abouts: list[Any] = [] if item.error is not None else item.value
+        slots, item.part_slots = item.part_slots, ()
+        for slot in slots[len(abouts) :]:
+            self.writes.release(slot)
+        if item.error is not None:
             self._outbox.put(item)
+        elif not abouts:
+            item.value = []
+            self._finished.put(item)
+        else:
+            whole = next(_WHOLES)
+            for number, (about, slot) in enumerate(zip(abouts, slots, strict=False)):
+                part = Part(whole, number, len(abouts), about)
+                self._outbox.put(Item(item.job, item.index, about, slot=slot, part=part))
 
     def _recover(
         self, child: _ChildProcess, in_flight: deque[list[Item]], lost: WorkerLost
@@ -907,7 +963,15 @@ class _ChildPlan:
 
     stage: str
     setup: StageSetup
-    arena_mode: ArenaMode
+    mode: ArenaMode
+
+
+class _Task(NamedTuple):
+    """One item of a request to a child."""
+
+    slot: int | None
+    value: Any
+    part_slots: tuple[int, ...]
 
 
 class _Reply(NamedTuple):
@@ -921,7 +985,11 @@ class _Reply(NamedTuple):
 
 
 def _child_main(
-    conn: Connection, lifeline: Connection, plan: _ChildPlan, arena: torch.Tensor | None
+    conn: Connection,
+    lifeline: Connection,
+    plan: _ChildPlan,
+    reads: torch.Tensor | None,
+    writes: torch.Tensor | None,
 ) -> None:
     """A stage's child process: set up once, then answer requests until told to stop."""
     # The daemon decides when children stop; a Ctrl-C or a SIGTERM sent to the whole
@@ -937,7 +1005,7 @@ def _child_main(
     except BaseException:
         conn.send(("setup_failed", traceback.format_exc()))
         return
-    gatherer = BatchGatherer(arena) if plan.arena_mode == "read" and arena is not None else None
+    gatherer = BatchGatherer(reads) if plan.mode == "read" and reads is not None else None
     conn.send(("ready", (os.getpid(), stage_fn.about)))
     while True:
         try:
@@ -952,7 +1020,7 @@ def _child_main(
             events.clear()
             started = time.perf_counter()
             outcomes, fitting_batch_size = _serve_request(
-                stage_fn.run, plan, arena, gatherer, request
+                stage_fn.run, plan, (reads, writes), gatherer, request
             )
             failed_all = bool(outcomes) and all(isinstance(o, ItemError) for o in outcomes)
             fault = _probe(stage_fn) if failed_all else None
@@ -984,22 +1052,33 @@ def _exit_when_closed(lifeline: Connection) -> None:
 def _serve_request(
     fn: Callable[..., Any],
     plan: _ChildPlan,
-    arena: torch.Tensor | None,
+    arenas: tuple[torch.Tensor | None, torch.Tensor | None],
     gatherer: BatchGatherer | None,
-    request: list[tuple[int | None, Any]],
+    request: list[_Task],
 ) -> tuple[list[Any], int | None]:
     """Every item's outcome, and after an out-of-memory error the largest size that fitted."""
-    slots: list[Any] = [slot for slot, _ in request]  # set for every item in arena modes
-    values = [value for _, value in request]
+    reads, writes = arenas
+    slots: list[Any] = [task.slot for task in request]  # set for every item in arena modes
+    values = [task.value for task in request]
     out_of_memory = False
     fitted_sizes = [1]
 
+    def fan_out(position: int) -> list[Any]:
+        assert reads is not None and writes is not None
+        outs = [writes[slot] for slot in request[position].part_slots]
+        abouts = list(fn(reads[slots[position]], values[position], outs))
+        if len(abouts) > len(outs):
+            raise ValueError(f"the fan-out made {len(abouts)} parts of at most {len(outs)}")
+        return abouts
+
     def run(positions: list[int]) -> Sequence[Any]:
         chosen = [values[p] for p in positions]
-        if plan.arena_mode == "write":
-            assert arena is not None
-            return [fn(values[p], arena[slots[p]]) for p in positions]
-        if plan.arena_mode == "read":
+        if plan.mode == "write":
+            assert writes is not None
+            return [fn(values[p], writes[slots[p]]) for p in positions]
+        if plan.mode == "fan-out":
+            return [fan_out(p) for p in positions]
+        if plan.mode == "read":
             assert gatherer is not None
             return fn(gatherer.gather([slots[p] for p in positions]), chosen)  # type: ignore[no-any-return]
         return fn(chosen)  # type: ignore[no-any-return]
@@ -1091,7 +1170,6 @@ class Pipeline:
         self,
         stages: Sequence[_Stage],
         observer: StageObserver,
-        arena: TensorArena | None = None,
         *,
         scale_every_s: float = SCALE_EVERY_S,
         shrink_after_s: float = SHRINK_AFTER_S,
@@ -1099,17 +1177,17 @@ class Pipeline:
         self._stages = list(stages)
         self._scaling = {"every_s": scale_every_s, "shrink_after_s": shrink_after_s}
         self._observer = observer
-        self._arena = arena
         self._channels: list[Channel[Item]] = [Channel(stage.inbox_capacity) for stage in stages]
         self._channels.append(Channel(OUTPUT_CAPACITY))
         self._closing = threading.Event()
+        self._wholes: dict[int, list[tuple[Part, Item]]] = {}  # parts come out in any order
 
     def start(self) -> None:
         """Start every stage (children included), all at once: each child imports torch
         and may load a model. Raises `StageSetupError` if one cannot start."""
 
         def start(stage: _Stage, inbox: Channel[Item], outbox: Channel[Item]) -> None:
-            stage.start(inbox, outbox, self._observer, self._arena)
+            stage.start(inbox, outbox, self._observer, self._channels[-1])
 
         try:
             with ThreadPoolExecutor(len(self._stages)) as pool:
@@ -1172,8 +1250,17 @@ class Pipeline:
         self._channels[0].put(item)
 
     def next_result(self) -> Item:
-        """The next item out of the last stage, in completion order; `Closed` when stopping."""
-        return self._channels[-1].get()
+        """The next item out of the last stage, in completion order, an item made of
+        parts once all of them are out; `Closed` when stopping."""
+        while True:
+            item = self._channels[-1].get()
+            if item.part is None:
+                return item
+            parts = self._wholes.setdefault(item.part.whole, [])
+            parts.append((item.part, item))
+            if len(parts) == item.part.count:
+                del self._wholes[item.part.whole]
+                return _whole(parts)
 
     def close(self) -> None:
         """Stop every stage and child process, all at once, within about two
@@ -1181,8 +1268,10 @@ class Pipeline:
         self._closing.set()
         for channel in self._channels:
             channel.close()
-        if self._arena is not None:
-            self._arena.close()
+        for stage in self._stages:
+            if isinstance(stage, ProcessStage):
+                for arena in stage.arenas():
+                    arena.close()
         with ThreadPoolExecutor(len(self._stages)) as pool:
             list(pool.map(lambda stage: stage.stop(), self._stages))
 
@@ -1192,3 +1281,17 @@ class Pipeline:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _whole(parts: list[tuple[Part, Item]]) -> Item:
+    """The item that parts were made of: its value is each part's `(about, value)`, in
+    order. A part's error is the whole's, a transient one first (the whole is then
+    tried again)."""
+    parts.sort(key=lambda pair: pair[0].number)
+    first = parts[0][1]
+    errors = [(part, item.error) for part, item in parts if item.error is not None]
+    if not errors:
+        return Item(first.job, first.index, [(part.about, item.value) for part, item in parts])
+    part, error = min(errors, key=lambda pair: not pair[1].transient)
+    message = f"part {part.number + 1} of {part.count}: {error.message}"
+    return Item(first.job, first.index, None, error=replace(error, message=message))

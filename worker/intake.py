@@ -68,11 +68,14 @@ class Intake:
         self._stopping = stopping
         self._on_drained = on_drained
         self._drained_readings = 0
+        # Enough items for the first model's next few batches.
+        first_batch = settings.pipeline_spec().models[0].batch_size
+        self._prefetch_items = settings.prefetch_batches * first_batch
 
     def room(self) -> int:
         """How many messages may be received now: 0 while enough work is waiting."""
         settings = self._settings
-        if self._ledger.outstanding_items() >= settings.prefetch_batches * settings.batch_size:
+        if self._ledger.outstanding_items() >= self._prefetch_items:
             return 0
         return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
 

@@ -10,16 +10,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from worker.engine import StageFunction, bisection_sizes
+from worker.spec import PipelineSpec
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
 EXPORT_SUFFIX = ".pt2"
@@ -43,6 +45,18 @@ class Preprocessor(Protocol):
     def __call__(self, data: bytes, out: torch.Tensor) -> Any: ...
 
 
+class FanOut(Protocol):
+    """Cuts one image into parts for the next model (`spec.FanOutStep`): writes each into
+    one of `outs` (uint8 tensors of `output_shape`) and returns what each is about."""
+
+    @property
+    def output_shape(self) -> tuple[int, ...]: ...
+
+    def __call__(
+        self, image: torch.Tensor, found: Any, outs: Sequence[torch.Tensor]
+    ) -> list[Any]: ...
+
+
 Postprocessor = Callable[[Any, dict[str, Any]], dict[str, Any]]
 InferenceFn = Callable[[torch.Tensor, Sequence[Any]], list[Any]]
 
@@ -63,11 +77,19 @@ def load_object(reference: str) -> Any:
 
 
 def load_preprocessor(reference: str) -> Preprocessor:
-    preprocessor = load_object(reference)
-    shape = getattr(preprocessor, "output_shape", None)
-    if not callable(preprocessor) or not shape:
-        raise PluginError(f"{reference} must be callable(data, out) with an output_shape")
-    return preprocessor  # type: ignore[no-any-return]
+    return _load_shaped(reference, "callable(data, out)")  # type: ignore[no-any-return]
+
+
+def load_fan_out(reference: str) -> FanOut:
+    return _load_shaped(reference, "callable(image, found, outs)")  # type: ignore[no-any-return]
+
+
+def _load_shaped(reference: str, form: str) -> Any:
+    """A callable that writes uint8 tensors of its `output_shape`."""
+    loaded = load_object(reference)
+    if not callable(loaded) or not getattr(loaded, "output_shape", None):
+        raise PluginError(f"{reference} must be {form} with an output_shape")
+    return loaded
 
 
 def load_postprocessor(reference: str) -> Postprocessor:
@@ -86,14 +108,40 @@ class ModelIdentity:
     name: str
     version: str
     digest: str
+    steps: tuple[ModelIdentity, ...] = ()  # a chain's models, in order
 
     @functools.cached_property
     def label(self) -> str:
         """`name@version`, on every line of results.jsonl: made once, not per item."""
         return f"{self.name}@{self.version}"
 
-    def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+    def labels(self) -> dict[str, str]:
+        return {"name": self.name, "version": self.version, "digest": self.digest}
+
+    def as_dict(self) -> dict[str, Any]:
+        """What job.json records: the labels, and a chain's models."""
+        if not self.steps:
+            return self.labels()
+        return {**self.labels(), "steps": [step.as_dict() for step in self.steps]}
+
+
+def pipeline_identity(spec: PipelineSpec, models: Sequence[ModelIdentity]) -> ModelIdentity:
+    """What produced a pipeline's results: its one model, or for a chain its name and
+    version and a digest over its models' digests and the steps around them, which
+    change the results as much as the weights do."""
+    if len(models) == 1 and spec.fan_out is None:
+        return models[0]
+    fan_out = spec.fan_out
+    around = [spec.preprocess, spec.postprocess, fan_out.fan_out if fan_out else None]
+    cut = fan_out.max_parts if fan_out else None
+    made_of = json.dumps([around, cut, [model.digest for model in models]])
+    digest = hashlib.sha256(made_of.encode()).hexdigest()
+    return ModelIdentity(
+        name=spec.name or "pipeline",
+        version=spec.version or digest[:12],
+        digest=f"sha256:{digest}",
+        steps=tuple(models),
+    )
 
 
 def identify(
@@ -239,6 +287,12 @@ def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) 
         "out_of_memory": out_of_memory,
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def fan_out_setup(reference: str) -> StageFunction:
+    """Runs once in each fan-out process."""
+    torch.set_num_threads(1)
+    return StageFunction(load_fan_out(reference))
 
 
 def preprocess_setup(reference: str) -> StageFunction:

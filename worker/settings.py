@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from worker.spec import ModelStep, PipelineSpec
+
 # SQS quotas (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/quotas-messages.html)
 SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
 SQS_MAX_RECEIVE_WAIT_S = 20
@@ -30,6 +32,10 @@ MAX_RETRY_DELAY_S = 15 * 60
 MIN_SHUTDOWN_TAIL_S = 10.0
 # And the process this much more to exit before the platform's SIGKILL.
 STOP_MARGIN_S = 10.0
+# What a pipeline spec sets per step, so the flags cannot say it too.
+PIPELINE_REPLACES = frozenset(
+    {"model", "model_name", "model_version", "preprocess", "postprocess", "batch_size"}
+)
 
 
 class Settings(BaseSettings):
@@ -77,6 +83,12 @@ class Settings(BaseSettings):
         default="stages.postprocess:top_k",
         description="'module:function': turns one model output row and the job's params "
         "into the prediction fields of results.jsonl.",
+    )
+    pipeline: Annotated[PipelineSpec | None, NoDecode] = Field(
+        default=None,
+        description="A TOML file declaring a chain of models (a detector, a fan-out into "
+        "crops, a classifier; see the README): it takes the place of --model, "
+        "--model-name, --model-version, --preprocess, --postprocess and --batch-size.",
     )
     device: str = Field(
         default="auto",
@@ -285,6 +297,21 @@ class Settings(BaseSettings):
         "out to queues, Lambdas, e-mail; subscribers may filter on its status).",
     )
 
+    def pipeline_spec(self) -> PipelineSpec:
+        """The chain of `--pipeline`, else the one model the flags name."""
+        return self.pipeline or PipelineSpec(
+            preprocess=self.preprocess,
+            postprocess=self.postprocess,
+            steps=[
+                ModelStep(
+                    model=self.model,
+                    name=self.model_name,
+                    version=self.model_version,
+                    batch_size=self.batch_size,
+                )
+            ],
+        )
+
     @property
     def preprocess_workers_ceiling(self) -> int:
         return max(self.preprocess_workers, self.preprocess_workers_max or os.cpu_count() or 1)
@@ -351,6 +378,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"preprocess_workers_max ({self.preprocess_workers_max}) is below "
                 f"preprocess_workers ({self.preprocess_workers})"
+            )
+        replaced = sorted(PIPELINE_REPLACES & self.model_fields_set) if self.pipeline else []
+        if replaced:
+            raise ValueError(
+                f"pipeline declares the models; set {', '.join(replaced)} in its steps instead"
             )
         if self.lifecycle_hook_name and self.interruption_notices == "off":
             raise ValueError(
