@@ -43,8 +43,8 @@ class Fault:
     (None: all of them), each with `probability`.
 
     `kind` "error" answers `status` with an AWS error `code`; "slow" forwards the
-    request after `delay_s`; "reset" closes the connection without an answer; "answer"
-    answers `status` with `body`.
+    request; "reset" closes the connection without an answer; "answer" answers
+    `status` with `body`. Each waits `delay_s` first.
     """
 
     name: str
@@ -123,6 +123,8 @@ class FaultProxy:
                     self.command, self.path.split("?")[0], target or query_action, text
                 )
                 fault = proxy._fault_for(request)
+                if fault is not None:
+                    time.sleep(fault.delay_s)
                 if fault is not None and fault.kind == "reset":
                     self._reset()
                     return
@@ -135,8 +137,6 @@ class FaultProxy:
                     headers = [("Content-Type", "application/xml")]
                     self._reply(fault.status, headers, error.encode())
                     return
-                if fault is not None:
-                    time.sleep(fault.delay_s)
                 self._forward(body)
 
             def _forward(self, body: bytes) -> None:

@@ -22,6 +22,7 @@ SETTLE = {
     JobState.ACKED: Ledger.ack,
     JobState.RELEASED: Ledger.release,
     JobState.DEAD_LETTERED: Ledger.dead_letter,
+    JobState.SUPERSEDED: Ledger.supersede,
 }
 
 

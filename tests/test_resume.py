@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import REPO, Aws, following, run_daemon
-from tests.faultproxy import FaultProxy
+from tests.faultproxy import Fault, FaultProxy
 from tests.test_daemon import _images, _output, _run, _send
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
 from tests.test_interruptions import _run_while, _settings, _wait_until
@@ -322,6 +322,59 @@ def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
     assert [r["input"] for r in aws.results(output)] == uris
     assert not any(name.startswith(CHECKPOINT_PREFIX) for name in aws.names(output))
     assert aws.dead_letters(stack.dlq_url) == []
+
+
+@pytest.mark.e2e
+def test_a_continuation_runs_alone_when_its_sender_died_before_deleting_the_old_message(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """SIGKILL between handing a job over and deleting its message: a daemon stopped by
+    SIGTERM sends the continuation, its delete is held at the proxy, and the test kills
+    it there, so both messages are in the queue. The next daemon runs the continuation,
+    which marks the message it replaces: that one, received before the mark or after,
+    is deleted unfinished (`job_handed_over_already`), not run to the end beside the
+    continuation, and the job finishes once."""
+    stack = aws.stack(visibility_timeout_s=3)
+    uris = list(upload_samples(aws.s3, stack.bucket, 40, seed=24))
+    _send_jobs(aws, stack, {"split": uris})
+    common = ["--visibility-timeout-seconds", "3", "--heartbeat-interval-seconds", "1"]
+    proxy = FaultProxy(aws.endpoint)
+    held = Fault("held_delete", lambda r: r.action == "DeleteMessage", kind="reset", delay_s=5)
+    proxy.add(held)
+    with proxy.serving() as proxy_url:
+        first = start_daemon(
+            _args(stack, tmp_path / "first", *_slow_model(1), *common, "--grace-seconds", "0"),
+            env={**aws.with_endpoint(proxy_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.1"},
+        )
+        first.wait_for("job_received")
+        time.sleep(1.5)
+        first.send_signal(signal.SIGTERM)
+        _wait_until(lambda: proxy.requests("SendMessage") and proxy.requests("DeleteMessage"))
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    gate = tmp_path / "old-message-acked"
+    second = start_daemon(
+        [
+            *_args(stack, tmp_path / "second", *_slow_model(4), *common),
+            "--drain",
+            "--progress-interval-seconds",
+            "0.5",
+        ],
+        env={
+            **aws.env,
+            "SLOW_MODEL_SECONDS_PER_BATCH": "0.05",
+            "SLOW_MODEL_GATE_FILE": str(gate),
+        },
+    )
+    second.wait_for("job_handed_over_already", timeout_s=60)
+    gate.touch()
+    assert second.wait(60) == 0, second.stderr[-3000:]
+    assert len(second.events("job_handed_over_already")) == 1
+    assert len(second.events("job_finished")) == 1
+    summary = aws.summary(_out(stack, "split"))
+    assert (summary["status"], summary["attempt"]) == ("succeeded", 2)
+    assert [r["input"] for r in aws.results(_out(stack, "split"))] == uris
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
 
 
 @pytest.mark.e2e

@@ -65,6 +65,7 @@ MAX_REASON_CHARS = 1000
 # A continuation's message attributes (`SqsJobSource.requeue`).
 EARLIER_ATTEMPTS_ATTRIBUTE = "worker.earlier-attempts"
 FIRST_MESSAGE_ATTRIBUTE = "worker.first-message-id"
+HANDED_OVER_FROM_ATTRIBUTE = "worker.handed-over-from"
 IMDS_DEFAULT_ENDPOINT = "http://169.254.169.254"
 IMDS_TOKEN_TTL_S = 60
 IMDS_TOKEN_MARGIN_S = 10
@@ -244,7 +245,11 @@ class SqsJobSource(_Retrying):
                 WaitTimeSeconds=wait_s,
                 VisibilityTimeout=visibility_timeout_s,
                 MessageSystemAttributeNames=["ApproximateReceiveCount"],
-                MessageAttributeNames=[EARLIER_ATTEMPTS_ATTRIBUTE, FIRST_MESSAGE_ATTRIBUTE],
+                MessageAttributeNames=[
+                    EARLIER_ATTEMPTS_ATTRIBUTE,
+                    FIRST_MESSAGE_ATTRIBUTE,
+                    HANDED_OVER_FROM_ATTRIBUTE,
+                ],
             )
         )
         return [_received(message) for message in reply.get("Messages", [])]
@@ -267,6 +272,7 @@ class SqsJobSource(_Retrying):
         attributes: Any = {
             EARLIER_ATTEMPTS_ATTRIBUTE: {"DataType": "Number", "StringValue": str(message.attempt)},
             FIRST_MESSAGE_ATTRIBUTE: {"DataType": "String", "StringValue": message.job_message_id},
+            HANDED_OVER_FROM_ATTRIBUTE: {"DataType": "String", "StringValue": message.message_id},
         }
         self._call(
             lambda: self._client.send_message(
@@ -419,6 +425,7 @@ def _received(message: MessageTypeDef) -> ReceivedMessage:
         receive_count=int(message.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
         earlier_attempts=int(earlier) if earlier.isdigit() else 0,
         first_message_id=carried.get(FIRST_MESSAGE_ATTRIBUTE, {}).get("StringValue", ""),
+        handed_over_from=carried.get(HANDED_OVER_FROM_ATTRIBUTE, {}).get("StringValue", ""),
     )
 
 

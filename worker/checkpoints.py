@@ -26,7 +26,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
@@ -44,6 +44,7 @@ FINAL_OUTPUTS = ("results.jsonl", "job.log", "job.json")
 CANCEL_MARKER = "cancel"
 CHECKPOINT_PREFIX = "checkpoint-"
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
+Halt = Literal["superseded", "cancelled"]
 REQUEST_DIGEST_CHARS = 16
 # The outputs job.json completes, with their ETags recorded in it.
 COMPLETED_OUTPUTS = ("results.jsonl", "job.log")
@@ -121,11 +122,17 @@ class Checkpoints:
             any(name.startswith(CHECKPOINT_PREFIX) for name in listing),
         )
 
-    def cancel_requested(self, job: Job) -> bool:
-        """Whether a `cancel` object for this job has appeared under its output."""
+    def halt(self, job: Job) -> Halt | None:
+        """Why a running job must stop, if it must, from one listing of its output: its
+        message was handed over (marked superseded: a continuation runs the job), or a
+        `cancel` object for it has appeared."""
         assert job.spec is not None
         listing = self._blobs.objects_under(job.spec.output_location(""))
-        return self._cancel_stands(job.spec, job.job_id, listing)
+        if f"{SUPERSEDED_PREFIX}{job.message.message_id}" in listing:
+            return "superseded"
+        if self._cancel_stands(job.spec, job.job_id, listing):
+            return "cancelled"
+        return None
 
     def _cancel_stands(self, spec: JobMessage, job_id: str, listing: dict[str, str]) -> bool:
         """A `cancel` object is for whatever job writes to its prefix, or, if it names a
@@ -171,16 +178,17 @@ class Checkpoints:
             job.checkpoint.saved_at = time.monotonic()
             job.log.info("checkpoint_saved", part=part, items=len(results))
 
-    def supersede(self, job: Job) -> None:
-        """Mark the job's message as handed over: its continuation runs the job. Never
-        raises (without the mark both may run, and fenced writes keep the outputs whole)."""
-        if job.spec is None:
+    def supersede(self, spec: JobMessage | None, message_id: str) -> None:
+        """Mark a message of the job as handed over: its continuation runs the job, and
+        whoever receives the message acks it unread. Never raises (without the mark both
+        may run, and fenced writes keep the outputs whole)."""
+        if spec is None:
             return
-        marker = job.spec.output_location(f"{SUPERSEDED_PREFIX}{job.message.message_id}")
+        marker = spec.output_location(f"{SUPERSEDED_PREFIX}{message_id}")
         try:
             self._blobs.put(marker, b"", "text/plain")
         except Exception as error:
-            log.warning("superseded_mark_failed", job_id=job.job_id, error=repr(error))
+            log.warning("superseded_mark_failed", message_id=message_id, error=repr(error))
 
     def remove(self, job: Job) -> None:
         """Remove every checkpoint object under the job's output (its job.json is written)."""

@@ -151,6 +151,7 @@ class Daemon:
             checkpoints,
             settings.progress_interval_seconds,
             cancel=finisher.cancel,
+            superseded=self._outcomes.superseded,
         )
         self._protection = (
             ProtectionKeeper(ledger, guard, settings.idle_grace_seconds, metrics.protection_called)

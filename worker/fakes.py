@@ -31,6 +31,7 @@ class _Stored:
     ready: bool = True  # in the ready queue
     earlier_attempts: int = 0
     first_message_id: str = ""
+    handed_over_from: str = ""
 
 
 class InMemoryJobSource:
@@ -52,7 +53,14 @@ class InMemoryJobSource:
         self.receive_calls = 0
         self.extend_calls = 0
 
-    def send(self, body: str, *, earlier_attempts: int = 0, first_message_id: str = "") -> str:
+    def send(
+        self,
+        body: str,
+        *,
+        earlier_attempts: int = 0,
+        first_message_id: str = "",
+        handed_over_from: str = "",
+    ) -> str:
         """Enqueue a message; returns its id."""
         with self._lock:
             message_id = str(uuid.uuid4())
@@ -61,6 +69,7 @@ class InMemoryJobSource:
                 body,
                 earlier_attempts=earlier_attempts,
                 first_message_id=first_message_id,
+                handed_over_from=handed_over_from,
             )
             self._messages[message_id] = stored
             self._ready.append(stored)
@@ -95,6 +104,7 @@ class InMemoryJobSource:
                         stored.receive_count,
                         stored.earlier_attempts,
                         stored.first_message_id,
+                        stored.handed_over_from,
                     )
                 )
             return received
@@ -133,6 +143,7 @@ class InMemoryJobSource:
             message.body,
             earlier_attempts=message.attempt,
             first_message_id=message.job_message_id,
+            handed_over_from=message.message_id,
         )
 
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:

@@ -179,6 +179,11 @@ class Intake:
             log.info("job_handed_over_already", job_id=job_id)
             self._outcomes.ack(job)
             return None
+        if job.message.handed_over_from:
+            # The message this continuation replaces comes back if the daemon that
+            # handed it over died before deleting it: marked, it is acked unread rather
+            # than run beside this one.
+            self._checkpoints.supersede(spec, job.message.handed_over_from)
         return _Admission(spec, inputs, prior)
 
     def _admit(self, job: Job, admission: _Admission) -> None:

@@ -58,18 +58,23 @@ class JobState(StrEnum):
     ACKED = "acked"
     RELEASED = "released"
     DEAD_LETTERED = "dead_lettered"
+    SUPERSEDED = "superseded"
 
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.RECEIVED: frozenset(
         {JobState.ADMITTED, JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED}
     ),
-    JobState.ADMITTED: frozenset({JobState.RUNNING, JobState.FINISHING, JobState.RELEASED}),
-    JobState.RUNNING: frozenset({JobState.FINISHING, JobState.RELEASED}),
+    JobState.ADMITTED: frozenset(
+        {JobState.RUNNING, JobState.FINISHING, JobState.RELEASED, JobState.SUPERSEDED}
+    ),
+    JobState.RUNNING: frozenset({JobState.FINISHING, JobState.RELEASED, JobState.SUPERSEDED}),
     JobState.FINISHING: frozenset({JobState.ACKED, JobState.RELEASED}),
 }
 NOTHING_RESUMED: Mapping[int, dict[str, Any]] = MappingProxyType({})
-SETTLED = frozenset({JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED})
+SETTLED = frozenset(
+    {JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED, JobState.SUPERSEDED}
+)
 FEEDABLE = frozenset({JobState.ADMITTED, JobState.RUNNING})
 
 
@@ -316,6 +321,11 @@ class Ledger:
     def ack(self, job: Job) -> bool:
         """FINISHING -> ACKED: its outputs are written. False if settled meanwhile."""
         return self._settle(job, JobState.ACKED)
+
+    def supersede(self, job: Job) -> bool:
+        """ADMITTED | RUNNING -> SUPERSEDED: a continuation of the job (another message)
+        runs it, so this message is deleted unfinished. False if settled meanwhile."""
+        return self._settle(job, JobState.SUPERSEDED)
 
     def release(self, job: Job, delay_s: int = 0) -> bool:
         """-> RELEASED: hand it back to the queue unfinished, visible again after

@@ -133,6 +133,22 @@ class Outcomes:
         finally:
             self._forget(job)
 
+    def superseded(self, job: Job) -> None:
+        """The job's message was handed over, and the daemon that did so died before
+        deleting it: its continuation runs the job now. Delete this one, unfinished,
+        writing nothing (what it wrote meanwhile is fenced off by the outputs' etags)."""
+        if not self._ledger.supersede(job):
+            return
+        self._metrics.jobs.labels("superseded").inc()
+        log.info("job_handed_over_already", job_id=job.job_id, finished=job.finished_items)
+        try:
+            if not job.lease_lost:
+                self._source.ack(job.receipt_handle)
+        except Exception as error:  # it comes back, and is acked unread at its admission
+            log.warning("ack_failed", job_id=job.job_id, error=repr(error))
+        finally:
+            self._forget(job)
+
     def lease_ceiling_reached(self, job: Job) -> None:
         """The job has been held as long as SQS allows: handed over, or released if it
         did not move (one input slower than the ceiling must reach the DLQ)."""
@@ -189,7 +205,7 @@ class Outcomes:
             # The old message comes back after its lease: it is marked, so that whoever
             # receives it acks it instead of running the job beside its continuation.
             log.warning("handed_over_message_not_deleted", job_id=job.job_id, error=repr(error))
-            self._checkpoints.supersede(job)
+            self._checkpoints.supersede(job.spec, job.message.message_id)
         return True
 
     def _note_released(self, job: Job, reason: str, delay_s: int) -> None:

@@ -51,10 +51,12 @@ class ReceivedMessage:
     body: str
     receipt_handle: str
     receive_count: int
-    # Set on a continuation (`JobSource.requeue`): the deliveries before it, and the
-    # message the job was first sent as, which names it when its body does not.
+    # Set on a continuation (`JobSource.requeue`): the deliveries before it, the
+    # message the job was first sent as, which names it when its body does not, and
+    # the message it replaces.
     earlier_attempts: int = 0
     first_message_id: str = ""
+    handed_over_from: str = ""
 
     @property
     def attempt(self) -> int:
@@ -81,9 +83,10 @@ class JobSource(Protocol):
         """Make a message visible again after `delay_s` (0: at once) for another try."""
 
     def requeue(self, message: ReceivedMessage) -> None:
-        """Send the job again as a new message that carries its attempts so far (the
-        caller then acks the old one): a continuation starts at receive count 1, so an
-        interruption does not spend the queue's maxReceiveCount."""
+        """Send the job again as a new message that carries its attempts so far and the
+        id of the message it replaces (the caller then acks the old one): a continuation
+        starts at receive count 1, so an interruption does not spend the queue's
+        maxReceiveCount."""
 
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
         """Renew leases; returns the error code of each handle that could not be renewed."""

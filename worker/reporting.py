@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from worker.checkpoints import Checkpoints
+from worker.checkpoints import Checkpoints, Halt
 from worker.engine import Item
 from worker.ledger import FEEDABLE, Job, Ledger, StageTiming
 from worker.metrics import Metrics
@@ -87,7 +87,8 @@ class JobObserver:
 class ProgressReporter:
     """Every `interval_s`, publishes each in-flight job's progress.json (for `enqueue
     --wait` and dashboards) if it changed, brings its local log file up to date, and
-    stops a job whose cancellation was asked for (its finish then writes what it has)."""
+    stops a job whose cancellation was asked for (its finish then writes what it has)
+    or whose message was handed over (its continuation runs it)."""
 
     def __init__(
         self,
@@ -97,12 +98,13 @@ class ProgressReporter:
         interval_s: float,
         *,
         cancel: Callable[[Job], None],
+        superseded: Callable[[Job], None],
     ):
         self._ledger = ledger
         self._blobs = blobs
         self._checkpoints = checkpoints
         self._interval_s = interval_s
-        self._cancel = cancel
+        self._stop = {"cancelled": cancel, "superseded": superseded}
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -110,18 +112,19 @@ class ProgressReporter:
             for job in self._ledger.unsettled():
                 if job.log is not None:
                     self._report(job)
-                if job.state in FEEDABLE and self._cancel_requested(job):
-                    self._cancel(job)
+                halt = self._halt(job) if job.state in FEEDABLE else None
+                if halt is not None:
+                    self._stop[halt](job)
 
     def stop(self) -> None:
         self._stopped.set()
 
-    def _cancel_requested(self, job: Job) -> bool:
+    def _halt(self, job: Job) -> Halt | None:
         try:
-            return self._checkpoints.cancel_requested(job)
+            return self._checkpoints.halt(job)
         except Exception as error:
-            log.warning("cancel_check_failed", job_id=job.job_id, error=repr(error))
-            return False
+            log.warning("halt_check_failed", job_id=job.job_id, error=repr(error))
+            return None
 
     def _report(self, job: Job) -> None:
         assert job.log is not None and job.spec is not None
