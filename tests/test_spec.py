@@ -61,6 +61,7 @@ FAN_OUT = '[[steps]]\nfan_out = "f:f"\n'
         (HEAD.replace('name = "chain"\n', "") + MODEL + FAN_OUT + MODEL, "needs a name"),
         (HEAD + MODEL + "batch_sise = 3\n", "batch_sise"),
         (HEAD + MODEL.replace('"m:m"', '"m:m"\nbatch_size = 0'), "greater than or equal to 1"),
+        (HEAD + MODEL.replace('"m:m"', '"m:m"\ndevice = "gpu 0"'), "give auto, or torch devices"),
         (HEAD + "[[steps]\n", "is not TOML"),
     ],
 )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from worker.spec import ModelStep, PipelineSpec
+from worker.spec import ModelStep, PipelineSpec, devices
 
 # SQS quotas (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/quotas-messages.html)
 SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
@@ -335,12 +334,7 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _devices(cls, value: str) -> str:
-        devices = [device.strip() for device in value.split(",")]
-        if value != "auto" and not all(re.fullmatch(r"[a-z]+(:\d+)?", d) for d in devices):
-            raise ValueError(
-                f"{value!r}: give auto, or torch devices (cpu, cuda, cuda:1), comma-separated"
-            )
-        return ",".join(devices)
+        return devices(value)
 
     @field_validator("allowed_buckets", mode="before")
     @classmethod

@@ -25,13 +25,24 @@ each input, the list of its parts' `(about, output)` pairs, in part order.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Precision = Literal["float32", "bfloat16"]
+
+
+def devices(value: str) -> str:
+    """`auto`, or torch devices, comma-separated (one inference process each)."""
+    named = [device.strip() for device in value.split(",")]
+    if value != "auto" and not all(re.fullmatch(r"[a-z]+(:\d+)?", d) for d in named):
+        raise ValueError(
+            f"{value!r}: give auto, or torch devices (cpu, cuda, cuda:1), comma-separated"
+        )
+    return ",".join(named)
 
 
 class ModelStep(BaseModel):
@@ -47,6 +58,11 @@ class ModelStep(BaseModel):
     device: str | None = Field(default=None, description="default: --device")
     precision: Precision | None = Field(default=None, description="default: --precision")
     channels_last: bool | None = Field(default=None, description="default: --channels-last")
+
+    @field_validator("device")
+    @classmethod
+    def _devices(cls, value: str | None) -> str | None:
+        return None if value is None else devices(value)
 
 
 class FanOutStep(BaseModel):
