@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
 import torch
 from torch import nn
 
@@ -33,6 +36,7 @@ from stages.model import default_classifier
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
 from worker.daemon import Daemon
+from worker.demo import LOCAL_AWS_ENV, create_stack, local_moto_server, upload_samples
 from worker.engine import BatchGatherer, TensorArena
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.joblog import configure_daemon_logging
@@ -374,13 +378,100 @@ def overhead(work_dir: Path, messages: int, runs: int) -> dict[str, float]:
             [1] * messages,
             InMemoryBlobStore(),
             work_dir,
-            model="bench.run:noop_model",
-            preprocess="bench.run:noop_preprocessor",
+            model=NOOP_MODEL,
+            preprocess=NOOP_PREPROCESSOR,
             max_jobs=256,
         )
         return daemon.wall_s * 1000 / messages - minimal_loop_ms_per_message(messages)
 
     return {"overhead_ms_per_message": _median(runs, measure)}
+
+
+NOOP_MODEL = "bench.run:noop_model"
+NOOP_PREPROCESSOR = "bench.run:noop_preprocessor"
+HOST_JOB_SIZE = 500
+
+
+def host_ceiling(
+    work_dir: Path, items: int, blobs: InMemoryBlobStore | None = None
+) -> dict[str, float]:
+    """The control plane alone (docs/DESIGN.md, section 5): a null model, a preprocess
+    that decodes nothing and in-process fakes, so what is left is what the daemon itself
+    moves per second; and the CPU its main process (this one) spends per item."""
+    blobs = blobs if blobs is not None else InMemoryBlobStore()
+    cpu_s = time.process_time()
+    daemon = _run_daemon(
+        [HOST_JOB_SIZE] * (items // HOST_JOB_SIZE),
+        blobs,
+        work_dir,
+        model=NOOP_MODEL,
+        preprocess=NOOP_PREPROCESSOR,
+        batch_size=256,
+    )
+    cpu_s = time.process_time() - cpu_s
+    return {
+        "host_ceiling_items_per_s": daemon.items / daemon.wall_s,
+        "host_cpu_ms_per_item_fakes": 1000 * cpu_s / daemon.items,
+    }
+
+
+def host_cpu(work_dir: Path, jobs: int) -> dict[str, float]:
+    """The daemon's main-process CPU per item with real boto3 calls against a moto
+    server, the default model and preprocessor: the daemon a subprocess, its own CPU
+    (not its stage processes', not moto's) from its `daemon_started` to its exit."""
+    with local_moto_server() as endpoint:
+        env = {**os.environ, **LOCAL_AWS_ENV, "AWS_ENDPOINT_URL": endpoint}
+        session = boto3.Session(
+            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        )
+        sqs = session.client("sqs", endpoint_url=endpoint)
+        s3 = session.client("s3", endpoint_url=endpoint)
+        stack = create_stack(sqs, s3, "host-cpu")
+        uris = list(upload_samples(s3, stack.bucket, HOST_JOB_SIZE, seed=31))
+        for job in range(jobs):
+            output = f"s3://{stack.bucket}/out/{job}/"
+            sqs.send_message(
+                QueueUrl=stack.queue_url,
+                MessageBody=json.dumps({"inputs": uris, "output": output}),
+            )
+        daemon = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "worker", "run", "--queue-url", stack.queue_url),
+                *("--drain", "--receive-wait-seconds", "1", "--metrics-port", "0"),
+                *("--log-dir", str(work_dir / "host-cpu-logs")),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert daemon.stdout is not None
+        started_cpu_s = None
+        for line in daemon.stdout:
+            if '"daemon_started"' in line:
+                started_cpu_s = process_cpu_s(daemon.pid)
+                break
+        daemon.stdout.read()
+        finished_cpu_s = exited_process_cpu_s(daemon)
+        if daemon.returncode != 0 or started_cpu_s is None:
+            raise RuntimeError(f"the daemon exited {daemon.returncode}")
+    return {"host_cpu_ms_per_item": 1000 * (finished_cpu_s - started_cpu_s) / (jobs * len(uris))}
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) of process `pid` itself: all its threads, none of
+    its children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def exited_process_cpu_s(process: subprocess.Popen[str]) -> float:
+    """`process_cpu_s` of a child at its exit: waited for without reaping it, so its
+    /proc entry still holds its final counts; then reaped."""
+    os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+    cpu_s = process_cpu_s(process.pid)
+    process.wait()
+    return cpu_s
 
 
 def adaptive_workers(work_dir: Path, images: int) -> dict[str, float]:
@@ -601,6 +692,9 @@ TARGETS = {
     "redeliveries": ("<=", 0.0),
     "adaptive_speedup": (">=", 2.0),
     "multi_device_scaling": (">=", 1.8),
+    # Issue 12's targets for the host path; not met yet.
+    "host_cpu_ms_per_item": ("<=", 0.5),
+    "host_ceiling_items_per_s": (">=", 5000.0),
 }
 
 
@@ -624,6 +718,8 @@ def main(out: Path, quick: bool) -> int:
             lambda: backlog(work_dir, 12 if quick else 40),
             lambda: adaptive_workers(work_dir, 3000 if quick else 6000),
             lambda: multi_device(work_dir, 3000 if quick else 6000),
+            lambda: host_ceiling(work_dir, 5000 if quick else 20000),
+            lambda: host_cpu(work_dir, 4),
         ]
         for step in steps:
             report.update(step())

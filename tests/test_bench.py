@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.run import exited_process_cpu_s, host_ceiling
 from tests.conftest import REPO
+from worker.fakes import InMemoryBlobStore
 
 
 @pytest.mark.e2e
@@ -42,3 +44,36 @@ def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
     batches = [e["args"]["items"] for e in trace["traceEvents"] if e["name"] == "inference"]
     assert sum(batches) == 300 and max(batches) <= 16
     assert (tmp_path / "timeline.png").stat().st_size > 0
+
+
+BURNER = """
+import subprocess, sys, time
+def burn(seconds):
+    while time.process_time() < seconds:
+        pass
+if sys.argv[1] == "child":
+    burn(1.0)
+else:
+    burn(0.6)
+    subprocess.run([sys.executable, "-c", sys.argv[2], "child", sys.argv[2]], check=True)
+"""
+
+
+def test_a_process_cpu_is_its_own_not_its_childrens() -> None:
+    """`host_cpu_ms_per_item` reads the daemon's own CPU at its exit: a process that
+    burns 0.6 s of CPU and then waits for a child burning 1 s reads 0.6 s, not 1.6."""
+    process = subprocess.Popen([sys.executable, "-c", BURNER, "parent", BURNER], text=True)
+    cpu_s = exited_process_cpu_s(process)
+    assert process.returncode == 0
+    assert 0.55 <= cpu_s <= 0.95, cpu_s
+
+
+def test_the_host_ceiling_moves_every_item_of_its_jobs(tmp_path: Path) -> None:
+    """The control-plane figure is a real run: both 500-item jobs finish, every item
+    succeeded, and the rate and CPU per item it reports are positive."""
+    blobs = InMemoryBlobStore()
+    figures = host_ceiling(tmp_path, 1000, blobs)
+    for job in ("job-0", "job-1"):
+        summary = json.loads(blobs.objects[f"s3://bench/out/{job}/job.json"])
+        assert (summary["status"], summary["succeeded"]) == ("succeeded", 500)
+    assert figures["host_ceiling_items_per_s"] > 0 and figures["host_cpu_ms_per_item_fakes"] > 0
