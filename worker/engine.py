@@ -623,10 +623,11 @@ class ProcessStage(_Stage):
     - reads: `fn(batch, values) -> outputs`, where `batch` stacks the items' arena
       slots; the slots are given back once the call returns, unless `keeps_slots`
       (a fan-out after it still reads them).
-    - both, a fan-out: `fn(slot, value, outs) -> abouts`, per item, writing up to
-      `max_parts` parts into the slots `outs` of the arena it writes and saying what
-      each is about; the item goes on as its parts, each an item of its own, and one
-      with no parts goes straight to the pipeline's output, with the value `[]`.
+    - both, a fan-out: `fn(read, value, outs) -> abouts`, per item, given its slot of
+      the arena it reads, writing up to `max_parts` parts into the slots `outs` of the
+      arena it writes and saying what each is about; the item goes on as its parts,
+      each an item of its own, and one with no parts goes straight to the pipeline's
+      output, with the value `[]`.
     """
 
     def __init__(
