@@ -71,7 +71,9 @@ class FoundTiles:
         self, board: torch.Tensor, found: Sequence[float], outs: Sequence[torch.Tensor]
     ) -> list[dict[str, Any]]:
         side = board.shape[-1] // TILES
-        tiles = [tile for tile, score in enumerate(found) if score >= FOUND_AT][: len(outs)]
+        tiles = [tile for tile, score in enumerate(found) if score >= FOUND_AT]
+        if len(tiles) > len(outs):  # the input's error, not a result missing shapes
+            raise ValueError(f"{len(tiles)} shapes found, room for {len(outs)} (max_parts)")
         abouts = []
         for tile, out in zip(tiles, outs, strict=False):
             row, column = divmod(tile, TILES)

@@ -225,3 +225,19 @@ def part_reader(
         return [(about, int(row.flatten()[0])) for about, row in zip(abouts, batch, strict=True)]
 
     return read
+
+
+def dies_while_writing(marker_path: str, times: int) -> Callable[[Any, torch.Tensor], Any]:
+    """Dies on its first `times` items in all (counted in `marker_path`), then writes as
+    `sleepy_writer` does."""
+    marker = Path(marker_path)
+    write = sleepy_writer(0.0)
+
+    def write_or_die(value: Any, out: torch.Tensor) -> Any:
+        died = int(marker.read_text()) if marker.exists() else 0
+        if died < times:
+            marker.write_text(str(died + 1))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(value, out)
+
+    return write_or_die

@@ -512,6 +512,22 @@ def test_a_worker_that_dies_during_start_up_is_started_again(tmp_path: Path) -> 
         pipeline.start()
 
 
+def test_an_items_tries_are_counted_per_stage(tmp_path: Path) -> None:
+    """An item that killed two preprocessing processes has its three tries again at the
+    next stage: one death there is retried, not blamed on the item."""
+    arena = TensorArena((2,), slots=4)
+    writer = functools.partial(stagefns.dies_while_writing, str(tmp_path / "writer"), 2)
+    reader = functools.partial(stagefns.kill_once_reader, str(tmp_path / "reader"))
+    stages = [
+        ProcessStage("preprocess", writer, writes=arena),
+        ProcessStage("inference", reader, reads=arena),
+    ]
+    with Pipeline(stages, RecordingObserver()) as pipeline:
+        [result] = run_items(pipeline, [Item("j", 0, 5)])
+    assert result.error is None and result.value == 5
+    assert (tmp_path / "writer").read_text() == "2" and (tmp_path / "reader").exists()
+
+
 def test_a_stage_thread_that_raises_reports_the_stage_broken() -> None:
     """A driver thread that raises (a bug, not an input) does not die silently and
     leave the stage short of a worker: the stage is reported broken."""

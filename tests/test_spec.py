@@ -19,11 +19,7 @@ QUEUE = "https://sqs/q"
 def test_the_shipped_chain_reads_as_a_model_a_fan_out_and_a_model() -> None:
     spec = Settings(queue_url=QUEUE, pipeline=str(BOARDS)).pipeline_spec()
     assert (spec.name, spec.version) == ("shape-boards", "1")
-    assert [spec.stage_name(step) for step in spec.steps] == [
-        "inference-1",
-        "fan-out",
-        "inference-2",
-    ]
+    assert spec.model_stage_names() == ["inference-1", "inference-2"]
     assert [model.batch_size for model in spec.models] == [32, 64]
     assert spec.fan_out == FanOutStep(fan_out="stages.boards:found_tiles", max_parts=4)
     assert load_fan_out(spec.fan_out.fan_out).output_shape == (3, 64, 64)
@@ -38,7 +34,7 @@ def test_without_a_spec_the_flags_are_the_one_model() -> None:
         8,
         "2",
     )
-    assert spec.stage_name(step) == "inference" and spec.fan_out is None
+    assert spec.model_stage_names() == ["inference"] and spec.fan_out is None
 
 
 def _write(tmp_path: Path, text: str) -> str:

@@ -65,7 +65,7 @@ from worker.reporting import JobObserver, ProgressReporter
 from worker.results import Finisher, Regrouper
 from worker.settings import Settings
 from worker.shutdown import ExitCode, Shutdown
-from worker.spec import ModelStep, PipelineSpec
+from worker.spec import FAN_OUT_STAGE, ModelStep
 from worker.supervisor import Progress, Supervisor
 from worker.timeline import Timeline, TimelineWriter
 
@@ -239,8 +239,8 @@ class Daemon:
         """Take the models' identities from their stages, set up and warmed up."""
         spec = self._settings.pipeline_spec()
         models = []
-        for step in spec.models:
-            about = self._pipeline.about(spec.stage_name(step))
+        for name in spec.model_stage_names():
+            about = self._pipeline.about(name)
             models.append(ModelIdentity(**about["model"]))
             log.info("model_ready", **about["model"], warm_up=about["warm_up"])
         identity = pipeline_identity(spec, models)
@@ -293,6 +293,7 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
     decode_ceiling = settings.preprocess_workers_ceiling
     images = load_preprocessor(spec.preprocess).output_shape
     first, *rest = spec.models
+    names = spec.model_stage_names()
     fan_out = spec.fan_out
     # Enough decoded images, for each process of the model that reads them, for the
     # batch being inferred and the next two being assembled, and two in the hands of
@@ -316,7 +317,7 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
             timeout_s=settings.preprocess_timeout_seconds,
             writes=image_arena,
         ),
-        _model_stage(spec, first, settings, images, image_arena, keeps_slots=bool(fan_out)),
+        _model_stage(names[0], first, settings, images, image_arena, keeps_slots=bool(fan_out)),
     ]
     if fan_out:
         (second,) = rest
@@ -328,7 +329,7 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
         )
         stages += [
             ProcessStage(
-                spec.stage_name(fan_out),
+                FAN_OUT_STAGE,
                 functools.partial(fan_out_setup, fan_out.fan_out),
                 workers=fan_out.workers,
                 timeout_s=settings.preprocess_timeout_seconds,
@@ -336,13 +337,13 @@ def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> 
                 writes=part_arena,
                 max_parts=fan_out.max_parts,
             ),
-            _model_stage(spec, second, settings, parts, part_arena),
+            _model_stage(names[1], second, settings, parts, part_arena),
         ]
     return Pipeline(stages, observer=observer)
 
 
 def _model_stage(
-    spec: PipelineSpec,
+    name: str,
     step: ModelStep,
     settings: Settings,
     item_shape: Sequence[int],
@@ -352,7 +353,7 @@ def _model_stage(
 ) -> ProcessStage:
     """One model's stage: a process per device, each loading and warming up the model."""
     return ProcessStage(
-        spec.stage_name(step),
+        name,
         [
             functools.partial(
                 inference_setup,

@@ -270,7 +270,8 @@ def _check_shared_memory(where: Path, needed: int, what: str) -> None:
         raise SharedMemoryTooSmall(
             f"{where} has {free / 2**20:.0f} MiB free and the batch arena ({what}) needs "
             f"{needed / 2**20:.0f} MiB: give the container more shared memory (docker run "
-            "--shm-size, ECS LinuxParameters.SharedMemorySize) or lower --batch-size"
+            "--shm-size, ECS LinuxParameters.SharedMemorySize) or lower the batch size "
+            "(--batch-size, or batch_size and max_parts in the pipeline spec)"
         )
 
 
@@ -829,8 +830,10 @@ class ProcessStage(_Stage):
         self._observer.stage_ran(self.name, live, reply.duration_s, reply.events)
 
     def _forward(self, items: list[Item]) -> None:
-        """Hand the batch on, giving back the arena slots a reading stage is done with."""
+        """Hand the batch on, giving back the arena slots a reading stage is done with.
+        An item's tries are this stage's: the next stage gives it as many again."""
         for item in items:
+            item.attempts = 0
             if self.reads is not None and not self.keeps_slots and item.slot is not None:
                 self.reads.release(item.slot)
                 item.slot = None

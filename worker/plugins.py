@@ -280,7 +280,8 @@ def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) 
         except Exception as error:
             raise PluginError(
                 f"the model fails on a batch of {size} zeros ({type(error).__name__}: "
-                f"{error}); lower --batch-size to what it takes"
+                f"{error}); lower the batch size to what it takes (--batch-size, or the "
+                "step's batch_size in the pipeline spec)"
             ) from error
     return {
         "batch_sizes": sizes,

@@ -78,6 +78,7 @@ class FanOutStep(BaseModel):
     workers: int = Field(default=1, ge=1, le=256)
 
 
+FAN_OUT_STAGE = "fan-out"
 Step = Annotated[ModelStep | FanOutStep, Field(union_mode="left_to_right")]
 
 
@@ -129,12 +130,8 @@ class PipelineSpec(BaseModel):
     def fan_out(self) -> FanOutStep | None:
         return next((step for step in self.steps if isinstance(step, FanOutStep)), None)
 
-    def stage_name(self, step: ModelStep | FanOutStep) -> str:
-        """`inference` for the one model, `inference-1`, `inference-2` in a chain, and
-        `fan-out`: the names in logs, metrics and the timeline."""
-        if isinstance(step, FanOutStep):
-            return "fan-out"
-        models = self.models
-        if len(models) == 1:
-            return "inference"
-        return f"inference-{next(n for n, model in enumerate(models, 1) if model is step)}"
+    def model_stage_names(self) -> list[str]:
+        """Each model's stage name in logs, metrics and the timeline, in order:
+        `inference` for the one model, `inference-1`, `inference-2` in a chain."""
+        count = len(self.models)
+        return ["inference"] if count == 1 else [f"inference-{n}" for n in range(1, count + 1)]
