@@ -121,7 +121,9 @@ def test_a_warm_up_size_out_of_memory_is_noted_and_any_other_failure_stops_the_s
     batch of zeros does not start, and the error says to lower the batch size."""
     about = inference_setup("tests.faults:fragile_classifier", "cpu", SHAPE, batch_size=32).about
     assert about["warm_up"]["out_of_memory"] == [32, 16]
-    with pytest.raises(PluginError, match=r"batch of 2 zeros.*lower --batch-size"):
+    with pytest.raises(
+        PluginError, match=r"batch of 2 zeros.*lower the batch size to what it takes \(--batch-size"
+    ):
         inference_setup("tests.stagefns:one_at_a_time", "cpu", SHAPE, batch_size=2)
 
 
