@@ -66,6 +66,7 @@ MAX_REASON_CHARS = 1000
 EARLIER_ATTEMPTS_ATTRIBUTE = "worker.earlier-attempts"
 FIRST_MESSAGE_ATTRIBUTE = "worker.first-message-id"
 HANDED_OVER_FROM_ATTRIBUTE = "worker.handed-over-from"
+REPLACED_LEASE_ENDS_ATTRIBUTE = "worker.replaced-lease-ends"
 IMDS_DEFAULT_ENDPOINT = "http://169.254.169.254"
 IMDS_TOKEN_TTL_S = 60
 IMDS_TOKEN_MARGIN_S = 10
@@ -249,6 +250,7 @@ class SqsJobSource(_Retrying):
                     EARLIER_ATTEMPTS_ATTRIBUTE,
                     FIRST_MESSAGE_ATTRIBUTE,
                     HANDED_OVER_FROM_ATTRIBUTE,
+                    REPLACED_LEASE_ENDS_ATTRIBUTE,
                 ],
             )
         )
@@ -268,15 +270,25 @@ class SqsJobSource(_Retrying):
             )
         )
 
-    def requeue(self, message: ReceivedMessage) -> None:
+    def requeue(
+        self, message: ReceivedMessage, *, delay_s: int = 0, lease_ends: float | None = None
+    ) -> None:
         attributes: Any = {
             EARLIER_ATTEMPTS_ATTRIBUTE: {"DataType": "Number", "StringValue": str(message.attempt)},
             FIRST_MESSAGE_ATTRIBUTE: {"DataType": "String", "StringValue": message.job_message_id},
             HANDED_OVER_FROM_ATTRIBUTE: {"DataType": "String", "StringValue": message.message_id},
         }
+        if lease_ends is not None:
+            attributes[REPLACED_LEASE_ENDS_ATTRIBUTE] = {
+                "DataType": "Number",
+                "StringValue": f"{lease_ends:.3f}",
+            }
         self._call(
             lambda: self._client.send_message(
-                QueueUrl=self._queue_url, MessageBody=message.body, MessageAttributes=attributes
+                QueueUrl=self._queue_url,
+                MessageBody=message.body,
+                MessageAttributes=attributes,
+                DelaySeconds=delay_s,
             )
         )
 
@@ -418,6 +430,7 @@ def _received(message: MessageTypeDef) -> ReceivedMessage:
     """A received message, with what a continuation carries (`requeue`)."""
     carried: dict[str, Any] = dict(message.get("MessageAttributes", {}))
     earlier = carried.get(EARLIER_ATTEMPTS_ATTRIBUTE, {}).get("StringValue", "")
+    lease_ends = carried.get(REPLACED_LEASE_ENDS_ATTRIBUTE, {}).get("StringValue", "")
     return ReceivedMessage(
         message_id=message["MessageId"],
         body=message["Body"],
@@ -426,6 +439,7 @@ def _received(message: MessageTypeDef) -> ReceivedMessage:
         earlier_attempts=int(earlier) if earlier.isdigit() else 0,
         first_message_id=carried.get(FIRST_MESSAGE_ATTRIBUTE, {}).get("StringValue", ""),
         handed_over_from=carried.get(HANDED_OVER_FROM_ATTRIBUTE, {}).get("StringValue", ""),
+        replaced_lease_ends=float(lease_ends) if lease_ends else None,
     )
 
 

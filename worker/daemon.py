@@ -115,6 +115,7 @@ class Daemon:
             progress,
             retry_delay_s=settings.retry_delay_seconds,
             checkpoints=checkpoints,
+            lease_s=settings.visibility_timeout_seconds,
         )
         lifecycle = Lifecycle(ledger, self._outcomes, metrics, progress)
         self._shutdown = shutdown = Shutdown(

@@ -32,6 +32,7 @@ class _Stored:
     earlier_attempts: int = 0
     first_message_id: str = ""
     handed_over_from: str = ""
+    replaced_lease_ends: float | None = None
 
 
 class InMemoryJobSource:
@@ -60,8 +61,10 @@ class InMemoryJobSource:
         earlier_attempts: int = 0,
         first_message_id: str = "",
         handed_over_from: str = "",
+        replaced_lease_ends: float | None = None,
+        delay_s: int = 0,
     ) -> str:
-        """Enqueue a message; returns its id."""
+        """Enqueue a message, visible after `delay_s`; returns its id."""
         with self._lock:
             message_id = str(uuid.uuid4())
             stored = _Stored(
@@ -70,9 +73,14 @@ class InMemoryJobSource:
                 earlier_attempts=earlier_attempts,
                 first_message_id=first_message_id,
                 handed_over_from=handed_over_from,
+                replaced_lease_ends=replaced_lease_ends,
             )
             self._messages[message_id] = stored
-            self._ready.append(stored)
+            if delay_s:
+                stored.ready = False
+                self._hide(stored, self._clock() + delay_s)
+            else:
+                self._ready.append(stored)
             self._lock.notify_all()
             return message_id
 
@@ -105,6 +113,7 @@ class InMemoryJobSource:
                         stored.earlier_attempts,
                         stored.first_message_id,
                         stored.handed_over_from,
+                        stored.replaced_lease_ends,
                     )
                 )
             return received
@@ -138,12 +147,16 @@ class InMemoryJobSource:
         if self.extend([receipt_handle], delay_s):
             raise LookupError(f"ReceiptHandleIsInvalid: {receipt_handle}")
 
-    def requeue(self, message: ReceivedMessage) -> None:
+    def requeue(
+        self, message: ReceivedMessage, *, delay_s: int = 0, lease_ends: float | None = None
+    ) -> None:
         self.send(
             message.body,
             earlier_attempts=message.attempt,
             first_message_id=message.job_message_id,
             handed_over_from=message.message_id,
+            replaced_lease_ends=lease_ends,
+            delay_s=delay_s,
         )
 
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:

@@ -8,7 +8,9 @@ one-image job is not stuck behind a 100,000-image one received with it.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -24,7 +26,7 @@ from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_m
 from worker.outcomes import Lifecycle
 from worker.plugins import ModelIdentity
 from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
-from worker.settings import SQS_MAX_MESSAGES_PER_RECEIVE, Settings
+from worker.settings import SQS_MAX_DELAY_S, SQS_MAX_MESSAGES_PER_RECEIVE, Settings
 
 log = structlog.get_logger()
 
@@ -32,6 +34,9 @@ RECEIVE_ERROR_BACKOFF_S = 5.0
 # `--drain` stops only after this many empty receives in a row, each followed by queue
 # counters that read zero, with nothing held here in between.
 DRAINED_READINGS = 2
+# How far apart two workers' clocks may be (a continuation compares its sender's time).
+CLOCK_SKEW_S = 5.0
+WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
 
 
 class _Admission(NamedTuple):
@@ -68,6 +73,11 @@ class Intake:
         self._stopping = stopping
         self._on_drained = on_drained
         self._drained_readings = 0
+        # Two progress intervals: a running delivery of a replaced message has seen the
+        # mark and stopped (`Intake._read`).
+        self._defer_s = min(
+            SQS_MAX_DELAY_S, math.ceil(2 * settings.progress_interval_seconds + CLOCK_SKEW_S)
+        )
         # Enough items for the first model's next few batches.
         first_batch = settings.pipeline_spec().models[0].batch_size
         self._prefetch_items = settings.prefetch_batches * first_batch
@@ -175,16 +185,30 @@ class Intake:
             log.info("job_already_done", job_id=job_id, status=prior.summary.get("status"))
             self._outcomes.ack(job)
             return None
-        if job.message.message_id in prior.superseded:
-            log.info("job_handed_over_already", job_id=job_id)
-            self._outcomes.ack(job)
+        if self._handed_over(job, spec, prior, job_id):
             return None
-        if job.message.handed_over_from:
-            # The message this continuation replaces comes back if the daemon that
-            # handed it over died before deleting it: marked, it is acked unread rather
-            # than run beside this one.
-            self._checkpoints.supersede(spec, job.message.handed_over_from)
         return _Admission(spec, inputs, prior)
+
+    def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:
+        """Settle a delivery that is not to run: its message was handed over already
+        (acked unread), or it is a continuation and the message it replaces may still be
+        running (handed over again, to wait). A continuation first marks the message it
+        replaces, which comes back if the daemon that handed it over died before deleting
+        it: marked, it is acked unread, or, running already, stopped within a progress
+        interval; this one waits that long if that may have happened."""
+        if job.message.message_id in prior.superseded:
+            log.info("job_handed_over_already", job_id=job_id, message_id=job.message.message_id)
+            self._outcomes.ack(job)
+            return True
+        if not job.message.handed_over_from:
+            return False
+        self._checkpoints.supersede(spec, job.message.handed_over_from)
+        lease_ends = job.message.replaced_lease_ends
+        if lease_ends is None or time.time() <= lease_ends - CLOCK_SKEW_S:
+            return False
+        log.info("job_deferred", job_id=job_id, for_s=self._defer_s)
+        self._outcomes.hand_over(job, WAITED_FOR_THE_REPLACED, delay_s=self._defer_s)
+        return True
 
     def _admit(self, job: Job, admission: _Admission) -> None:
         """Enter the job in the ledger, resuming from earlier deliveries' checkpoints."""
@@ -214,6 +238,7 @@ class Intake:
             items=len(inputs),
             resumed=job.resumed,
             attempt=job.attempt,
+            message_id=job.message.message_id,
         )
         self._progress.beat()
         if job.cancelled:

@@ -14,6 +14,7 @@ interruptions never spend the queue's maxReceiveCount. Failures still do.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class Outcomes:
         *,
         retry_delay_s: float,
         checkpoints: Checkpoints,
+        lease_s: float,
     ):
         self._ledger = ledger
         self._source = source
@@ -51,6 +53,7 @@ class Outcomes:
         self._metrics = metrics
         self._progress = progress
         self._retry_backoff = Backoff(base_s=retry_delay_s, cap_s=MAX_RETRY_DELAY_S)
+        self._lease_s = lease_s
 
     def retry_delay_s(self, attempt: int) -> int:
         """How long a job that could not progress stays hidden: doubled per delivery."""
@@ -119,14 +122,15 @@ class Outcomes:
         finally:
             self._forget(job)
 
-    def hand_over(self, job: Job, reason: str) -> None:
+    def hand_over(self, job: Job, reason: str, delay_s: int = 0) -> None:
         """Give back a job this worker cannot go on with through no fault of the job's:
-        its results so far checkpointed, as a continuation message."""
+        its results so far checkpointed, as a continuation message (visible after
+        `delay_s`)."""
         if not self._ledger.release(job):
             return
-        self._note_released(job, reason, 0)
+        self._note_released(job, reason, delay_s)
         try:
-            if not self._continued(job) and not job.lease_lost:
+            if not self._continued(job, delay_s) and not job.lease_lost:
                 self._source.release(job.receipt_handle)
         except Exception as error:
             log.warning("release_failed", job_id=job.job_id, error=repr(error))
@@ -140,7 +144,12 @@ class Outcomes:
         if not self._ledger.supersede(job):
             return
         self._metrics.jobs.labels("superseded").inc()
-        log.info("job_handed_over_already", job_id=job.job_id, finished=job.finished_items)
+        log.info(
+            "job_handed_over_already",
+            job_id=job.job_id,
+            message_id=job.message.message_id,
+            finished=job.finished_items,
+        )
         try:
             if not job.lease_lost:
                 self._source.ack(job.receipt_handle)
@@ -186,7 +195,7 @@ class Outcomes:
             self._forget(job)
         return len(jobs)
 
-    def _continued(self, job: Job) -> bool:
+    def _continued(self, job: Job, delay_s: int = 0) -> bool:
         """Checkpoint the job, send its continuation, delete this message; False if no
         continuation was sent (the job is to be released instead). Never raises."""
         self._checkpoints.save(job)
@@ -194,8 +203,12 @@ class Outcomes:
             return True
         if not _moved_or_untouched(job):
             return False
+        # If this worker dies before the delete, this message comes back once its lease
+        # ends: the continuation is told when, to wait for it to stop if it was late.
+        # (A delayed continuation is such a wait already: it is not told again.)
+        lease_ends = None if delay_s else time.time() + self._lease_s
         try:
-            self._source.requeue(job.message)
+            self._source.requeue(job.message, delay_s=delay_s, lease_ends=lease_ends)
         except Exception as error:
             log.warning("continuation_not_sent", job_id=job.job_id, error=repr(error))
             return False

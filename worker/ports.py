@@ -57,6 +57,9 @@ class ReceivedMessage:
     earlier_attempts: int = 0
     first_message_id: str = ""
     handed_over_from: str = ""
+    # By when (epoch seconds, the sender's clock) the message it replaces can have come
+    # back, if its worker died before deleting it; None: it cannot.
+    replaced_lease_ends: float | None = None
 
     @property
     def attempt(self) -> int:
@@ -82,11 +85,13 @@ class JobSource(Protocol):
     def release(self, receipt_handle: str, delay_s: int = 0) -> None:
         """Make a message visible again after `delay_s` (0: at once) for another try."""
 
-    def requeue(self, message: ReceivedMessage) -> None:
-        """Send the job again as a new message that carries its attempts so far and the
-        id of the message it replaces (the caller then acks the old one): a continuation
-        starts at receive count 1, so an interruption does not spend the queue's
-        maxReceiveCount."""
+    def requeue(
+        self, message: ReceivedMessage, *, delay_s: int = 0, lease_ends: float | None = None
+    ) -> None:
+        """Send the job again as a new message, visible after `delay_s`, that carries its
+        attempts so far, the id of the message it replaces and when that one's lease
+        ends (the caller then acks the old one): a continuation starts at receive count
+        1, so an interruption does not spend the queue's maxReceiveCount."""
 
     def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
         """Renew leases; returns the error code of each handle that could not be renewed."""

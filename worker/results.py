@@ -177,6 +177,7 @@ class Finisher:
         log.info(
             "job_finished",
             **{key: summary[key] for key in ("job_id", "status", "items", "duration_s")},
+            message_id=job.message.message_id,
         )
         notice = json.dumps(summary) if self._notify else ""
         for notify in self._notify:

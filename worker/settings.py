@@ -22,9 +22,10 @@ SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
 SQS_MAX_RECEIVE_WAIT_S = 20
 SQS_MAX_MESSAGES_PER_RECEIVE = 10
 SQS_MAX_ENTRIES_PER_BATCH_CALL = 10
+SQS_MAX_DELAY_S = 15 * 60
 DEFAULT_AWS_MAX_ATTEMPTS = 10
 DEFAULT_METRICS_PORT = 8000
-MAX_RETRY_DELAY_S = 15 * 60
+MAX_RETRY_DELAY_S = SQS_MAX_DELAY_S
 # Shutdown's last steps (release what is held, stop the stage processes, drop scale-in
 # protection, release what a last long poll brings) get the long poll's wait, and at
 # least this long, after the grace period; then the daemon exits regardless.
