@@ -74,7 +74,7 @@ class Intake:
         self._on_drained = on_drained
         self._drained_readings = 0
         # Two progress intervals: a running delivery of a replaced message has seen the
-        # mark and stopped (`Intake._read`).
+        # mark and stopped by then (`_handed_over`).
         self._defer_s = min(
             SQS_MAX_DELAY_S, math.ceil(2 * settings.progress_interval_seconds + CLOCK_SKEW_S)
         )

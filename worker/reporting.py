@@ -104,7 +104,7 @@ class ProgressReporter:
         self._blobs = blobs
         self._checkpoints = checkpoints
         self._interval_s = interval_s
-        self._stop = {"cancelled": cancel, "superseded": superseded}
+        self._halts = {"cancelled": cancel, "superseded": superseded}
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -114,7 +114,7 @@ class ProgressReporter:
                     self._report(job)
                 halt = self._halt(job) if job.state in FEEDABLE else None
                 if halt is not None:
-                    self._stop[halt](job)
+                    self._halts[halt](job)
 
     def stop(self) -> None:
         self._stopped.set()
