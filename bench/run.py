@@ -513,7 +513,7 @@ def multi_device(work_dir: Path, images: int) -> dict[str, float]:
             InMemoryBlobStore(),
             work_dir,
             model=DEVICE_MODEL,
-            preprocess="bench.run:noop_preprocessor",
+            preprocess=NOOP_PREPROCESSOR,
             device=devices,
         )
         rates[devices] = daemon.items / daemon.wall_s

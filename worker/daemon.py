@@ -65,7 +65,7 @@ from worker.reporting import JobObserver, ProgressReporter
 from worker.results import Finisher, Regrouper
 from worker.settings import Settings
 from worker.shutdown import ExitCode, Shutdown
-from worker.spec import FAN_OUT_STAGE, ModelStep
+from worker.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
 from worker.supervisor import Progress, Supervisor
 from worker.timeline import Timeline, TimelineWriter
 
@@ -128,7 +128,8 @@ class Daemon:
                 timeline, settings.timeline_dir, TIMELINE_EVERY_S
             )
         observer = JobObserver(ledger, metrics, progress, timeline, shutdown.broken)
-        self._pipeline = _pipeline(settings, blobs, observer)
+        self._spec = spec = settings.pipeline_spec()
+        self._pipeline = _pipeline(spec, settings, blobs, observer)
         worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
         self._finisher = finisher = Finisher(
             blobs, checkpoints, lifecycle, worker_info, notify, capacity=settings.max_jobs
@@ -164,7 +165,7 @@ class Daemon:
             if notices
             else None
         )
-        postprocess = load_postprocessor(settings.pipeline_spec().postprocess)
+        postprocess = load_postprocessor(spec.postprocess)
         self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
         intake = Intake(
             settings,
@@ -238,7 +239,7 @@ class Daemon:
 
     def _model_ready(self) -> None:
         """Take the models' identities from their stages, set up and warmed up."""
-        spec = self._settings.pipeline_spec()
+        spec = self._spec
         models = []
         for name in spec.model_stage_names():
             about = self._pipeline.about(name)
@@ -287,10 +288,11 @@ class Daemon:
             self._timeline_writer.stop()
 
 
-def _pipeline(settings: Settings, blobs: BlobStore, observer: StageObserver) -> Pipeline:
+def _pipeline(
+    spec: PipelineSpec, settings: Settings, blobs: BlobStore, observer: StageObserver
+) -> Pipeline:
     """fetch (threads) -> preprocess (processes) -> a model (a process per device), or a
     model -> a fan-out (processes) -> a model."""
-    spec = settings.pipeline_spec()
     decode_ceiling = settings.preprocess_workers_ceiling
     images = load_preprocessor(spec.preprocess).output_shape
     first, *rest = spec.models
