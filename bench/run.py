@@ -32,6 +32,7 @@ import boto3
 import torch
 from torch import nn
 
+from bench.fetch_clients import CLIENTS
 from stages.model import default_classifier
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
@@ -417,8 +418,20 @@ def host_ceiling(
 
 def host_cpu(work_dir: Path, jobs: int) -> dict[str, float]:
     """The daemon's main-process CPU per item with real boto3 calls against a moto
-    server, the default model and preprocessor: the daemon a subprocess, its own CPU
-    (not its stage processes', not moto's) from its `daemon_started` to its exit."""
+    server, inputs fetched in the preprocessing processes (the default) and, the
+    baseline, on threads of the main process."""
+    fetched_in_preprocess = _host_cpu_ms_per_item(work_dir, jobs, "preprocess")
+    fetched_on_threads = _host_cpu_ms_per_item(work_dir, jobs, "threads")
+    return {
+        "host_cpu_ms_per_item": fetched_in_preprocess,
+        "host_cpu_ms_per_item_fetch_threads": fetched_on_threads,
+        "host_cpu_fetch_threads_ratio": fetched_on_threads / fetched_in_preprocess,
+    }
+
+
+def _host_cpu_ms_per_item(work_dir: Path, jobs: int, fetch_in: str) -> float:
+    """The default model and preprocessor: the daemon a subprocess, its own CPU (not its
+    stage processes', not moto's) from its `daemon_started` to its exit."""
     with local_moto_server() as endpoint:
         env = {**os.environ, **LOCAL_AWS_ENV, "AWS_ENDPOINT_URL": endpoint}
         session = boto3.Session(
@@ -426,7 +439,8 @@ def host_cpu(work_dir: Path, jobs: int) -> dict[str, float]:
         )
         sqs = session.client("sqs", endpoint_url=endpoint)
         s3 = session.client("s3", endpoint_url=endpoint)
-        stack = create_stack(sqs, s3, "host-cpu")
+        # moto's state outlives its server in this process: a stack of this run's own.
+        stack = create_stack(sqs, s3, f"host-cpu-{fetch_in}")
         uris = list(upload_samples(s3, stack.bucket, HOST_JOB_SIZE, seed=31))
         for job in range(jobs):
             output = f"s3://{stack.bucket}/out/{job}/"
@@ -439,6 +453,7 @@ def host_cpu(work_dir: Path, jobs: int) -> dict[str, float]:
                 *(sys.executable, "-m", "worker", "run", "--queue-url", stack.queue_url),
                 *("--drain", "--receive-wait-seconds", "1", "--metrics-port", "0"),
                 *("--log-dir", str(work_dir / "host-cpu-logs")),
+                *("--fetch-in", fetch_in),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -455,7 +470,41 @@ def host_cpu(work_dir: Path, jobs: int) -> dict[str, float]:
         finished_cpu_s = exited_process_cpu_s(daemon)
         if daemon.returncode != 0 or started_cpu_s is None:
             raise RuntimeError(f"the daemon exited {daemon.returncode}")
-    return {"host_cpu_ms_per_item": 1000 * (finished_cpu_s - started_cpu_s) / (jobs * len(uris))}
+    return 1000 * (finished_cpu_s - started_cpu_s) / (jobs * len(uris))
+
+
+FETCHED_OBJECT_BYTES = 12_000  # about one of the sample JPEGs
+
+
+def fetch_clients(objects: int) -> dict[str, float]:
+    """Each S3 client candidate in a process of its own reading the same `objects`
+    small objects from a moto server: its CPU per GET (`bench.fetch_clients`)."""
+    figures: dict[str, float] = {}
+    with local_moto_server() as endpoint:
+        s3 = boto3.Session(
+            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        ).client("s3", endpoint_url=endpoint)
+        bucket = "fetch-clients"
+        s3.create_bucket(Bucket=bucket)
+        body = random.Random(5).randbytes(FETCHED_OBJECT_BYTES)
+        for number in range(objects):
+            s3.put_object(Bucket=bucket, Key=f"objects/{number}", Body=body)
+        env = {**os.environ, **LOCAL_AWS_ENV, "AWS_ENDPOINT_URL": endpoint}
+        for client in CLIENTS:
+            run = subprocess.run(
+                [
+                    *(sys.executable, "-m", "bench.fetch_clients", client),
+                    *(endpoint, bucket, "objects/", str(objects)),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            measured = json.loads(run.stdout.splitlines()[-1])
+            figures[f"fetch_cpu_ms_per_get_{client}"] = measured["cpu_ms_per_get"]
+            figures[f"fetch_gets_per_s_{client}"] = measured["gets_per_s"]
+    return figures
 
 
 def process_cpu_s(pid: int) -> float:
@@ -720,6 +769,7 @@ def main(out: Path, quick: bool) -> int:
             lambda: multi_device(work_dir, 3000 if quick else 6000),
             lambda: host_ceiling(work_dir, 5000 if quick else 20000),
             lambda: host_cpu(work_dir, 4),
+            lambda: fetch_clients(400),
         ]
         for step in steps:
             report.update(step())

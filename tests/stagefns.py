@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from worker.engine import StageFunction
+from worker.errors import TransientError
 
 
 def sleepy_writer(delay_s: float) -> Callable[[Any, torch.Tensor], Any]:
@@ -241,3 +242,27 @@ def dies_while_writing(marker_path: str, times: int) -> Callable[[Any, torch.Ten
         return write(value, out)
 
     return write_or_die
+
+
+def fetching_writer(slow_fetch_s: float) -> StageFunction:
+    """Prepares `name` into `fetched:name` (a fetch); the fetch of `slow` takes
+    `slow_fetch_s`, of `throttled` raises a transient error, of `missing` a permanent
+    one, and of `fetch-hang` never ends. Then writes, faulting as `inject_fault` says."""
+
+    def fetch(value: str) -> str:
+        if value == "slow":
+            time.sleep(slow_fetch_s)
+        if value == "throttled":
+            raise TransientError("SlowDown: reduce your request rate")
+        if value == "missing":
+            raise FileNotFoundError(f"no object {value}")
+        if value == "fetch-hang":
+            time.sleep(3600)
+        return f"fetched:{value}"
+
+    def write(value: str, out: torch.Tensor) -> str:
+        inject_fault(value.removeprefix("fetched:"))
+        out.fill_(7)
+        return value
+
+    return StageFunction(write, prepare=fetch)

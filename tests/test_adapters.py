@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import multiprocessing
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import boto3
 import pytest
 from moto import mock_aws
 
+from tests.conftest import Aws
 from worker.aws import S3BlobStore, SqsJobSource
 from worker.errors import MissingObject, PreconditionFailed
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
@@ -154,3 +157,36 @@ def test_fake_leases_run_out_and_renewals_hide_again() -> None:
     source.ack(late.receipt_handle)
     clock[0] += 31
     assert sorted(m.body for m in source.receive(10, 0, 30)) == ["1", "2"]
+
+
+def _read_in_this_process(open_reader: Callable[[int], Any], uris: list[str]) -> list[Any]:
+    get = open_reader(2)
+    read: list[Any] = []
+    for uri in uris:
+        try:
+            read.append(get(S3Location.parse(uri)))
+        except MissingObject as missing:
+            read.append(missing)
+    return read
+
+
+def test_another_process_reads_the_store_with_a_client_of_its_own(
+    aws: Aws, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the preprocessing processes do: a fresh process opens the store's reader,
+    made from the environment as the store's client was, and reads through the moto
+    server; a missing object is still `MissingObject` there. A store given a client
+    of someone else's making has no such reader."""
+    for name, value in aws.env.items():
+        monkeypatch.setenv(name, value)
+    stack = aws.stack()
+    aws.s3.put_object(Bucket=stack.bucket, Key="in/a", Body=b"bytes of a")
+    store = S3BlobStore.from_environment(connections=2, attempts=2)
+    reader = store.remote_reader()
+    assert reader is not None and reader.longest_s > 2 * 30
+    uris = [f"s3://{stack.bucket}/in/a", f"s3://{stack.bucket}/in/missing"]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        read, missing = pool.submit(_read_in_this_process, reader.open, uris).result(60)
+    assert read == b"bytes of a"
+    assert isinstance(missing, MissingObject)
+    assert S3BlobStore(aws.s3).remote_reader() is None

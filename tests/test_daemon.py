@@ -560,3 +560,12 @@ def test_one_inference_process_per_device_each_fed_while_free(tmp_path: Path) ->
     for number in range(4):
         results = _output(blobs, f"part-{number}", "results.jsonl")
         assert [r["input"] for r in results] == uris[number * 12 : number * 12 + 12]
+
+
+def test_fetching_in_the_preprocessing_processes_needs_a_store_they_can_read(
+    tmp_path: Path,
+) -> None:
+    """The in-memory store lives in this process only: asking for fetches elsewhere is
+    refused at start, not quietly done on threads here."""
+    with pytest.raises(ValueError, match="fetch_in=preprocess: this blob store lives only"):
+        Daemon(_draining(tmp_path, fetch_in="preprocess"), InMemoryJobSource(), InMemoryBlobStore())

@@ -127,6 +127,14 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
     trace = json.loads((tmp_path / "timeline" / "timeline.json").read_text())
     calls = [event for event in trace["traceEvents"] if event["ph"] == "X"]
     assert {event["name"] for event in calls} == {"fetch", "preprocess", "inference"}
+    # Inputs are fetched in the preprocessing processes: their drivers report it.
+    lanes = {
+        event["tid"]: event["args"]["name"]
+        for event in trace["traceEvents"]
+        if event["ph"] == "M" and event["name"] == "thread_name"
+    }
+    fetched_on = {lanes[event["tid"]] for event in calls if event["name"] == "fetch"}
+    assert fetched_on and all(lane.startswith("preprocess-") for lane in fetched_on), fetched_on
     inferred = sum(event["args"]["items"] for event in calls if event["name"] == "inference")
     assert inferred >= total
     with Image.open(tmp_path / "timeline" / "timeline.png") as png:

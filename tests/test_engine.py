@@ -22,6 +22,7 @@ from worker.engine import (
     Item,
     ItemError,
     Pipeline,
+    PrepareStep,
     ProcessStage,
     SharedMemoryTooSmall,
     StageSetupError,
@@ -252,6 +253,77 @@ def test_a_hang_is_caught_while_a_big_request_waits_for_the_hung_child() -> None
         assert not runner.is_alive(), "the driver is stuck writing to a hung child"
     errors = {r.index: r.error for r in results if r.error}
     assert list(errors) == [0] and errors[0] is not None and errors[0].type == "WorkerHung"
+
+
+def _fetching_pipeline(
+    timeout_s: float, prepare_timeout_s: float, observer: RecordingObserver
+) -> Pipeline:
+    arena = TensorArena((2, 2), slots=16)
+    preprocess = ProcessStage(
+        "preprocess",
+        functools.partial(stagefns.fetching_writer, 1.5),
+        batch_size=4,
+        writes=arena,
+        timeout_s=timeout_s,
+        prepare=PrepareStep("fetch", prepare_timeout_s),
+    )
+    reader = ProcessStage(
+        "inference", functools.partial(stagefns.sleepy_reader, 0.0), batch_size=4, reads=arena
+    )
+    return Pipeline([preprocess, reader], observer)
+
+
+def test_a_prepare_step_runs_in_the_child_first_and_its_errors_are_the_items() -> None:
+    """Each item is fetched in the child, then written. A fetch's error is that item's,
+    named after the step, transient where the error is; the others' go on. The stage's
+    timeout starts once the request is fetched: a 1.5 s fetch passes a 1 s timeout, and
+    a write that hangs is caught by it."""
+    observer = RecordingObserver()
+    values = ["a", "slow", "throttled", "missing", "b", "hang", "c"]
+    with _fetching_pipeline(1.0, 60.0, observer) as pipeline:
+        results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+    by_index = {r.index: r for r in results}
+    for index in (0, 1, 4, 6):
+        assert by_index[index].value == (f"fetched:{values[index]}", 7)
+    errors = {r.index: r.error for r in results if r.error}
+    assert errors == {
+        2: ItemError("TransientError", "SlowDown: reduce your request rate", "fetch", True),
+        3: ItemError("FileNotFoundError", "no object missing", "fetch", False),
+        5: ItemError("WorkerHung", "preprocess-0 gave no answer in 1.0 s", "preprocess", False),
+    }
+    assert ("fetch", 4) in observer.calls
+
+
+def test_a_child_lost_while_it_prepares_is_no_items_fault() -> None:
+    """A fetch that outlasts the step's time limit (its reads have their own) hangs the
+    child: it is replaced, the item tried again, and in the end its error is transient,
+    so its job is tried again later rather than the input blamed."""
+    observer = RecordingObserver()
+    with _fetching_pipeline(60.0, 1.0, observer) as pipeline:
+        results = run_items(
+            pipeline, [Item("j", i, v) for i, v in enumerate(["a", "fetch-hang", "b"])]
+        )
+    errors = {r.index: r.error for r in results if r.error}
+    assert list(errors) == [1]
+    assert errors[1] is not None
+    assert (errors[1].type, errors[1].stage, errors[1].transient) == ("WorkerHung", "fetch", True)
+    assert {r.value for r in results if r.error is None} == {("fetched:a", 7), ("fetched:b", 7)}
+
+
+def test_a_stage_that_prepares_needs_a_set_up_that_gives_the_step() -> None:
+    pipeline = Pipeline(
+        [
+            ProcessStage(
+                "preprocess",
+                functools.partial(stagefns.sleepy_writer, 0.0),
+                writes=TensorArena((2, 2), slots=4),
+                prepare=PrepareStep("fetch", 1.0),
+            )
+        ],
+        RecordingObserver(),
+    )
+    with pytest.raises(StageSetupError, match="the set-up gave no function for fetch"):
+        pipeline.start()
 
 
 def test_a_stopped_childs_writer_ends_before_its_pipe_is_closed(

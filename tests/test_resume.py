@@ -261,7 +261,9 @@ def test_a_running_job_is_cancelled_within_one_progress_interval(tmp_path: Path)
     source, blobs = InMemoryJobSource(), CountingBlobs()
     uris = _images(blobs, 60)
     _send(source, "running", uris)
-    daemon = Daemon(_settings(tmp_path, progress_interval_seconds=0.2), source, blobs)
+    # Few inputs fetched ahead of the model, so the cancel lands before all are read.
+    settings = _settings(tmp_path, progress_interval_seconds=0.2, fetch_concurrency=2)
+    daemon = Daemon(settings, source, blobs)
     asked_at: list[float] = []
 
     def drive() -> None:
@@ -436,9 +438,13 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
     uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 24 s of work
     running, queued = _out(stack, "running"), _out(stack, "queued")
     with following(aws, stack.queue_url, "running", running, *uris) as follower:
+        # Few inputs fetched ahead of the slow model: those inside still run after a cancel.
         daemon = start_daemon(
             _args(
-                stack, tmp_path, *_slow_model(1), "--progress-interval-seconds", "0.5", "--drain"
+                stack,
+                tmp_path,
+                *_slow_model(1),
+                *("--progress-interval-seconds", "0.5", "--fetch-concurrency", "2", "--drain"),
             ),
             env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.4"},
         )

@@ -43,10 +43,11 @@ from worker.ports import (
     NoticeSource,
     QueueCounts,
     ReceivedMessage,
+    RemoteReader,
     S3Location,
     ScaleInGuard,
 )
-from worker.retry import call_with_retries
+from worker.retry import CALL_BACKOFF, call_with_retries
 from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_CALL
 
 if TYPE_CHECKING:
@@ -346,9 +347,35 @@ class SqsJobSource(_Retrying):
 class S3BlobStore(_Retrying):
     """Objects in S3."""
 
-    def __init__(self, client: S3Client, attempts: int = DEFAULT_AWS_MAX_ATTEMPTS):
+    def __init__(
+        self,
+        client: S3Client,
+        attempts: int = DEFAULT_AWS_MAX_ATTEMPTS,
+        *,
+        client_from_environment: bool = False,
+    ):
         super().__init__(attempts)
         self._client = client
+        self._client_from_environment = client_from_environment
+
+    @classmethod
+    def from_environment(cls, connections: int, attempts: int) -> S3BlobStore:
+        """A store whose client follows boto3's usual configuration, as the client that
+        another process makes for itself will (`remote_reader`)."""
+        return cls(s3_client(connections), attempts, client_from_environment=True)
+
+    def remote_reader(self) -> RemoteReader | None:
+        """Reads with a client of the reading process's own, made from the environment as
+        this store's was; None for a store given some other client (a test's)."""
+        if not self._client_from_environment:
+            return None
+        attempts = self._attempts
+        backoffs_s = sum(CALL_BACKOFF.bound_s(retry) for retry in range(attempts - 1))
+        return RemoteReader(
+            functools.partial(open_s3_reader, attempts),
+            longest_s=attempts * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S) + backoffs_s,
+            imports=(__name__,),
+        )
 
     def get(self, location: S3Location) -> bytes:
         def read() -> bytes:
@@ -424,6 +451,12 @@ class S3BlobStore(_Retrying):
                 if reply.get("Errors"):
                     failed = reply["Errors"][0]
                     raise RuntimeError(f"{len(reply['Errors'])} not deleted, first: {failed}")
+
+
+def open_s3_reader(attempts: int, connections: int) -> Callable[[S3Location], bytes]:
+    """`S3BlobStore.get` with a client of this process's own, for `connections` reads at
+    once (`RemoteReader.open`)."""
+    return S3BlobStore(s3_client(connections), attempts).get
 
 
 def _received(message: MessageTypeDef) -> ReceivedMessage:

@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     sqs = aws.sqs_client()
     attempts = settings.aws_max_attempts
     source = aws.SqsJobSource(sqs, settings.queue_url, settings.dlq_url, attempts)
-    blobs = aws.S3BlobStore(aws.s3_client(settings.s3_connections), attempts)
+    blobs = aws.S3BlobStore.from_environment(settings.s3_connections, attempts)
     notify: list[Callable[[str], None]] = []
     if settings.notify_queue_url:
         notify.append(aws.SqsSender(sqs, settings.notify_queue_url, attempts))

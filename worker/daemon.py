@@ -2,8 +2,8 @@
 
     intake         receive (when there is room) -> lease in the ledger -> admit or settle
     feeder         held jobs' items, in turn -> pipeline
-    pipeline       fetch (threads) -> preprocess (processes) -> inference (one per device),
-                   or a chain: -> inference-1 -> fan-out (processes) -> inference-2
+    pipeline       fetch and preprocess (processes) -> inference (one per device), or a
+                   chain: -> inference-1 -> fan-out (processes) -> inference-2
     regrouper      each result -> its job in the ledger -> complete? -> finisher
     finisher       results.jsonl, job.log, job.json (last) -> ack
     lease keeper   renews every held message's lease while work progresses
@@ -36,7 +36,9 @@ from worker import __version__
 from worker.checkpoints import Checkpointer, Checkpoints
 from worker.engine import (
     PIPELINED_BATCHES,
+    PIPELINED_PREPARING,
     Pipeline,
+    PrepareStep,
     ProcessStage,
     StageObserver,
     TensorArena,
@@ -59,7 +61,14 @@ from worker.plugins import (
     pipeline_identity,
     preprocess_setup,
 )
-from worker.ports import BlobStore, JobSource, NoticeSource, S3Location, ScaleInGuard
+from worker.ports import (
+    BlobStore,
+    JobSource,
+    NoticeSource,
+    RemoteReader,
+    S3Location,
+    ScaleInGuard,
+)
 from worker.protection import ProtectionKeeper
 from worker.reporting import JobObserver, ProgressReporter
 from worker.results import Finisher, Regrouper
@@ -291,8 +300,9 @@ class Daemon:
 def _pipeline(
     spec: PipelineSpec, settings: Settings, blobs: BlobStore, observer: StageObserver
 ) -> Pipeline:
-    """fetch (threads) -> preprocess (processes) -> a model (a process per device), or a
-    model -> a fan-out (processes) -> a model."""
+    """fetch and preprocess (processes) -> a model (a process per device), or a model ->
+    a fan-out (processes) -> a model; fetch on threads here where the store cannot be
+    read from another process."""
     decode_ceiling = settings.preprocess_workers_ceiling
     images = load_preprocessor(spec.preprocess).output_shape
     first, *rest = spec.models
@@ -300,25 +310,41 @@ def _pipeline(
     fan_out = spec.fan_out
     # Enough decoded images, for each process of the model that reads them, for the
     # batch being inferred and the next two being assembled, and two in the hands of
-    # each worker that writes or (a fan-out) still reads them.
+    # each worker that writes or (a fan-out) still reads them; and for the inputs that
+    # the floor's preprocessing processes fetch ahead, several requests each.
     image_arena = TensorArena(
         images,
         3 * first.batch_size * len(_devices(first, settings))
-        + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0)),
+        + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0))
+        + PIPELINED_PREPARING * settings.fetch_concurrency,
     )
-    stages: list[ThreadStage | ProcessStage] = [
-        ThreadStage(
-            "fetch",
-            lambda uris: [blobs.get(S3Location.parse(uri)) for uri in uris],
-            workers=settings.fetch_concurrency,
-        ),
+    reader = _remote_reader(settings, blobs)
+    log.info("inputs_fetched_in", where="preprocess" if reader else "threads")
+    per_process = settings.fetched_per_process
+    stages: list[ThreadStage | ProcessStage] = []
+    if reader is None:
+        stages.append(
+            ThreadStage(
+                "fetch",
+                lambda uris: [blobs.get(S3Location.parse(uri)) for uri in uris],
+                workers=settings.fetch_concurrency,
+            )
+        )
+    stages += [
         ProcessStage(
             "preprocess",
-            functools.partial(preprocess_setup, spec.preprocess),
+            functools.partial(
+                preprocess_setup,
+                spec.preprocess,
+                functools.partial(open_fetch, reader.open, per_process) if reader else None,
+            ),
             workers=settings.preprocess_workers,
             max_workers=decode_ceiling,
+            batch_size=per_process,
             timeout_s=settings.preprocess_timeout_seconds,
             writes=image_arena,
+            prepare=PrepareStep("fetch", reader.longest_s) if reader else None,
+            imports=reader.imports if reader else (),
         ),
         _model_stage(names[0], first, settings, images, image_arena, keeps_slots=bool(fan_out)),
     ]
@@ -343,6 +369,29 @@ def _pipeline(
             _model_stage(names[1], second, settings, parts, part_arena),
         ]
     return Pipeline(stages, observer=observer)
+
+
+def _remote_reader(settings: Settings, blobs: BlobStore) -> RemoteReader | None:
+    """How the preprocessing processes read inputs (`Settings.fetch_in`), or None if
+    they are fetched on threads here."""
+    if settings.fetch_in == "threads":
+        return None
+    reader = blobs.remote_reader()
+    if reader is None and settings.fetch_in == "preprocess":
+        raise ValueError(
+            "fetch_in=preprocess: this blob store lives only in this process, so the "
+            "preprocessing processes cannot read it; use fetch_in=threads (or auto)"
+        )
+    return reader
+
+
+def open_fetch(
+    open_reader: Callable[[int], Callable[[S3Location], bytes]], connections: int
+) -> Callable[[str], bytes]:
+    """A preprocessing process's fetcher of an input's bytes by its URI, with a reader
+    of its own for `connections` reads at once."""
+    get = open_reader(connections)
+    return lambda uri: get(S3Location.parse(uri))
 
 
 def _model_stage(

@@ -187,7 +187,7 @@ def _run_daemon(stack: Stack, out_dir: Path) -> int:
     with (out_dir / "daemon.log").open("w") as daemon_log:
         configure_daemon_logging(daemon_log)
         source = aws.SqsJobSource(aws.sqs_client(), stack.queue_url, stack.dlq_url)
-        blobs = aws.S3BlobStore(aws.s3_client(settings.s3_connections))
+        blobs = aws.S3BlobStore.from_environment(settings.s3_connections, settings.aws_max_attempts)
         return Daemon(settings, source, blobs).run().code
 
 

@@ -16,6 +16,9 @@ functions and knows nothing of images, models, S3 or SQS.
   child is replaced and the call retried, and if the fresh child fails the same way the
   stage reports itself broken (`WorkerFault`). Items that kill or hang their child on
   every try are blamed only after a fresh child passes its probe.
+- A process stage may `prepare` each item in its child before the function runs
+  (fetch the input's bytes there, on threads of the child), so the bytes never cross a
+  pipe and the work of getting them never holds this process's interpreter.
 - Large values cross process boundaries through a `TensorArena`: preallocated shared
   memory whose slots one stage writes in place and a later stage reads, so only slot
   numbers travel through pipes.
@@ -38,7 +41,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -64,6 +67,10 @@ PROBE = "probe"  # the request that asks a child to run its stage's probe
 FORKSERVER_PRELOAD = ("torch", "worker.engine")
 OUTPUT_CAPACITY = 1024
 PIPELINED_BATCHES = 2
+# A stage that prepares (fetches) keeps more requests in each child, which starts
+# preparing each as it arrives: a slow read then holds up the replies behind it, not the
+# fetching of the requests after it.
+PIPELINED_PREPARING = 4
 _WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 # After an out-of-memory error, batches stay at the size that fitted for this long:
 # retrying the full size at once would only run out of memory again.
@@ -109,6 +116,19 @@ class StageFunction:
     run: Callable[..., Any]
     probe: Callable[[], object] | None = None
     about: Mapping[str, Any] = field(default_factory=dict)
+    prepare: Callable[[Any], Any] | None = None  # per item, before `run`: `PrepareStep`
+
+
+@dataclass(frozen=True)
+class PrepareStep:
+    """A step a process stage's children run on each item's value before the stage's
+    function, several items at once on threads (the set-up's `StageFunction.prepare`:
+    fetching the input, say). Its failures are the item's, reported as this step's
+    (`name`); the child says when a request is prepared, so a request may take
+    `timeout_s` to prepare and then the stage's own timeout to run."""
+
+    name: str
+    timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +447,10 @@ class ThreadStage(_Stage):
 class WorkerLost(Exception):
     """A stage's child process died or stopped answering."""
 
+    # Lost while it prepared a request (`PrepareStep`: fetching inputs, whose reads have
+    # their own time limits): the surroundings failed, not an input.
+    preparing = False
+
 
 class WorkerDied(WorkerLost):
     """The child process exited (a crash, a kill) while it held work."""
@@ -455,7 +479,7 @@ class _ChildProcess:
     def __init__(self, stage: ProcessStage, number: int):
         self._stage = stage
         self.number = number
-        self._name = f"{stage.name}-{number}"
+        self.name = f"{stage.name}-{number}"
         self.retiring = threading.Event()  # set by `ProcessStage.shrink`
         self._process: Any = None
         self._conn: Connection | None = None
@@ -478,10 +502,10 @@ class _ChildProcess:
             except WorkerLost as lost:
                 self.stop(graceful=False)
                 log.warning(
-                    "stage_worker_start_failed", worker=self._name, attempt=attempt, error=str(lost)
+                    "stage_worker_start_failed", worker=self.name, attempt=attempt, error=str(lost)
                 )
                 if attempt == START_ATTEMPTS:
-                    raise StageSetupError(f"{self._name} did not start: {lost}") from lost
+                    raise StageSetupError(f"{self.name} did not start: {lost}") from lost
 
     def _spawn(self) -> None:
         context = _process_context()
@@ -494,11 +518,17 @@ class _ChildProcess:
             args=(
                 child_conn,
                 lifeline_reader,
-                _ChildPlan(stage.name, stage.setup_of(self.number), stage.mode),
+                _ChildPlan(
+                    stage.name,
+                    stage.setup_of(self.number),
+                    stage.mode,
+                    stage.prepare,
+                    stage.batch_size,
+                ),
                 stage.reads.tensor if stage.reads else None,
                 stage.writes.tensor if stage.writes else None,
             ),
-            name=self._name,
+            name=self.name,
             daemon=True,
         )
         process.start()
@@ -506,21 +536,21 @@ class _ChildProcess:
         child_conn.close()
         lifeline_reader.close()
         self._conn = parent_conn
-        status, detail = self._receive(self._stage.setup_timeout_s)
+        status, detail = self.receive(self._stage.setup_timeout_s)
         if status != "ready":
             self.stop(graceful=False)
-            raise StageSetupError(f"{self._name} set-up failed:\n{detail}")
+            raise StageSetupError(f"{self.name} set-up failed:\n{detail}")
         pid, self.about = detail
         self._requests = queue.SimpleQueue()
         self._writer = threading.Thread(
             target=_write_requests,
             args=(parent_conn, self._requests),
-            name=f"{self._name}-writer",
+            name=f"{self.name}-writer",
             daemon=True,
         )
         self._writer.start()
         self._ready = True
-        log.info("stage_worker_started", stage=self._stage.name, worker=self._name, pid=pid)
+        log.info("stage_worker_started", stage=self._stage.name, worker=self.name, pid=pid)
 
     def alive(self) -> bool:
         """Set up and running: False from a crash until its replacement is ready."""
@@ -531,32 +561,26 @@ class _ChildProcess:
         """Queue a request; the child answers requests in the order they were sent. A
         child that dies meanwhile is seen by `receive`."""
         if self._requests is None:
-            raise WorkerDied(f"{self._name} was stopped")
+            raise WorkerDied(f"{self.name} was stopped")
         self._requests.put(request)
-
-    def receive(self, timeout_s: float | None) -> _Reply:
-        """The oldest unanswered request's reply; raises `WorkerLost` if the child died or
-        hung, and `WorkerFailedProbe` if it failed every item and its probe."""
-        reply: _Reply = self._receive(timeout_s)
-        if reply.fault is not None:
-            raise WorkerFailedProbe(f"{self._name} failed its probe: {reply.fault}")
-        return reply
 
     def probe(self, timeout_s: float | None) -> str | None:
         """Run the stage's probe in the child: None if it passed (or there is none),
         else why not."""
         try:
             self.send(PROBE)
-            fault: str | None = self._receive(timeout_s)
+            fault: str | None = self.receive(timeout_s)
         except WorkerLost as lost:
             return str(lost)
         return fault
 
-    def _receive(self, timeout_s: float | None) -> Any:
+    def receive(self, timeout_s: float | None) -> Any:
+        """The child's next message (about the oldest unanswered request); raises
+        `WorkerLost` if the child died or hung."""
         # Its own references: `stop` (from another thread) may let go of them meanwhile.
         conn, process = self._conn, self._process
         if conn is None or process is None:
-            raise WorkerDied(f"{self._name} was stopped")
+            raise WorkerDied(f"{self.name} was stopped")
         # A reply already waiting (the usual case with pipelined batches) needs no
         # selector over the pipe and the sentinel, which costs several times the poll.
         ready: Sequence[object] = (
@@ -568,9 +592,9 @@ class _ChildProcess:
             except (EOFError, ConnectionResetError):
                 pass
         if not ready:
-            raise WorkerHung(f"{self._name} gave no answer in {timeout_s} s")
+            raise WorkerHung(f"{self.name} gave no answer in {timeout_s} s")
         process.join(STOP_GRACE_S)
-        raise WorkerDied(f"{self._name} exited with code {process.exitcode}")
+        raise WorkerDied(f"{self.name} exited with code {process.exitcode}")
 
     def stop(self, graceful: bool = True) -> None:
         """Ask the child to exit (it ignores SIGTERM), and kill it if it does not."""
@@ -594,7 +618,7 @@ class _ChildProcess:
         if self._writer is not None:
             self._writer.join(STOP_GRACE_S)
             if self._writer.is_alive():
-                log.error("stage_writer_stuck", worker=self._name)
+                log.error("stage_writer_stuck", worker=self.name)
             self._writer = None
         if self._conn is not None:
             self._conn.close()
@@ -629,6 +653,10 @@ class ProcessStage(_Stage):
       arena it writes and saying what each is about; the item goes on as its parts,
       each an item of its own, and one with no parts goes straight to the pipeline's
       output, with the value `[]`.
+
+    With `prepare`, the set-up's `StageFunction.prepare` turns each value into what the
+    function takes, in the child, before it runs (`PrepareStep`). `imports` are modules
+    its set-up imports: imported once for every child, not by each as it starts.
     """
 
     def __init__(
@@ -645,6 +673,8 @@ class ProcessStage(_Stage):
         writes: TensorArena | None = None,
         keeps_slots: bool = False,
         max_parts: int = 1,
+        prepare: PrepareStep | None = None,
+        imports: Sequence[str] = (),
         setup_timeout_s: float = 300,
         oom_cooldown_s: float = OOM_COOLDOWN_S,
     ):
@@ -664,6 +694,9 @@ class ProcessStage(_Stage):
         )
         self.keeps_slots = keeps_slots
         self.max_parts = max_parts
+        self.prepare = prepare
+        self.imports = imports
+        self.pipelined = PIPELINED_PREPARING if prepare else PIPELINED_BATCHES
         self.setup_timeout_s = setup_timeout_s
         self.oom_cooldown_s = oom_cooldown_s
         self._children: list[_ChildProcess] = []
@@ -748,7 +781,7 @@ class ProcessStage(_Stage):
         """Feed `child` batches until the inbox closes.
 
         While the child works on one batch, the next already waits in its pipe
-        (`PIPELINED_BATCHES`), so it goes from batch to batch without waiting for this
+        (`pipelined` in all), so it goes from batch to batch without waiting for this
         thread to file results and gather the next batch: the GPU never idles on the
         host's bookkeeping. A batch is queued ahead only when a full one is waiting;
         otherwise the next is gathered once the child is free, and is fuller for it.
@@ -759,7 +792,7 @@ class ProcessStage(_Stage):
                 self._retire(child)
                 return
             full_batch_waiting = len(self._inbox) >= self.current_batch_size()
-            if not in_flight or (len(in_flight) < PIPELINED_BATCHES and full_batch_waiting):
+            if not in_flight or (len(in_flight) < self.pipelined and full_batch_waiting):
                 items = self._next_batch(unless=child.retiring.is_set)
                 if items:
                     self._dispatch(child, in_flight, items)
@@ -797,14 +830,30 @@ class ProcessStage(_Stage):
             self._recover(child, in_flight, lost)
 
     def _complete_oldest(self, child: _ChildProcess, in_flight: deque[list[Item]]) -> None:
+        live = _live(in_flight[0])
         try:
-            reply = child.receive(self.timeout_s)
+            reply = self._reply(child, live)
         except WorkerLost as lost:
             self._recover(child, in_flight, lost)
             return
         items = in_flight.popleft()
-        self._file_reply(_live(items), reply)
+        self._file_reply(live, reply)
         self._forward(items)
+
+    def _reply(self, child: _ChildProcess, live: list[Item]) -> _Reply:
+        """The child's reply to the request of `live`; first, with a prepare step, its
+        word that they are prepared, which the step's timeout waits for."""
+        if self.prepare is not None:
+            try:
+                prepared: _Prepared = child.receive(self.prepare.timeout_s)
+            except WorkerLost as lost:
+                lost.preparing = True
+                raise
+            self._observer.stage_ran(self.prepare.name, live, prepared.duration_s, ())
+        reply: _Reply = child.receive(self.timeout_s)
+        if reply.fault is not None:
+            raise WorkerFailedProbe(f"{child.name} failed its probe: {reply.fault}")
+        return reply
 
     def arenas(self) -> list[TensorArena]:
         return [arena for arena in (self.reads, self.writes) if arena is not None]
@@ -894,7 +943,7 @@ class ProcessStage(_Stage):
         previous try was lost."""
         try:
             child.send(self._request(live))
-            reply = child.receive(self.timeout_s)
+            reply = self._reply(child, live)
         except WorkerLost as lost:
             if isinstance(lost, WorkerFailedProbe) and isinstance(after, WorkerFailedProbe):
                 self._break(WorkerFault(f"a fresh worker failed the same way: {lost}"))
@@ -923,7 +972,12 @@ class ProcessStage(_Stage):
         fault = child.probe(self.timeout_s)
         if fault is not None:
             self._break(WorkerFault(f"{lost}, and a fresh worker failed its probe: {fault}"))
-        item.error = ItemError(type(lost).__name__, str(lost), self.name)
+        if lost.preparing:
+            assert self.prepare is not None
+            message = f"{lost} while it prepared the item"
+            item.error = ItemError(type(lost).__name__, message, self.prepare.name, transient=True)
+        else:
+            item.error = ItemError(type(lost).__name__, str(lost), self.name)
 
 
 def _write_requests(conn: Connection, requests: queue.SimpleQueue[Any]) -> None:
@@ -943,9 +997,13 @@ def _process_context() -> Any:
     """Children are forked from a server process that has imported torch once (CUDA is
     not initialised there, so forking is safe): a crashed child is replaced in a
     fraction of a second, where a fresh interpreter importing torch takes seconds."""
-    context = torch_mp.get_context("forkserver")
-    context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    return context
+    return torch_mp.get_context("forkserver")
+
+
+def _preload(imports: Sequence[str]) -> None:
+    """What the server imports once, before it forks the first child; later calls
+    change nothing (it runs for the life of this process)."""
+    _process_context().set_forkserver_preload([*FORKSERVER_PRELOAD, *imports])
 
 
 def _logging_failures(run: Callable[[], None], name: str) -> None:
@@ -968,6 +1026,8 @@ class _ChildPlan:
     stage: str
     setup: StageSetup
     mode: ArenaMode
+    prepare: PrepareStep | None
+    prepare_threads: int
 
 
 class _Task(NamedTuple):
@@ -976,6 +1036,12 @@ class _Task(NamedTuple):
     slot: int | None
     value: Any
     part_slots: tuple[int, ...]
+
+
+class _Prepared(NamedTuple):
+    """A child's word that it has prepared a request and now runs it."""
+
+    duration_s: float
 
 
 class _Reply(NamedTuple):
@@ -1006,34 +1072,117 @@ def _child_main(
     try:
         made = plan.setup()
         stage_fn = made if isinstance(made, StageFunction) else StageFunction(made)
+        if plan.prepare is not None and stage_fn.prepare is None:
+            raise StageSetupError(f"the set-up gave no function for {plan.prepare.name}")
     except BaseException:
         conn.send(("setup_failed", traceback.format_exc()))
         return
     gatherer = BatchGatherer(reads) if plan.mode == "read" and reads is not None else None
+    threads = ThreadPoolExecutor(plan.prepare_threads) if stage_fn.prepare else None
+    requests: queue.SimpleQueue[_Received] = queue.SimpleQueue()
     conn.send(("ready", (os.getpid(), stage_fn.about)))
+    threading.Thread(
+        target=_read_requests, args=(conn, requests, stage_fn.prepare, threads), daemon=True
+    ).start()
     while True:
-        try:
-            request = conn.recv()
-        except EOFError:  # the daemon is gone: nobody is left to answer
-            return
-        if request is None:
+        request, preparations, started = requests.get()
+        if request is None:  # told to stop, or the daemon is gone
             return
         if request == PROBE:
             answer: Any = _probe(stage_fn)
         else:
             events.clear()
-            started = time.perf_counter()
-            outcomes, fitting_batch_size = _serve_request(
-                stage_fn.run, plan, (reads, writes), gatherer, request
-            )
-            failed_all = bool(outcomes) and all(isinstance(o, ItemError) for o in outcomes)
-            fault = _probe(stage_fn) if failed_all else None
-            duration_s = time.perf_counter() - started
-            answer = _Reply(outcomes, list(events), fitting_batch_size, duration_s, fault)
-        try:
-            conn.send(answer)
-        except (BrokenPipeError, ConnectionResetError):  # stopped while this batch ran
+            failed: dict[int, ItemError] = {}
+            if preparations is not None:
+                assert plan.prepare is not None
+                request, failed = _prepared(request, preparations, plan.prepare)
+                if not _sent(conn, _Prepared(time.perf_counter() - started)):
+                    return
+            answer = _run_request(stage_fn, plan, (reads, writes), gatherer, request, failed=failed)
+            answer = answer._replace(events=list(events))
+        if not _sent(conn, answer):
             return
+
+
+class _Received(NamedTuple):
+    """A request as a child's reader took it: its items' preparations under way."""
+
+    request: Any
+    preparations: list[Future[Any]] | None
+    started: float
+
+
+def _read_requests(
+    conn: Connection,
+    requests: queue.SimpleQueue[_Received],
+    prepare: Callable[[Any], Any] | None,
+    threads: ThreadPoolExecutor | None,
+) -> None:
+    """Take requests off the pipe as they come and start preparing each at once, so the
+    inputs of a request are fetched while the one before it still runs (or waits on a
+    slow read): a slow input holds up the replies behind it, not the fetching."""
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the daemon is gone: nobody is left to answer
+            request = None
+        preparations = None
+        if prepare is not None and threads is not None and isinstance(request, list):
+            preparations = [threads.submit(prepare, task.value) for task in request]
+        requests.put(_Received(request, preparations, time.perf_counter()))
+        if request is None:
+            return
+
+
+def _run_request(
+    stage_fn: StageFunction,
+    plan: _ChildPlan,
+    arenas: tuple[torch.Tensor | None, torch.Tensor | None],
+    gatherer: BatchGatherer | None,
+    request: list[_Task],
+    *,
+    failed: Mapping[int, ItemError],
+) -> _Reply:
+    """Run the request's items but those that `failed` to be prepared; if every item
+    run fails, run the probe too."""
+    started = time.perf_counter()
+    runnable = [task for position, task in enumerate(request) if position not in failed]
+    ran, fitting_batch_size = _serve_request(stage_fn.run, plan, arenas, gatherer, runnable)
+    failed_all = bool(ran) and all(isinstance(outcome, ItemError) for outcome in ran)
+    fault = _probe(stage_fn) if failed_all else None
+    duration_s = time.perf_counter() - started
+    outcomes = iter(ran)
+    return _Reply(
+        [failed[p] if p in failed else next(outcomes) for p in range(len(request))],
+        [],
+        fitting_batch_size,
+        duration_s,
+        fault,
+    )
+
+
+def _sent(conn: Connection, message: Any) -> bool:
+    """False if the daemon stopped this child while it worked (nobody reads the pipe)."""
+    try:
+        conn.send(message)
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
+
+
+def _prepared(
+    request: list[_Task], preparations: list[Future[Any]], step: PrepareStep
+) -> tuple[list[_Task], dict[int, ItemError]]:
+    """The request with each item's value prepared, and the errors of those that could
+    not be, by position."""
+    prepared, failed = [], {}
+    for position, (task, future) in enumerate(zip(request, preparations, strict=True)):
+        try:
+            prepared.append(task._replace(value=future.result()))
+        except Exception as error:
+            failed[position] = ItemError.from_exception(error, step.name)
+            prepared.append(task)
+    return prepared, failed
 
 
 def _probe(stage_fn: StageFunction) -> str | None:
@@ -1192,6 +1341,15 @@ class Pipeline:
 
         def start(stage: _Stage, inbox: Channel[Item], outbox: Channel[Item]) -> None:
             stage.start(inbox, outbox, self._observer, self._channels[-1])
+
+        _preload(
+            [
+                module
+                for stage in self._stages
+                if isinstance(stage, ProcessStage)
+                for module in stage.imports
+            ]
+        )
 
         try:
             with ThreadPoolExecutor(len(self._stages)) as pool:

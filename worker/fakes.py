@@ -242,6 +242,10 @@ class InMemoryBlobStore:
                 if str(location) in self.objects:
                     del self.objects[str(location)]
 
+    def remote_reader(self) -> None:
+        """The objects live in this process's memory: other processes cannot read them."""
+        return None
+
 
 def _etag(data: bytes) -> str:
     return f'"{hashlib.md5(data).hexdigest()}"'

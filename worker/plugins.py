@@ -296,14 +296,18 @@ def fan_out_setup(reference: str) -> StageFunction:
     return StageFunction(load_fan_out(reference))
 
 
-def preprocess_setup(reference: str) -> StageFunction:
+def preprocess_setup(
+    reference: str, open_fetch: Callable[[], Callable[[str], bytes]] | None = None
+) -> StageFunction:
     """Runs once in each preprocessing process: load the preprocessor and decode its
-    samples, which are its probe."""
+    samples, which are its probe; with `open_fetch`, make the process's own fetcher of
+    an input's bytes by its URI, which prepares each item."""
     torch.set_num_threads(1)
     preprocessor = load_preprocessor(reference)
+    fetch = open_fetch() if open_fetch is not None else None
     samples = tuple(getattr(preprocessor, "samples", ()))
     if not samples:
-        return StageFunction(preprocessor)
+        return StageFunction(preprocessor, prepare=fetch)
     scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
 
     def probe() -> None:
@@ -316,4 +320,4 @@ def preprocess_setup(reference: str) -> StageFunction:
         raise PluginError(
             f"{reference} cannot decode its own samples ({type(error).__name__}: {error})"
         ) from error
-    return StageFunction(preprocessor, probe)
+    return StageFunction(preprocessor, probe, prepare=fetch)

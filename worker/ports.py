@@ -107,6 +107,18 @@ class JobSource(Protocol):
 ABSENT = ""  # `BlobStore.put(expect=ABSENT)`: the object must not exist yet
 
 
+@dataclass(frozen=True)
+class RemoteReader:
+    """How another process (a stage's child) reads a store with a client of its own:
+    there, `open(n)` gives `get(location) -> bytes` for up to `n` reads at once, each
+    within `longest_s` however it is retried. `open` must be picklable; it needs the
+    modules `imports` (which a server process forking readers may import once)."""
+
+    open: Callable[[int], Callable[[S3Location], bytes]]
+    longest_s: float
+    imports: tuple[str, ...] = ()
+
+
 class BlobStore(Protocol):
     """Object storage (S3)."""
 
@@ -127,6 +139,9 @@ class BlobStore(Protocol):
 
     def delete(self, locations: list[S3Location]) -> None:
         """Remove objects; one that is already gone is no error."""
+
+    def remote_reader(self) -> RemoteReader | None:
+        """How another process reads this store, or None if only this one can."""
 
 
 class ScaleInGuard(Protocol):

@@ -129,7 +129,17 @@ class Settings(BaseSettings):
         default=16,
         ge=1,
         le=512,
-        description="Parallel S3 downloads; finished jobs are uploaded as many at a time.",
+        description="Parallel S3 downloads, split among the --preprocess-workers processes "
+        "where they fetch (each fetches as many at once, and so does each process added "
+        "beyond them); finished jobs are uploaded as many at a time.",
+    )
+    fetch_in: Literal["auto", "preprocess", "threads"] = Field(
+        default="auto",
+        description="Where inputs are fetched: in the preprocessing processes, each with an "
+        "S3 client of its own, so bytes are fetched where they are decoded and the daemon's "
+        "main process never handles them (preprocess); or on threads of the main process "
+        "(threads). auto: preprocess, unless the store lives only in this process (the "
+        "in-memory fakes of tests and benchmarks).",
     )
     max_jobs: int = Field(
         default=256,
@@ -315,6 +325,12 @@ class Settings(BaseSettings):
     @property
     def preprocess_workers_ceiling(self) -> int:
         return max(self.preprocess_workers, self.preprocess_workers_max or os.cpu_count() or 1)
+
+    @property
+    def fetched_per_process(self) -> int:
+        """Inputs each preprocessing process is sent at once (and fetches at once, where
+        it fetches)."""
+        return max(1, self.fetch_concurrency // self.preprocess_workers)
 
     @property
     def s3_connections(self) -> int:
