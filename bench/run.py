@@ -494,7 +494,7 @@ def fetch_clients(objects: int) -> dict[str, float]:
             run = subprocess.run(
                 [
                     *(sys.executable, "-m", "bench.fetch_clients", client),
-                    *(endpoint, bucket, "objects/", str(objects)),
+                    *(endpoint, bucket, "objects/", str(objects), str(FETCHED_OBJECT_BYTES)),
                 ],
                 env=env,
                 capture_output=True,
@@ -504,6 +504,9 @@ def fetch_clients(objects: int) -> dict[str, float]:
             measured = json.loads(run.stdout.splitlines()[-1])
             figures[f"fetch_cpu_ms_per_get_{client}"] = measured["cpu_ms_per_get"]
             figures[f"fetch_gets_per_s_{client}"] = measured["gets_per_s"]
+    figures["fetch_cpu_boto3_obstore_ratio"] = (
+        figures["fetch_cpu_ms_per_get_boto3"] / figures["fetch_cpu_ms_per_get_obstore"]
+    )
     return figures
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.run import exited_process_cpu_s, host_ceiling
+from bench.run import exited_process_cpu_s, fetch_clients, host_ceiling
 from tests.conftest import REPO
 from worker.fakes import InMemoryBlobStore
 
@@ -77,3 +77,12 @@ def test_the_host_ceiling_moves_every_item_of_its_jobs(tmp_path: Path) -> None:
         summary = json.loads(blobs.objects[f"s3://bench/out/{job}/job.json"])
         assert (summary["status"], summary["succeeded"]) == ("succeeded", 500)
     assert figures["host_ceiling_items_per_s"] > 0 and figures["host_cpu_ms_per_item_fakes"] > 0
+
+
+def test_each_fetch_client_reads_every_object_whole() -> None:
+    """The clients' figures come from real reads: each candidate, in a process of its
+    own, reads every object back whole from a moto server (else the step raises)."""
+    figures = fetch_clients(5)
+    for client in ("boto3", "obstore"):
+        assert figures[f"fetch_cpu_ms_per_get_{client}"] > 0
+        assert figures[f"fetch_gets_per_s_{client}"] > 0
