@@ -7,18 +7,21 @@ message is visible at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import itertools
 import threading
 import time
+import urllib.parse
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from worker.errors import MissingObject, PreconditionFailed
-from worker.ports import ABSENT, QueueCounts, ReceivedMessage, S3Location
+from worker.ports import ABSENT, QueueCounts, ReceivedMessage, RemoteReader, S3Location
 
 
 @dataclass
@@ -187,26 +190,55 @@ class InMemoryJobSource:
 class _Objects(dict[str, bytes]):
     """Objects by `s3://bucket/key`, also filed under the prefix they sit directly in, so
     a listing costs what S3's does however many objects there are (the speed figures
-    use this fake, and the daemon lists each job's output prefix)."""
+    use this fake, and the daemon lists each job's output prefix); and with a
+    `directory`, each also a file there."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: Path | None) -> None:
         super().__init__()
         self.under: defaultdict[str, set[str]] = defaultdict(set)
+        self._directory = directory
 
     def __setitem__(self, uri: str, data: bytes) -> None:
         super().__setitem__(uri, data)
         self.under[uri.rsplit("/", 1)[0] + "/"].add(uri)
+        if self._directory is not None:
+            _file_of(self._directory, uri).write_bytes(data)
 
     def __delitem__(self, uri: str) -> None:
         super().__delitem__(uri)
         self.under[uri.rsplit("/", 1)[0] + "/"].discard(uri)
+        if self._directory is not None:
+            _file_of(self._directory, uri).unlink()
+
+
+def _file_of(directory: Path, uri: str) -> Path:
+    return directory / urllib.parse.quote(uri, safe="")
+
+
+def read_files(directory: Path, connections: int) -> Callable[[S3Location], bytes]:
+    """Another process's reader of an `InMemoryBlobStore` kept in `directory`."""
+
+    def get(location: S3Location) -> bytes:
+        try:
+            return _file_of(directory, str(location)).read_bytes()
+        except FileNotFoundError:
+            raise MissingObject(f"{location} does not exist") from None
+
+    return get
 
 
 class InMemoryBlobStore:
-    """A dict of objects keyed by `s3://bucket/key`, with S3's ETags and conditions."""
+    """A dict of objects keyed by `s3://bucket/key`, with S3's ETags and conditions.
 
-    def __init__(self) -> None:
-        self.objects = _Objects()
+    With a `directory`, every object is also a file there, and other processes read the
+    store from it (`remote_reader`) as the preprocessing processes read S3: the speed
+    figures then run the path the daemon takes against S3."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+        self.objects = _Objects(directory)
+        self._directory = directory
         self._lock = threading.Lock()
 
     def get(self, location: S3Location) -> bytes:
@@ -242,9 +274,12 @@ class InMemoryBlobStore:
                 if str(location) in self.objects:
                     del self.objects[str(location)]
 
-    def remote_reader(self) -> None:
-        """The objects live in this process's memory: other processes cannot read them."""
-        return None
+    def remote_reader(self) -> RemoteReader | None:
+        """Reads of the files in its directory; None without one (the objects live in
+        this process's memory alone)."""
+        if self._directory is None:
+            return None
+        return RemoteReader(functools.partial(read_files, self._directory), longest_s=60.0)
 
 
 def _etag(data: bytes) -> str:
