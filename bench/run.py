@@ -509,8 +509,10 @@ def fetch_clients(objects: int) -> dict[str, float]:
                 env=env,
                 capture_output=True,
                 text=True,
-                check=True,
+                check=False,
             )
+            if run.returncode != 0:
+                raise RuntimeError(f"{client} failed ({run.returncode}):\n{run.stderr[-3000:]}")
             measured = json.loads(run.stdout.splitlines()[-1])
             figures[f"fetch_cpu_ms_per_get_{client}"] = measured["cpu_ms_per_get"]
             figures[f"fetch_gets_per_s_{client}"] = measured["gets_per_s"]

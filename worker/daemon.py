@@ -136,8 +136,15 @@ class Daemon:
             self._timeline_writer = TimelineWriter(
                 timeline, settings.timeline_dir, TIMELINE_EVERY_S
             )
-        observer = JobObserver(ledger, metrics, progress, timeline, shutdown.broken)
         self._spec = spec = settings.pipeline_spec()
+        observer = JobObserver(
+            ledger,
+            metrics,
+            progress,
+            timeline,
+            shutdown.broken,
+            batching_stages=spec.model_stage_names(),
+        )
         self._pipeline = _pipeline(spec, settings, blobs, observer)
         worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
         self._finisher = finisher = Finisher(

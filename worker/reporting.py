@@ -23,7 +23,9 @@ log = structlog.get_logger()
 
 
 class JobObserver:
-    """Turns engine reports into per-job timings and log lines, metrics and progress."""
+    """Turns engine reports into per-job timings and log lines, metrics and progress.
+    A job's log tells of each batch of `batching_stages` (the models) it had items in;
+    other stages take several items at a time too, but say nothing a job needs."""
 
     def __init__(
         self,
@@ -32,8 +34,11 @@ class JobObserver:
         progress: Progress,
         timeline: Timeline | None,
         on_broken: Callable[[str], None],
+        *,
+        batching_stages: Sequence[str],
     ):
         self._ledger = ledger
+        self._batching_stages = frozenset(batching_stages)
         self._metrics = metrics
         self._progress = progress
         self._timeline = timeline
@@ -56,7 +61,7 @@ class JobObserver:
             assert job.log is not None
             with self._timings:
                 job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
-            if len(items) > 1:
+            if stage in self._batching_stages and len(items) > 1:
                 job.log.info(
                     "batch_done",
                     stage=stage,
