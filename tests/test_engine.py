@@ -310,6 +310,36 @@ def test_a_child_lost_while_it_prepares_is_no_items_fault() -> None:
     assert {r.value for r in results if r.error is None} == {("fetched:a", 7), ("fetched:b", 7)}
 
 
+def test_a_driver_never_waits_for_slots_while_it_holds_replies() -> None:
+    """Two fetching children, four requests of four in flight each, and an arena of
+    eight slots: a driver that waited for slots for a request ahead would hold replies
+    whose slots only it can hand on, and with both drivers so, nothing would move."""
+    arena = TensorArena((2, 2), slots=8)
+    preprocess = ProcessStage(
+        "preprocess",
+        functools.partial(stagefns.fetching_writer, 0.0),
+        workers=2,
+        batch_size=4,
+        writes=arena,
+        prepare=PrepareStep("fetch", 30.0),
+    )
+    reader = ProcessStage(
+        "inference", functools.partial(stagefns.sleepy_reader, 0.0), batch_size=4, reads=arena
+    )
+    results: list[Item] = []
+    with Pipeline([preprocess, reader], RecordingObserver()) as pipeline:
+        runner = threading.Thread(
+            target=lambda: results.extend(
+                run_items(pipeline, [Item("j", i, f"v{i}") for i in range(60)])
+            ),
+            daemon=True,
+        )
+        runner.start()
+        runner.join(60)
+        assert not runner.is_alive(), "the stages are stuck waiting for slots"
+    assert sorted(r.value[0] for r in results) == sorted(f"fetched:v{i}" for i in range(60))
+
+
 def test_a_stage_that_prepares_needs_a_set_up_that_gives_the_step() -> None:
     pipeline = Pipeline(
         [

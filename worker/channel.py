@@ -80,6 +80,17 @@ class Channel(Generic[T]):
                 self._not_empty.notify()
             return batch
 
+    def take_now(self, count: int) -> list[T] | None:
+        """Take `count` entries if that many are in now, else none: never waits."""
+        with self._lock:
+            if self._closed:
+                raise Closed
+            if len(self._entries) < count:
+                return None
+            taken = [self._entries.popleft() for _ in range(count)]
+            self._not_full.notify(count)
+            return taken
+
     def wake(self) -> None:
         """Have every reader waiting for an entry check its `unless` again."""
         with self._lock:

@@ -264,6 +264,10 @@ class TensorArena:
         """A free slot's number, waiting for one; raises `Closed` after `close`."""
         return self._free.get()
 
+    def try_acquire(self, count: int) -> list[int] | None:
+        """`count` free slots if there are that many now, else None (none taken)."""
+        return self._free.take_now(count)
+
     def release(self, slot: int) -> None:
         """Give a slot back once its reader is done with it."""
         self._free.put(slot)
@@ -792,10 +796,13 @@ class ProcessStage(_Stage):
                 self._retire(child)
                 return
             full_batch_waiting = len(self._inbox) >= self.current_batch_size()
-            if not in_flight or (len(in_flight) < self.pipelined and full_batch_waiting):
+            reserved: list[int] | None = []
+            if in_flight:
+                ahead = len(in_flight) < self.pipelined and full_batch_waiting
+                reserved = self._reserve_ahead() if ahead else None
+            if reserved is not None:
                 items = self._next_batch(unless=child.retiring.is_set)
-                if items:
-                    self._dispatch(child, in_flight, items)
+                self._dispatch(child, in_flight, items, reserved)
             else:
                 self._complete_oldest(child, in_flight)
 
@@ -816,16 +823,30 @@ class ProcessStage(_Stage):
             list(pool.map(_ChildProcess.stop, children))
         super().stop()
 
+    def _reserve_ahead(self) -> list[int] | None:
+        """Slots for a request sent ahead of replies this driver has yet to collect, if
+        they are free now (else None). Waiting for them could wait for ever: the items
+        of those replies hold slots that only this driver, collecting them, hands on."""
+        if self.mode != "write":
+            return []
+        assert self.writes is not None
+        return self.writes.try_acquire(self.current_batch_size())
+
     def _dispatch(
-        self, child: _ChildProcess, in_flight: deque[list[Item]], items: list[Item]
+        self,
+        child: _ChildProcess,
+        in_flight: deque[list[Item]],
+        items: list[Item],
+        reserved: list[int],
     ) -> None:
         live = _live(items)
         if not live:
+            self._give_back(reserved)
             self._forward(items)
             return
         in_flight.append(items)
         try:
-            child.send(self._request(live))
+            child.send(self._request(live, reserved))
         except WorkerLost as lost:
             self._recover(child, in_flight, lost)
 
@@ -858,17 +879,25 @@ class ProcessStage(_Stage):
     def arenas(self) -> list[TensorArena]:
         return [arena for arena in (self.reads, self.writes) if arena is not None]
 
-    def _request(self, live: list[Item]) -> list[_Task]:
+    def _request(self, live: list[Item], reserved: Sequence[int] = ()) -> list[_Task]:
         """What the child is sent: each item's slot, value and the slots for its parts;
-        a writing stage takes slots for them first (waiting while none is free)."""
+        a writing stage gives them slots first, `reserved` ones or else as they come
+        free (waiting while none is)."""
+        spare = list(reserved)
         for item in live:
             if self.mode == "write" and item.slot is None:
                 assert self.writes is not None
-                item.slot = self.writes.acquire()
+                item.slot = spare.pop() if spare else self.writes.acquire()
             elif self.mode == "fan-out" and not item.part_slots:
                 assert self.writes is not None
                 item.part_slots = tuple(self.writes.acquire() for _ in range(self.max_parts))
+        self._give_back(spare)
         return [_Task(item.slot, item.value, item.part_slots) for item in live]
+
+    def _give_back(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            assert self.writes is not None
+            self.writes.release(slot)
 
     def _file_reply(self, live: list[Item], reply: _Reply) -> None:
         with self._lock:
