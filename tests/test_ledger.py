@@ -14,9 +14,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from worker.channel import Closed
 from worker.joblog import JobLog
-from worker.ledger import TRANSITIONS, IllegalTransition, Job, JobState, Ledger
+from worker.ledger import TRANSITIONS, IllegalTransition, Job, JobState, Ledger, Result
 from worker.message import parse_job_message
 from worker.ports import ReceivedMessage
+
+DONE = Result(b'{"label": "a"}\n', failed=False)
+FAILED = Result(b'{"error": {}}\n', failed=True)
 
 SETTLE = {
     JobState.ACKED: Ledger.ack,
@@ -55,8 +58,8 @@ def test_a_job_goes_through_its_lifecycle_leased_until_settled(tmp_path: Path) -
     assert job.state is JobState.ADMITTED and ledger.outstanding_items() == 2
     assert ledger.next_item() == (job, 0) and job.state is JobState.RUNNING
     assert ledger.next_item() == (job, 1)
-    assert ledger.record(job.key, 1, {"label": "b"}) is None
-    assert ledger.record(job.key, 0, {"error": {}}) is job
+    assert ledger.record(job.key, 1, DONE) is None
+    assert ledger.record(job.key, 0, FAILED) is job
     assert job.state is JobState.FINISHING and (job.succeeded, job.failed) == (1, 1)
     assert ledger.ack(job) and job.state is JobState.ACKED
     assert ledger.leases() == {} and len(ledger) == 1
@@ -87,7 +90,7 @@ def test_illegal_moves_raise_and_settling_is_won_once(tmp_path: Path) -> None:
     with pytest.raises(IllegalTransition):
         ledger.ack(job)  # a job is acked only once its results are all in
     assert ledger.release(job) and not ledger.release(job) and not ledger.ack(job)
-    assert ledger.record(job.key, 0, {}) is None  # a result arriving after the release
+    assert ledger.record(job.key, 0, DONE) is None  # a result arriving after the release
     assert ledger.outstanding_items() == 0
 
 
@@ -99,20 +102,20 @@ def test_a_resumed_job_is_fed_only_what_is_left_and_counts_what_it_resumed(
     assert job is not None
     inputs = [f"s3://bkt/{index}" for index in range(4)]
     spec = parse_job_message(json.dumps({"inputs": inputs, "output": "s3://bkt/o/"}), frozenset())
-    resumed = {0: {"label": "a"}, 2: {"error": {"type": "Corrupt"}}}
+    resumed = {0: DONE, 2: FAILED}
     assert ledger.admit(job, spec, inputs, JobLog(tmp_path / "j.log", "j"), resumed)
     assert (job.resumed, job.succeeded, job.failed) == (2, 1, 1)
     assert ledger.outstanding_items() == 2
     assert [ledger.next_item()[1] for _ in range(2)] == [1, 3]
-    assert ledger.record(job.key, 3, {"label": "d"}) is None
-    assert ledger.take_unsaved(job) == [(3, {"label": "d"})]  # resumed ones are saved
-    assert ledger.record(job.key, 1, {"label": "b"}) is job
+    assert ledger.record(job.key, 3, DONE) is None
+    assert ledger.take_unsaved(job) == [(3, DONE)]  # resumed ones are saved
+    assert ledger.record(job.key, 1, DONE) is job
     assert job.state is JobState.FINISHING and job.status.value == "partial"
 
     everything = ledger.receive(_message(2))
     assert everything is not None
     log = JobLog(tmp_path / "k.log", "k")
-    assert ledger.admit(everything, spec, inputs, log, {index: {} for index in range(4)})
+    assert ledger.admit(everything, spec, inputs, log, dict.fromkeys(range(4), DONE))
     assert everything.state is JobState.FINISHING and ledger.outstanding_items() == 0
 
 
@@ -123,7 +126,7 @@ def test_a_cancelled_job_stops_feeding_and_drops_late_results(tmp_path: Path) ->
     assert ledger.cancel(job) and not ledger.cancel(job)
     assert job.state is JobState.FINISHING and job.status.value == "cancelled"
     assert ledger.outstanding_items() == 0
-    assert ledger.record(job.key, 0, {"label": "late"}) is None
+    assert ledger.record(job.key, 0, DONE) is None
     assert ledger.ack(job) and ledger.outstanding_items() == 0  # not counted twice
     ledger.forget(job)
     ledger.close()
@@ -230,7 +233,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def result(self, number: int, failed: bool) -> None:
         if self.fed:
             job, index = self.fed.pop(number % len(self.fed))
-            self.ledger.record(job.key, index, {"error": {}} if failed else {})
+            self.ledger.record(job.key, index, FAILED if failed else DONE)
 
     @rule(number=st.integers(0, 50))
     def feed_again(self, number: int) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,9 +17,11 @@ from stages.postprocess import top_k
 from stages.preprocess import default_preprocessor
 from stages.synthetic import LABELS, samples
 from tests.stagefns import SizeRecorder
-from worker.engine import bisection_sizes
+from worker.engine import ItemError, bisection_sizes
 from worker.plugins import (
     PluginError,
+    WithParams,
+    encoded_fields,
     identify,
     inference_setup,
     load_model,
@@ -198,3 +202,33 @@ def test_top_k_rejects_bad_params() -> None:
     assert len(top_k([0.1, 0.7, 0.2, 0.0], {"top_k": 2})["topk"]) == 2
     with pytest.raises(ValueError, match="top_k"):
         top_k([0.1, 0.9], {"top_k": "2"})
+
+
+def test_the_model_process_postprocesses_each_output_on_its_own() -> None:
+    """Given the postprocessor, the inference function gives each item the encoded
+    fields the daemon would have made of its raw output, or, where the postprocessor
+    fails on it (one job's bad params), that item's error: the batch's others are whole."""
+    batch, _ = _batch(4)
+    raw = inference_setup("stages.model:default_classifier", "cpu", SHAPE).run(batch, [None] * 4)
+    stage_fn = inference_setup(
+        "stages.model:default_classifier", "cpu", SHAPE, postprocess="stages.postprocess:top_k"
+    )
+    params: list[dict[str, Any]] = [{"top_k": 2}, {"top_k": 0}, {}, {"top_k": 5}]
+    encoded = stage_fn.run(batch, [WithParams(None, p) for p in params])
+    for position in (0, 2, 3):
+        line = json.loads(b'{"index": 7' + encoded[position] + b"}")
+        assert line == {"index": 7, **top_k(raw[position], params[position])}
+    error = encoded[1]
+    assert isinstance(error, ItemError) and not error.transient
+    assert (error.stage, error.type) == ("postprocess", "ValueError") and "top_k" in error.message
+
+
+def test_encoded_fields_keep_out_of_the_lines_own_fields() -> None:
+    """A postprocessor gives a dict whose fields go between `input` and `model`: none of
+    results.jsonl's own, and none at all is an empty fragment."""
+    assert encoded_fields(lambda output, _: {"sum": sum(output)}, [1, 2], {}) == b', "sum": 3'
+    assert encoded_fields(lambda *_: {}, None, {}) == b""
+    with pytest.raises(ValueError, match="index, model"):
+        encoded_fields(lambda *_: {"model": "mine", "index": 3, "ok": 1}, None, {})
+    with pytest.raises(TypeError, match="not a dict"):
+        encoded_fields(lambda *_: [1], None, {})

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 
 from worker.errors import MissingObject
-from worker.ledger import Job, JobState, Ledger
+from worker.ledger import Job, JobState, Ledger, Result
 from worker.message import JobMessage
 from worker.ports import BlobStore
 
@@ -69,7 +69,7 @@ class Prior:
     summary: dict[str, Any] | None  # job.json, if it completes this same request
     cancel_requested: bool
     superseded: frozenset[str] = frozenset()  # messages continued as another
-    resumed: dict[int, dict[str, Any]] = field(default_factory=dict)  # results by index
+    resumed: dict[int, Result] = field(default_factory=dict)  # by index
     earlier_log: bytes = b""
     leftovers: bool = False  # checkpoint objects to remove once the job is done
 
@@ -93,7 +93,7 @@ class Checkpoints:
             if written and _completes(written, digest, listing, cancelled):
                 summary = written
         own_parts = sorted(name for name in listing if name.startswith(_part_prefix(digest)))
-        resumed: dict[int, dict[str, Any]] = {}
+        resumed: dict[int, Result] = {}
         earlier_log = []
         for name in own_parts:
             data = self._blobs.get(spec.output_location(name))
@@ -106,7 +106,7 @@ class Checkpoints:
                 if not isinstance(index, int) or not 0 <= index < len(inputs):
                     continue
                 if inputs[index] == record.get("input"):
-                    resumed.setdefault(index, record)
+                    resumed.setdefault(index, Result(line + b"\n", "error" in record))
         return Prior(
             digest,
             {name: listing[name] for name in FINAL_OUTPUTS if name in listing},
@@ -166,7 +166,7 @@ class Checkpoints:
             name = f"{_part_prefix(job.request_digest)}{delivery}-{part:05d}"
             try:
                 self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
-                records = b"".join(json.dumps(result).encode() + b"\n" for _, result in results)
+                records = b"".join(result.line for _, result in results)
                 self._blobs.put(
                     job.spec.output_location(f"{name}.jsonl"), records, "application/x-ndjson"
                 )

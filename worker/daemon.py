@@ -58,6 +58,7 @@ from worker.plugins import (
     load_fan_out,
     load_postprocessor,
     load_preprocessor,
+    on_payload,
     pipeline_identity,
     preprocess_setup,
 )
@@ -181,6 +182,9 @@ class Daemon:
             if notices
             else None
         )
+        # Loaded here too so that a wrong reference stops the daemon before it starts.
+        # A single model's postprocessor runs in its process; a chain's parts come
+        # together only here, so its postprocessor runs here.
         postprocess = load_postprocessor(spec.postprocess)
         self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
         intake = Intake(
@@ -197,7 +201,9 @@ class Daemon:
         self._units: dict[str, Callable[[], object]] = {
             "intake": intake.run,
             "feeder": Feeder(ledger, self._pipeline).run,
-            "regrouper": Regrouper(self._pipeline, lifecycle, finisher, postprocess).run,
+            "regrouper": Regrouper(
+                self._pipeline, lifecycle, finisher, postprocess if spec.fan_out else None
+            ).run,
             **{f"finisher-{n}": finisher.run for n in range(settings.fetch_concurrency)},
             "lease-keeper": self._leases.run,
             "progress": self._reporter.run,
@@ -330,10 +336,11 @@ def _pipeline(
     per_process = settings.fetched_per_process
     stages: list[ThreadStage | ProcessStage] = []
     if reader is None:
+        fetch = on_payload(lambda uri: blobs.get(S3Location.parse(uri)))
         stages.append(
             ThreadStage(
                 "fetch",
-                lambda uris: [blobs.get(S3Location.parse(uri)) for uri in uris],
+                lambda values: [fetch(value) for value in values],
                 workers=settings.fetch_concurrency,
             )
         )
@@ -353,7 +360,15 @@ def _pipeline(
             prepare=PrepareStep("fetch", reader.longest_s) if reader else None,
             imports=reader.imports if reader else (),
         ),
-        _model_stage(names[0], first, settings, images, image_arena, keeps_slots=bool(fan_out)),
+        _model_stage(
+            names[0],
+            first,
+            settings,
+            images,
+            image_arena,
+            keeps_slots=bool(fan_out),
+            postprocess=None if fan_out else spec.postprocess,
+        ),
     ]
     if fan_out:
         (second,) = rest
@@ -409,8 +424,10 @@ def _model_stage(
     arena: TensorArena,
     *,
     keeps_slots: bool = False,
+    postprocess: str | None = None,
 ) -> ProcessStage:
-    """One model's stage: a process per device, each loading and warming up the model."""
+    """One model's stage: a process per device, each loading and warming up the model
+    (and the postprocessor, if the model's outputs are the results)."""
     return ProcessStage(
         name,
         [
@@ -426,6 +443,7 @@ def _model_stage(
                 else step.channels_last,
                 model_name=step.name,
                 model_version=step.version,
+                postprocess=postprocess,
             )
             for device in _devices(step, settings)
         ],

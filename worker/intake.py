@@ -24,7 +24,7 @@ from worker.joblog import JobLog
 from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
-from worker.plugins import ModelIdentity
+from worker.plugins import ModelIdentity, WithParams
 from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
 from worker.settings import SQS_MAX_DELAY_S, SQS_MAX_MESSAGES_PER_RECEIVE, Settings
 
@@ -270,4 +270,6 @@ class Feeder:
     def run(self) -> None:
         while True:
             job, index = self._ledger.next_item()
-            self._pipeline.submit(Item(job.key, index, job.inputs[index]))
+            assert job.spec is not None
+            value = WithParams(job.inputs[index], job.spec.params)
+            self._pipeline.submit(Item(job.key, index, value))

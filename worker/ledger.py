@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from worker.channel import Closed
 from worker.joblog import JobLog
@@ -71,7 +71,17 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.RUNNING: frozenset({JobState.FINISHING, JobState.RELEASED, JobState.SUPERSEDED}),
     JobState.FINISHING: frozenset({JobState.ACKED, JobState.RELEASED}),
 }
-NOTHING_RESUMED: Mapping[int, dict[str, Any]] = MappingProxyType({})
+
+
+class Result(NamedTuple):
+    """One item's line of results.jsonl (its newline included), and whether it records
+    the item's error."""
+
+    line: bytes
+    failed: bool
+
+
+NOTHING_RESUMED: Mapping[int, Result] = MappingProxyType({})
 SETTLED = frozenset(
     {JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED, JobState.SUPERSEDED}
 )
@@ -130,7 +140,7 @@ class Job:
     spec: JobMessage | None = None
     inputs: list[str] = field(default_factory=list)
     log: JobLog | None = None
-    results: list[dict[str, Any] | None] = field(default_factory=list)
+    results: list[Result | None] = field(default_factory=list)
     fed: int = 0  # the feed's place in `inputs`
     unfed: int = 0  # items not fed yet
     item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
@@ -215,7 +225,7 @@ class Ledger:
         spec: JobMessage,
         inputs: list[str],
         log: JobLog,
-        resumed: Mapping[int, dict[str, Any]] = NOTHING_RESUMED,
+        resumed: Mapping[int, Result] = NOTHING_RESUMED,
         *,
         cancelled: bool = False,
     ) -> bool:
@@ -232,7 +242,7 @@ class Ledger:
             job.results = [None] * len(inputs)
             for index, result in resumed.items():
                 job.results[index] = result
-                job.failed += "error" in result
+                job.failed += result.failed
             job.resumed = len(resumed)
             job.succeeded = job.resumed - job.failed
             job.cancelled = cancelled
@@ -296,7 +306,7 @@ class Ledger:
             heapq.heappush(self._again, (due, next(self._deliveries), job, index))
             self._changed.notify_all()
 
-    def record(self, key: str, index: int, result: dict[str, Any]) -> Job | None:
+    def record(self, key: str, index: int, result: Result) -> Job | None:
         """File one item's result; the job if that was its last (RUNNING -> FINISHING).
         A result for a job settled meanwhile is dropped."""
         with self._changed:
@@ -308,7 +318,7 @@ class Ledger:
             job.results[index] = result
             job.unsaved.append(index)
             self._outstanding -= 1
-            if "error" in result:
+            if result.failed:
                 job.failed += 1
             else:
                 job.succeeded += 1
@@ -336,11 +346,11 @@ class Ledger:
                 job.release_delay_s = delay_s
             return released
 
-    def take_unsaved(self, job: Job) -> list[tuple[int, dict[str, Any]]]:
+    def take_unsaved(self, job: Job) -> list[tuple[int, Result]]:
         """The results recorded since the last call, for a checkpoint."""
         with self._changed:
             indices, job.unsaved = job.unsaved, []
-            return [(index, job.results[index] or {}) for index in indices]
+            return [(index, result) for index in indices if (result := job.results[index])]
 
     def keep_unsaved(self, job: Job, indices: list[int]) -> None:
         """Results taken for a checkpoint that could not be written: due for the next."""

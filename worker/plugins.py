@@ -16,13 +16,14 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from worker.engine import StageFunction, bisection_sizes
+from worker.engine import ItemError, StageFunction, bisection_sizes
 from worker.spec import PipelineSpec
 
+POSTPROCESS_STAGE = "postprocess"  # what an item error of the postprocessor names
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
 EXPORT_SUFFIX = ".pt2"
 
@@ -59,6 +60,51 @@ class FanOut(Protocol):
 
 Postprocessor = Callable[[Any, dict[str, Any]], dict[str, Any]]
 InferenceFn = Callable[[torch.Tensor, Sequence[Any]], list[Any]]
+# results.jsonl's own fields on every line; a postprocessor's fields go between them.
+RECORD_FIELDS = frozenset({"index", "input", "model", "error"})
+
+
+class WithParams(NamedTuple):
+    """An item's value on its way to the model, with its job's params, which the
+    postprocessor in the model's process is given: the input's URI, then its bytes,
+    then what the preprocessor returned. (Pickle sends a job's params once per request.)"""
+
+    payload: Any
+    params: dict[str, Any]
+
+
+def on_payload(fn: Callable[..., Any]) -> Callable[..., WithParams]:
+    """`fn` applied to an item's payload, its params kept."""
+
+    def apply(value: WithParams, *rest: Any) -> WithParams:
+        return value._replace(payload=fn(value.payload, *rest))
+
+    return apply
+
+
+def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, Any]) -> bytes:
+    """The postprocessor's fields for one model output, JSON-encoded as the members that
+    follow `input` in the item's results.jsonl line (`, "label": "cat", ...`)."""
+    fields = postprocess(output, params)
+    if not isinstance(fields, dict):
+        raise TypeError(f"the postprocessor returned a {type(fields).__name__}, not a dict")
+    clash = RECORD_FIELDS.intersection(fields)
+    if clash:
+        raise ValueError(
+            f"the postprocessor returned {', '.join(sorted(clash))}: results.jsonl's own "
+            "fields on every line"
+        )
+    return b", " + json.dumps(fields).encode()[1:-1] if fields else b""
+
+
+def postprocessed(
+    postprocess: Postprocessor, output: Any, params: dict[str, Any]
+) -> bytes | ItemError:
+    """One output's encoded fields, or why the postprocessor failed on it."""
+    try:
+        return encoded_fields(postprocess, output, params)
+    except Exception as error:
+        return ItemError.from_exception(error, POSTPROCESS_STAGE)
 
 
 def load_object(reference: str) -> Any:
@@ -114,6 +160,10 @@ class ModelIdentity:
     def label(self) -> str:
         """`name@version`, on every line of results.jsonl: made once, not per item."""
         return f"{self.name}@{self.version}"
+
+    @functools.cached_property
+    def encoded_label(self) -> bytes:
+        return json.dumps(self.label).encode()
 
     def labels(self) -> dict[str, str]:
         return {"name": self.name, "version": self.version, "digest": self.digest}
@@ -222,10 +272,13 @@ def inference_setup(
     channels_last: bool = False,
     model_name: str | None = None,
     model_version: str | None = None,
+    postprocess: str | None = None,
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
     batch of zeros, warm it up, and return the batch function with that check as its
-    probe and the model's identity and warm-up time as what it reports."""
+    probe and the model's identity and warm-up time as what it reports. With
+    `postprocess`, the function postprocesses and encodes each output here, where it
+    already is (`postprocessed`): only the encoded fields cross to the daemon."""
     device = resolve_device(device_name)
     model = load_model(model_reference, device)
     identity = identify(model_reference, model, model_name, model_version)
@@ -258,7 +311,19 @@ def inference_setup(
             "broken worker from bad inputs"
         ) from error
     warm_up = _warm_up(infer, item_shape, bisection_sizes(batch_size))
-    return StageFunction(infer, probe, {"model": identity.as_dict(), "warm_up": warm_up})
+    about = {"model": identity.as_dict(), "warm_up": warm_up}
+    if postprocess is None:
+        return StageFunction(infer, probe, about)
+    postprocessor = load_postprocessor(postprocess)
+
+    def infer_and_postprocess(batch: torch.Tensor, values: Sequence[WithParams]) -> list[Any]:
+        outputs = infer(batch, values)
+        return [
+            postprocessed(postprocessor, output, value.params)
+            for output, value in zip(outputs, values, strict=True)
+        ]
+
+    return StageFunction(infer_and_postprocess, probe, about)
 
 
 def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) -> dict[str, Any]:
@@ -301,13 +366,15 @@ def preprocess_setup(
 ) -> StageFunction:
     """Runs once in each preprocessing process: load the preprocessor and decode its
     samples, which are its probe; with `open_fetch`, make the process's own fetcher of
-    an input's bytes by its URI, which prepares each item."""
+    an input's bytes by its URI, which prepares each item. Both work on the payload of
+    the item's `WithParams`."""
     torch.set_num_threads(1)
     preprocessor = load_preprocessor(reference)
-    fetch = open_fetch() if open_fetch is not None else None
+    fetch = on_payload(open_fetch()) if open_fetch is not None else None
+    preprocess = on_payload(preprocessor)
     samples = tuple(getattr(preprocessor, "samples", ()))
     if not samples:
-        return StageFunction(preprocessor, prepare=fetch)
+        return StageFunction(preprocess, prepare=fetch)
     scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
 
     def probe() -> None:
@@ -320,4 +387,4 @@ def preprocess_setup(
         raise PluginError(
             f"{reference} cannot decode its own samples ({type(error).__name__}: {error})"
         ) from error
-    return StageFunction(preprocessor, probe, prepare=fetch)
+    return StageFunction(preprocess, probe, prepare=fetch)
