@@ -17,7 +17,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from stages.synthetic import samples
-from worker import results
+from worker import intake, results
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
@@ -434,7 +434,8 @@ def test_failing_dead_letter_and_release_calls_never_stop_the_daemon(tmp_path: P
 def test_drain_waits_for_messages_another_worker_holds(tmp_path: Path) -> None:
     """`--drain` is not fooled by an empty receive while a crashed worker's message is
     still invisible: it waits until the queue's own counts are zero, so it does that
-    job when the message comes back."""
+    job when the message comes back. Meanwhile its receives, which do not wait
+    (receive_wait_seconds 0), come a pause apart, not back to back."""
     source, blobs = InMemoryJobSource(), RecordingBlobs()
     [uri] = _images(blobs, 1)
     _send(source, "stranded", [uri])
@@ -442,6 +443,7 @@ def test_drain_waits_for_messages_another_worker_holds(tmp_path: Path) -> None:
     _run(source, blobs, tmp_path)
     assert _output(blobs, "stranded", "job.json")["attempt"] == 2
     assert len(source) == 0
+    assert source.receive_calls <= 2 / intake.SHORT_POLL_PAUSE_S + 10  # thousands if spun
 
 
 def test_a_release_goes_through_when_the_local_log_cannot_be_written(

@@ -380,7 +380,7 @@ def test_a_stopped_childs_writer_ends_before_its_pipe_is_closed(
     child = _ChildProcess(ProcessStage("echo", stagefns.faulty_runner), 0)
     child.start()
     writer = next(t for t in threading.enumerate() if t.name == "echo-0-writer")
-    child.send([engine._Task(None, "x", ())])
+    child.send([(None, "x", ())])
     assert child.receive(5).outcomes == ["x"]
     child.stop(graceful=False)
     assert not writer.is_alive()

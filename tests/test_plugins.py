@@ -20,7 +20,6 @@ from tests.stagefns import SizeRecorder
 from worker.engine import ItemError, bisection_sizes
 from worker.plugins import (
     PluginError,
-    WithParams,
     encoded_fields,
     identify,
     inference_setup,
@@ -214,7 +213,7 @@ def test_the_model_process_postprocesses_each_output_on_its_own() -> None:
         "stages.model:default_classifier", "cpu", SHAPE, postprocess="stages.postprocess:top_k"
     )
     params: list[dict[str, Any]] = [{"top_k": 2}, {"top_k": 0}, {}, {"top_k": 5}]
-    encoded = stage_fn.run(batch, [WithParams(None, p) for p in params])
+    encoded = stage_fn.run(batch, [(None, p) for p in params])
     for position in (0, 2, 3):
         line = json.loads(b'{"index": 7' + encoded[position] + b"}")
         assert line == {"index": 7, **top_k(raw[position], params[position])}

@@ -879,8 +879,9 @@ class ProcessStage(_Stage):
     def arenas(self) -> list[TensorArena]:
         return [arena for arena in (self.reads, self.writes) if arena is not None]
 
-    def _request(self, live: list[Item], reserved: Sequence[int] = ()) -> list[_Task]:
-        """What the child is sent: each item's slot, value and the slots for its parts;
+    def _request(self, live: list[Item], reserved: Sequence[int] = ()) -> list[_WireTask]:
+        """What the child is sent: each item's slot, value and the slots for its parts
+        (plain tuples: pickle writes those in C, a named tuple through Python code);
         a writing stage gives them slots first, `reserved` ones or else as they come
         free (waiting while none is)."""
         spare = list(reserved)
@@ -892,7 +893,7 @@ class ProcessStage(_Stage):
                 assert self.writes is not None
                 item.part_slots = tuple(self.writes.acquire() for _ in range(self.max_parts))
         self._give_back(spare)
-        return [_Task(item.slot, item.value, item.part_slots) for item in live]
+        return [(item.slot, item.value, item.part_slots) for item in live]
 
     def _give_back(self, slots: Sequence[int]) -> None:
         for slot in slots:
@@ -1067,6 +1068,9 @@ class _Task(NamedTuple):
     part_slots: tuple[int, ...]
 
 
+_WireTask = tuple[int | None, Any, tuple[int, ...]]  # a `_Task` as it crosses the pipe
+
+
 class _Prepared(NamedTuple):
     """A child's word that it has prepared a request and now runs it."""
 
@@ -1156,8 +1160,10 @@ def _read_requests(
         except (EOFError, OSError):  # the daemon is gone: nobody is left to answer
             request = None
         preparations = None
-        if prepare is not None and threads is not None and isinstance(request, list):
-            preparations = [threads.submit(prepare, task.value) for task in request]
+        if isinstance(request, list):
+            request = [_Task._make(task) for task in request]
+            if prepare is not None and threads is not None:
+                preparations = [threads.submit(prepare, task.value) for task in request]
         requests.put(_Received(request, preparations, time.perf_counter()))
         if request is None:
             return

@@ -24,13 +24,14 @@ from worker.joblog import JobLog
 from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
-from worker.plugins import ModelIdentity, WithParams
+from worker.plugins import ModelIdentity
 from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
 from worker.settings import SQS_MAX_DELAY_S, SQS_MAX_MESSAGES_PER_RECEIVE, Settings
 
 log = structlog.get_logger()
 
 RECEIVE_ERROR_BACKOFF_S = 5.0
+SHORT_POLL_PAUSE_S = 0.1  # after an empty receive that did not wait (receive_wait_seconds 0)
 # `--drain` stops only after this many empty receives in a row, each followed by queue
 # counters that read zero, with nothing held here in between.
 DRAINED_READINGS = 2
@@ -106,6 +107,10 @@ class Intake:
                     if self._settings.drain and self._drained(idle):
                         self._on_drained()
                         return
+                    if not self._settings.receive_wait_seconds:
+                        # A short poll answers at once: asking again at once would
+                        # spin, calling the queue and taking this process's CPU.
+                        self._stopping.wait(SHORT_POLL_PAUSE_S)
                     continue
                 self._drained_readings = 0
                 held = [job for message in messages if (job := self._hold(message))]
@@ -271,5 +276,5 @@ class Feeder:
         while True:
             job, index = self._ledger.next_item()
             assert job.spec is not None
-            value = WithParams(job.inputs[index], job.spec.params)
-            self._pipeline.submit(Item(job.key, index, value))
+            # The params go with it to the model's process, which postprocesses (WithParams).
+            self._pipeline.submit(Item(job.key, index, (job.inputs[index], job.spec.params)))

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -64,20 +64,20 @@ InferenceFn = Callable[[torch.Tensor, Sequence[Any]], list[Any]]
 RECORD_FIELDS = frozenset({"index", "input", "model", "error"})
 
 
-class WithParams(NamedTuple):
-    """An item's value on its way to the model, with its job's params, which the
-    postprocessor in the model's process is given: the input's URI, then its bytes,
-    then what the preprocessor returned. (Pickle sends a job's params once per request.)"""
-
-    payload: Any
-    params: dict[str, Any]
+# An item's value on its way to the model, with its job's params, which the
+# postprocessor in the model's process is given: (payload, params), the payload being
+# the input's URI, then its bytes, then what the preprocessor returned. A plain tuple:
+# pickle writes it in C (a named tuple goes through Python code, 13 times slower), and
+# it crosses a pipe three times per item.
+WithParams = tuple[Any, dict[str, Any]]
 
 
 def on_payload(fn: Callable[..., Any]) -> Callable[..., WithParams]:
     """`fn` applied to an item's payload, its params kept."""
 
     def apply(value: WithParams, *rest: Any) -> WithParams:
-        return value._replace(payload=fn(value.payload, *rest))
+        payload, params = value
+        return fn(payload, *rest), params
 
     return apply
 
@@ -319,8 +319,8 @@ def inference_setup(
     def infer_and_postprocess(batch: torch.Tensor, values: Sequence[WithParams]) -> list[Any]:
         outputs = infer(batch, values)
         return [
-            postprocessed(postprocessor, output, value.params)
-            for output, value in zip(outputs, values, strict=True)
+            postprocessed(postprocessor, output, params)
+            for output, (_, params) in zip(outputs, values, strict=True)
         ]
 
     return StageFunction(infer_and_postprocess, probe, about)
