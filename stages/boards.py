@@ -82,7 +82,7 @@ class FoundTiles:
                 crop = nn.functional.interpolate(crop[None].float(), out.shape[1:])[0]
             out.copy_(crop)
             box = [column / TILES, row / TILES, (column + 1) / TILES, (row + 1) / TILES]
-            abouts.append({"tile": tile, "box": box, "found_score": round(found[tile], 6)})
+            abouts.append({"tile": tile, "box": box, "found_score": round(float(found[tile]), 6)})
         return abouts
 
 

@@ -266,3 +266,14 @@ def fetching_writer(slow_fetch_s: float) -> StageFunction:
         return value
 
     return StageFunction(write, prepare=fetch)
+
+
+class PixelEmbedder(torch.nn.Module):
+    """An embedding model's stand-in: each image's first 32 pixel values, as float32."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.flatten(1)[:, :32].float()
+
+
+def pixel_embedder() -> torch.nn.Module:
+    return PixelEmbedder()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -118,6 +120,36 @@ def test_conditional_writes_listing_and_delete(parts: tuple[Any, Any, Any]) -> N
         # A retried write whose first try landed meets its own bytes: not a fence.
         mine = blobs.put(results, b"mine", "text/plain", expect=ABSENT)
         assert blobs.put(results, b"mine", "text/plain", expect=ABSENT) == mine
+
+
+def test_a_file_bigger_than_a_part_goes_up_in_parts_on_its_condition(
+    parts: tuple[Any, Any, Any], tmp_path: Path
+) -> None:
+    """`put_file` sends a file that fits in a part as one write, a bigger one as a
+    multipart upload that appears only when completed, on the write's condition: a
+    different file where one is already is refused, and its upload aborted."""
+    _, blobs, _ = parts
+    if isinstance(blobs, S3BlobStore):
+        blobs = S3BlobStore(boto3.client("s3"), part_bytes=5 * 2**20)  # S3's smallest part
+    big, other, small = tmp_path / "big.npy", tmp_path / "other.npy", tmp_path / "small.npy"
+    big.write_bytes(os.urandom(11 * 2**20))
+    other.write_bytes(os.urandom(11 * 2**20))
+    small.write_bytes(b"tiny")
+    location = S3Location.parse("s3://bkt/out/embedding.npy")
+    etag = blobs.put_file(location, big, "application/x-npy", expect=ABSENT)
+    assert blobs.get(location) == big.read_bytes()
+    assert blobs.objects_under(S3Location.parse("s3://bkt/out/")) == {"embedding.npy": etag}
+    with pytest.raises(PreconditionFailed):
+        blobs.put_file(location, other, "application/x-npy", expect=ABSENT)
+    assert blobs.put_file(location, small, "application/x-npy", expect=etag)
+    assert blobs.get(location) == b"tiny"
+    if isinstance(blobs, S3BlobStore):
+        assert etag.endswith('-3"')  # 5 + 5 + 1 MiB
+        assert boto3.client("s3").list_multipart_uploads(Bucket="bkt").get("Uploads", []) == []
+        # A retried completion whose first try landed meets its own bytes: not a fence.
+        again = S3Location.parse("s3://bkt/out/again.npy")
+        etag = blobs.put_file(again, big, "application/x-npy", expect=ABSENT)
+        assert blobs.put_file(again, big, "application/x-npy", expect=ABSENT) == etag
 
 
 def test_a_continuation_carries_the_attempts_and_the_first_message(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.run import exited_process_cpu_s, fetch_clients, host_ceiling
+from bench.run import array_output, exited_process_cpu_s, fetch_clients, host_ceiling
 from tests.conftest import REPO
 from worker.fakes import InMemoryBlobStore
 from worker.ports import S3Location
@@ -99,3 +99,11 @@ def test_each_fetch_client_reads_every_object_whole() -> None:
     for client in ("boto3", "obstore"):
         assert figures[f"fetch_cpu_ms_per_get_{client}"] > 0
         assert figures[f"fetch_gets_per_s_{client}"] > 0
+
+
+def test_the_array_output_figure_checks_every_row_it_wrote(tmp_path: Path) -> None:
+    """`array_output` runs the classifier and the embedding model over the same jobs and
+    raises unless each job's embedding.npy holds a (non-zero) row per input."""
+    report = array_output(tmp_path, 100)
+    assert set(report) == {"array_output_ratio", "embedding_images_per_s"}
+    assert report["array_output_ratio"] > 0

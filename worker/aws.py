@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import boto3
@@ -53,7 +54,7 @@ from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient
     from mypy_boto3_s3 import S3Client
-    from mypy_boto3_s3.type_defs import ObjectIdentifierTypeDef
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef, ObjectIdentifierTypeDef
     from mypy_boto3_sns import SNSClient
     from mypy_boto3_sqs import SQSClient
     from mypy_boto3_sqs.type_defs import MessageTypeDef
@@ -63,6 +64,8 @@ T = TypeVar("T")
 log = structlog.get_logger()
 
 MAX_REASON_CHARS = 1000
+# A file bigger than this is uploaded in parts of this size (S3 takes 5 MiB to 5 GiB).
+MULTIPART_PART_BYTES = 64 * 2**20
 # A continuation's message attributes (`SqsJobSource.requeue`).
 EARLIER_ATTEMPTS_ATTRIBUTE = "worker.earlier-attempts"
 FIRST_MESSAGE_ATTRIBUTE = "worker.first-message-id"
@@ -169,6 +172,13 @@ class _Retrying:
 
     def _call(self, call: Callable[[], T]) -> T:
         return call_with_retries(lambda: _classified(call), self._attempts)
+
+
+def _conditions(expect: str | None) -> dict[str, Any]:
+    """A write's condition: `ABSENT` if the object must not exist, else its ETag."""
+    if expect is None:
+        return {}
+    return {"IfNoneMatch": "*"} if expect == ABSENT else {"IfMatch": expect}
 
 
 def _config(max_pool_connections: int = 10) -> Config:
@@ -353,10 +363,12 @@ class S3BlobStore(_Retrying):
         attempts: int = DEFAULT_AWS_MAX_ATTEMPTS,
         *,
         client_from_environment: bool = False,
+        part_bytes: int = MULTIPART_PART_BYTES,
     ):
         super().__init__(attempts)
         self._client = client
         self._client_from_environment = client_from_environment
+        self._part_bytes = part_bytes
 
     @classmethod
     def from_environment(cls, connections: int, attempts: int) -> S3BlobStore:
@@ -389,19 +401,75 @@ class S3BlobStore(_Retrying):
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
     ) -> str:
-        conditions: dict[str, Any] = {}
-        if expect is not None:
-            conditions = {"IfNoneMatch": "*"} if expect == ABSENT else {"IfMatch": expect}
-        try:
-            reply = self._call(
-                lambda: self._client.put_object(
-                    Bucket=location.bucket,
-                    Key=location.key,
-                    Body=data,
-                    ContentType=content_type,
-                    **conditions,
-                )
+        def write() -> str:
+            reply = self._client.put_object(
+                Bucket=location.bucket,
+                Key=location.key,
+                Body=data,
+                ContentType=content_type,
+                **_conditions(expect),
             )
+            return reply["ETag"]
+
+        ours = f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+        return self._written(location, expect, ours, write)
+
+    def put_file(
+        self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
+    ) -> str:
+        """`put` of a local file: one that fits in a part is one write; a bigger one is a
+        multipart upload, read a part at a time, which appears (on `expect`'s condition)
+        only when it is completed, and is aborted if it is not."""
+        if path.stat().st_size <= self._part_bytes:
+            return self.put(location, path.read_bytes(), content_type, expect=expect)
+        bucket, key = location.bucket, location.key
+        upload = self._call(
+            lambda: self._client.create_multipart_upload(
+                Bucket=bucket, Key=key, ContentType=content_type
+            )
+        )
+        upload_id = upload["UploadId"]
+        try:
+            parts: list[CompletedPartTypeDef] = []
+            digests = []
+            with path.open("rb") as file:
+                while chunk := file.read(self._part_bytes):
+                    part = functools.partial(
+                        self._client.upload_part,
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=len(parts) + 1,
+                        Body=chunk,
+                    )
+                    parts.append({"PartNumber": len(parts) + 1, "ETag": self._call(part)["ETag"]})
+                    digests.append(hashlib.md5(chunk, usedforsecurity=False).digest())
+
+            def complete() -> str:
+                reply = self._client.complete_multipart_upload(
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **_conditions(expect),
+                )
+                return reply["ETag"]
+
+            joined = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
+            return self._written(location, expect, f'"{joined}-{len(parts)}"', complete)
+        except BaseException:
+            try:
+                self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception as error:  # the bucket's lifecycle rule cleans up after it
+                log.warning("multipart_abort_failed", location=str(location), error=repr(error))
+            raise
+
+    def _written(
+        self, location: S3Location, expect: str | None, ours: str, write: Callable[[], str]
+    ) -> str:
+        """The new ETag that `write` (on `expect`'s condition) returns."""
+        try:
+            return self._call(write)
         except MissingObject as missing:
             if expect is None:
                 raise
@@ -409,11 +477,9 @@ class S3BlobStore(_Retrying):
         except PreconditionFailed:
             # A try whose answer was lost (a timeout, a reset) may have written it: then
             # the retry fails its condition against our own write. Same bytes, no fence.
-            ours = f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
             if self._etag(location) != ours:
                 raise
             return ours
-        return reply["ETag"]
 
     def _etag(self, location: S3Location) -> str | None:
         try:

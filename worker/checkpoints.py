@@ -3,6 +3,7 @@ the next.
 
     output/
       results.jsonl, job.log, job.json       the finished job; job.json, written last, says so
+      <field>.npy                            its array outputs, if any (`worker.arrays`)
       cancel                                 a request to cancel the job (`worker cancel`)
       checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
       checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
@@ -13,10 +14,10 @@ for another request (an output prefix used again) is never taken for this one's.
 listing of the prefix, at admission, says all of it: whether the job is done already,
 whether it is to be cancelled, which results to resume from, and the ETag of each final
 output, which the finish then writes on condition that it is unchanged (another
-delivery that wrote first fences this one off). The three final writes are separate,
-so job.json records the ETags of the results.jsonl and job.log it completes: a job
-counts as done only if they are still the ones under the prefix, and a mix left by two
-deliveries racing is redone whole. Checkpoint parts go once the job's job.json is written.
+delivery that wrote first fences this one off). The final writes are separate, so
+job.json records the ETags of the array files, results.jsonl and job.log it completes:
+a job counts as done only if they are still the ones under the prefix, and a mix left by
+two deliveries racing is redone whole. Checkpoint parts go once the job's job.json is written.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
+from worker.arrays import ARRAY_FILE_SUFFIX
 from worker.errors import MissingObject
 from worker.ledger import Job, JobState, Ledger, Result
 from worker.message import JobMessage
@@ -46,7 +48,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
 Halt = Literal["superseded", "cancelled"]
 REQUEST_DIGEST_CHARS = 16
-# The outputs job.json completes, with their ETags recorded in it.
+# The outputs job.json completes, with their ETags recorded in it (and any array files).
 COMPLETED_OUTPUTS = ("results.jsonl", "job.log")
 # How often the checkpointer looks for jobs due a checkpoint.
 CHECK_EVERY_S = 1.0
@@ -109,7 +111,7 @@ class Checkpoints:
                     resumed.setdefault(index, Result(line + b"\n", "error" in record))
         return Prior(
             digest,
-            {name: listing[name] for name in FINAL_OUTPUTS if name in listing},
+            {name: etag for name, etag in listing.items() if _final_output(name)},
             summary,
             cancelled,
             frozenset(
@@ -236,11 +238,20 @@ def _completes(
     """Whether a job.json says this request is done: written for it, with the outputs it
     completed still in place, and not a cancelled run whose cancel was since withdrawn
     (to run it again)."""
-    completed = {name: listing.get(name) for name in COMPLETED_OUTPUTS}
+    completed = summary.get("outputs")
     return (
         summary.get("request_digest") == digest
-        and summary.get("outputs") == completed
+        and isinstance(completed, dict)
+        and completed.keys() >= set(COMPLETED_OUTPUTS)
+        and all(listing.get(name) == etag for name, etag in completed.items())
         and (summary.get("status") != "cancelled" or cancelled)
+    )
+
+
+def _final_output(name: str) -> bool:
+    """Whether `name`, under a job's output, is one of the outputs a finish writes."""
+    return name in FINAL_OUTPUTS or (
+        name.endswith(ARRAY_FILE_SUFFIX) and not name.startswith(CHECKPOINT_PREFIX)
     )
 
 

@@ -258,6 +258,11 @@ class InMemoryBlobStore:
             self.objects[str(location)] = data
             return _etag(data)
 
+    def put_file(
+        self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
+    ) -> str:
+        return self.put(location, path.read_bytes(), content_type, expect=expect)
+
     def objects_under(self, prefix: S3Location) -> dict[str, str]:
         start = str(prefix)
         folder = start.rsplit("/", 1)[0] + "/"

@@ -41,6 +41,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
+from worker.arrays import ArrayFiles
 from worker.channel import Closed
 from worker.joblog import JobLog
 from worker.message import JobMessage
@@ -74,11 +75,13 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 
 class Result(NamedTuple):
-    """One item's line of results.jsonl (its newline included), and whether it records
-    the item's error."""
+    """One item's line of results.jsonl (its newline included), whether it records the
+    item's error, and whether it refers to rows of the job's array files, which are not
+    checkpointed (a later delivery computes such an item again)."""
 
     line: bytes
     failed: bool
+    has_arrays: bool = False
 
 
 NOTHING_RESUMED: Mapping[int, Result] = MappingProxyType({})
@@ -141,6 +144,7 @@ class Job:
     inputs: list[str] = field(default_factory=list)
     log: JobLog | None = None
     results: list[Result | None] = field(default_factory=list)
+    arrays: ArrayFiles | None = None  # its array outputs, from admission
     fed: int = 0  # the feed's place in `inputs`
     unfed: int = 0  # items not fed yet
     item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
@@ -316,7 +320,8 @@ class Ledger:
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
-            job.unsaved.append(index)
+            if not result.has_arrays:
+                job.unsaved.append(index)
             self._outstanding -= 1
             if result.failed:
                 job.failed += 1

@@ -234,6 +234,8 @@ class Outcomes:
 
     def _forget(self, job: Job) -> None:
         self._ledger.forget(job)
+        if job.arrays is not None:  # uploaded, or to be computed again
+            job.arrays.remove()
         self._progress.beat()
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from worker.engine import ItemError, StageFunction, bisection_sizes
@@ -82,9 +83,15 @@ def on_payload(fn: Callable[..., Any]) -> Callable[..., WithParams]:
     return apply
 
 
-def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, Any]) -> bytes:
+# What the model's process sends for an item: its fields, JSON-encoded (`encoded_fields`),
+# and with them its array fields, if it has any.
+Encoded = bytes | tuple[bytes, dict[str, np.ndarray]]
+
+
+def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, Any]) -> Encoded:
     """The postprocessor's fields for one model output, JSON-encoded as the members that
-    follow `input` in the item's results.jsonl line (`, "label": "cat", ...`)."""
+    follow `input` in the item's results.jsonl line (`, "label": "cat", ...`); those whose
+    value is an array (numpy or torch, not a scalar) apart, as arrays (`worker.arrays`)."""
     fields = postprocess(output, params)
     if not isinstance(fields, dict):
         raise TypeError(f"the postprocessor returned a {type(fields).__name__}, not a dict")
@@ -94,12 +101,35 @@ def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, An
             f"the postprocessor returned {', '.join(sorted(clash))}: results.jsonl's own "
             "fields on every line"
         )
-    return b", " + json.dumps(fields).encode()[1:-1] if fields else b""
+    arrays = {
+        name: _as_numpy(value)
+        for name, value in fields.items()
+        if isinstance(value, np.ndarray | torch.Tensor) and value.ndim > 0
+    }
+    if arrays:
+        fields = {name: value for name, value in fields.items() if name not in arrays}
+    encoded = b", " + json.dumps(fields, default=_scalar).encode()[1:-1] if fields else b""
+    return (encoded, arrays) if arrays else encoded
+
+
+def _as_numpy(array: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(array, np.ndarray):
+        return array
+    if array.dtype == torch.bfloat16:  # numpy has no bfloat16
+        array = array.float()
+    return array.detach().cpu().numpy()
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy or torch scalar as the Python number JSON can encode (json's `default`)."""
+    if isinstance(value, np.generic | np.ndarray | torch.Tensor) and value.ndim == 0:
+        return value.item()
+    raise TypeError(f"a {type(value).__name__} is not JSON serializable")
 
 
 def postprocessed(
     postprocess: Postprocessor, output: Any, params: dict[str, Any]
-) -> bytes | ItemError:
+) -> Encoded | ItemError:
     """One output's encoded fields, or why the postprocessor failed on it."""
     try:
         return encoded_fields(postprocess, output, params)
@@ -293,9 +323,12 @@ def inference_setup(
             on_device = on_device.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), autocast:
             outputs = model(on_device)
-        # Plain lists: pickling tensors here would send them through shared memory,
-        # which costs more than the few numbers per item it saves.
-        return outputs.float().cpu().tolist()  # type: ignore[no-any-return]
+        if outputs.dtype == torch.bfloat16:  # numpy has no bfloat16
+            outputs = outputs.float()
+        # Numpy rows: an embedding or a mask stays an array (as Python floats a 512x512
+        # mask would take milliseconds to make and more to encode), and unlike a tensor
+        # one is not sent through shared memory if it crosses to the daemon (a chain).
+        return list(outputs.cpu().numpy())
 
     zeros = torch.zeros((1, *item_shape), dtype=torch.uint8)
 

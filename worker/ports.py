@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Protocol
 
 _S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<key>.*)$")
@@ -132,6 +133,11 @@ class BlobStore(Protocol):
         """Write (or overwrite) an object; returns its new ETag. With `expect` the write
         is conditional: `ABSENT` if the object must not exist yet, else the ETag it must
         still have; `PreconditionFailed` if it does not hold (another writer was first)."""
+
+    def put_file(
+        self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
+    ) -> str:
+        """`put` of a local file's content, which may be too big to hold in memory."""
 
     def objects_under(self, prefix: S3Location) -> dict[str, str]:
         """The objects directly under `prefix` (names after it, none with a "/"), each

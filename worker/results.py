@@ -8,17 +8,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from worker.channel import Channel
-from worker.checkpoints import COMPLETED_OUTPUTS, Checkpoints
+from worker.checkpoints import Checkpoints
 from worker.engine import Item, ItemError, Pipeline
 from worker.errors import PreconditionFailed
 from worker.ledger import Job, JobState, Result
 from worker.outcomes import Lifecycle
-from worker.plugins import Postprocessor, postprocessed
+from worker.plugins import POSTPROCESS_STAGE, Postprocessor, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
 
@@ -32,6 +33,9 @@ INPUT_BACKOFF = Backoff(base_s=0.5, cap_s=10.0)
 # all, the lease kept meanwhile, before the job is released for a later delivery.
 FINISH_ATTEMPTS = 3
 FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
+NPY_CONTENT_TYPE = "application/x-npy"
+# An output before job.json: its name, its content (or the local file of it), its type.
+Output = tuple[str, bytes | Path, str]
 
 
 class Regrouper:
@@ -88,22 +92,39 @@ class Regrouper:
 
     def _result(self, job: Job, item: Item) -> Result:
         """The results.jsonl line of one item: its prediction fields, or its error."""
-        assert job.spec is not None and job.log is not None and job.model is not None
+        assert job.model is not None
+        outcome = item.error or self._fields(job, item)
+        if isinstance(outcome, ItemError):
+            return self._failed(job, item, outcome)
+        fields, has_arrays = outcome
+        line = b'{"index": %d, "input": %s%s, "model": %s}\n' % (
+            item.index,
+            json.dumps(job.inputs[item.index]).encode(),
+            fields,
+            job.model.encoded_label,
+        )
+        return Result(line, failed=False, has_arrays=has_arrays)
+
+    def _fields(self, job: Job, item: Item) -> tuple[bytes, bool] | ItemError:
+        """The item's fields, encoded, with its arrays written to the job's array files
+        and referred to among them; and whether it had any. Or why there are none."""
+        assert job.spec is not None and job.arrays is not None
+        encoded = item.value
+        if self._postprocess is not None:
+            encoded = postprocessed(self._postprocess, item.value, job.spec.params)
+        if isinstance(encoded, ItemError):
+            return encoded
+        if isinstance(encoded, bytes):
+            return encoded, False
+        fields, arrays = encoded
+        try:
+            return fields + job.arrays.write(item.index, arrays), True
+        except ValueError as error:
+            return ItemError.from_exception(error, POSTPROCESS_STAGE)
+
+    def _failed(self, job: Job, item: Item, error: ItemError) -> Result:
+        assert job.log is not None
         uri = job.inputs[item.index]
-        error = item.error
-        if error is None:
-            fields = item.value
-            if self._postprocess is not None:
-                fields = postprocessed(self._postprocess, item.value, job.spec.params)
-            if not isinstance(fields, ItemError):
-                line = b'{"index": %d, "input": %s%s, "model": %s}\n' % (
-                    item.index,
-                    json.dumps(uri).encode(),
-                    fields,
-                    job.model.encoded_label,
-                )
-                return Result(line, failed=False)
-            error = fields
         error_fields = {"type": error.type, "message": error.message}
         job.log.error("item_failed", index=item.index, input=uri, stage=error.stage, **error_fields)
         record = {"index": item.index, "input": uri, "error": error_fields}
@@ -192,9 +213,7 @@ class Finisher:
             except Exception as error:
                 log.warning("notify_failed", job_id=job.job_id, error=repr(error))
 
-    def _written(
-        self, job: Job, outputs: list[tuple[str, bytes, str]], summary: dict[str, Any]
-    ) -> bool:
+    def _written(self, job: Job, outputs: list[Output], summary: dict[str, Any]) -> bool:
         """Write the outputs, trying again while the lease is kept; False if the job was
         released instead (here, or by shutdown meanwhile)."""
         for attempt in range(1, FINISH_ATTEMPTS + 1):
@@ -217,43 +236,43 @@ class Finisher:
                     return False
         return False
 
-    def _outputs(self, job: Job, summary: dict[str, Any]) -> list[tuple[str, bytes, str]]:
-        """(name, content, content type) of each output before job.json, in the order
-        they are written."""
+    def _outputs(self, job: Job, summary: dict[str, Any]) -> list[Output]:
+        """(name, content or the local file of it, content type) of each output before
+        job.json, in the order they are written: the array files, results.jsonl that
+        refers to them, the log."""
         assert job.log is not None
         job.log.info(
             "job_finished", **{k: summary[k] for k in ("status", "items", "failed", "duration_s")}
         )
         job.log.info("stage_timings", **{name: vars(t) for name, t in job.timings.items()})
         # A cancelled job's results are those it finished.
+        assert job.arrays is not None
         results = b"".join(result.line for result in job.results if result is not None)
         return [
+            *((name, path, NPY_CONTENT_TYPE) for name, path in job.arrays.files().items()),
             ("results.jsonl", results, "application/x-ndjson"),
             ("job.log", job.log.lines(), "application/x-ndjson"),
         ]
 
-    def _write(
-        self, job: Job, outputs: list[tuple[str, bytes, str]], summary: dict[str, Any]
-    ) -> None:
+    def _write(self, job: Job, outputs: list[Output], summary: dict[str, Any]) -> None:
         """Each output on condition that it is as this delivery found it at admission (or
         as it last wrote it): a delivery that wrote first fences this one off. Then
         job.json, naming the outputs it completes by their ETags."""
-        assert job.spec is not None
         for name, data, content_type in outputs:
             self._put(job, name, data, content_type)
-        summary["outputs"] = {name: job.output_etags[name] for name in COMPLETED_OUTPUTS}
+        summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         self._put(job, "job.json", json.dumps(summary).encode() + b"\n", "application/json")
 
-    def _put(self, job: Job, name: str, data: bytes, content_type: str) -> None:
+    def _put(self, job: Job, name: str, data: bytes | Path, content_type: str) -> None:
         assert job.spec is not None
         if job.settled:
             raise _Abandoned
-        job.output_etags[name] = self._blobs.put(
-            job.spec.output_location(name),
-            data,
-            content_type,
-            expect=job.output_etags.get(name, ABSENT),
-        )
+        location, expect = job.spec.output_location(name), job.output_etags.get(name, ABSENT)
+        if isinstance(data, Path):
+            etag = self._blobs.put_file(location, data, content_type, expect=expect)
+        else:
+            etag = self._blobs.put(location, data, content_type, expect=expect)
+        job.output_etags[name] = etag
 
     def _summary(self, job: Job) -> dict[str, Any]:
         assert job.model is not None

@@ -1,0 +1,120 @@
+"""Array outputs: a postprocessor's array fields land in .npy files beside results.jsonl."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from stages.postprocess import embedding
+from stages.preprocess import default_preprocessor
+from stages.synthetic import samples
+from worker.arrays import ArrayFiles
+from worker.daemon import Daemon, ExitCode
+from worker.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.plugins import encoded_fields
+from worker.ports import S3Location
+from worker.settings import Settings
+
+
+def test_array_fields_are_kept_apart_from_the_json_ones() -> None:
+    """Numpy and torch arrays (bfloat16 too) travel as numpy arrays; numpy scalars and
+    0-d arrays are JSON numbers; the JSON fields encode as before."""
+    fields = {
+        "label": "cat",
+        "score": np.float32(0.5),
+        "count": torch.tensor(3),
+        "embedding": np.arange(4, dtype=np.float32),
+        "mask": torch.ones(2, 2, dtype=torch.bfloat16),
+    }
+    encoded, arrays = encoded_fields(lambda *_: fields, None, {})  # type: ignore[misc]
+    assert json.loads(b"{" + encoded[2:] + b"}") == {"label": "cat", "score": 0.5, "count": 3}
+    assert arrays["embedding"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert arrays["mask"].dtype == np.float32 and arrays["mask"].shape == (2, 2)
+    only_arrays = encoded_fields(embedding, np.zeros(3, dtype=np.float16), {})
+    assert isinstance(only_arrays, tuple) and only_arrays[0] == b""
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        encoded_fields(lambda *_: {"tags": {"a"}}, None, {})
+
+
+def test_rows_land_in_place_and_a_row_that_does_not_fit_is_refused_whole(
+    tmp_path: Path,
+) -> None:
+    """The first row of a field makes its file (rows x its shape, its dtype); each row
+    goes where its index says, unwritten rows stay zeros; a row of another shape or
+    dtype, or a field that cannot name a file, is refused with nothing written; after
+    `remove` the files are gone and writes are dropped."""
+    files = ArrayFiles(tmp_path / "job", rows=4)
+    references = files.write(2, {"embedding": np.full(3, 2.0, np.float32)})
+    assert json.loads(b"{" + references[2:] + b"}") == {
+        "embedding": {"array": "embedding.npy", "row": 2}
+    }
+    files.write(0, {"embedding": np.full(3, 7.0, np.float32), "mask": np.ones((2, 2), np.uint8)})
+    with pytest.raises(ValueError, match=r"float64\[3\], where this job's embedding.npy takes"):
+        files.write(1, {"mask": np.ones((2, 2), np.uint8), "embedding": np.zeros(3)})
+    with pytest.raises(ValueError, match="cannot name a file"):
+        files.write(3, {"../escape": np.zeros(3)})
+    written = files.files()
+    assert set(written) == {"embedding.npy", "mask.npy"}
+    assert np.load(written["embedding.npy"]).tolist() == [
+        [7.0] * 3,
+        [0.0] * 3,
+        [2.0] * 3,
+        [0.0] * 3,
+    ]
+    assert np.load(written["mask.npy"])[1].sum() == 0  # the refused row wrote nothing
+    files.remove()
+    assert not (tmp_path / "job").exists()
+    files.write(3, {"embedding": np.zeros(3, np.float32)})
+    assert not (tmp_path / "job").exists()
+
+
+def test_an_embedding_job_leaves_its_rows_in_input_order_beside_results(tmp_path: Path) -> None:
+    """With an embedding model and `stages.postprocess:embedding`, each input's line
+    refers to its row of embedding.npy, which holds what the model made of it; a
+    corrupt input's line is its error and its row zeros. job.json completes the array
+    file by its ETag, and nothing is left in the local spool."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    images = [data for _, data in samples(5, seed=3)]
+    inputs = []
+    for number, data in enumerate(images):
+        blobs.objects[f"s3://bkt/img/{number}"] = data
+        inputs.append(f"s3://bkt/img/{number}")
+    blobs.objects["s3://bkt/img/corrupt"] = b"not an image"
+    inputs.insert(2, "s3://bkt/img/corrupt")
+    source.send(json.dumps({"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"}))
+    settings = Settings(
+        queue_url="q",
+        drain=True,
+        receive_wait_seconds=0,
+        log_dir=tmp_path,
+        metrics_port=0,
+        model="tests.stagefns:pixel_embedder",
+        postprocess="stages.postprocess:embedding",
+        batch_size=4,
+    )
+    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
+
+    lines = [
+        json.loads(line) for line in blobs.objects["s3://bkt/out/emb/results.jsonl"].splitlines()
+    ]
+    assert [line["input"] for line in lines] == inputs
+    assert "error" in lines[2] and "embedding" not in lines[2]
+    for index in (0, 1, 3, 4, 5):
+        assert lines[index]["embedding"] == {"array": "embedding.npy", "row": index}
+    rows = np.load(io.BytesIO(blobs.objects["s3://bkt/out/emb/embedding.npy"]))
+    assert rows.shape == (6, 32) and rows.dtype == np.float32
+    decoded = torch.empty(default_preprocessor.output_shape, dtype=torch.uint8)
+    for index, data in zip((0, 1, 3, 4, 5), images, strict=True):
+        default_preprocessor(data, decoded)
+        assert rows[index].tolist() == decoded.flatten()[:32].float().tolist()
+    assert not rows[2].any()
+    summary = json.loads(blobs.objects["s3://bkt/out/emb/job.json"])
+    assert summary["status"] == "partial"
+    listing = blobs.objects_under(S3Location.parse("s3://bkt/out/emb/"))
+    assert summary["outputs"]["embedding.npy"] == listing["embedding.npy"]
+    assert not any((tmp_path / "arrays").iterdir())

@@ -1,0 +1,94 @@
+"""Array outputs: a postprocessor's field whose value is an array (an embedding, a mask)
+lands in `<field>.npy` under the job's output, one row per input in input order, and the
+item's results.jsonl line says where: `"embedding": {"array": "embedding.npy", "row": 17}`.
+
+Rows are written as they come into a local file per field, a memory-mapped .npy, so a
+job's arrays are never held in memory; the finisher uploads the files beside
+results.jsonl. The row of an input that failed, or whose array the job's file could not
+take, is zeros, and its line has no reference to it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+
+ARRAY_FILE_SUFFIX = ".npy"
+_FIELD_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")  # it names a file
+
+
+class ArrayFiles:
+    """One job's array files, in `directory`: a file per field, `rows` rows each."""
+
+    def __init__(self, directory: Path, rows: int):
+        self._directory = directory
+        self._rows = rows
+        self._files: dict[str, np.memmap] = {}
+        self._lock = threading.Lock()  # `remove` comes from whichever thread settles the job
+        self._removed = False
+
+    def write(self, row: int, arrays: dict[str, np.ndarray]) -> bytes:
+        """Put each field's array in row `row` of the field's file (made by its first
+        row, which sets the shape and dtype of all); the references to them, JSON-encoded
+        as members of the item's line. ValueError, and nothing written, if a field cannot
+        name a file or its array does not fit the file."""
+        with self._lock:
+            if self._removed:  # the job was settled meanwhile: nothing will read them
+                return b""
+            files = []
+            for field, array in arrays.items():
+                rows = self._files.get(field)
+                if rows is None:
+                    rows = self._open(field, array)
+                if array.shape != rows.shape[1:] or array.dtype != rows.dtype:
+                    raise ValueError(
+                        f"the {field} array is {array.dtype}{list(array.shape)}, where this "
+                        f"job's {field}{ARRAY_FILE_SUFFIX} takes "
+                        f"{rows.dtype}{list(rows.shape[1:])}"
+                    )
+                files.append((rows, array))
+            for rows, array in files:
+                rows[row] = array
+        return b"".join(
+            b', "%s": {"array": "%s%s", "row": %d}'
+            % (field.encode(), field.encode(), ARRAY_FILE_SUFFIX.encode(), row)
+            for field in arrays
+        )
+
+    def _open(self, field: str, first: np.ndarray) -> np.memmap:
+        if not _FIELD_NAME.match(field):
+            raise ValueError(
+                f"the array field {field!r} cannot name a file: use letters, digits, _ and -"
+            )
+        if first.dtype.hasobject:
+            raise ValueError(f"the {field} array holds Python objects, not numbers")
+        self._directory.mkdir(parents=True, exist_ok=True)
+        rows: np.memmap = np.lib.format.open_memmap(
+            self._directory / f"{field}{ARRAY_FILE_SUFFIX}",
+            mode="w+",
+            dtype=first.dtype,
+            shape=(self._rows, *first.shape),
+        )
+        self._files[field] = rows
+        return rows
+
+    def files(self) -> dict[str, Path]:
+        """Each file's output name and local path, written through to disk."""
+        with self._lock:
+            for rows in self._files.values():
+                rows.flush()
+            return {
+                f"{field}{ARRAY_FILE_SUFFIX}": self._directory / f"{field}{ARRAY_FILE_SUFFIX}"
+                for field in self._files
+            }
+
+    def remove(self) -> None:
+        """Delete the files (the job is settled); later writes are dropped."""
+        with self._lock:
+            self._removed = True
+            self._files.clear()
+            shutil.rmtree(self._directory, ignore_errors=True)
