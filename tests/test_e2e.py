@@ -8,10 +8,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from PIL import Image
 
-from stages.synthetic import boards
+from stages.synthetic import LABELS, boards
 from tests.conftest import REPO, Aws, enqueue_command, following, run_daemon
 from worker.demo import Stack, upload_samples
 
@@ -247,3 +248,31 @@ def test_a_chain_of_models_finds_and_names_the_shapes_on_each_board(
     model = summary["model"]
     assert (model["name"], model["version"]) == ("shape-boards", "1")
     assert [step["name"] for step in model["steps"]] == ["tile-finder", "shapes-cnn"]
+
+
+def test_an_embedding_job_leaves_its_array_file_in_s3(aws: Aws, tmp_path: Path) -> None:
+    """With `--postprocess stages.postprocess:embedding` the default model's whole
+    output row of each image lands in embedding.npy under the job's output (through
+    moto, with job.json naming its ETag), each line refers to its row, and the row's
+    best class is the image's label."""
+    stack = aws.stack()
+    labels = upload_samples(aws.s3, stack.bucket, 8, seed=5)
+    uris = list(labels)
+    output = f"s3://{stack.bucket}/out/embedded/"
+    aws.send(stack.queue_url, {"job_id": "embedded", "inputs": uris, "output": output})
+    more = ("--postprocess", "stages.postprocess:embedding")
+    run = run_daemon(aws, _drain_args(stack, tmp_path / "logs", *more))
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = aws.results(output)
+    assert [r["embedding"] for r in results] == [
+        {"array": "embedding.npy", "row": index} for index in range(len(uris))
+    ]
+    rows = np.load(io.BytesIO(aws.read(output, "embedding.npy")))
+    assert rows.shape == (len(uris), len(LABELS)) and rows.dtype == np.float32
+    right = sum(LABELS[row.argmax()] == labels[uri] for row, uri in zip(rows, uris, strict=True))
+    assert right >= len(uris) - 1
+    summary = json.loads(aws.read(output, "job.json"))
+    bucket, _, prefix = output.removeprefix("s3://").partition("/")
+    head = aws.s3.head_object(Bucket=bucket, Key=prefix + "embedding.npy")
+    assert summary["outputs"]["embedding.npy"] == head["ETag"]
+    assert not any((tmp_path / "logs" / "arrays").iterdir())
