@@ -305,8 +305,10 @@ def enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> lis
 def following(
     aws: Aws, queue_url: str, job_id: str, output: str, *more: str
 ) -> Iterator[subprocess.Popen[str]]:
-    """`worker enqueue --wait`: sends a job and follows it to its summary. However the
-    test ends, the follower is stopped and its pipes closed."""
+    """`worker enqueue --wait`: sends a job and follows it to its summary; entered once
+    the job is in the queue (a draining daemon started before would find it empty).
+    However the test ends, the follower is stopped and its pipes closed."""
+    queued = sum(aws.queue_depth(queue_url))
     follower = subprocess.Popen(
         enqueue_command(queue_url, job_id, output, "--wait", *more),
         env=aws.env,
@@ -316,6 +318,10 @@ def following(
         text=True,
     )
     try:
+        deadline = time.monotonic() + 60
+        while sum(aws.queue_depth(queue_url)) == queued and follower.poll() is None:
+            assert time.monotonic() < deadline, "enqueue sent nothing in 60 s"
+            time.sleep(0.1)
         yield follower
     finally:
         if follower.poll() is None:

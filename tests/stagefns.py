@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from worker.engine import StageFunction
+from worker.engine import ItemError, StageFunction
 from worker.errors import TransientError
 
 
@@ -277,3 +277,26 @@ class PixelEmbedder(torch.nn.Module):
 
 def pixel_embedder() -> torch.nn.Module:
     return PixelEmbedder()
+
+
+def finishing_runner(run_s: float, finish_s: float) -> StageFunction:
+    """Runs each request for `run_s` (the device), raising on `bad-run`; then finishes
+    it for `finish_s` (postprocessing): `bad` gets an error of its own, and a request
+    holding `explode` makes the whole finish raise."""
+
+    def run(values: Sequence[str]) -> list[str]:
+        time.sleep(run_s)
+        if "bad-run" in values:
+            raise ValueError("the run refuses bad-run")
+        return [f"ran:{value}" for value in values]
+
+    def finish(outputs: list[str], values: list[str]) -> list[Any]:
+        time.sleep(finish_s)
+        if "explode" in values:
+            raise RuntimeError("finish broke")
+        return [
+            ItemError("ValueError", "bad item", "postprocess") if value == "bad" else f"{output}+"
+            for output, value in zip(outputs, values, strict=True)
+        ]
+
+    return StageFunction(run, finish=finish)

@@ -340,6 +340,31 @@ def test_a_driver_never_waits_for_slots_while_it_holds_replies() -> None:
     assert sorted(r.value[0] for r in results) == sorted(f"fetched:v{i}" for i in range(60))
 
 
+def test_a_finish_step_runs_beside_the_next_request_and_keeps_errors_apart() -> None:
+    """A stage's `finish` makes each output into the item's outcome on a thread of the
+    child while the next request runs (0.2 s of run and 0.2 s of finish a request, six
+    requests: well under the 2.4 s one after the other). An item whose run failed
+    keeps its error and is not finished; a finish gives an item an error of its own, and
+    one that raises gives its request's items its error; replies stay in order."""
+    values = ["a", "bad-run", "b", "bad", "explode", "c"]
+    stage = ProcessStage(
+        "inference", functools.partial(stagefns.finishing_runner, 0.2, 0.2), batch_size=1
+    )
+    with Pipeline([stage], RecordingObserver()) as pipeline:
+        started = time.perf_counter()
+        results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+        elapsed_s = time.perf_counter() - started
+    assert [r.index for r in results] == list(range(6))
+    assert [r.value for r in results if r.error is None] == ["ran:a+", "ran:b+", "ran:c+"]
+    errors = {r.index: (r.error.type, r.error.stage) for r in results if r.error}
+    assert errors == {
+        1: ("ValueError", "inference"),
+        3: ("ValueError", "postprocess"),
+        4: ("RuntimeError", "inference"),
+    }
+    assert elapsed_s < 2.0, elapsed_s
+
+
 def test_a_stage_that_prepares_needs_a_set_up_that_gives_the_step() -> None:
     pipeline = Pipeline(
         [

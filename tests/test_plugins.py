@@ -214,7 +214,9 @@ def test_the_model_process_postprocesses_each_output_on_its_own() -> None:
         "stages.model:default_classifier", "cpu", SHAPE, postprocess="stages.postprocess:top_k"
     )
     params: list[dict[str, Any]] = [{"top_k": 2}, {"top_k": 0}, {}, {"top_k": 5}]
-    encoded = stage_fn.run(batch, [(None, p) for p in params])
+    values = [(None, p) for p in params]
+    assert stage_fn.finish is not None
+    encoded = stage_fn.finish(stage_fn.run(batch, values), values)
     for position in (0, 2, 3):
         line = json.loads(b'{"index": 7' + encoded[position] + b"}")
         assert line == {"index": 7, **top_k(raw[position], params[position])}
@@ -226,7 +228,7 @@ def test_the_model_process_postprocesses_each_output_on_its_own() -> None:
 def test_encoded_fields_keep_out_of_the_lines_own_fields() -> None:
     """A postprocessor gives a dict whose fields go between `input` and `model`: none of
     results.jsonl's own, and none at all is an empty fragment."""
-    assert encoded_fields(lambda output, _: {"sum": sum(output)}, [1, 2], {}) == b', "sum": 3'
+    assert encoded_fields(lambda output, _: {"sum": sum(output)}, [1, 2], {}) == b',"sum":3'
     assert encoded_fields(lambda *_: {}, None, {}) == b""
     with pytest.raises(ValueError, match="index, model"):
         encoded_fields(lambda *_: {"model": "mine", "index": 3, "ok": 1}, None, {})

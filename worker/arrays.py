@@ -1,6 +1,6 @@
 """Array outputs: a postprocessor's field whose value is an array (an embedding, a mask)
 lands in `<field>.npy` under the job's output, one row per input in input order, and the
-item's results.jsonl line says where: `"embedding": {"array": "embedding.npy", "row": 17}`.
+item's results.jsonl line says where: `"embedding":{"array":"embedding.npy","row":17}`.
 
 Rows are written as they come into a local file per field, a memory-mapped .npy, so a
 job's arrays are never held in memory; the finisher uploads the files beside
@@ -54,7 +54,7 @@ class ArrayFiles:
             for rows, array in files:
                 rows[row] = array
         return b"".join(
-            b', "%s": {"array": "%s%s", "row": %d}'
+            b',"%s":{"array":"%s%s","row":%d}'
             % (field.encode(), field.encode(), ARRAY_FILE_SUFFIX.encode(), row)
             for field in arrays
         )

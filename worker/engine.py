@@ -117,6 +117,10 @@ class StageFunction:
     probe: Callable[[], object] | None = None
     about: Mapping[str, Any] = field(default_factory=dict)
     prepare: Callable[[Any], Any] | None = None  # per item, before `run`: `PrepareStep`
+    # `finish(outputs, values) -> outcomes`: each request's outputs (its errors apart) made
+    # into what the items carry on, on a thread of the child while the next request runs,
+    # so work that does not need the device (postprocessing) never keeps it waiting.
+    finish: Callable[[list[Any], list[Any]], list[Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -1113,6 +1117,17 @@ def _child_main(
     gatherer = BatchGatherer(reads) if plan.mode == "read" and reads is not None else None
     threads = ThreadPoolExecutor(plan.prepare_threads) if stage_fn.prepare else None
     requests: queue.SimpleQueue[_Received] = queue.SimpleQueue()
+    finishing = ThreadPoolExecutor(1, "finish") if stage_fn.finish else None
+
+    def send(message: Any, values: Sequence[Any] | None = None) -> bool:
+        """Send at once; or, with a finish step, in turn on the thread that finishes
+        each reply (given its items' `values`), while the next request runs."""
+        if finishing is None:
+            return _sent(conn, message)
+        assert stage_fn.finish is not None
+        finishing.submit(_finish_and_send, conn, message, values, stage_fn.finish, plan.stage)
+        return True
+
     conn.send(("ready", (os.getpid(), stage_fn.about)))
     threading.Thread(
         target=_read_requests, args=(conn, requests, stage_fn.prepare, threads), daemon=True
@@ -1121,6 +1136,7 @@ def _child_main(
         request, preparations, started = requests.get()
         if request is None:  # told to stop, or the daemon is gone
             return
+        values = None
         if request == PROBE:
             answer: Any = _probe(stage_fn)
         else:
@@ -1129,12 +1145,38 @@ def _child_main(
             if preparations is not None:
                 assert plan.prepare is not None
                 request, failed = _prepared(request, preparations, plan.prepare)
-                if not _sent(conn, _Prepared(time.perf_counter() - started)):
+                if not send(_Prepared(time.perf_counter() - started)):
                     return
             answer = _run_request(stage_fn, plan, (reads, writes), gatherer, request, failed=failed)
             answer = answer._replace(events=list(events))
-        if not _sent(conn, answer):
+            values = [task.value for task in request]
+        if not send(answer, values):
             return
+
+
+def _finish_and_send(
+    conn: Connection,
+    message: Any,
+    values: Sequence[Any] | None,
+    finish: Callable[[list[Any], list[Any]], list[Any]],
+    stage: str,
+) -> None:
+    """Send `message`; a reply (with its items' `values`) after `finish` has made each
+    output that is not an error into the item's outcome."""
+    if values is not None:
+        reply: _Reply = message
+        ran = [p for p, outcome in enumerate(reply.outcomes) if not isinstance(outcome, ItemError)]
+        outcomes = list(reply.outcomes)
+        try:
+            finished = finish([outcomes[p] for p in ran], [values[p] for p in ran])
+            if len(finished) != len(ran):
+                raise ValueError(f"finish gave {len(finished)} outcomes for {len(ran)} outputs")
+        except Exception as error:
+            finished = [ItemError.from_exception(error, stage)] * len(ran)
+        for position, outcome in zip(ran, finished, strict=True):
+            outcomes[position] = outcome
+        message = reply._replace(outcomes=outcomes)
+    _sent(conn, message)
 
 
 class _Received(NamedTuple):

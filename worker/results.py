@@ -19,7 +19,7 @@ from worker.engine import Item, ItemError, Pipeline
 from worker.errors import PreconditionFailed
 from worker.ledger import Job, JobState, Result
 from worker.outcomes import Lifecycle
-from worker.plugins import POSTPROCESS_STAGE, Postprocessor, postprocessed
+from worker.plugins import POSTPROCESS_STAGE, Postprocessor, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
 
@@ -97,9 +97,9 @@ class Regrouper:
         if isinstance(outcome, ItemError):
             return self._failed(job, item, outcome)
         fields, has_arrays = outcome
-        line = b'{"index": %d, "input": %s%s, "model": %s}\n' % (
+        line = b'{"index":%d,"input":%s%s,"model":%s}\n' % (
             item.index,
-            json.dumps(job.inputs[item.index]).encode(),
+            encode_json(job.inputs[item.index]),
             fields,
             job.model.encoded_label,
         )
@@ -128,7 +128,7 @@ class Regrouper:
         error_fields = {"type": error.type, "message": error.message}
         job.log.error("item_failed", index=item.index, input=uri, stage=error.stage, **error_fields)
         record = {"index": item.index, "input": uri, "error": error_fields}
-        return Result(json.dumps(record).encode() + b"\n", failed=True)
+        return Result(encode_json(record) + b"\n", failed=True)
 
 
 class _Abandoned(Exception):
