@@ -4,7 +4,8 @@
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
-# The CUDA build of the same torch version the project pins.
+# The CUDA build of the same torch version the project pins, and the torchvision made
+# for it: its nvJPEG binding decodes JPEGs on the GPU (--decode auto picks it).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -18,7 +19,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/venv \
-    && pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
+    && pip install torch==2.13.0 torchvision==0.28.0 --index-url "${TORCH_INDEX_URL}"
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import sys
 import time
@@ -88,4 +89,7 @@ def measure(
 if __name__ == "__main__":
     name, url, bucket_name, prefix, count, object_bytes = sys.argv[1:]
     wanted = [f"{prefix}{number}" for number in range(int(count))]
-    print(json.dumps(measure(name, url, bucket_name, wanted, int(object_bytes))))
+    print(json.dumps(measure(name, url, bucket_name, wanted, int(object_bytes))), flush=True)
+    # obstore's runtime aborts the interpreter's teardown now and then (SIGABRT after
+    # the figures are out: 31 of 200 runs under load); there is nothing left to tear down.
+    os._exit(0)

@@ -1,14 +1,21 @@
-"""Decoding and resizing images into uint8 tensors (runs in preprocessing processes)."""
+"""Decoding and resizing images into uint8 tensors: on the CPU in the preprocessing
+processes, or JPEGs in batches on the model's device (`--decode gpu`)."""
 
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import torch
 from PIL import Image
+from torch.nn import functional
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+# What nvJPEG decodes to RGB; CMYK and YCCK JPEGs are left to Pillow.
+DEVICE_JPEG_MODES = frozenset({"RGB", "L"})
 
 
 class ImageTooLarge(ValueError):
@@ -58,6 +65,60 @@ class ImagePreprocessor:
         pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
         out.copy_(pixels.view(self.size, self.size, 3).permute(2, 0, 1))
         return {"width": width, "height": height}
+
+    def device_decoding_unavailable(self) -> str | None:
+        """Why JPEGs cannot be decoded on a device here, or None: it takes torchvision's
+        nvJPEG binding, which the CPU build of torch does without."""
+        try:
+            from torchvision.io import decode_jpeg  # noqa: F401
+        # A torchvision built for another torch raises more than ImportError.
+        except Exception as error:
+            return f"torchvision.io.decode_jpeg does not import ({type(error).__name__}: {error})"
+        return None
+
+    def device_decodable(self, data: bytes) -> bool:
+        """Whether the device should decode this input: a JPEG whose header reads, in a
+        colour mode nvJPEG takes, within the pixel limit (read from the header, as on the
+        CPU). Anything else is decoded here, which names what is wrong with a bad one."""
+        if not data.startswith(JPEG_MAGIC):
+            return False
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                return (
+                    image.format == "JPEG"
+                    and image.mode in DEVICE_JPEG_MODES
+                    and width * height <= self.max_pixels
+                )
+        except Exception:
+            return False
+
+    def decode_on_device(
+        self, encoded: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]:
+        """JPEGs (each a 1-D uint8 CPU tensor of the file) decoded together on `device`
+        and resized as `__call__` resizes; raises if any of them cannot be."""
+        return [self.fit(image) for image in self._decode_jpegs(encoded, device)]
+
+    def _decode_jpegs(
+        self, encoded: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        decoded = decode_jpeg(list(encoded), mode=ImageReadMode.RGB, device=device)
+        return list(decoded)
+
+    def fit(self, image: torch.Tensor) -> torch.Tensor:
+        """A decoded uint8 CHW image of any size as a `size`x`size` one, on its device
+        (bilinear with antialiasing, as Pillow's resize)."""
+        resized = functional.interpolate(
+            image[None].float(),
+            size=(self.size, self.size),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        )
+        return resized[0].round_().clamp_(0, 255).to(torch.uint8)
 
 
 default_preprocessor = ImagePreprocessor()

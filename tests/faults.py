@@ -7,15 +7,19 @@ pipeline.
 
 from __future__ import annotations
 
+import io
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import nn
 
 from stages.model import default_classifier
-from stages.preprocess import default_preprocessor
+from stages.preprocess import ImagePreprocessor, default_preprocessor
 from tests.stagefns import inject_fault
 
 FAULT_PREFIX = b"FAULT:"
@@ -105,3 +109,38 @@ def broken_classifier() -> nn.Module:
     model = BreakableClassifier(default_classifier())
     model.marker = __file__  # a file that exists
     return model
+
+
+@dataclass(frozen=True)
+class StandInDeviceDecoder(ImagePreprocessor):
+    """The default preprocessor with a stand-in for nvJPEG (which needs torchvision and
+    a GPU): JPEGs are decoded whole by Pillow, moved to the device and resized there as
+    on a GPU. Like nvJPEG with some files, it refuses progressive JPEGs, which Pillow
+    on the CPU decodes; it fails truncated ones, as Pillow does too."""
+
+    def device_decoding_unavailable(self) -> str | None:
+        return None
+
+    def _decode_jpegs(
+        self, encoded: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]:
+        images = []
+        for data in encoded:
+            with Image.open(io.BytesIO(data.numpy().tobytes())) as image:
+                if image.info.get("progressive"):
+                    raise RuntimeError("nvjpegDecode failed: progressive JPEG (stand-in)")
+                rgb = image.convert("RGB")
+            pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+            images.append(pixels.view(rgb.height, rgb.width, 3).permute(2, 0, 1).to(device))
+        return images
+
+
+standin_device_decoder = StandInDeviceDecoder()
+
+
+def reencoded(data: bytes, **options: Any) -> bytes:
+    """The image in `data` saved again as a JPEG (`progressive=True`, `mode="CMYK"`)."""
+    with Image.open(io.BytesIO(data)) as image:
+        buffer = io.BytesIO()
+        image.convert(options.pop("mode", "RGB")).save(buffer, format="JPEG", **options)
+    return buffer.getvalue()

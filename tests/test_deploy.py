@@ -32,11 +32,14 @@ def test_dockerfile_passes_hadolint() -> None:
 
 
 def test_dockerfile_has_what_a_gpu_worker_needs() -> None:
-    """CUDA base with the CUDA build of the pinned torch, a non-root user, tini as PID 1
-    in front of the daemon, and a HEALTHCHECK on the daemon's own health endpoint."""
+    """CUDA base with the CUDA build of the pinned torch and the torchvision made for it
+    (GPU decoding), a non-root user, tini as PID 1 in front of the daemon, and a
+    HEALTHCHECK on the daemon's own health endpoint."""
     lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
     assert any(line.startswith("ARG CUDA_IMAGE=nvidia/cuda:") for line in lines)
-    assert any("pip install torch==2.13.0 --index-url" in line for line in lines)
+    assert any(
+        "pip install torch==2.13.0 torchvision==0.28.0 --index-url" in line for line in lines
+    )
     assert "USER 10001" in lines and "useradd --system --uid 10001" in DOCKERFILE.read_text()
     assert lines[-1] == 'ENTRYPOINT ["/usr/bin/tini", "--", "python", "-m", "worker", "run"]'
     assert 'CMD ["python", "-m", "worker", "healthcheck"]' in lines

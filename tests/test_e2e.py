@@ -14,6 +14,7 @@ from PIL import Image
 
 from stages.synthetic import LABELS, boards
 from tests.conftest import REPO, Aws, enqueue_command, following, run_daemon
+from tests.faults import reencoded
 from worker.demo import Stack, upload_samples
 
 pytestmark = pytest.mark.e2e
@@ -276,3 +277,49 @@ def test_an_embedding_job_leaves_its_array_file_in_s3(aws: Aws, tmp_path: Path) 
     head = aws.s3.head_object(Bucket=bucket, Key=prefix + "embedding.npy")
     assert summary["outputs"]["embedding.npy"] == head["ETag"]
     assert not any((tmp_path / "logs" / "arrays").iterdir())
+
+
+def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
+    aws: Aws, tmp_path: Path
+) -> None:
+    """`--decode gpu` with a stand-in for nvJPEG (`tests.faults:standin_device_decoder`;
+    no GPU here): the sample JPEGs are decoded in the model's process and labelled as on
+    the CPU, PNGs and a CMYK JPEG in the preprocessing processes, a progressive JPEG
+    that the device refuses on the CPU after all, and a truncated one that nothing
+    decodes is that input's error alone; the job's log says how many fell back."""
+    stack = aws.stack()
+    labels = upload_samples(aws.s3, stack.bucket, 40, seed=9)
+    uris = list(labels)
+    inputs = {uri: aws.s3.get_object(Bucket=stack.bucket, Key=uri.split("/", 3)[3]) for uri in uris}
+    first_jpeg, jpeg = next(
+        (uri, data)
+        for uri, got in inputs.items()
+        if (data := got["Body"].read())[:2] == b"\xff\xd8"
+    )
+    odd = {
+        "progressive": reencoded(jpeg, progressive=True),
+        "cmyk": reencoded(jpeg, mode="CMYK"),
+        "truncated": jpeg[: len(jpeg) * 3 // 4],
+    }
+    for name, data in odd.items():
+        aws.s3.put_object(Bucket=stack.bucket, Key=f"odd/{name}.jpg", Body=data)
+    odd_uris = [f"s3://{stack.bucket}/odd/{name}.jpg" for name in odd]
+    output = f"s3://{stack.bucket}/out/on-device/"
+    aws.send(stack.queue_url, {"job_id": "on-device", "inputs": uris + odd_uris, "output": output})
+    more = ("--decode", "gpu", "--preprocess", "tests.faults:standin_device_decoder")
+    run = run_daemon(aws, _drain_args(stack, tmp_path / "logs", *more))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    decided = [json.loads(line) for line in run.stdout.splitlines() if "inputs_decoded_in" in line]
+    assert [(line["where"], line["why"]) for line in decided] == [("inference", "--decode gpu")]
+    results = aws.results(output)
+    right = sum(r["label"] == labels[r["input"]] for r in results[: len(uris)])
+    assert right >= len(uris) - 1
+    progressive, cmyk, truncated = results[len(uris) :]
+    assert progressive["label"] == cmyk["label"] == labels[first_jpeg]
+    assert truncated["error"]["type"] == "OSError"
+    assert "truncated" in truncated["error"]["message"]
+    summary = aws.summary(output)
+    assert (summary["status"], summary["failed"]) == ("partial", 1)
+    fell_back = [e for e in aws.log_events(output) if e["event"] == "decoded_on_cpu"]
+    assert sum(event["inputs"] for event in fell_back) == 2  # the progressive and the truncated

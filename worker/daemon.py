@@ -52,6 +52,7 @@ from worker.metrics import Metrics, serving
 from worker.outcomes import Lifecycle, Outcomes
 from worker.plugins import (
     ModelIdentity,
+    decodes_on_device,
     fan_out_setup,
     inference_devices,
     inference_setup,
@@ -333,6 +334,10 @@ def _pipeline(
     )
     reader = _remote_reader(settings, blobs)
     log.info("inputs_fetched_in", where="preprocess" if reader else "threads")
+    on_device, why = decodes_on_device(
+        settings.decode, spec.preprocess, _devices(first, settings), chained=bool(fan_out)
+    )
+    log.info("inputs_decoded_in", where="inference" if on_device else "preprocess", why=why)
     per_process = settings.fetched_per_process
     stages: list[ThreadStage | ProcessStage] = []
     if reader is None:
@@ -351,6 +356,7 @@ def _pipeline(
                 preprocess_setup,
                 spec.preprocess,
                 functools.partial(open_fetch, reader.open, per_process) if reader else None,
+                defer_to_device=on_device,
             ),
             workers=settings.preprocess_workers,
             max_workers=decode_ceiling,
@@ -368,6 +374,7 @@ def _pipeline(
             image_arena,
             keeps_slots=bool(fan_out),
             postprocess=None if fan_out else spec.postprocess,
+            decoder=spec.preprocess if on_device else None,
         ),
     ]
     if fan_out:
@@ -425,9 +432,11 @@ def _model_stage(
     *,
     keeps_slots: bool = False,
     postprocess: str | None = None,
+    decoder: str | None = None,
 ) -> ProcessStage:
     """One model's stage: a process per device, each loading and warming up the model
-    (and the postprocessor, if the model's outputs are the results)."""
+    (and the postprocessor, if the model's outputs are the results; and the
+    preprocessor, if it decodes inputs on the device)."""
     return ProcessStage(
         name,
         [
@@ -444,6 +453,7 @@ def _model_stage(
                 model_name=step.name,
                 model_version=step.version,
                 postprocess=postprocess,
+                decoder=decoder,
             )
             for device in _devices(step, settings)
         ],

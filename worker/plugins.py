@@ -16,16 +16,18 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import orjson
+import structlog
 import torch
 
-from worker.engine import ItemError, StageFunction, bisection_sizes
-from worker.spec import PipelineSpec
+from worker.engine import ItemError, StageFunction, bisection_sizes, isolate_failures
+from worker.spec import DecodePlacement, PipelineSpec
 
 POSTPROCESS_STAGE = "postprocess"  # what an item error of the postprocessor names
+PREPROCESS_STAGE = "preprocess"  # ... and of the preprocessor, wherever it ran
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
 EXPORT_SUFFIX = ".pt2"
 
@@ -48,6 +50,33 @@ class Preprocessor(Protocol):
     def __call__(self, data: bytes, out: torch.Tensor) -> Any: ...
 
 
+@runtime_checkable
+class DecodesOnDevice(Preprocessor, Protocol):
+    """A preprocessor that can also decode some inputs in batches on the model's device
+    (JPEGs with nvJPEG), for `--decode gpu`: the preprocessing processes leave those
+    inputs' bytes in their arena slots, and the model's process decodes them there."""
+
+    def device_decoding_unavailable(self) -> str | None:
+        """Why it cannot decode on a device on this machine, or None."""
+
+    def device_decodable(self, data: bytes) -> bool:
+        """Whether this input is for the device (checked where it is fetched)."""
+
+    def decode_on_device(
+        self, encoded: Sequence[torch.Tensor], device: torch.device
+    ) -> list[torch.Tensor]:
+        """Each input (a 1-D uint8 CPU tensor of its bytes) as a uint8 tensor of
+        `output_shape` on `device`; raises if any of them cannot be."""
+
+
+@dataclass(frozen=True, slots=True)
+class Undecoded:
+    """An item's payload when its slot holds its undecoded bytes, `length` of them, for
+    the model's process to decode on its device."""
+
+    length: int
+
+
 class FanOut(Protocol):
     """Cuts one image into parts for the next model (`spec.FanOutStep`): writes each into
     one of `outs` (uint8 tensors of `output_shape`) and returns what each is about."""
@@ -67,6 +96,8 @@ ARRAY_TYPES = (np.ndarray, torch.Tensor)
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 # results.jsonl's own fields on every line; a postprocessor's fields go between them.
 RECORD_FIELDS = frozenset({"index", "input", "model", "error"})
+
+log = structlog.get_logger()
 
 
 # An item's value on its way to the model, with its job's params, which the
@@ -165,6 +196,17 @@ def load_object(reference: str) -> Any:
 
 def load_preprocessor(reference: str) -> Preprocessor:
     return _load_shaped(reference, "callable(data, out)")  # type: ignore[no-any-return]
+
+
+def load_device_decoder(reference: str) -> DecodesOnDevice:
+    preprocessor = load_preprocessor(reference)
+    if not isinstance(preprocessor, DecodesOnDevice):
+        raise PluginError(_no_device_decoding(reference))
+    return preprocessor
+
+
+def _no_device_decoding(reference: str) -> str:
+    return f"{reference} does not decode on a device (it has no decode_on_device)"
 
 
 def load_fan_out(reference: str) -> FanOut:
@@ -314,14 +356,17 @@ def inference_setup(
     model_name: str | None = None,
     model_version: str | None = None,
     postprocess: str | None = None,
+    decoder: str | None = None,
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
     batch of zeros, warm it up, and return the batch function with that check as its
     probe and the model's identity and warm-up time as what it reports. With
     `postprocess`, each output is postprocessed and encoded here, where it already is
     (`postprocessed`), while the next batch runs (the stage's `finish`): only the encoded
-    fields and the arrays cross to the daemon."""
+    fields and the arrays cross to the daemon. With `decoder` (the preprocessor), the
+    inputs left undecoded are decoded on the device first (`decode_undecoded`)."""
     device = resolve_device(device_name)
+    decode = _device_decoder(decoder, device) if decoder else None
     model = load_model(model_reference, device)
     identity = identify(model_reference, model, model_name, model_version)
     if channels_last:
@@ -329,8 +374,9 @@ def inference_setup(
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=precision == "bfloat16")
 
-    def infer(batch: torch.Tensor, _values: Sequence[Any]) -> list[Any]:
+    def infer(batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
         on_device = batch.to(device, non_blocking=True)
+        undecodable = decode(batch, values, on_device) if decode else {}
         if channels_last and on_device.dim() == 4:  # the only rank it is defined for
             on_device = on_device.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), autocast:
@@ -340,7 +386,10 @@ def inference_setup(
         # Numpy rows: an embedding or a mask stays an array (as Python floats a 512x512
         # mask would take milliseconds to make and more to encode), and unlike a tensor
         # one is not sent through shared memory if it crosses to the daemon (a chain).
-        return list(outputs.cpu().numpy())
+        rows: list[Any] = list(outputs.cpu().numpy())
+        for position, error in undecodable.items():
+            rows[position] = error
+        return rows
 
     zeros = torch.zeros((1, *item_shape), dtype=torch.uint8)
 
@@ -368,6 +417,29 @@ def inference_setup(
         ]
 
     return StageFunction(infer, probe, about, finish=postprocess_all)
+
+
+def _device_decoder(
+    reference: str, device: torch.device
+) -> Callable[[torch.Tensor, Sequence[Any], torch.Tensor], dict[int, ItemError]]:
+    """`decode_undecoded` with the preprocessor named, once it has decoded its samples
+    on the device: a decoder that cannot (no nvJPEG, a broken binding) stops the start
+    rather than sending every input to the CPU fallback unseen."""
+    preprocessor = load_device_decoder(reference)
+    samples = [
+        torch.frombuffer(bytearray(sample), dtype=torch.uint8)
+        for sample in getattr(preprocessor, "samples", ())
+        if preprocessor.device_decodable(sample)
+    ]
+    try:
+        if samples:
+            _decoded_on_device(preprocessor, samples, device)
+    except Exception as error:
+        raise PluginError(
+            f"{reference} cannot decode its own samples on {device} ({type(error).__name__}: "
+            f"{error}); use --decode cpu"
+        ) from error
+    return functools.partial(decode_undecoded, preprocessor, device)
 
 
 def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) -> dict[str, Any]:
@@ -405,17 +477,131 @@ def fan_out_setup(reference: str) -> StageFunction:
     return StageFunction(load_fan_out(reference))
 
 
+def decodes_on_device(
+    placement: DecodePlacement, preprocess: str, devices: Sequence[str], chained: bool
+) -> tuple[bool, str]:
+    """Whether inputs are decoded on the model's device (`--decode`), and why. `gpu`
+    insists, and a pipeline that cannot (a preprocessor without device decoding, no
+    torchvision, a chain whose fan-out reads the decoded image from shared memory) is
+    refused at start; `auto` decodes on the device when every one is a GPU and nothing
+    stands in the way, on the CPU otherwise, and says which."""
+    if placement == "cpu":
+        return False, "--decode cpu"
+    preprocessor = load_preprocessor(preprocess)
+    obstacle = None
+    if chained:
+        obstacle = "a chain's fan-out reads each decoded image from shared memory"
+    elif not isinstance(preprocessor, DecodesOnDevice):
+        obstacle = _no_device_decoding(preprocess)
+    else:
+        obstacle = preprocessor.device_decoding_unavailable()
+    if placement == "gpu":
+        if obstacle is not None:
+            raise PluginError(f"--decode gpu: {obstacle}; use --decode cpu or auto")
+        return True, "--decode gpu"
+    if obstacle is None and not all(device.startswith("cuda") for device in devices):
+        obstacle = "the model does not run on a GPU"
+    return obstacle is None, obstacle or "every model device is a GPU"
+
+
+def decode_or_defer(preprocessor: DecodesOnDevice, data: bytes, out: torch.Tensor) -> Any:
+    """Decode `data` into `out`; or, if the device decodes it and it fits, copy its bytes
+    there for the model's process (`Undecoded`). A larger file is decoded here: the
+    slot, the size of one decoded input, is all the room an input has on its way."""
+    slot = out.view(-1)
+    if len(data) <= slot.numel() and preprocessor.device_decodable(data):
+        slot.numpy()[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return Undecoded(len(data))
+    return preprocessor(data, out)
+
+
+def decode_undecoded(
+    preprocessor: DecodesOnDevice,
+    device: torch.device,
+    batch: torch.Tensor,
+    values: Sequence[Any],
+    on_device: torch.Tensor,
+) -> dict[int, ItemError]:
+    """Decode the rows of `batch` whose slots hold undecoded bytes into `on_device`,
+    together on the device. A call that raises is bisected down to the inputs it fails
+    on; those are decoded on the CPU here, by the same preprocessor; an input neither
+    can decode is that item's error, as if it had failed in the preprocessing process,
+    and its row is zeroed (the model's probe input) so the batch's others still run.
+    Returns those errors by position."""
+    undecoded = [
+        (position, batch[position].view(-1)[: value[0].length])
+        for position, value in enumerate(values)
+        if isinstance(value, tuple) and isinstance(value[0], Undecoded)
+    ]
+    if not undecoded:
+        return {}
+    encoded = [data for _, data in undecoded]
+    images = isolate_failures(
+        lambda chosen: _decoded_on_device(preprocessor, [encoded[c] for c in chosen], device),
+        len(encoded),
+        PREPROCESS_STAGE,
+    )
+    failed = {}
+    rejected = 0
+    for (position, data), on_gpu in zip(undecoded, images, strict=True):
+        image = on_gpu
+        if isinstance(on_gpu, ItemError):
+            rejected += 1
+            image = _decoded_on_cpu(preprocessor, data, on_device[position])
+        if isinstance(image, ItemError):
+            failed[position] = image
+            on_device[position].zero_()
+        else:
+            on_device[position].copy_(image)
+    if rejected:
+        log.warning("decoded_on_cpu", inputs=rejected, of=len(undecoded))
+    return failed
+
+
+def _decoded_on_device(
+    preprocessor: DecodesOnDevice, encoded: list[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """`decode_on_device`, refusing an image of another shape than the preprocessor's
+    (it would be broadcast into the batch's row, not fail)."""
+    images = preprocessor.decode_on_device(encoded, device)
+    shape = tuple(preprocessor.output_shape)
+    misfits = [tuple(image.shape) for image in images if tuple(image.shape) != shape]
+    if misfits:
+        raise ValueError(f"decode_on_device made images of {misfits[0]}, not {shape}")
+    return images
+
+
+def _decoded_on_cpu(
+    preprocessor: DecodesOnDevice, data: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor | ItemError:
+    scratch = torch.empty(like.shape, dtype=torch.uint8)
+    try:
+        preprocessor(data.numpy().tobytes(), scratch)
+    except Exception as error:
+        return ItemError.from_exception(error, PREPROCESS_STAGE)
+    return scratch
+
+
 def preprocess_setup(
-    reference: str, open_fetch: Callable[[], Callable[[str], bytes]] | None = None
+    reference: str,
+    open_fetch: Callable[[], Callable[[str], bytes]] | None = None,
+    *,
+    defer_to_device: bool = False,
 ) -> StageFunction:
     """Runs once in each preprocessing process: load the preprocessor and decode its
     samples, which are its probe; with `open_fetch`, make the process's own fetcher of
     an input's bytes by its URI, which prepares each item. Both work on the payload of
-    the item's `WithParams`."""
+    the item's `WithParams`. With `defer_to_device`, the inputs the device decodes are
+    left undecoded in their slots (`decode_or_defer`)."""
     torch.set_num_threads(1)
     preprocessor = load_preprocessor(reference)
     fetch = on_payload(open_fetch()) if open_fetch is not None else None
-    preprocess = on_payload(preprocessor)
+    decode = (
+        functools.partial(decode_or_defer, load_device_decoder(reference))
+        if defer_to_device
+        else preprocessor
+    )
+    preprocess = on_payload(decode)
     samples = tuple(getattr(preprocessor, "samples", ()))
     if not samples:
         return StageFunction(preprocess, prepare=fetch)

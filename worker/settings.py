@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from worker.spec import ModelStep, PipelineSpec, devices
+from worker.spec import DecodePlacement, ModelStep, PipelineSpec, devices
 
 # SQS quotas (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/quotas-messages.html)
 SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
@@ -104,6 +104,14 @@ class Settings(BaseSettings):
         default=False,
         description="Keep the model's weights and each batch in channels-last memory order "
         "(what tensor-core convolutions want).",
+    )
+    decode: DecodePlacement = Field(
+        default="auto",
+        description="Where JPEGs are decoded: gpu, in batches on the model's device "
+        "(nvJPEG, through torchvision), each input the device rejects decoded on the CPU "
+        "there and one neither can decode that input's error; cpu, in the preprocessing "
+        "processes, as every other format always is. auto: gpu when every model device is "
+        "a GPU and torchvision imports, else cpu (the daemon logs which, and why).",
     )
 
     batch_size: int = Field(default=64, ge=1, le=4096, description="Items per inference batch.")

@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Precision = Literal["float32", "bfloat16"]
+DecodePlacement = Literal["auto", "cpu", "gpu"]
 
 
 def devices(value: str) -> str:
