@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import structlog
 import torch
 
 from worker.engine import ItemError, StageFunction
@@ -281,8 +282,9 @@ def pixel_embedder() -> torch.nn.Module:
 
 def finishing_runner(run_s: float, finish_s: float) -> StageFunction:
     """Runs each request for `run_s` (the device), raising on `bad-run`; then finishes
-    it for `finish_s` (postprocessing): `bad` gets an error of its own, and a request
-    holding `explode` makes the whole finish raise."""
+    it for `finish_s` (postprocessing), logging `finished` for each value: `bad` gets
+    an error of its own, a request holding `explode` makes the whole finish raise, and
+    `unsendable` an outcome that cannot be pickled."""
 
     def run(values: Sequence[str]) -> list[str]:
         time.sleep(run_s)
@@ -294,9 +296,46 @@ def finishing_runner(run_s: float, finish_s: float) -> StageFunction:
         time.sleep(finish_s)
         if "explode" in values:
             raise RuntimeError("finish broke")
+        for value in values:
+            structlog.get_logger().info("finished", value=value)
         return [
-            ItemError("ValueError", "bad item", "postprocess") if value == "bad" else f"{output}+"
+            ItemError("ValueError", "bad item", "postprocess")
+            if value == "bad"
+            else (lambda: None)
+            if value == "unsendable"
+            else f"{output}+"
             for output, value in zip(outputs, values, strict=True)
         ]
 
     return StageFunction(run, finish=finish)
+
+
+def failing_finisher(marker_path: str) -> StageFunction:
+    """Finishes every item with an error; its finish probe fails once the file at
+    `marker_path` exists (a postprocessor whose library broke), and passes until then
+    (bad params on every item: the items' fault)."""
+
+    def finish(outputs: list[Any], values: list[Any]) -> list[Any]:
+        return [ItemError("KeyError", "no such label", "postprocess") for _ in values]
+
+    def finish_probe() -> None:
+        if os.path.exists(marker_path):
+            raise ImportError("libpostprocess.so: cannot open shared object file (test)")
+
+    return StageFunction(list, finish=finish, finish_probe=finish_probe)
+
+
+class Echo(torch.nn.Module):
+    """Answers each image with its own pixels: a view of the batch it is given."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.flatten(1)
+
+
+def echo_model() -> torch.nn.Module:
+    return Echo()
+
+
+def needs_params(output: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """A postprocessor with no default for a param it needs."""
+    return {"above": bool(output[0] > params["threshold"])}

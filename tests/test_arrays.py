@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +15,13 @@ import torch
 from stages.postprocess import embedding
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
+from worker import arrays, results
 from worker.arrays import ArrayFiles
 from worker.daemon import Daemon, ExitCode
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.plugins import encoded_fields
 from worker.ports import S3Location
+from worker.retry import Backoff
 from worker.settings import Settings
 
 
@@ -118,3 +122,64 @@ def test_an_embedding_job_leaves_its_rows_in_input_order_beside_results(tmp_path
     listing = blobs.objects_under(S3Location.parse("s3://bkt/out/emb/"))
     assert summary["outputs"]["embedding.npy"] == listing["embedding.npy"]
     assert not any((tmp_path / "arrays").iterdir())
+
+
+def test_an_array_field_that_cannot_name_its_file_is_refused_where_it_is_made() -> None:
+    """A field name that is not a file name (not a string, a path, or one of the
+    checkpoints' `checkpoint-` names, which are removed after the finish) is refused in
+    the model's process, where it becomes that input's error."""
+    for name in (1, "../escape", "checkpoint-0-1"):
+        with pytest.raises(ValueError, match="cannot name a file"):
+            encoded_fields(lambda *_, n=name: {n: np.zeros(2)}, None, {})
+
+
+def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the local disk cannot take a job's array file (no space: its blocks are
+    taken when it is made, not on some later row's page fault), the input is fed again
+    rather than failed, and the job ends succeeded once the disk has room. Array files
+    that a killed daemon left behind are removed at start."""
+    monkeypatch.setattr(results, "INPUT_BACKOFF", Backoff(base_s=0.01, cap_s=0.01))
+    stale = tmp_path / "arrays" / "killed#1"
+    stale.mkdir(parents=True)
+    (stale / "embedding.npy").write_bytes(b"left behind")
+    full_disk = [OSError(errno.ENOSPC, "No space left on device")]
+    allocate = os.posix_fallocate
+
+    def posix_fallocate(fd: int, offset: int, length: int) -> None:
+        if full_disk:
+            raise full_disk.pop()
+        allocate(fd, offset, length)
+
+    monkeypatch.setattr(arrays.os, "posix_fallocate", posix_fallocate)
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = []
+    for number, (_, data) in enumerate(samples(3, seed=3)):
+        blobs.objects[f"s3://bkt/img/{number}"] = data
+        inputs.append(f"s3://bkt/img/{number}")
+    source.send(json.dumps({"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"}))
+    settings = Settings(
+        queue_url="q",
+        drain=True,
+        receive_wait_seconds=0,
+        log_dir=tmp_path,
+        metrics_port=0,
+        model="tests.stagefns:pixel_embedder",
+        postprocess="stages.postprocess:embedding",
+        batch_size=4,
+    )
+    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
+    assert not full_disk and not stale.exists()
+    summary = json.loads(blobs.objects["s3://bkt/out/emb/job.json"])
+    assert (summary["status"], summary["succeeded"]) == ("succeeded", 3)
+    retried = [
+        json.loads(line)
+        for line in blobs.objects["s3://bkt/out/emb/job.log"].splitlines()
+        if b'"input_retried"' in line
+    ]
+    assert [(event["stage"], "No space left" in event["error"]) for event in retried] == [
+        ("arrays", True)
+    ]
+    rows = np.load(io.BytesIO(blobs.objects["s3://bkt/out/emb/embedding.npy"]))
+    assert rows.shape == (3, 32) and all(rows.any(axis=1))

@@ -365,6 +365,77 @@ def test_a_finish_step_runs_beside_the_next_request_and_keeps_errors_apart() -> 
     assert elapsed_s < 2.0, elapsed_s
 
 
+class EventsByItem(RecordingObserver):
+    """Which item values each stage call's events name (the events a finish logged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls_and_events: list[tuple[list[int], list[int]]] = []
+
+    def stage_ran(self, stage: str, items: Sequence[Item], duration_s: float, events: Any) -> None:
+        super().stage_ran(stage, items, duration_s, events)
+        named = [int(event["value"]) for event in events if event["event"] == "finished"]
+        self.calls_and_events.append(([int(item.index) for item in items], named))
+
+
+def test_what_a_finish_step_logs_goes_with_its_own_request() -> None:
+    """Events logged while a request is finished (a postprocessor's) are filed with that
+    request's items, although the next request runs meanwhile: a job's log never gets
+    another job's lines."""
+    observer = EventsByItem()
+    stage = ProcessStage(
+        "inference", functools.partial(stagefns.finishing_runner, 0.05, 0.1), batch_size=2
+    )
+    with Pipeline([stage], observer) as pipeline:
+        run_items(pipeline, [Item("j", i, str(i)) for i in range(8)])
+    assert observer.calls_and_events
+    for indices, named in observer.calls_and_events:
+        assert named == indices
+
+
+def test_a_reply_that_cannot_be_sent_is_a_lost_worker_not_a_shifted_answer() -> None:
+    """An outcome the finish step makes that cannot cross the pipe (it cannot be
+    pickled) ends the child: its item is retried and, killing every fresh child, failed
+    alone; the items before and after it keep their own answers."""
+    stage = ProcessStage(
+        "inference",
+        functools.partial(stagefns.finishing_runner, 0.0, 0.0),
+        batch_size=1,
+        timeout_s=5,
+    )
+    observer = RecordingObserver()
+    with Pipeline([stage], observer) as pipeline:
+        values = ["a", "unsendable", "b", "c"]
+        results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+    answers = {r.index: r.value for r in results if r.error is None}
+    assert answers == {0: "ran:a+", 2: "ran:b+", 3: "ran:c+"}
+    (failed,) = [r for r in results if r.error is not None]
+    assert failed.index == 1 and failed.error is not None and failed.error.type == "WorkerDied"
+    assert len(observer.lost) == engine.MAX_ITEM_ATTEMPTS
+
+
+def test_a_finish_step_that_fails_known_good_input_is_a_broken_worker(tmp_path: Path) -> None:
+    """A finish that fails every item of a request is the items' fault while its probe
+    passes (bad params); once the probe fails too (a broken postprocessor), no item is
+    blamed: a fresh child fails the same way and the stage reports itself broken."""
+    marker = tmp_path / "broken"
+    observer = RecordingObserver()
+    stage = ProcessStage(
+        "inference", functools.partial(stagefns.failing_finisher, str(marker)), batch_size=2
+    )
+    with Pipeline([stage], observer) as pipeline:
+        blamed = run_items(pipeline, [Item("j", i, i) for i in range(2)])
+        assert [(r.error.type, r.error.stage) for r in blamed if r.error] == [
+            ("KeyError", "postprocess")
+        ] * 2
+        marker.touch()
+        for index in range(2):
+            pipeline.submit(Item("k", index, index))
+        _wait_until(lambda: observer.broken)
+    assert [broken.startswith("WorkerFault") for broken in observer.broken] == [True]
+    assert "libpostprocess.so" in observer.broken[0]
+
+
 def test_a_stage_that_prepares_needs_a_set_up_that_gives_the_step() -> None:
     pipeline = Pipeline(
         [

@@ -234,3 +234,32 @@ def test_encoded_fields_keep_out_of_the_lines_own_fields() -> None:
         encoded_fields(lambda *_: {"model": "mine", "index": 3, "ok": 1}, None, {})
     with pytest.raises(TypeError, match="not a dict"):
         encoded_fields(lambda *_: [1], None, {})
+
+
+def test_a_models_answer_is_its_own_even_as_a_view_of_its_input() -> None:
+    """A model may answer with a view of the batch it was given (on the CPU, the reused
+    buffer the next batch is gathered into while this one is postprocessed): its rows
+    are copied, so the next batch cannot change them."""
+    batch, _ = _batch(3)
+    rows = inference_setup("tests.stagefns:echo_model", "cpu", SHAPE).run(batch, [None] * 3)
+    expected = [row.copy() for row in rows]
+    batch.fill_(7)
+    assert all((row == before).all() for row, before in zip(rows, expected, strict=True))
+
+
+def test_a_postprocessor_that_fails_on_the_answer_to_zeros_does_not_start() -> None:
+    """The postprocessor is tried on the model's answer to a batch of zeros with no
+    params at start: one that fails there (a missing library) stops the start, and the
+    same check later tells a broken postprocessor from inputs that it fails on."""
+    with pytest.raises(PluginError, match="fails on the model's answer to a batch of zeros"):
+        inference_setup(
+            "stages.model:default_classifier",
+            "cpu",
+            SHAPE,
+            postprocess="tests.stagefns:needs_params",
+        )
+    stage_fn = inference_setup(
+        "stages.model:default_classifier", "cpu", SHAPE, postprocess="stages.postprocess:top_k"
+    )
+    assert stage_fn.finish_probe is not None
+    stage_fn.finish_probe()

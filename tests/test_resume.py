@@ -187,6 +187,32 @@ def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> 
     assert (again.receive_count, again.earlier_attempts) == (2, 0)
 
 
+def test_an_array_job_stopped_part_way_is_released_and_counts(tmp_path: Path) -> None:
+    """Results with array rows are not checkpointed (their rows live only on the machine
+    that made them), so a delivery that finished only such results did not move its job
+    forward: it is released, not handed over, and a job whose arrays can never be
+    finished within a delivery reaches the DLQ instead of going round forever."""
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    uris = _images(blobs, 12)
+    _send(source, "arrays", uris)
+    settings = _settings(
+        tmp_path,
+        grace_seconds=0,
+        postprocess="stages.postprocess:embedding",
+        progress_interval_seconds=0.1,
+    )
+    daemon = Daemon(settings, source, blobs)
+    progress = "s3://bkt/out/arrays/progress.json"
+
+    def drive() -> None:
+        _wait_until(lambda: json.loads(blobs.objects.get(progress, b"{}")).get("finished", 0) >= 3)
+        daemon.stop()
+
+    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
+    [again] = source.receive(1, 0, 30)
+    assert (again.receive_count, again.earlier_attempts) == (2, 0)
+
+
 def test_a_delivery_beaten_to_its_outputs_is_fenced_off_and_overwrites_nothing(
     tmp_path: Path,
 ) -> None:

@@ -10,6 +10,7 @@ take, is zeros, and its line has no reference to it.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -18,7 +19,19 @@ from pathlib import Path
 import numpy as np
 
 ARRAY_FILE_SUFFIX = ".npy"
-_FIELD_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")  # it names a file
+# It names a file under the job's output, where names starting "checkpoint-" are the
+# checkpoints' (`worker.checkpoints`), removed once the job is finished.
+_FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
+
+
+def check_field_name(field: object) -> str:
+    """The array field's name, if it can name its file; ValueError if not."""
+    if not isinstance(field, str) or not _FIELD_NAME.match(field):
+        raise ValueError(
+            f"the array field {field!r} cannot name a file: use letters, digits, _ and -, "
+            "not starting checkpoint-"
+        )
+    return field
 
 
 class ArrayFiles:
@@ -60,19 +73,18 @@ class ArrayFiles:
         )
 
     def _open(self, field: str, first: np.ndarray) -> np.memmap:
-        if not _FIELD_NAME.match(field):
-            raise ValueError(
-                f"the array field {field!r} cannot name a file: use letters, digits, _ and -"
-            )
+        check_field_name(field)
         if first.dtype.hasobject:
             raise ValueError(f"the {field} array holds Python objects, not numbers")
         self._directory.mkdir(parents=True, exist_ok=True)
+        path = self._directory / f"{field}{ARRAY_FILE_SUFFIX}"
         rows: np.memmap = np.lib.format.open_memmap(
-            self._directory / f"{field}{ARRAY_FILE_SUFFIX}",
-            mode="w+",
-            dtype=first.dtype,
-            shape=(self._rows, *first.shape),
+            path, mode="w+", dtype=first.dtype, shape=(self._rows, *first.shape)
         )
+        # The file is sparse: without its blocks taken now, a full disk would show as
+        # SIGBUS on some later row's page instead of an OSError here.
+        with open(path, "r+b") as file:
+            os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
         self._files[field] = rows
         return rows
 

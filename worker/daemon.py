@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import socket
 import threading
 import time
@@ -44,7 +45,7 @@ from worker.engine import (
     TensorArena,
     ThreadStage,
 )
-from worker.intake import Feeder, Intake
+from worker.intake import ARRAYS_DIR, Feeder, Intake
 from worker.interruptions import InterruptionWatch
 from worker.leases import LeaseKeeper
 from worker.ledger import Ledger
@@ -110,6 +111,9 @@ class Daemon:
         self._settings = settings
         self.shutdown_tail_s = settings.shutdown_tail_s()
         settings.log_dir.mkdir(parents=True, exist_ok=True)
+        # Array files of jobs a killed daemon held: nothing reads them again (a job's
+        # next delivery computes its arrays anew), and nothing else would remove them.
+        shutil.rmtree(settings.log_dir / ARRAYS_DIR, ignore_errors=True)
         self._ledger = ledger = Ledger()
         self._metrics = metrics = Metrics()
         stall_after_s = (

@@ -40,7 +40,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
@@ -121,6 +121,9 @@ class StageFunction:
     # into what the items carry on, on a thread of the child while the next request runs,
     # so work that does not need the device (postprocessing) never keeps it waiting.
     finish: Callable[[list[Any], list[Any]], list[Any]] | None = None
+    # Runs `finish` on known-good input and raises if that fails: when finish fails every
+    # item of a request, it tells a broken worker from bad items, as `probe` does for `run`.
+    finish_probe: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -1105,7 +1108,7 @@ def _child_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_when_closed, args=(lifeline,), daemon=True).start()
-    events = _capture_logs()
+    logs = _LogCapture()
     try:
         made = plan.setup()
         stage_fn = made if isinstance(made, StageFunction) else StageFunction(made)
@@ -1125,7 +1128,9 @@ def _child_main(
         if finishing is None:
             return _sent(conn, message)
         assert stage_fn.finish is not None
-        finishing.submit(_finish_and_send, conn, message, values, stage_fn.finish, plan.stage)
+        finishing.submit(
+            _finish_and_send, conn, message, values, stage_fn, stage=plan.stage, logs=logs
+        )
         return True
 
     conn.send(("ready", (os.getpid(), stage_fn.about)))
@@ -1138,9 +1143,9 @@ def _child_main(
             return
         values = None
         if request == PROBE:
-            answer: Any = _probe(stage_fn)
+            answer: Any = _probe(stage_fn.probe)
         else:
-            events.clear()
+            logs.events.clear()
             failed: dict[int, ItemError] = {}
             if preparations is not None:
                 assert plan.prepare is not None
@@ -1148,7 +1153,7 @@ def _child_main(
                 if not send(_Prepared(time.perf_counter() - started)):
                     return
             answer = _run_request(stage_fn, plan, (reads, writes), gatherer, request, failed=failed)
-            answer = answer._replace(events=list(events))
+            answer = answer._replace(events=list(logs.events))
             values = [task.value for task in request]
         if not send(answer, values):
             return
@@ -1158,25 +1163,46 @@ def _finish_and_send(
     conn: Connection,
     message: Any,
     values: Sequence[Any] | None,
-    finish: Callable[[list[Any], list[Any]], list[Any]],
+    stage_fn: StageFunction,
+    *,
     stage: str,
+    logs: _LogCapture,
 ) -> None:
-    """Send `message`; a reply (with its items' `values`) after `finish` has made each
-    output that is not an error into the item's outcome."""
-    if values is not None:
-        reply: _Reply = message
-        ran = [p for p, outcome in enumerate(reply.outcomes) if not isinstance(outcome, ItemError)]
-        outcomes = list(reply.outcomes)
+    """Send `message`; a reply (with its items' `values`) once it is `_finished`. A reply
+    that cannot be made or sent ends the child: the driver takes replies in order, and a
+    missing one would have it take the next request's for this one's."""
+    try:
+        if values is not None:
+            message = _finished(message, values, stage_fn, stage, logs)
+        _sent(conn, message)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+
+
+def _finished(
+    reply: _Reply, values: Sequence[Any], stage_fn: StageFunction, stage: str, logs: _LogCapture
+) -> _Reply:
+    """The reply with each output that is not an error made into the item's outcome by
+    `finish`, and the events it logged. If finish fails every item it was given, or
+    fails as a whole, and fails its probe too, the worker is at fault, not the items."""
+    assert stage_fn.finish is not None
+    ran = [p for p, outcome in enumerate(reply.outcomes) if not isinstance(outcome, ItemError)]
+    outcomes = list(reply.outcomes)
+    with logs.own() as events:
         try:
-            finished = finish([outcomes[p] for p in ran], [values[p] for p in ran])
+            finished = stage_fn.finish([outcomes[p] for p in ran], [values[p] for p in ran])
             if len(finished) != len(ran):
                 raise ValueError(f"finish gave {len(finished)} outcomes for {len(ran)} outputs")
         except Exception as error:
             finished = [ItemError.from_exception(error, stage)] * len(ran)
-        for position, outcome in zip(ran, finished, strict=True):
-            outcomes[position] = outcome
-        message = reply._replace(outcomes=outcomes)
-    _sent(conn, message)
+        failed_all = bool(ran) and all(isinstance(outcome, ItemError) for outcome in finished)
+        fault = _probe(stage_fn.finish_probe) if failed_all else None
+    for position, outcome in zip(ran, finished, strict=True):
+        outcomes[position] = outcome
+    return reply._replace(
+        outcomes=outcomes, events=[*reply.events, *events], fault=reply.fault or fault
+    )
 
 
 class _Received(NamedTuple):
@@ -1226,7 +1252,7 @@ def _run_request(
     runnable = [task for position, task in enumerate(request) if position not in failed]
     ran, fitting_batch_size = _serve_request(stage_fn.run, plan, arenas, gatherer, runnable)
     failed_all = bool(ran) and all(isinstance(outcome, ItemError) for outcome in ran)
-    fault = _probe(stage_fn) if failed_all else None
+    fault = _probe(stage_fn.probe) if failed_all else None
     duration_s = time.perf_counter() - started
     outcomes = iter(ran)
     return _Reply(
@@ -1262,12 +1288,12 @@ def _prepared(
     return prepared, failed
 
 
-def _probe(stage_fn: StageFunction) -> str | None:
-    """None if the stage's probe passes (or it has none), else why it failed."""
-    if stage_fn.probe is None:
+def _probe(probe: Callable[[], object] | None) -> str | None:
+    """None if a stage's probe passes (or it has none), else why it failed."""
+    if probe is None:
         return None
     try:
-        stage_fn.probe()
+        probe()
     except Exception as error:
         return f"{type(error).__name__}: {str(error)[:500]}"
     return None
@@ -1331,16 +1357,29 @@ def _serve_request(
     return outcomes, max(fitted_sizes) if out_of_memory else None
 
 
-def _capture_logs() -> list[dict[str, Any]]:
-    """Collect a child's structlog events so the daemon can file them in job logs."""
-    events: list[dict[str, Any]] = []
+class _LogCapture:
+    """A child's structlog events, kept for the daemon to file in job logs: `events`, but
+    those of a thread in `own()` apart, so the finish thread's go with the reply they
+    are about rather than with whichever request runs meanwhile."""
 
-    def capture(_: Any, level: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._own = threading.local()
+        structlog.configure(processors=[structlog.contextvars.merge_contextvars, self._capture])
+
+    def _capture(self, _: Any, level: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
+        events: list[dict[str, Any]] = getattr(self._own, "events", self.events)
         events.append({**event, "level": level, "pid": os.getpid()})
         raise structlog.DropEvent
 
-    structlog.configure(processors=[structlog.contextvars.merge_contextvars, capture])
-    return events
+    @contextlib.contextmanager
+    def own(self) -> Iterator[list[dict[str, Any]]]:
+        """The events this thread logs meanwhile."""
+        self._own.events = []
+        try:
+            yield self._own.events
+        finally:
+            del self._own.events
 
 
 class WorkerScaler:

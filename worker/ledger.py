@@ -152,6 +152,7 @@ class Job:
     succeeded: int = 0
     failed: int = 0
     resumed: int = 0  # results an earlier delivery checkpointed
+    uncheckpointed: int = 0  # results with arrays, which no checkpoint keeps
     cancelled: bool = False
     unsaved: list[int] = field(default_factory=list)  # results not yet checkpointed
     model: ModelIdentity | None = None  # the model it runs on, part of its request
@@ -320,7 +321,9 @@ class Ledger:
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
-            if not result.has_arrays:
+            if result.has_arrays:
+                job.uncheckpointed += 1
+            else:
                 job.unsaved.append(index)
             self._outstanding -= 1
             if result.failed:

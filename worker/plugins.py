@@ -23,6 +23,7 @@ import orjson
 import structlog
 import torch
 
+from worker.arrays import check_field_name
 from worker.engine import ItemError, StageFunction, bisection_sizes, isolate_failures
 from worker.spec import DecodePlacement, PipelineSpec
 
@@ -137,7 +138,7 @@ def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, An
             "fields on every line"
         )
     arrays = {
-        name: _as_numpy(value)
+        check_field_name(name): _as_numpy(value)
         for name, value in fields.items()
         if isinstance(value, ARRAY_TYPES) and value.ndim > 0
     }
@@ -386,7 +387,9 @@ def inference_setup(
         # Numpy rows: an embedding or a mask stays an array (as Python floats a 512x512
         # mask would take milliseconds to make and more to encode), and unlike a tensor
         # one is not sent through shared memory if it crosses to the daemon (a chain).
-        rows: list[Any] = list(outputs.cpu().numpy())
+        # A copy, on the CPU too: the rows are postprocessed while the next batch is
+        # gathered, and a model may answer with a view of its input (that batch buffer).
+        rows: list[Any] = list(outputs.to("cpu", copy=True).numpy())
         for position, error in undecodable.items():
             rows[position] = error
         return rows
@@ -416,7 +419,22 @@ def inference_setup(
             for output, (_, params) in zip(outputs, values, strict=True)
         ]
 
-    return StageFunction(infer, probe, about, finish=postprocess_all)
+    (answer_to_zeros,) = infer(zeros, [None])
+
+    def postprocess_probe() -> None:
+        encoded_fields(postprocessor, answer_to_zeros, {})
+
+    try:
+        postprocess_probe()
+    except Exception as error:
+        raise PluginError(
+            f"{postprocess} fails on the model's answer to a batch of zeros with no params "
+            f"({type(error).__name__}: {error}); the daemon runs it whenever it fails a "
+            "whole batch, to tell a broken worker from bad inputs"
+        ) from error
+    return StageFunction(
+        infer, probe, about, finish=postprocess_all, finish_probe=postprocess_probe
+    )
 
 
 def _device_decoder(

@@ -69,10 +69,9 @@ class Regrouper:
             job = self._ledger.get(item.job)
             if job is None or job.state is not JobState.RUNNING:
                 continue  # released while its items were inside
-            if item.error is not None and item.error.transient:
-                self._retry(job, item, item.error)
-                continue
             result = self._result(job, item)
+            if result is None:
+                continue  # fed again, or its job given back
             self._metrics.item_finished(failed=result.failed)
             finished = self._ledger.record(item.job, item.index, result)
             if finished is not None:
@@ -90,10 +89,14 @@ class Regrouper:
         job.log.info("input_retried", index=item.index, stage=error.stage, error=error.message)
         self._ledger.retry_item(job, item.index, INPUT_BACKOFF.delay_s(retried + 1))
 
-    def _result(self, job: Job, item: Item) -> Result:
-        """The results.jsonl line of one item: its prediction fields, or its error."""
+    def _result(self, job: Job, item: Item) -> Result | None:
+        """The results.jsonl line of one item: its prediction fields, or its error; None
+        after an error of its surroundings (`_retry`), which no result may hold."""
         assert job.model is not None
         outcome = item.error or self._fields(job, item)
+        if isinstance(outcome, ItemError) and outcome.transient:
+            self._retry(job, item, outcome)
+            return None
         if isinstance(outcome, ItemError):
             return self._failed(job, item, outcome)
         fields, has_arrays = outcome
@@ -121,6 +124,8 @@ class Regrouper:
             return fields + job.arrays.write(item.index, arrays), True
         except ValueError as error:
             return ItemError.from_exception(error, POSTPROCESS_STAGE)
+        except OSError as error:  # this machine's disk, not the input's fault
+            return ItemError(type(error).__name__, str(error), "arrays", transient=True)
 
     def _failed(self, job: Job, item: Item, error: ItemError) -> Result:
         assert job.log is not None
