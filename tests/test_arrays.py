@@ -90,18 +90,7 @@ def test_an_embedding_job_leaves_its_rows_in_input_order_beside_results(tmp_path
         inputs.append(f"s3://bkt/img/{number}")
     blobs.objects["s3://bkt/img/corrupt"] = b"not an image"
     inputs.insert(2, "s3://bkt/img/corrupt")
-    source.send(json.dumps({"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"}))
-    settings = Settings(
-        queue_url="q",
-        drain=True,
-        receive_wait_seconds=0,
-        log_dir=tmp_path,
-        metrics_port=0,
-        model="tests.stagefns:pixel_embedder",
-        postprocess="stages.postprocess:embedding",
-        batch_size=4,
-    )
-    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
+    _embed(tmp_path, inputs, source, blobs)
 
     lines = [
         json.loads(line) for line in blobs.objects["s3://bkt/out/emb/results.jsonl"].splitlines()
@@ -158,18 +147,7 @@ def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
     for number, (_, data) in enumerate(samples(3, seed=3)):
         blobs.objects[f"s3://bkt/img/{number}"] = data
         inputs.append(f"s3://bkt/img/{number}")
-    source.send(json.dumps({"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"}))
-    settings = Settings(
-        queue_url="q",
-        drain=True,
-        receive_wait_seconds=0,
-        log_dir=tmp_path,
-        metrics_port=0,
-        model="tests.stagefns:pixel_embedder",
-        postprocess="stages.postprocess:embedding",
-        batch_size=4,
-    )
-    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
+    _embed(tmp_path, inputs, source, blobs)
     assert not full_disk and not stale.exists()
     summary = json.loads(blobs.objects["s3://bkt/out/emb/job.json"])
     assert (summary["status"], summary["succeeded"]) == ("succeeded", 3)
@@ -183,3 +161,21 @@ def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
     ]
     rows = np.load(io.BytesIO(blobs.objects["s3://bkt/out/emb/embedding.npy"]))
     assert rows.shape == (3, 32) and all(rows.any(axis=1))
+
+
+def _embed(
+    log_dir: Path, inputs: list[str], source: InMemoryJobSource, blobs: InMemoryBlobStore
+) -> None:
+    """Run job `emb` of `inputs` through an embedding model until the queue is drained."""
+    source.send(json.dumps({"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"}))
+    settings = Settings(
+        queue_url="q",
+        drain=True,
+        receive_wait_seconds=0,
+        log_dir=log_dir,
+        metrics_port=0,
+        model="tests.stagefns:pixel_embedder",
+        postprocess="stages.postprocess:embedding",
+        batch_size=4,
+    )
+    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
