@@ -163,6 +163,7 @@ class TimedSource(InMemoryJobSource):
         self.received_at: dict[str, float] = {}
         self.held_s = 0.0
         self.redeliveries = 0
+        self.receiving = threading.Event()  # set at the first message received
         self._times_lock = threading.Lock()
 
     def receive(
@@ -174,6 +175,7 @@ class TimedSource(InMemoryJobSource):
             if messages and now < self.first_receive_s:
                 self.first_receive_s = now
                 self.cpu_at_first_receive_s = time.process_time()
+                self.receiving.set()
             for message in messages:
                 self.received_at[message.receipt_handle] = now
                 self.redeliveries += message.receive_count > 1
@@ -261,9 +263,19 @@ def _run_daemon(
     )
     daemon = Daemon(config, source, blobs, timeline=timeline)
     if stop_after_s is not None:
-        threading.Timer(stop_after_s, daemon.stop).start()
+        # From the first receive: the model's warm-up comes first, and with a slow
+        # stand-in device it takes seconds.
+        threading.Thread(
+            target=_stop_after, args=(daemon, source, stop_after_s), daemon=True
+        ).start()
     daemon.run()
     return DaemonRun(config, source.wall_s, sum(job_sizes), timeline, source)
+
+
+def _stop_after(daemon: Daemon, source: TimedSource, seconds: float) -> None:
+    source.receiving.wait()
+    time.sleep(seconds)
+    daemon.stop()
 
 
 def _median(runs: int, measure: Callable[[], float]) -> float:

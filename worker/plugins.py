@@ -400,7 +400,7 @@ def inference_setup(
         infer(zeros, [None])
 
     try:
-        probe()
+        (answer_to_zeros,) = infer(zeros, [None])
     except Exception as error:
         raise PluginError(
             f"the model fails on a batch of zeros ({type(error).__name__}: {error}); the "
@@ -418,8 +418,6 @@ def inference_setup(
             postprocessed(postprocessor, output, params)
             for output, (_, params) in zip(outputs, values, strict=True)
         ]
-
-    (answer_to_zeros,) = infer(zeros, [None])
 
     def postprocess_probe() -> None:
         encoded_fields(postprocessor, answer_to_zeros, {})
@@ -505,21 +503,24 @@ def decodes_on_device(
     stands in the way, on the CPU otherwise, and says which."""
     if placement == "cpu":
         return False, "--decode cpu"
-    preprocessor = load_preprocessor(preprocess)
-    obstacle = None
-    if chained:
-        obstacle = "a chain's fan-out reads each decoded image from shared memory"
-    elif not isinstance(preprocessor, DecodesOnDevice):
-        obstacle = _no_device_decoding(preprocess)
-    else:
-        obstacle = preprocessor.device_decoding_unavailable()
+    obstacle = _device_decoding_obstacle(preprocess, chained)
     if placement == "gpu":
         if obstacle is not None:
             raise PluginError(f"--decode gpu: {obstacle}; use --decode cpu or auto")
         return True, "--decode gpu"
-    if obstacle is None and not all(device.startswith("cuda") for device in devices):
-        obstacle = "the model does not run on a GPU"
+    if not all(device.startswith("cuda") for device in devices):
+        return False, "the model does not run on a GPU"
     return obstacle is None, obstacle or "every model device is a GPU"
+
+
+def _device_decoding_obstacle(preprocess: str, chained: bool) -> str | None:
+    """Why inputs cannot be decoded on the model's device, or None."""
+    if chained:
+        return "a chain's fan-out reads each decoded image from shared memory"
+    preprocessor = load_preprocessor(preprocess)
+    if not isinstance(preprocessor, DecodesOnDevice):
+        return _no_device_decoding(preprocess)
+    return preprocessor.device_decoding_unavailable()
 
 
 def decode_or_defer(preprocessor: DecodesOnDevice, data: bytes, out: torch.Tensor) -> Any:
