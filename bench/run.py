@@ -42,7 +42,12 @@ from worker.demo import LOCAL_AWS_ENV, create_stack, local_moto_server, upload_s
 from worker.engine import BatchGatherer, TensorArena
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.joblog import configure_daemon_logging
-from worker.plugins import inference_devices, load_model, load_preprocessor, resolve_device
+from worker.plugins import (
+    inference_devices,
+    inference_setup,
+    load_preprocessor,
+    resolve_device,
+)
 from worker.ports import ReceivedMessage, S3Location
 from worker.settings import Settings
 from worker.timeline import Timeline
@@ -249,11 +254,13 @@ def _run_daemon(
     blobs: InMemoryBlobStore,
     work_dir: Path,
     stop_after_s: float | None = None,
+    pool: list[bytes] | None = None,
     **settings: Any,
 ) -> DaemonRun:
-    """Run the daemon in this process over jobs of `job_sizes`, until drained (or stopped)."""
+    """Run the daemon in this process over jobs of `job_sizes` (inputs from `pool`, the
+    bench's images by default), until drained (or stopped)."""
     source, timeline = TimedSource(), Timeline()
-    _load(source, blobs, _image_pool(), job_sizes)
+    _load(source, blobs, pool or _image_pool(), job_sizes)
     defaults = {"batch_size": BATCH_SIZE, "log_dir": work_dir / "logs", "metrics_port": 0}
     config = Settings(
         queue_url="bench",
@@ -286,17 +293,25 @@ def _median(runs: int, measure: Callable[[], float]) -> float:
 
 
 def model_only_images_per_s(settings: Settings, batches: int) -> float:
-    """The model looping over ready uint8 batches on its device: the daemon's ceiling."""
-    device = resolve_device(inference_devices(settings.device)[0])
-    model = load_model(settings.model, device)
-    shape = (settings.batch_size, *load_preprocessor(settings.preprocess).output_shape)
-    batch = torch.zeros(shape, dtype=torch.uint8, device=device)
-    with torch.inference_mode():
-        model(batch)  # the first call pays for lazy initialisation, as warm-up does
-        started = time.perf_counter()
-        for _ in range(batches):
-            outputs = model(batch)
-        outputs.cpu()  # waits for the device
+    """The model looping over ready uint8 batches on its device, run (and warmed up) as
+    the inference process runs it, precision and memory format included: the daemon's
+    ceiling."""
+    device = inference_devices(settings.device)[0]
+    shape = load_preprocessor(settings.preprocess).output_shape
+    infer = inference_setup(
+        settings.model,
+        device,
+        shape,
+        batch_size=settings.batch_size,
+        precision=settings.precision,
+        channels_last=settings.channels_last,
+    ).run
+    batch = torch.zeros((settings.batch_size, *shape), dtype=torch.uint8)
+    batch = batch.to(resolve_device(device))
+    values = [None] * settings.batch_size
+    started = time.perf_counter()
+    for _ in range(batches):
+        infer(batch, values)  # each call waits for its outputs
     return batches * settings.batch_size / (time.perf_counter() - started)
 
 

@@ -136,6 +136,7 @@ class StandInDeviceDecoder(ImagePreprocessor):
 
 
 standin_device_decoder = StandInDeviceDecoder()
+standin_photo_decoder = StandInDeviceDecoder(size=224)  # bench.gpu's photos, on the CPU
 
 
 def reencoded(data: bytes, **options: Any) -> bytes:
