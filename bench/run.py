@@ -78,7 +78,9 @@ class DeviceModel(nn.Module):
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         time.sleep((self.base_ms + self.per_item_ms * len(batch)) / 1000)
-        return torch.rand(len(batch), self.width)
+        # On the batch's device, as a model's answer is: copying it back then waits
+        # for the work queued before it there (decoding, resizing).
+        return torch.rand(len(batch), self.width, device=batch.device)
 
 
 def device_model() -> nn.Module:

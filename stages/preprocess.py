@@ -14,6 +14,7 @@ from PIL import Image
 from torch.nn import functional
 
 JPEG_MAGIC = b"\xff\xd8\xff"
+JPEG_END = b"\xff\xd9"
 # What nvJPEG decodes to RGB; CMYK and YCCK JPEGs are left to Pillow.
 DEVICE_JPEG_MODES = frozenset({"RGB", "L"})
 
@@ -67,8 +68,10 @@ class ImagePreprocessor:
         return {"width": width, "height": height}
 
     def device_decoding_unavailable(self) -> str | None:
-        """Why JPEGs cannot be decoded on a device here, or None: it takes torchvision's
-        nvJPEG binding, which the CPU build of torch does without."""
+        """Why JPEGs cannot be decoded on a device here, or None: it takes nvJPEG, so a
+        CUDA build of torch and torchvision's binding of it."""
+        if torch.version.cuda is None:
+            return "this torch has no CUDA, so no nvJPEG: install its CUDA build and torchvision"
         try:
             from torchvision.io import decode_jpeg  # noqa: F401
         # A torchvision built for another torch raises more than ImportError.
@@ -77,10 +80,12 @@ class ImagePreprocessor:
         return None
 
     def device_decodable(self, data: bytes) -> bool:
-        """Whether the device should decode this input: a JPEG whose header reads, in a
-        colour mode nvJPEG takes, within the pixel limit (read from the header, as on the
-        CPU). Anything else is decoded here, which names what is wrong with a bad one."""
-        if not data.startswith(JPEG_MAGIC):
+        """Whether the device should decode this input: a whole JPEG (it ends where a
+        JPEG ends: a decoder may make a picture of a truncated one without a word) whose
+        header reads, in a colour mode nvJPEG takes (not RGB-coded: Adobe transform 0),
+        within the pixel limit (read from the header, as on the CPU). Anything else is
+        decoded here, which names what is wrong with a bad one."""
+        if not (data.startswith(JPEG_MAGIC) and data.endswith(JPEG_END)):
             return False
         try:
             with Image.open(io.BytesIO(data)) as image:
@@ -88,6 +93,7 @@ class ImagePreprocessor:
                 return (
                     image.format == "JPEG"
                     and image.mode in DEVICE_JPEG_MODES
+                    and image.info.get("adobe_transform") != 0
                     and width * height <= self.max_pixels
                 )
         except Exception:

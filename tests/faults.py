@@ -116,7 +116,7 @@ class StandInDeviceDecoder(ImagePreprocessor):
     """The default preprocessor with a stand-in for nvJPEG (which needs torchvision and
     a GPU): JPEGs are decoded whole by Pillow, moved to the device and resized there as
     on a GPU. Like nvJPEG with some files, it refuses progressive JPEGs, which Pillow
-    on the CPU decodes; it fails truncated ones, as Pillow does too."""
+    on the CPU decodes; it fails broken ones, as Pillow does too."""
 
     def device_decoding_unavailable(self) -> str | None:
         return None
@@ -137,6 +137,13 @@ class StandInDeviceDecoder(ImagePreprocessor):
 
 standin_device_decoder = StandInDeviceDecoder()
 standin_photo_decoder = StandInDeviceDecoder(size=224)  # bench.gpu's photos, on the CPU
+
+
+def broken_scan(jpeg: bytes) -> bytes:
+    """The JPEG with its scan header naming a component the frame does not have: whole
+    to look at (header, end marker), and nothing decodes it."""
+    start = jpeg.index(b"\xff\xda")
+    return jpeg[: start + 5] + b"\x09" + jpeg[start + 6 :]
 
 
 def reencoded(data: bytes, **options: Any) -> bytes:

@@ -6,6 +6,9 @@ import errno
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ from stages.postprocess import embedding
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
 from worker import arrays, results
-from worker.arrays import ArrayFiles
+from worker.arrays import ArrayFiles, ArraySpool
 from worker.daemon import Daemon, ExitCode
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.plugins import encoded_fields
@@ -122,17 +125,41 @@ def test_an_array_field_that_cannot_name_its_file_is_refused_where_it_is_made() 
             encoded_fields(lambda *_, n=name: {n: np.zeros(2)}, None, {})
 
 
+# A daemon's spool with a job's array file in it, and the daemon SIGKILLed holding it.
+KILLED_WITH_ARRAYS = """
+import os, signal, sys
+from pathlib import Path
+from worker.arrays import ArraySpool
+spool = ArraySpool(Path(sys.argv[1]))
+spool.open()
+(spool.directory / "job#1").mkdir()
+(spool.directory / "job#1" / "embedding.npy").write_bytes(b"left behind")
+print(spool.directory, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
 def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the local disk cannot take a job's array file (no space: its blocks are
     taken when it is made, not on some later row's page fault), the input is fed again
     rather than failed, and the job ends succeeded once the disk has room. Array files
-    that a killed daemon left behind are removed at start."""
+    that a killed daemon left behind are removed at start; those of a daemon that lives
+    (sharing the log directory) are not."""
     monkeypatch.setattr(results, "INPUT_BACKOFF", Backoff(base_s=0.01, cap_s=0.01))
-    stale = tmp_path / "arrays" / "killed#1"
-    stale.mkdir(parents=True)
-    (stale / "embedding.npy").write_bytes(b"left behind")
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WITH_ARRAYS, str(tmp_path / "arrays")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left_behind = Path(killed.stdout.strip())
+    assert (left_behind / "job#1" / "embedding.npy").is_file()
+    living = ArraySpool(tmp_path / "arrays")
+    living.open()
+    (living.directory / "job#2").mkdir()
     full_disk = [OSError(errno.ENOSPC, "No space left on device")]
     allocate = os.posix_fallocate
 
@@ -148,7 +175,10 @@ def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
         blobs.objects[f"s3://bkt/img/{number}"] = data
         inputs.append(f"s3://bkt/img/{number}")
     _embed(tmp_path, inputs, source, blobs)
-    assert not full_disk and not stale.exists()
+    assert not full_disk and not left_behind.exists()
+    assert [path.name for path in (tmp_path / "arrays").iterdir()] == [living.directory.name]
+    assert (living.directory / "job#2").is_dir()
+    living.close()
     summary = json.loads(blobs.objects["s3://bkt/out/emb/job.json"])
     assert (summary["status"], summary["succeeded"]) == ("succeeded", 3)
     retried = [

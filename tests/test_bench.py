@@ -117,7 +117,7 @@ def test_the_gpu_figures_compare_runs_that_decoded_where_they_were_asked(tmp_pat
     runs in bfloat16 and channels-last on photos decoded there, and draws its timeline."""
     photo_decoder = "tests.faults:standin_photo_decoder"
     report = decode_speedup(tmp_path, 200, device="cpu", preprocess=photo_decoder)
-    assert report["gpu_decode_fallbacks"] == 0
+    assert report["gpu_decode_fallback_jobs"] == 0
     assert report["decode_cpu_images_per_s"] > 0 and report["decode_gpu_images_per_s"] > 0
     out = tmp_path / "out"
     figures = gpu_overlap(

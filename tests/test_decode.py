@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 from stages.postprocess import top_k
 from stages.preprocess import ImagePreprocessor, default_preprocessor
 from stages.synthetic import LABELS, samples
-from tests.faults import StandInDeviceDecoder, reencoded, standin_device_decoder
+from tests.faults import StandInDeviceDecoder, broken_scan, reencoded, standin_device_decoder
 from worker.engine import ItemError
 from worker.plugins import (
     PluginError,
@@ -105,16 +105,16 @@ def test_an_input_the_device_rejects_is_decoded_on_the_cpu_and_one_neither_can_f
     None
 ):
     """In a batch of a PNG (decoded before), good JPEGs, a progressive JPEG (the device
-    refuses it) and a truncated one (nothing decodes it): the device call is bisected,
-    the progressive one is decoded on the CPU, the truncated one gets the error the CPU
-    gives it, as before, and every other input the model's answer on the CPU-decoded
-    image."""
+    refuses it) and one with a broken scan header (nothing decodes it): the device call
+    is bisected, the progressive one is decoded on the CPU, the broken one gets the
+    error the CPU gives it, as before, and every other input the model's answer on the
+    CPU-decoded image."""
     jpegs = [data for _, data in _jpegs(12)]
     inputs = [
         next(data for _, data in samples(20, 5) if data[:4] == b"\x89PNG"),
         jpegs[0],
         reencoded(jpegs[1], progressive=True),
-        jpegs[2][: len(jpegs[2]) * 3 // 4],
+        broken_scan(jpegs[2]),
         jpegs[3],
     ]
     batch = torch.zeros((len(inputs), *SHAPE), dtype=torch.uint8)
@@ -221,11 +221,16 @@ def test_decode_gpu_is_refused_at_start_where_it_cannot_be(
 
 
 def test_the_default_preprocessor_takes_only_jpegs_nvjpeg_decodes() -> None:
-    """Baseline and progressive RGB and greyscale JPEGs go to the device; CMYK, other
-    formats, unreadable headers and images over the pixel limit do not."""
+    """Whole baseline and progressive RGB and greyscale JPEGs go to the device; CMYK,
+    RGB-coded (Adobe transform 0), truncated ones (a decoder may picture them without a
+    word), other formats, unreadable headers and images over the pixel limit do not."""
     (_, jpeg), *_ = _jpegs(4)
     preprocessor = ImagePreprocessor(max_pixels=160 * 160)
     assert preprocessor.device_decodable(jpeg)
+    assert not preprocessor.device_decodable(jpeg[: len(jpeg) * 3 // 4])  # truncated
+    assert not preprocessor.device_decodable(jpeg + b"trailing")
+    adobe_rgb = b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00\x00"  # APP14, transform 0
+    assert not preprocessor.device_decodable(jpeg[:2] + adobe_rgb + jpeg[2:])
     assert preprocessor.device_decodable(reencoded(jpeg, progressive=True))
     assert preprocessor.device_decodable(reencoded(jpeg, mode="L"))
     assert not preprocessor.device_decodable(reencoded(jpeg, mode="CMYK"))

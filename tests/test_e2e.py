@@ -14,7 +14,7 @@ from PIL import Image
 
 from stages.synthetic import LABELS, boards
 from tests.conftest import REPO, Aws, enqueue_command, following, run_daemon
-from tests.faults import reencoded
+from tests.faults import broken_scan, reencoded
 from worker.demo import Stack, upload_samples
 
 pytestmark = pytest.mark.e2e
@@ -284,9 +284,10 @@ def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
 ) -> None:
     """`--decode gpu` with a stand-in for nvJPEG (`tests.faults:standin_device_decoder`;
     no GPU here): the sample JPEGs are decoded in the model's process and labelled as on
-    the CPU, PNGs and a CMYK JPEG in the preprocessing processes, a progressive JPEG
-    that the device refuses on the CPU after all, and a truncated one that nothing
-    decodes is that input's error alone; the job's log says how many fell back."""
+    the CPU, PNGs, a CMYK and a truncated JPEG in the preprocessing processes (the
+    truncated one failing there, as ever), a progressive JPEG that the device refuses
+    on the CPU after all, and one with a broken scan header, that nothing decodes, is
+    that input's error alone; the job's log says how many fell back."""
     stack = aws.stack()
     labels = upload_samples(aws.s3, stack.bucket, 40, seed=9)
     uris = list(labels)
@@ -300,6 +301,7 @@ def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
         "progressive": reencoded(jpeg, progressive=True),
         "cmyk": reencoded(jpeg, mode="CMYK"),
         "truncated": jpeg[: len(jpeg) * 3 // 4],
+        "broken": broken_scan(jpeg),
     }
     for name, data in odd.items():
         aws.s3.put_object(Bucket=stack.bucket, Key=f"odd/{name}.jpg", Body=data)
@@ -315,11 +317,12 @@ def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
     results = aws.results(output)
     right = sum(r["label"] == labels[r["input"]] for r in results[: len(uris)])
     assert right >= len(uris) - 1
-    progressive, cmyk, truncated = results[len(uris) :]
+    progressive, cmyk, truncated, broken = results[len(uris) :]
     assert progressive["label"] == cmyk["label"] == labels[first_jpeg]
-    assert truncated["error"]["type"] == "OSError"
+    assert truncated["error"]["type"] == broken["error"]["type"] == "OSError"
     assert "truncated" in truncated["error"]["message"]
+    assert "broken data stream" in broken["error"]["message"]
     summary = aws.summary(output)
-    assert (summary["status"], summary["failed"]) == ("partial", 1)
+    assert (summary["status"], summary["failed"]) == ("partial", 2)
     fell_back = [e for e in aws.log_events(output) if e["event"] == "decoded_on_cpu"]
-    assert sum(event["inputs"] for event in fell_back) == 2  # the progressive and the truncated
+    assert sum(event["inputs"] for event in fell_back) == 2  # the progressive and the broken

@@ -10,15 +10,19 @@ take, is zeros, and its line has no reference to it.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
+import tempfile
 import threading
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
 ARRAY_FILE_SUFFIX = ".npy"
+ARRAYS_DIR = "arrays"  # under --log-dir
 # It names a file under the job's output, where names starting "checkpoint-" are the
 # checkpoints' (`worker.checkpoints`), removed once the job is finished.
 _FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
@@ -32,6 +36,58 @@ def check_field_name(field: object) -> str:
             "not starting checkpoint-"
         )
     return field
+
+
+SPOOL_LOCK = ".lock"
+
+
+class ArraySpool:
+    """A daemon's directory for array files under `root` (`--log-dir`/arrays), held
+    under a lock while the daemon runs. Made by `open`, after removing the directories
+    of daemons that are gone (their lock free): what a killed daemon left, which nothing
+    reads again (a job's next delivery computes its arrays anew). A daemon sharing the
+    log directory keeps its own."""
+
+    def __init__(self, root: Path):
+        self._root = root
+        self._lock: IO[str] | None = None
+        self._directory: Path | None = None
+
+    @property
+    def directory(self) -> Path:
+        assert self._directory is not None, "the spool is not open"
+        return self._directory
+
+    def open(self) -> None:
+        self._root.mkdir(parents=True, exist_ok=True)
+        for directory in self._root.iterdir():
+            if directory.is_dir():
+                _remove_if_unlocked(directory)
+        self._directory = Path(tempfile.mkdtemp(dir=self._root))
+        self._lock = open(self._directory / SPOOL_LOCK, "w")  # noqa: SIM115 (held while open)
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def close(self) -> None:
+        """Remove the spool (the daemon is done: every job it held is settled)."""
+        if self._lock is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self._lock.close()
+            self._lock = None
+
+
+def _remove_if_unlocked(directory: Path) -> None:
+    """Remove a daemon's spool once no live daemon holds its lock (one without a lock
+    file is one whose daemon died making it, or is making it now: left alone)."""
+    try:
+        lock = open(directory / SPOOL_LOCK)  # noqa: SIM115 (closed below)
+    except OSError:
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # its daemon lives
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class ArrayFiles:
@@ -82,9 +138,11 @@ class ArrayFiles:
             path, mode="w+", dtype=first.dtype, shape=(self._rows, *first.shape)
         )
         # The file is sparse: without its blocks taken now, a full disk would show as
-        # SIGBUS on some later row's page instead of an OSError here.
-        with open(path, "r+b") as file:
-            os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
+        # SIGBUS on some later row's page instead of an OSError here. (Linux; macOS,
+        # for local runs, has no posix_fallocate.)
+        if hasattr(os, "posix_fallocate"):
+            with open(path, "r+b") as file:
+                os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
         self._files[field] = rows
         return rows
 

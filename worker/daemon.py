@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import socket
 import threading
 import time
@@ -34,6 +33,7 @@ from concurrent.futures import Future
 import structlog
 
 from worker import __version__
+from worker.arrays import ARRAYS_DIR, ArraySpool
 from worker.checkpoints import Checkpointer, Checkpoints
 from worker.engine import (
     PIPELINED_BATCHES,
@@ -45,7 +45,7 @@ from worker.engine import (
     TensorArena,
     ThreadStage,
 )
-from worker.intake import ARRAYS_DIR, Feeder, Intake
+from worker.intake import Feeder, Intake
 from worker.interruptions import InterruptionWatch
 from worker.leases import LeaseKeeper
 from worker.ledger import Ledger
@@ -111,9 +111,6 @@ class Daemon:
         self._settings = settings
         self.shutdown_tail_s = settings.shutdown_tail_s()
         settings.log_dir.mkdir(parents=True, exist_ok=True)
-        # Array files of jobs a killed daemon held: nothing reads them again (a job's
-        # next delivery computes its arrays anew), and nothing else would remove them.
-        shutil.rmtree(settings.log_dir / ARRAYS_DIR, ignore_errors=True)
         self._ledger = ledger = Ledger()
         self._metrics = metrics = Metrics()
         stall_after_s = (
@@ -187,6 +184,7 @@ class Daemon:
             if notices
             else None
         )
+        self._arrays = ArraySpool(settings.log_dir / ARRAYS_DIR)
         # Loaded here too so that a wrong reference stops the daemon before it starts.
         # A single model's postprocessor runs in its process; a chain's parts come
         # together only here, so its postprocessor runs here.
@@ -202,6 +200,7 @@ class Daemon:
             checkpoints=checkpoints,
             finish=finisher.submit,
             on_drained=shutdown.drained,
+            arrays=self._arrays,
         )
         self._units: dict[str, Callable[[], object]] = {
             "intake": intake.run,
@@ -239,6 +238,8 @@ class Daemon:
                 running.enter_context(
                     serving(self._settings.metrics_port, self._metrics, self.health_problem)
                 )
+            self._arrays.open()
+            running.callback(self._arrays.close)
             self._pipeline.start()
             self._model_ready()
             if self._interruptions:  # a restarted daemon takes no work on a doomed machine

@@ -1375,11 +1375,13 @@ class _LogCapture:
     @contextlib.contextmanager
     def own(self) -> Iterator[list[dict[str, Any]]]:
         """The events this thread logs meanwhile."""
-        self._own.events = []
+        outer = getattr(self._own, "events", self.events)
+        events: list[dict[str, Any]] = []
+        self._own.events = events
         try:
-            yield self._own.events
+            yield events
         finally:
-            del self._own.events
+            self._own.events = outer
 
 
 class WorkerScaler:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import structlog
 
-from worker.arrays import ArrayFiles
+from worker.arrays import ArrayFiles, ArraySpool
 from worker.checkpoints import Checkpoints, Prior
 from worker.engine import Item, Pipeline
 from worker.errors import AccessDenied, MissingObject
@@ -33,7 +33,6 @@ log = structlog.get_logger()
 
 RECEIVE_ERROR_BACKOFF_S = 5.0
 # Under --log-dir: each running job's array outputs, until they are uploaded.
-ARRAYS_DIR = "arrays"
 SHORT_POLL_PAUSE_S = 0.1  # after an empty receive that did not wait (receive_wait_seconds 0)
 # `--drain` stops only after this many empty receives in a row, each followed by queue
 # counters that read zero, with nothing held here in between.
@@ -64,8 +63,10 @@ class Intake:
         checkpoints: Checkpoints,
         finish: Callable[[Job], None],
         on_drained: Callable[[], None],
+        arrays: ArraySpool,
     ):
         self._settings = settings
+        self._arrays = arrays  # where admitted jobs' array files go
         self._source = source
         self._blobs = blobs
         self._model = model  # known once the inference stage is set up, before the first receive
@@ -227,7 +228,7 @@ class Intake:
         job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
         log_file = JobLog(log_dir / f"{job_id}.log", job_id, prior.earlier_log)
-        job.arrays = ArrayFiles(log_dir / ARRAYS_DIR / job.key, len(inputs))
+        job.arrays = ArrayFiles(self._arrays.directory / job.key, len(inputs))
         admitted = self._ledger.admit(
             job, spec, inputs, log_file, prior.resumed, cancelled=prior.cancel_requested
         )

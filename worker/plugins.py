@@ -377,7 +377,8 @@ def inference_setup(
 
     def infer(batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
         on_device = batch.to(device, non_blocking=True)
-        undecodable = decode(batch, values, on_device) if decode else {}
+        with torch.inference_mode():
+            undecodable = decode(batch, values, on_device) if decode else {}
         if channels_last and on_device.dim() == 4:  # the only rank it is defined for
             on_device = on_device.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), autocast:
@@ -503,13 +504,13 @@ def decodes_on_device(
     stands in the way, on the CPU otherwise, and says which."""
     if placement == "cpu":
         return False, "--decode cpu"
+    if placement == "auto" and not all(device.startswith("cuda") for device in devices):
+        return False, "the model does not run on a GPU"
     obstacle = _device_decoding_obstacle(preprocess, chained)
     if placement == "gpu":
         if obstacle is not None:
             raise PluginError(f"--decode gpu: {obstacle}; use --decode cpu or auto")
         return True, "--decode gpu"
-    if not all(device.startswith("cuda") for device in devices):
-        return False, "the model does not run on a GPU"
     return obstacle is None, obstacle or "every model device is a GPU"
 
 
