@@ -23,6 +23,7 @@ import numpy as np
 
 ARRAY_FILE_SUFFIX = ".npy"
 ARRAYS_DIR = "arrays"  # under --log-dir
+SPOOL_LOCK = ".lock"  # in each daemon's directory there, held while it runs
 # It names a file under the job's output, where names starting "checkpoint-" are the
 # checkpoints' (`worker.checkpoints`), removed once the job is finished.
 _FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
@@ -36,9 +37,6 @@ def check_field_name(field: object) -> str:
             "not starting checkpoint-"
         )
     return field
-
-
-SPOOL_LOCK = ".lock"
 
 
 class ArraySpool:

@@ -1127,7 +1127,6 @@ def _child_main(
         each reply (given its items' `values`), while the next request runs."""
         if finishing is None:
             return _sent(conn, message)
-        assert stage_fn.finish is not None
         finishing.submit(
             _finish_and_send, conn, message, values, stage_fn, stage=plan.stage, logs=logs
         )
@@ -1196,8 +1195,7 @@ def _finished(
                 raise ValueError(f"finish gave {len(finished)} outcomes for {len(ran)} outputs")
         except Exception as error:
             finished = [ItemError.from_exception(error, stage)] * len(ran)
-        failed_all = bool(ran) and all(isinstance(outcome, ItemError) for outcome in finished)
-        fault = _probe(stage_fn.finish_probe) if failed_all else None
+        fault = _fault_if_all_failed(finished, stage_fn.finish_probe)
     for position, outcome in zip(ran, finished, strict=True):
         outcomes[position] = outcome
     return reply._replace(
@@ -1251,8 +1249,7 @@ def _run_request(
     started = time.perf_counter()
     runnable = [task for position, task in enumerate(request) if position not in failed]
     ran, fitting_batch_size = _serve_request(stage_fn.run, plan, arenas, gatherer, runnable)
-    failed_all = bool(ran) and all(isinstance(outcome, ItemError) for outcome in ran)
-    fault = _probe(stage_fn.probe) if failed_all else None
+    fault = _fault_if_all_failed(ran, stage_fn.probe)
     duration_s = time.perf_counter() - started
     outcomes = iter(ran)
     return _Reply(
@@ -1286,6 +1283,13 @@ def _prepared(
             failed[position] = ItemError.from_exception(error, step.name)
             prepared.append(task)
     return prepared, failed
+
+
+def _fault_if_all_failed(outcomes: Sequence[Any], probe: Callable[[], object] | None) -> str | None:
+    """When every outcome is an error, whether the worker is to blame: why its probe
+    (known-good input) fails, or None if it passes (the items are at fault)."""
+    failed_all = bool(outcomes) and all(isinstance(outcome, ItemError) for outcome in outcomes)
+    return _probe(probe) if failed_all else None
 
 
 def _probe(probe: Callable[[], object] | None) -> str | None:

@@ -32,7 +32,6 @@ from worker.settings import SQS_MAX_DELAY_S, SQS_MAX_MESSAGES_PER_RECEIVE, Setti
 log = structlog.get_logger()
 
 RECEIVE_ERROR_BACKOFF_S = 5.0
-# Under --log-dir: each running job's array outputs, until they are uploaded.
 SHORT_POLL_PAUSE_S = 0.1  # after an empty receive that did not wait (receive_wait_seconds 0)
 # `--drain` stops only after this many empty receives in a row, each followed by queue
 # counters that read zero, with nothing held here in between.

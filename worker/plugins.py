@@ -567,7 +567,7 @@ def decode_undecoded(
         image = on_gpu
         if isinstance(on_gpu, ItemError):
             rejected += 1
-            image = _decoded_on_cpu(preprocessor, data, on_device[position])
+            image = _decoded_on_cpu(preprocessor, data)
         if isinstance(image, ItemError):
             failed[position] = image
             on_device[position].zero_()
@@ -591,10 +591,8 @@ def _decoded_on_device(
     return images
 
 
-def _decoded_on_cpu(
-    preprocessor: DecodesOnDevice, data: torch.Tensor, like: torch.Tensor
-) -> torch.Tensor | ItemError:
-    scratch = torch.empty(like.shape, dtype=torch.uint8)
+def _decoded_on_cpu(preprocessor: DecodesOnDevice, data: torch.Tensor) -> torch.Tensor | ItemError:
+    scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
     try:
         preprocessor(data.numpy().tobytes(), scratch)
     except Exception as error:
