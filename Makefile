@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint chaos bench bench-full
+.PHONY: demo test test-gpu lint chaos bench bench-full bench-gpu
 
 $(VENV)/installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ lint: $(VENV)/installed
 test: lint
 	$(PY) -m pytest -n 3 --dist worksteal
 
+# On a GPU host (the CUDA build of torch and its torchvision): the tests marked `gpu`
+# (nvJPEG, bf16 and channels-last, two inference processes on one GPU, a real CUDA
+# out-of-memory, the warm-up), one at a time since one of them fills the GPU on purpose.
+# `make test` skips them where there is no GPU.
+test-gpu: $(VENV)/installed
+	$(PY) -m pytest -m gpu -p no:xdist
+
 # Not part of `make test`: the randomized fault test with more seeds, each for longer
 # (about 2 minutes a seed on 2 cores). `make test` plays one seed for 20 s.
 chaos: $(VENV)/installed
@@ -40,3 +47,7 @@ bench: $(VENV)/installed
 
 bench-full: $(VENV)/installed
 	$(PY) -m worker bench --out bench-out
+
+# On a GPU host: the figures only a GPU gives (bench/gpu.py), into bench-out-gpu/.
+bench-gpu: $(VENV)/installed
+	$(PY) -m bench.gpu --out bench-out-gpu

@@ -1,18 +1,26 @@
-"""The figures that need a GPU (issue 12), in one call on a machine that has one:
+"""The figures that need a GPU (issues 12 and 26), in one call on a machine that has one:
 
     python -m bench.gpu --out bench-out-gpu
 
 - `gpu_decode_speedup`: the daemon's images/s with the JPEGs decoded on the GPU
-  (`--decode gpu`, nvJPEG) over decoded by Pillow in two preprocessing processes
-  (`--decode cpu`), ~500x375 photos to 224 px, a model that costs nothing, so decoding
-  is what is compared. The GPU run must have decoded on the device, and counts the
-  jobs some of whose inputs it sent to the CPU after all (`gpu_decode_fallback_jobs`).
+  (`--decode gpu`, nvJPEG) over decoded by Pillow in a preprocessing process per host
+  core (`--decode cpu`), ~500x375 photos to 224 px, a model that costs nothing, so
+  decoding is what is compared. The GPU run must have decoded on the device, and counts
+  the jobs some of whose inputs it sent to the CPU after all (`gpu_decode_fallback_jobs`).
 - `gpu_overlap`: the daemon's images/s over the model's alone, a ResNet-50 (torchvision's,
   random weights) in bfloat16 and channels-last on the same photos decoded on the GPU,
   S3 latency injected; with `gpu_busy_fraction` and the run's timeline. The daemon's
   device also decodes, and the model alone does not: decoding counts against it.
+- `gpu_two_processes_ratio`: the same daemon with two inference processes on the one
+  GPU (`--device cuda:0,cuda:0`) over one.
+- `moto_images_per_s`: the same model and photos end to end, the daemon a subprocess
+  with real boto3 against a moto server on this machine (S3 and SQS over HTTP), from
+  the first job received to the last finished (their job.json); its timeline in
+  `moto/`.
+- `host_ceiling_items_per_s`: the control plane alone (`bench.run.host_ceiling`) with
+  this machine's cores.
 
-Not part of `make bench`, which runs on the CPU. `tests/test_bench.py` runs both steps
+Not part of `make bench`, which runs on the CPU. `tests/test_bench.py` runs the steps
 on the CPU with a stand-in for nvJPEG and a small model, for their correctness only.
 """
 
@@ -21,21 +29,40 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import random
+import subprocess
 import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from PIL import Image
 from structlog.testing import capture_logs
 from torch import nn
 
-from bench.run import NOOP_MODEL, OVERLAP_JOB_SIZE, _run_daemon, overlap
+from bench.run import (
+    MOTO_UPLOADS,
+    NOOP_MODEL,
+    OVERLAP_JOB_SIZE,
+    _run_daemon,
+    draining_daemon,
+    host_ceiling,
+    moto_stack,
+    overlap,
+)
 from stages.model import Classifier
 from stages.preprocess import ImagePreprocessor
 from stages.synthetic import LABELS, draw_shape
+from worker.demo import read_output
 from worker.fakes import InMemoryBlobStore
 from worker.joblog import configure_daemon_logging
+from worker.plugins import decode_or_defer, inference_setup, load_device_decoder, load_preprocessor
 
 PHOTO_SIZE = (500, 375)
 PHOTOS = 64  # distinct photos, reused under many keys
@@ -66,6 +93,12 @@ class ResNet50(Classifier):
     model_name = "resnet50-random"
 
 
+def top_class(scores: np.ndarray, _params: dict[str, Any]) -> dict[str, Any]:
+    """An ImageNet model's best class and its score (the shapes' labels do not apply)."""
+    best = int(np.argmax(scores))
+    return {"class_id": best, "score": round(float(scores[best]), 6)}
+
+
 def resnet50() -> nn.Module:
     from torchvision.models import resnet50 as torchvision_resnet50
 
@@ -75,11 +108,13 @@ def resnet50() -> nn.Module:
 def decode_speedup(
     work_dir: Path, images: int, *, device: str, preprocess: str
 ) -> dict[str, float]:
-    """`--decode gpu` over `--decode cpu`: images/s of the same photos, the model free."""
+    """`--decode gpu` over `--decode cpu`: images/s of the same photos, the model free,
+    a preprocessing process per core either way."""
     pool, jobs = photos(), [OVERLAP_JOB_SIZE] * (images // OVERLAP_JOB_SIZE)
+    cores = os.cpu_count() or 1
     rates, fallback_jobs = {}, 0
     for placement in ("cpu", "gpu"):
-        blobs = InMemoryBlobStore()
+        blobs = InMemoryBlobStore(work_dir / f"decode-{placement}")  # read where decoded
         with capture_logs() as logs:
             daemon = _run_daemon(
                 jobs,
@@ -91,9 +126,9 @@ def decode_speedup(
                 device=device,
                 decode=placement,
                 batch_size=GPU_BATCH_SIZE,
-                preprocess_workers=2,
-                preprocess_workers_max=2,
-                fetch_concurrency=32,
+                preprocess_workers=cores,
+                preprocess_workers_max=cores,
+                fetch_concurrency=8 * cores,
             )
         (decided,) = [event for event in logs if event["event"] == "inputs_decoded_in"]
         if (decided["where"] == "inference") != (placement == "gpu"):
@@ -110,52 +145,199 @@ def decode_speedup(
         "decode_cpu_images_per_s": rates["cpu"],
         "decode_gpu_images_per_s": rates["gpu"],
         "gpu_decode_fallback_jobs": float(fallback_jobs),
+        "decode_cpu_processes": float(cores),
     }
+
+
+# How the daemon runs the ResNet-50 in every figure but the decoding one.
+MODEL_SETTINGS: dict[str, Any] = {
+    "postprocess": "bench.gpu:top_class",
+    "decode": "gpu",
+    "precision": "bfloat16",
+    "channels_last": True,
+    "batch_size": GPU_BATCH_SIZE,
+}
 
 
 def gpu_overlap(
     work_dir: Path, images: int, out: Path, *, device: str, model: str, preprocess: str
 ) -> dict[str, float]:
-    """The daemon over the model alone, photos decoded on the device, bf16, channels-last."""
-    figures = overlap(
-        work_dir,
-        images,
-        1,
-        out,
-        pool=photos(),
-        model=model,
-        preprocess=preprocess,
-        device=device,
-        decode="gpu",
-        precision="bfloat16",
-        channels_last=True,
-        batch_size=GPU_BATCH_SIZE,
-    )
+    """The daemon over the model alone, photos decoded on the device, bf16, channels-last;
+    then the daemon with two inference processes on the device over it with one."""
+    cores = os.cpu_count() or 1
+    common = {
+        "pool": photos(),
+        "model": model,
+        "preprocess": preprocess,
+        "in_files": True,
+        "preprocess_workers": cores,
+        # 30 ms a GET: 32 a process keep about 1,000 images/s a process coming (512 at most).
+        "fetch_concurrency": min(512, 32 * cores),
+        **MODEL_SETTINGS,
+    }
+    figures = overlap(work_dir, images, 1, out, device=device, **common)
+    two = overlap(work_dir, images, 1, out / "two-processes", device=f"{device},{device}", **common)
     return {
         "gpu_overlap": figures["overlap_ratio"],
         "gpu_busy_fraction": figures["busy_fraction"],
         "gpu_daemon_images_per_s": figures["daemon_images_per_s"],
         "gpu_model_only_images_per_s": figures["model_only_images_per_s"],
+        "gpu_two_processes_ratio": two["daemon_images_per_s"] / figures["daemon_images_per_s"],
+        "gpu_two_processes_images_per_s": two["daemon_images_per_s"],
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def moto_end_to_end(
+    work_dir: Path, images: int, out: Path, *, device: str, model: str, preprocess: str
+) -> dict[str, float]:
+    """The daemon as a subprocess, real boto3 against a moto server here, the overlap
+    figure's model and photos: images/s from the first job's receive to the last job's
+    finish, as their job.json files say."""
+    pool, cores = photos(), os.cpu_count() or 1
+    with moto_stack("gpu-end-to-end") as (env, sqs, s3, stack):
+        keys = [f"photos/{number}.jpg" for number in range(images)]
+        with ThreadPoolExecutor(MOTO_UPLOADS) as uploads:
+            for number, key in enumerate(keys):
+                uploads.submit(
+                    s3.put_object, Bucket=stack.bucket, Key=key, Body=pool[number % len(pool)]
+                )
+        outputs = []
+        for job, first in enumerate(range(0, images, OVERLAP_JOB_SIZE)):
+            outputs.append(f"s3://{stack.bucket}/out/{job}/")
+            inputs = [
+                f"s3://{stack.bucket}/{key}" for key in keys[first : first + OVERLAP_JOB_SIZE]
+            ]
+            sqs.send_message(
+                QueueUrl=stack.queue_url,
+                MessageBody=json.dumps({"inputs": inputs, "output": outputs[-1]}),
+            )
+        command = draining_daemon(
+            stack,
+            work_dir / "moto-logs",
+            *("--device", device, "--model", model, "--preprocess", preprocess),
+            *("--postprocess", MODEL_SETTINGS["postprocess"]),
+            *("--decode", MODEL_SETTINGS["decode"], "--precision", MODEL_SETTINGS["precision"]),
+            *("--channels-last", "--batch-size", str(MODEL_SETTINGS["batch_size"])),
+            *("--preprocess-workers", str(cores), "--fetch-concurrency", str(8 * cores)),
+            *("--timeline-dir", str(out / "moto")),
+        )
+        run = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if run.returncode != 0:
+            raise RuntimeError(f"the daemon exited {run.returncode}: {run.stderr[-2000:]}")
+        summaries = [json.loads(read_output(s3, output, "job.json")) for output in outputs]
+    if any(summary["status"] != "succeeded" for summary in summaries):
+        raise RuntimeError(f"not every job succeeded: {[s['status'] for s in summaries]}")
+    began = min(datetime.fromisoformat(summary["received_at"]) for summary in summaries)
+    ended = max(datetime.fromisoformat(summary["finished_at"]) for summary in summaries)
+    return {"moto_images_per_s": images / (ended - began).total_seconds()}
+
+
+def inference_profile(
+    out: Path, batches: int, *, device: str, model: str, preprocess: str
+) -> dict[str, float]:
+    """Where the inference process's time goes on a batch of photos: its whole function
+    (decoding on the device, then the model) against the model alone on decoded images,
+    the device decoding alone, and nvJPEG alone (torchvision's `decode_jpeg`, in one call
+    and split across four threads), each per batch with the device synchronised;
+    torch.profiler's table of the whole function in `out/profile.txt`."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    on = torch.device(device)
+    shape = load_preprocessor(preprocess).output_shape
+    decoder = load_device_decoder(preprocess)
+    pool = photos()
+    inputs = [pool[number % len(pool)] for number in range(GPU_BATCH_SIZE)]
+    batch = torch.zeros((GPU_BATCH_SIZE, *shape), dtype=torch.uint8)
+    values: list[tuple[Any, dict[str, Any]]] = [
+        (decode_or_defer(decoder, data, row), {}) for data, row in zip(inputs, batch, strict=True)
+    ]
+    encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in inputs]
+    decoded = torch.stack(decoder.decode_on_device(encoded, on)).cpu()
+    tuned = {k: MODEL_SETTINGS[k] for k in ("precision", "channels_last", "batch_size")}
+    whole = inference_setup(model, device, shape, decoder=preprocess, **tuned).run
+    model_alone = inference_setup(model, device, shape, **tuned).run
+    quarters = [encoded[start::4] for start in range(4)]
+
+    def nvjpeg(chosen: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(decode_jpeg(chosen, mode=ImageReadMode.RGB, device=on))
+
+    def per_batch_ms(call: Callable[[], object]) -> float:
+        call()
+        torch.cuda.synchronize(on)
+        started = time.perf_counter()
+        for _ in range(batches):
+            call()
+        torch.cuda.synchronize(on)
+        return 1000 * (time.perf_counter() - started) / batches
+
+    with ThreadPoolExecutor(4) as threads:
+        figures = {
+            "batch_ms_decode_and_model": per_batch_ms(lambda: whole(batch, values)),
+            "batch_ms_model": per_batch_ms(lambda: model_alone(decoded, [None] * len(inputs))),
+            "batch_ms_device_decode": per_batch_ms(lambda: decoder.decode_on_device(encoded, on)),
+            "batch_ms_nvjpeg": per_batch_ms(lambda: nvjpeg(encoded)),
+            "batch_ms_nvjpeg_4_threads": per_batch_ms(lambda: list(threads.map(nvjpeg, quarters))),
+        }
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(batches):
+            whole(batch, values)
+    table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    (out / "profile.txt").write_text(table)
+    print(table)
+    return figures
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return device
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-out-gpu"))
-    parser.add_argument("--images", type=int, default=6000, help="per run (default 6000)")
+    parser.add_argument("--images", type=int, default=10000, help="per run (default 10000)")
+    parser.add_argument("--moto-images", type=int, default=2000, help="through moto (default 2000)")
+    parser.add_argument(
+        "--host-items", type=int, default=20000, help="for the host ceiling (default 20000)"
+    )
+    parser.add_argument(
+        "--profile-batches", type=int, default=20, help="timed per step (default 20)"
+    )
     parser.add_argument("--device", default="cuda", help="the model's device (default cuda)")
     parser.add_argument("--model", default="bench.gpu:resnet50", help="for gpu_overlap")
     parser.add_argument("--preprocess", default="bench.gpu:photo_preprocessor")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     configure_daemon_logging(io.StringIO())  # the daemons' own logs are not the point here
-    report: dict[str, Any] = {"device": args.device, "images": args.images}
+    report: dict[str, Any] = {
+        "device": device_name(args.device),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "images": args.images,
+    }
     with tempfile.TemporaryDirectory() as scratch:
         work_dir = Path(scratch)
         common = {"device": args.device, "preprocess": args.preprocess}
-        report.update(decode_speedup(work_dir, args.images, **common))
-        report.update(gpu_overlap(work_dir, args.images, args.out, model=args.model, **common))
-    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+        modelled = {"model": args.model, **common}
+        steps: list[Callable[[], dict[str, float]]] = [
+            lambda: decode_speedup(work_dir, args.images, **common),
+            lambda: gpu_overlap(work_dir, args.images, args.out, **modelled),
+            lambda: moto_end_to_end(work_dir, args.moto_images, args.out, **modelled),
+            lambda: host_ceiling(work_dir / "host", args.host_items),
+            lambda: inference_profile(args.out, args.profile_batches, **modelled),
+        ]
+        for step in steps:  # each step's figures written as they come: a later one may fail
+            figures = step()
+            print(json.dumps(figures), flush=True)
+            report.update(figures)
+            (args.out / "report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0
 

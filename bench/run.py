@@ -11,6 +11,7 @@ hand-off figure uses the real default model on the CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -31,6 +32,7 @@ from typing import Any
 import boto3
 import numpy as np
 import torch
+from botocore.config import Config
 from torch import nn
 
 from bench.fetch_clients import CLIENTS
@@ -38,7 +40,7 @@ from stages.model import default_classifier
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
 from worker.daemon import Daemon
-from worker.demo import LOCAL_AWS_ENV, create_stack, local_moto_server, upload_samples
+from worker.demo import LOCAL_AWS_ENV, Stack, create_stack, local_moto_server, upload_samples
 from worker.engine import BatchGatherer, TensorArena
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.joblog import configure_daemon_logging
@@ -48,7 +50,7 @@ from worker.plugins import (
     load_preprocessor,
     resolve_device,
 )
-from worker.ports import ReceivedMessage, S3Location
+from worker.ports import ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
 from worker.timeline import Timeline
 
@@ -128,14 +130,28 @@ waiting_preprocessor = WaitingPreprocessor()
 
 
 class LatentBlobStore(InMemoryBlobStore):
-    """S3 with lognormal latency per request (median 30 ms, p99 200 ms by default)."""
+    """S3 with lognormal latency per request (median 30 ms, p99 200 ms by default). With
+    a `directory`, other processes read it with the same latency, as they would S3."""
 
-    def __init__(self, median_ms: float = S3_MEDIAN_MS, p99_ms: float = S3_P99_MS, seed: int = 1):
-        super().__init__()
+    def __init__(
+        self,
+        median_ms: float = S3_MEDIAN_MS,
+        p99_ms: float = S3_P99_MS,
+        seed: int = 1,
+        directory: Path | None = None,
+    ):
+        super().__init__(directory)
         self._mu = math.log(median_ms / 1000)
         self._sigma = math.log(p99_ms / median_ms) / 2.326  # z of the 99th percentile
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
+
+    def remote_reader(self) -> RemoteReader | None:
+        reader = super().remote_reader()
+        if reader is None:
+            return None
+        late = functools.partial(_late_reads, reader.open, self._mu, self._sigma)
+        return RemoteReader(late, reader.longest_s, reader.imports)
 
     def _wait(self) -> None:
         with self._rng_lock:
@@ -155,6 +171,22 @@ class LatentBlobStore(InMemoryBlobStore):
     def objects_under(self, prefix: S3Location) -> dict[str, str]:
         self._wait()
         return super().objects_under(prefix)
+
+
+def _late_reads(
+    open_reads: Callable[[int], Callable[[S3Location], bytes]],
+    mu: float,
+    sigma: float,
+    connections: int,
+) -> Callable[[S3Location], bytes]:
+    """`open_reads(connections)`, each read after a lognormal wait (in another process)."""
+    get, rng = open_reads(connections), random.Random()
+
+    def late_get(location: S3Location) -> bytes:
+        time.sleep(rng.lognormvariate(mu, sigma))
+        return get(location)
+
+    return late_get
 
 
 class TimedSource(InMemoryJobSource):
@@ -327,13 +359,18 @@ OVERLAP_SETTINGS: dict[str, Any] = {
 }
 
 
-def overlap(work_dir: Path, images: int, runs: int, out: Path, **settings: Any) -> dict[str, float]:
-    """Daemon images/s over model-only images/s, and the inference lane's busy fraction."""
+def overlap(
+    work_dir: Path, images: int, runs: int, out: Path, in_files: bool = False, **settings: Any
+) -> dict[str, float]:
+    """Daemon images/s over model-only images/s, and the inference lane's busy fraction.
+    `in_files`: the inputs are fetched in the preprocessing processes, as from S3, rather
+    than on threads of this one."""
     ratios, busy, rates, ceilings = [], [], [], []
     for run in range(runs):
+        objects = work_dir / f"overlap-objects-{run}" if in_files else None
         daemon = _run_daemon(
             [OVERLAP_JOB_SIZE] * (images // OVERLAP_JOB_SIZE),
-            LatentBlobStore(seed=run),
+            LatentBlobStore(seed=run, directory=objects),
             work_dir,
             **{**OVERLAP_SETTINGS, **settings},
         )
@@ -478,15 +515,7 @@ def host_cpu(work_dir: Path, jobs: int) -> dict[str, float]:
 def _host_cpu_ms_per_item(work_dir: Path, jobs: int, fetch_in: str) -> float:
     """The default model and preprocessor: the daemon a subprocess, its own CPU (not its
     stage processes', not moto's) from its `daemon_started` to its exit."""
-    with local_moto_server() as endpoint:
-        env = {**os.environ, **LOCAL_AWS_ENV, "AWS_ENDPOINT_URL": endpoint}
-        session = boto3.Session(
-            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
-        )
-        sqs = session.client("sqs", endpoint_url=endpoint)
-        s3 = session.client("s3", endpoint_url=endpoint)
-        # moto's state outlives its server in this process: a stack of this run's own.
-        stack = create_stack(sqs, s3, f"host-cpu-{fetch_in}")
+    with moto_stack(f"host-cpu-{fetch_in}") as (env, sqs, s3, stack):
         uris = list(upload_samples(s3, stack.bucket, HOST_JOB_SIZE, seed=31))
         for job in range(jobs):
             output = f"s3://{stack.bucket}/out/{job}/"
@@ -495,12 +524,7 @@ def _host_cpu_ms_per_item(work_dir: Path, jobs: int, fetch_in: str) -> float:
                 MessageBody=json.dumps({"inputs": uris, "output": output}),
             )
         daemon = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "worker", "run", "--queue-url", stack.queue_url),
-                *("--drain", "--receive-wait-seconds", "1", "--metrics-port", "0"),
-                *("--log-dir", str(work_dir / "host-cpu-logs")),
-                *("--fetch-in", fetch_in),
-            ],
+            draining_daemon(stack, work_dir / "host-cpu-logs", "--fetch-in", fetch_in),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -517,6 +541,35 @@ def _host_cpu_ms_per_item(work_dir: Path, jobs: int, fetch_in: str) -> float:
         if daemon.returncode != 0 or started_cpu_s is None:
             raise RuntimeError(f"the daemon exited {daemon.returncode}")
     return 1000 * (finished_cpu_s - started_cpu_s) / (jobs * len(uris))
+
+
+@contextlib.contextmanager
+def moto_stack(name: str) -> Iterator[tuple[dict[str, str], Any, Any, Stack]]:
+    """A moto server on this machine holding a queue and bucket named `name`: yields the
+    environment a daemon subprocess reaches it with, SQS and S3 clients, and the stack."""
+    with local_moto_server() as endpoint:
+        env = {**os.environ, **LOCAL_AWS_ENV, "AWS_ENDPOINT_URL": endpoint}
+        session = boto3.Session(
+            aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        )
+        sqs = session.client("sqs", endpoint_url=endpoint)
+        s3 = session.client(
+            "s3", endpoint_url=endpoint, config=Config(max_pool_connections=MOTO_UPLOADS)
+        )
+        # moto's state outlives its server in this process: a stack of this run's own.
+        yield env, sqs, s3, create_stack(sqs, s3, name)
+
+
+MOTO_UPLOADS = 32  # parallel puts that fill a moto stack's bucket
+
+
+def draining_daemon(stack: Stack, log_dir: Path, *more: str) -> list[str]:
+    """The command that runs the daemon on the stack's queue until it is empty."""
+    return [
+        *(sys.executable, "-m", "worker", "run", "--queue-url", stack.queue_url),
+        *("--drain", "--receive-wait-seconds", "1", "--metrics-port", "0"),
+        *("--log-dir", str(log_dir), *more),
+    ]
 
 
 FETCHED_OBJECT_BYTES = 12_000  # about one of the sample JPEGs

@@ -18,12 +18,31 @@ from typing import Any
 
 import boto3
 import pytest
+import torch
 from botocore.config import Config
 
 from worker.demo import LOCAL_AWS_ENV, Stack, create_stack, local_moto_server, read_output
 
 REPO = Path(__file__).resolve().parent.parent
 ORPHAN_GRACE_S = 10.0
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (`make test-gpu` on a GPU host)"
+)
+
+
+def also_on_gpu(on_cpu: Any, on_gpu: Any) -> list[Any]:
+    """Parameters for a test that runs on the CPU everywhere and, where there is a GPU,
+    on it too: `on_gpu` is marked `gpu` (`make test-gpu` runs those alone). A tuple is
+    the values of several parameters."""
+
+    def values(given: Any) -> tuple[Any, ...]:
+        return given if isinstance(given, tuple) else (given,)
+
+    return [
+        pytest.param(*values(on_cpu), id="cpu"),
+        pytest.param(*values(on_gpu), id="gpu", marks=[pytest.mark.gpu, needs_gpu]),
+    ]
 
 
 @dataclass

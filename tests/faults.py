@@ -71,7 +71,7 @@ class FragileClassifier(nn.Module):
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if len(batch) > FRAGILE_MAX_BATCH:
             raise torch.OutOfMemoryError(f"{len(batch)} images do not fit (test)")
-        magenta = torch.tensor(MAGENTA, dtype=batch.dtype).view(1, 3, 1, 1)
+        magenta = torch.tensor(MAGENTA, dtype=batch.dtype, device=batch.device).view(1, 3, 1, 1)
         if bool((batch == magenta).flatten(1).all(dim=1).any()):
             raise ValueError("the model cannot take an all-magenta image (test)")
         return self.inner(batch)  # type: ignore[no-any-return]
@@ -79,6 +79,25 @@ class FragileClassifier(nn.Module):
 
 def fragile_classifier() -> nn.Module:
     return FragileClassifier(default_classifier())
+
+
+class MemoryHungryClassifier(nn.Module):
+    """The default classifier, after taking a twelfth of its GPU's memory per image of
+    the batch: batches of up to 8 fit, larger ones run out of memory for real."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        per_image = torch.cuda.get_device_properties(batch.device).total_memory // 12
+        scratch = torch.empty(len(batch) * per_image, dtype=torch.uint8, device=batch.device)
+        del scratch
+        return self.inner(batch)  # type: ignore[no-any-return]
+
+
+def memory_hungry_classifier() -> nn.Module:
+    return MemoryHungryClassifier(default_classifier())
 
 
 class BreakableClassifier(nn.Module):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu import decode_speedup, gpu_overlap
+from bench.gpu import decode_speedup, gpu_overlap, moto_end_to_end
 from bench.run import array_output, exited_process_cpu_s, fetch_clients, host_ceiling
 from tests.conftest import REPO
 from worker.fakes import InMemoryBlobStore
@@ -114,14 +114,18 @@ def test_the_gpu_figures_compare_runs_that_decoded_where_they_were_asked(tmp_pat
     """`bench.gpu` on the CPU with a stand-in for nvJPEG (no GPU here): the decode figure
     compares a run that decoded every photo in the preprocessing processes with one that
     decoded them in the model's process, none sent back to the CPU; the overlap figure
-    runs in bfloat16 and channels-last on photos decoded there, and draws its timeline."""
+    runs in bfloat16 and channels-last on photos decoded there, with one inference
+    process and with two, and draws their timelines; the end-to-end figure runs the
+    daemon against moto and draws its own."""
     photo_decoder = "tests.faults:standin_photo_decoder"
     report = decode_speedup(tmp_path, 200, device="cpu", preprocess=photo_decoder)
     assert report["gpu_decode_fallback_jobs"] == 0
     assert report["decode_cpu_images_per_s"] > 0 and report["decode_gpu_images_per_s"] > 0
     out = tmp_path / "out"
-    figures = gpu_overlap(
-        tmp_path, 200, out, device="cpu", model="bench.run:device_model", preprocess=photo_decoder
-    )
+    modelled = {"device": "cpu", "model": "bench.run:device_model", "preprocess": photo_decoder}
+    figures = gpu_overlap(tmp_path, 200, out, **modelled)
     assert figures["gpu_overlap"] > 0 and 0 < figures["gpu_busy_fraction"] <= 1
-    assert (out / "timeline.png").is_file()
+    assert figures["gpu_two_processes_ratio"] > 0
+    assert (out / "timeline.png").is_file() and (out / "two-processes/timeline.png").is_file()
+    assert moto_end_to_end(tmp_path, 200, out, **modelled)["moto_images_per_s"] > 0
+    assert (out / "moto/timeline.png").is_file()

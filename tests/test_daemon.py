@@ -17,6 +17,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from stages.synthetic import samples
+from tests.conftest import also_on_gpu, needs_gpu
 from worker import intake, results
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
@@ -510,14 +511,17 @@ class TimedSource(InMemoryJobSource):
         return super().receive(max_messages, wait_s, visibility_timeout_s)
 
 
-def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", also_on_gpu("cpu", "cuda"))
+def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, device: str) -> None:
     """The inference process runs a batch at the batch size and at each size bisection
     falls back to before the first receive; meanwhile /healthz says the daemon is
     starting. The model takes a second for any batch of more than one item, which only
     the warm-up sends."""
     source, blobs = TimedSource(), InMemoryBlobStore()
     _send(source, "one", _images(blobs, 1))
-    settings = _draining(tmp_path, model="tests.slow_model:slow_to_warm_up", batch_size=4)
+    settings = _draining(
+        tmp_path, model="tests.slow_model:slow_to_warm_up", batch_size=4, device=device
+    )
     daemon = Daemon(settings, source, blobs)
     health_while_starting = []
 
@@ -543,17 +547,19 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path) -> 
     assert summary["model"]["name"] == "tests.slow_model:slow_to_warm_up"
 
 
-def test_one_inference_process_per_device_each_fed_while_free(tmp_path: Path) -> None:
-    """`--device cpu,cpu` runs two inference processes (the way `cuda:0,cuda:1` does):
-    batches go to whichever is free, so both run some, and every job's results are in
-    input order. 0.1 s a batch of 4: 48 images keep both busy."""
+@pytest.mark.parametrize("devices", also_on_gpu("cpu,cpu", "cuda:0,cuda:0"))
+def test_one_inference_process_per_device_each_fed_while_free(tmp_path: Path, devices: str) -> None:
+    """`--device cpu,cpu` runs two inference processes (the way `cuda:0,cuda:1` does, and
+    `cuda:0,cuda:0`, two on one GPU): batches go to whichever is free, so both run some,
+    and every job's results are in input order. 0.1 s a batch of 4: 48 images keep both
+    busy."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     uris = _images(blobs, 48)
     for number in range(4):
         _send(source, f"part-{number}", uris[number * 12 : number * 12 + 12])
     timeline = Timeline()
     settings = _draining(
-        tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=4, device="cpu,cpu"
+        tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=4, device=devices
     )
     assert Daemon(settings, source, blobs, timeline=timeline).run() is ExitCode.DRAINED
     batches = Counter(interval.worker for interval in timeline.intervals("inference"))
@@ -571,3 +577,32 @@ def test_fetching_in_the_preprocessing_processes_needs_a_store_they_can_read(
     refused at start, not quietly done on threads here."""
     with pytest.raises(ValueError, match="fetch_in=preprocess: this blob store lives only"):
         Daemon(_draining(tmp_path, fetch_in="preprocess"), InMemoryJobSource(), InMemoryBlobStore())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_batch_that_does_not_fit_on_the_gpu_is_split_and_the_batch_size_lowered(
+    tmp_path: Path,
+) -> None:
+    """A model that really runs out of GPU memory on batches over 8 images
+    (`tests.faults:memory_hungry_classifier`): the warm-up notes the sizes that do not
+    fit, the first batch of 32 is bisected down to what fits, the batch size is lowered,
+    and every image gets the default model's answer."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    uris = _images(blobs, 40)
+    _send(source, "big", uris)
+    settings = _draining(
+        tmp_path, model="tests.faults:memory_hungry_classifier", batch_size=32, device="cuda"
+    )
+    with capture_logs() as logs:
+        assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
+    ready = next(event for event in logs if event["event"] == "model_ready")
+    assert ready["warm_up"]["out_of_memory"] == [32, 16]
+    lowered = [event["batch_size"] for event in logs if event["event"] == "batch_size_lowered"]
+    assert lowered and max(lowered) <= 8
+    results = _output(blobs, "big", "results.jsonl")
+    assert [r["input"] for r in results] == uris
+    truth = dict(zip(uris, (label for label, _ in samples(40, seed=5)), strict=True))
+    assert sum(r["label"] == truth[r["input"]] for r in results) >= 38
+    events = _output(blobs, "big", "job.log")
+    assert '"out_of_memory"' in events

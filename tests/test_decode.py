@@ -1,14 +1,15 @@
 """Decoding JPEGs on the model's device (`--decode gpu`), with a per-input fallback.
 
-No GPU and no torchvision here: `tests.faults:standin_device_decoder` stands in for
-nvJPEG (Pillow decodes the whole file, the default preprocessor's device code resizes
-it), so what is checked is everything around the decoder: which inputs are left
-undecoded, the batch, the bisection, the CPU fallback, each input's own error, and the
-choice of where to decode.
+Without a GPU, `tests.faults:standin_device_decoder` stands in for nvJPEG (Pillow
+decodes the whole file, the default preprocessor's device code resizes it), so what is
+checked is everything around the decoder: which inputs are left undecoded, the batch,
+the bisection, the CPU fallback, each input's own error, and the choice of where to
+decode. On a GPU (`make test-gpu`) the decoder tests run with nvJPEG too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +21,9 @@ from PIL import Image
 from structlog.testing import capture_logs
 
 from stages.postprocess import top_k
-from stages.preprocess import ImagePreprocessor, default_preprocessor
+from stages.preprocess import JPEG_END, JPEG_MAGIC, ImagePreprocessor, default_preprocessor
 from stages.synthetic import LABELS, samples
+from tests.conftest import also_on_gpu
 from tests.faults import StandInDeviceDecoder, broken_scan, reencoded, standin_device_decoder
 from worker.engine import ItemError
 from worker.plugins import (
@@ -30,12 +32,18 @@ from worker.plugins import (
     decode_or_defer,
     decodes_on_device,
     inference_setup,
+    load_device_decoder,
     preprocess_setup,
 )
 
 SHAPE = default_preprocessor.output_shape
 STANDIN = "tests.faults:standin_device_decoder"
+DEFAULT = "stages.preprocess:default_preprocessor"
 CPU = torch.device("cpu")
+TORCHVISION_ABSENT = pytest.mark.skipif(
+    importlib.util.find_spec("torchvision") is not None,
+    reason="checks what happens where torchvision is not installed",
+)
 
 
 def _jpegs(count: int, seed: int = 5) -> list[tuple[str, bytes]]:
@@ -83,7 +91,12 @@ def test_a_jpeg_that_fits_its_slot_is_left_for_the_device_and_anything_else_deco
     assert error.message.startswith("cannot identify image file")
 
 
-def test_jpegs_decoded_on_the_device_get_the_cpus_answers() -> None:
+# Each test of a device decoder runs with the stand-in on the CPU, and with nvJPEG on a GPU.
+DECODERS = also_on_gpu((STANDIN, "cpu"), (DEFAULT, "cuda"))
+
+
+@pytest.mark.parametrize(("decoder", "device"), DECODERS)
+def test_jpegs_decoded_on_the_device_get_the_cpus_answers(decoder: str, device: str) -> None:
     """Decoded whole and resized on the device, the sample JPEGs are within a level of
     Pillow's decode on the CPU, and the default model labels them the same."""
     pairs = _jpegs(300)
@@ -91,51 +104,72 @@ def test_jpegs_decoded_on_the_device_get_the_cpus_answers() -> None:
     for row, (_, data) in zip(on_cpu, pairs, strict=True):
         default_preprocessor(data, row)
     encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _, data in pairs]
-    on_device = torch.stack(standin_device_decoder.decode_on_device(encoded, CPU))
-    assert (on_cpu.float() - on_device.float()).abs().mean() < 1.0
+    decoded = load_device_decoder(decoder).decode_on_device(encoded, torch.device(device))
+    on_device = torch.stack(decoded).cpu()
+    difference = (on_cpu.float() - on_device.float()).abs().mean()
+    print(f"{decoder} on {device}: mean difference from Pillow {float(difference):.3f} levels")
+    assert difference < 1.0
 
     classify = inference_setup("stages.model:default_classifier", "cpu", SHAPE).run
     labels = [int(np.argmax(row)) for row in classify(on_device, [None] * len(pairs))]
-    assert labels == [int(np.argmax(row)) for row in classify(on_cpu, [None] * len(pairs))]
+    labels_on_cpu = [int(np.argmax(row)) for row in classify(on_cpu, [None] * len(pairs))]
+    differing = sum(a != b for a, b in zip(labels, labels_on_cpu, strict=True))
+    print(f"{differing} of {len(pairs)} labels differ")
+    # nvJPEG upsamples chroma and rounds its inverse DCT a little differently from
+    # libjpeg: an image on the edge between two labels may land on the other side.
+    assert differing <= len(pairs) // 100
     right = sum(LABELS[label] == truth for label, (truth, _) in zip(labels, pairs, strict=True))
     assert right / len(pairs) >= 0.95
 
 
-def test_an_input_the_device_rejects_is_decoded_on_the_cpu_and_one_neither_can_fails_alone() -> (
-    None
-):
-    """In a batch of a PNG (decoded before), good JPEGs, a progressive JPEG (the device
-    refuses it) and one with a broken scan header (nothing decodes it): the device call
-    is bisected, the progressive one is decoded on the CPU, the broken one gets the
-    error the CPU gives it, as before, and every other input the model's answer on the
-    CPU-decoded image."""
+# Starts and ends as a JPEG, and holds no image: the preprocessing process would not
+# leave it for the device, but a decoder may fail on a file the header check passed.
+NO_IMAGE = JPEG_MAGIC + b"\xe0" + bytes(200) + JPEG_END
+
+
+@pytest.mark.parametrize(("decoder", "device"), DECODERS)
+def test_an_input_the_device_rejects_is_decoded_on_the_cpu_and_one_neither_can_fails_alone(
+    decoder: str, device: str
+) -> None:
+    """In a batch of a PNG (decoded before), good JPEGs, a progressive JPEG (the
+    stand-in refuses it, nvJPEG decodes it) and a file that only looks like a JPEG
+    (nothing decodes it): the device call is bisected, the inputs it fails on are
+    decoded on the CPU, the one that is no image gets the error the CPU gives it, and
+    every other input the model's answer on the CPU-decoded image."""
     jpegs = [data for _, data in _jpegs(12)]
     inputs = [
         next(data for _, data in samples(20, 5) if data[:4] == b"\x89PNG"),
         jpegs[0],
         reencoded(jpegs[1], progressive=True),
-        broken_scan(jpegs[2]),
+        NO_IMAGE,
         jpegs[3],
     ]
     batch = torch.zeros((len(inputs), *SHAPE), dtype=torch.uint8)
+    preprocessor = load_device_decoder(decoder)
     values = [
-        (decode_or_defer(standin_device_decoder, data, row), {})
-        for data, row in zip(inputs, batch, strict=True)
+        (decode_or_defer(preprocessor, data, row), {})
+        for data, row in zip(inputs[:3], batch, strict=False)
     ]
+    batch[3].view(-1)[: len(NO_IMAGE)] = torch.frombuffer(bytearray(NO_IMAGE), dtype=torch.uint8)
+    values.append((Undecoded(len(NO_IMAGE)), {}))
+    values.append((decode_or_defer(preprocessor, inputs[4], batch[4]), {}))
     assert [isinstance(payload, Undecoded) for payload, _ in values] == [0, 1, 1, 1, 1]
 
     stage_fn = inference_setup(
         "stages.model:default_classifier",
-        "cpu",
+        device,
         SHAPE,
         postprocess="stages.postprocess:top_k",
-        decoder=STANDIN,
+        decoder=decoder,
     )
     with capture_logs() as logs:
         outputs = stage_fn.run(batch, values)
-    assert outputs[3] == _cpu_error(inputs[3]) and outputs[3].stage == "preprocess"
+    error, on_cpu_error = outputs[3], _cpu_error(inputs[3])
+    assert (error.type, error.stage) == (on_cpu_error.type, "preprocess")
+    assert error.message.startswith("cannot identify image file")  # then an object's address
+    refused = 2 if decoder == STANDIN else 1
     assert [event for event in logs if event["event"] == "decoded_on_cpu"] == [
-        {"event": "decoded_on_cpu", "inputs": 2, "of": 4, "log_level": "warning"}
+        {"event": "decoded_on_cpu", "inputs": refused, "of": 4, "log_level": "warning"}
     ]
 
     on_cpu = torch.empty((len(inputs), *SHAPE), dtype=torch.uint8)
@@ -184,13 +218,8 @@ def test_a_device_decoder_that_fails_its_samples_does_not_start() -> None:
         ("auto", STANDIN, ["cuda:0", "cpu"], False, (False, "does not run on a GPU")),
         ("auto", STANDIN, ["cuda:0"], True, (False, "fan-out reads each decoded image")),
         ("auto", "tests.faults:faulty_preprocessor", ["cuda:0"], False, (False, "no decode_on")),
-        # torchvision does not import with the CPU build of torch.
-        (
-            "auto",
-            "stages.preprocess:default_preprocessor",
-            ["cuda:0"],
-            False,
-            (False, "torchvision"),
+        pytest.param(
+            "auto", DEFAULT, ["cuda:0"], False, (False, "torchvision"), marks=TORCHVISION_ABSENT
         ),
     ],
 )
@@ -206,7 +235,7 @@ def test_where_inputs_are_decoded_is_decided_at_start(
 @pytest.mark.parametrize(
     ("preprocess", "chained", "obstacle"),
     [
-        ("stages.preprocess:default_preprocessor", False, "torchvision"),
+        pytest.param(DEFAULT, False, "torchvision", marks=TORCHVISION_ABSENT),
         ("tests.faults:faulty_preprocessor", False, "does not decode on a device"),
         (STANDIN, True, "fan-out"),
     ],
@@ -222,13 +251,15 @@ def test_decode_gpu_is_refused_at_start_where_it_cannot_be(
 
 def test_the_default_preprocessor_takes_only_jpegs_nvjpeg_decodes() -> None:
     """Whole baseline and progressive RGB and greyscale JPEGs go to the device; CMYK,
-    RGB-coded (Adobe transform 0), truncated ones (a decoder may picture them without a
-    word), other formats, unreadable headers and images over the pixel limit do not."""
+    RGB-coded (Adobe transform 0), truncated ones and ones whose scan names a component
+    the frame lacks (nvJPEG pictures both without a word), other formats, unreadable
+    headers and images over the pixel limit do not."""
     (_, jpeg), *_ = _jpegs(4)
     preprocessor = ImagePreprocessor(max_pixels=160 * 160)
     assert preprocessor.device_decodable(jpeg)
     assert not preprocessor.device_decodable(jpeg[: len(jpeg) * 3 // 4])  # truncated
     assert not preprocessor.device_decodable(jpeg + b"trailing")
+    assert not preprocessor.device_decodable(broken_scan(jpeg))  # nvJPEG pictures it
     adobe_rgb = b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00\x00"  # APP14, transform 0
     assert not preprocessor.device_decodable(jpeg[:2] + adobe_rgb + jpeg[2:])
     assert preprocessor.device_decodable(reencoded(jpeg, progressive=True))

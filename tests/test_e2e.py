@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from stages.synthetic import LABELS, boards
-from tests.conftest import REPO, Aws, enqueue_command, following, run_daemon
+from tests.conftest import REPO, Aws, also_on_gpu, enqueue_command, following, run_daemon
 from tests.faults import broken_scan, reencoded
 from worker.demo import Stack, upload_samples
 
@@ -279,15 +279,25 @@ def test_an_embedding_job_leaves_its_array_file_in_s3(aws: Aws, tmp_path: Path) 
     assert not any((tmp_path / "logs" / "arrays").iterdir())
 
 
+@pytest.mark.parametrize(
+    ("decoder", "fallbacks"),
+    also_on_gpu(
+        # The stand-in refuses the progressive JPEG, as some decoders do; nvJPEG takes it.
+        (("tests.faults:standin_device_decoder", "auto"), 1),
+        (("stages.preprocess:default_preprocessor", "cuda"), 0),
+    ),
+)
 def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
-    aws: Aws, tmp_path: Path
+    aws: Aws, tmp_path: Path, decoder: tuple[str, str], fallbacks: int
 ) -> None:
-    """`--decode gpu` with a stand-in for nvJPEG (`tests.faults:standin_device_decoder`;
-    no GPU here): the sample JPEGs are decoded in the model's process and labelled as on
-    the CPU, PNGs, a CMYK and a truncated JPEG in the preprocessing processes (the
-    truncated one failing there, as ever), a progressive JPEG that the device refuses
-    on the CPU after all, and one with a broken scan header, that nothing decodes, is
-    that input's error alone; the job's log says how many fell back."""
+    """`--decode gpu` with nvJPEG on a GPU, and everywhere with a stand-in for it
+    (`tests.faults:standin_device_decoder`): the sample JPEGs are decoded in the model's
+    process and labelled as on the CPU; PNGs, a CMYK JPEG, a truncated one and one with
+    a broken scan header (nvJPEG would picture the last two) in the preprocessing
+    processes, the bad ones failing there, as ever, each that input's error alone; a
+    progressive JPEG is labelled right wherever it is decoded, and the job's log says
+    how many the device sent back to the CPU."""
+    preprocess, device = decoder
     stack = aws.stack()
     labels = upload_samples(aws.s3, stack.bucket, 40, seed=9)
     uris = list(labels)
@@ -308,13 +318,14 @@ def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
     odd_uris = [f"s3://{stack.bucket}/odd/{name}.jpg" for name in odd]
     output = f"s3://{stack.bucket}/out/on-device/"
     aws.send(stack.queue_url, {"job_id": "on-device", "inputs": uris + odd_uris, "output": output})
-    more = ("--decode", "gpu", "--preprocess", "tests.faults:standin_device_decoder")
+    more = ("--decode", "gpu", "--preprocess", preprocess, "--device", device)
     run = run_daemon(aws, _drain_args(stack, tmp_path / "logs", *more))
     assert run.returncode == 0, run.stderr[-3000:]
 
     decided = [json.loads(line) for line in run.stdout.splitlines() if "inputs_decoded_in" in line]
     assert [(line["where"], line["why"]) for line in decided] == [("inference", "--decode gpu")]
     results = aws.results(output)
+    fell_back = [e for e in aws.log_events(output) if e["event"] == "decoded_on_cpu"]
     right = sum(r["label"] == labels[r["input"]] for r in results[: len(uris)])
     assert right >= len(uris) - 1
     progressive, cmyk, truncated, broken = results[len(uris) :]
@@ -324,5 +335,4 @@ def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
     assert "broken data stream" in broken["error"]["message"]
     summary = aws.summary(output)
     assert (summary["status"], summary["failed"]) == ("partial", 2)
-    fell_back = [e for e in aws.log_events(output) if e["event"] == "decoded_on_cpu"]
-    assert sum(event["inputs"] for event in fell_back) == 2  # the progressive and the broken
+    assert sum(event["inputs"] for event in fell_back) == fallbacks

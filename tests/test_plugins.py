@@ -17,6 +17,7 @@ from stages.model import default_classifier
 from stages.postprocess import top_k
 from stages.preprocess import default_preprocessor
 from stages.synthetic import LABELS, samples
+from tests.conftest import also_on_gpu
 from tests.stagefns import SizeRecorder
 from worker.engine import ItemError, bisection_sizes
 from worker.plugins import (
@@ -131,20 +132,21 @@ def test_a_warm_up_size_out_of_memory_is_noted_and_any_other_failure_stops_the_s
         inference_setup("tests.stagefns:one_at_a_time", "cpu", SHAPE, batch_size=2)
 
 
-def test_bfloat16_and_channels_last_are_applied_and_keep_the_answers() -> None:
+@pytest.mark.parametrize("device", also_on_gpu("cpu", "cuda"))
+def test_bfloat16_and_channels_last_are_applied_and_keep_the_answers(device: str) -> None:
     """`--precision bfloat16 --channels-last` reach the model (probed), and the default
     model's answers stay those of float32."""
     batch = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
-    probe = inference_setup("tests.stagefns:LayoutProbe", "cpu", (3, 8, 8))
+    probe = inference_setup("tests.stagefns:LayoutProbe", device, (3, 8, 8))
     assert np.stack(probe.run(batch, [None] * 2)).tolist() == [[0.0, 0.0, 0.0]] * 2
     tuned = inference_setup(
-        "tests.stagefns:LayoutProbe", "cpu", (3, 8, 8), precision="bfloat16", channels_last=True
+        "tests.stagefns:LayoutProbe", device, (3, 8, 8), precision="bfloat16", channels_last=True
     )
     assert np.stack(tuned.run(batch, [None] * 2)).tolist() == [[1.0, 1.0, 1.0]] * 2
     batch, _ = _batch(16)
     default = "stages.model:default_classifier"
-    plain = inference_setup(default, "cpu", SHAPE).run(batch, [None] * 16)
-    fast = inference_setup(default, "cpu", SHAPE, precision="bfloat16", channels_last=True).run(
+    plain = inference_setup(default, device, SHAPE).run(batch, [None] * 16)
+    fast = inference_setup(default, device, SHAPE, precision="bfloat16", channels_last=True).run(
         batch, [None] * 16
     )
     assert [top_k(row, {})["label"] for row in fast] == [top_k(row, {})["label"] for row in plain]

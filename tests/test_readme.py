@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.gpu import build_parser as gpu_bench_parser
 from tests.conftest import REPO
 from worker.cli import build_parser
 from worker.demo import DEMO_SMALL_JOB_IMAGES, DEMO_SMALL_JOBS, LOCAL_AWS_ENV
@@ -53,7 +54,8 @@ def test_every_test_the_readme_cites_exists() -> None:
 
 def test_every_command_flag_and_reference_the_readme_names_exists() -> None:
     """`make` targets, `python -m worker` subcommands and modules, every `--flag` (the
-    worker's own, or `docker run`'s as infra/worker.yaml uses them) and every
+    worker's own, `python -m bench.gpu`'s, or `docker run`'s as infra/worker.yaml uses
+    them) and every
     `module:attribute` reference."""
     makefile = (REPO / "Makefile").read_text()
     targets = set(re.findall(r"^([\w-]+):", makefile, re.MULTILINE))
@@ -67,6 +69,7 @@ def test_every_command_flag_and_reference_the_readme_names_exists() -> None:
         assert importlib.util.find_spec(module), module
 
     flags = {flag for sub in commands.choices.values() for flag in sub._option_string_actions}
+    flags |= set(gpu_bench_parser()._option_string_actions)
     template = (REPO / "infra" / "worker.yaml").read_text()
     commands_shown = [
         line.partition("python -m worker")[2]
