@@ -15,7 +15,7 @@ import pytest
 from moto import mock_aws
 
 from tests.conftest import Aws
-from worker.aws import S3BlobStore, SqsJobSource
+from worker.aws import S3BlobStore, SqsJobSource, _received
 from worker.errors import MissingObject, PreconditionFailed
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.ports import ABSENT, S3Location
@@ -168,6 +168,52 @@ def test_a_continuation_carries_the_attempts_and_the_first_message(
     source.ack(second.receipt_handle)
     [third] = source.receive(1, 0, 30)
     assert third.attempt == 3 and third.job_message_id == first.message_id
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value"),
+    [
+        ("worker.earlier-attempts", "²"),
+        ("worker.earlier-attempts", "-1"),
+        ("worker.replaced-lease-ends", "soon"),
+        ("worker.replaced-lease-ends", "nan"),
+        ("worker.first-message-id", "../../x"),
+        ("worker.handed-over-from", "a" * 200),
+    ],
+)
+def test_continuation_attributes_that_do_not_parse_poison_their_message(
+    attribute: str, value: str
+) -> None:
+    """Any sender can set a continuation's attributes: one that does not parse is kept
+    out of the message (which the intake then dead-letters with the reason), and valid
+    ones are taken."""
+
+    def message(message_id: str, **attributes: str) -> Any:
+        carried = {name: {"DataType": "String", "StringValue": v} for name, v in attributes.items()}
+        return {
+            "MessageId": message_id,
+            "Body": "{}",
+            "ReceiptHandle": "h",
+            "MessageAttributes": carried,
+        }
+
+    received = _received(message("m-1", **{"worker.earlier-attempts": "3", attribute: value}))
+    assert received.attributes_problem.startswith(f"message attribute {attribute} is not")
+    assert (received.earlier_attempts, received.job_message_id) == (0, "m-1")
+    assert received.handed_over_from == "" and received.replaced_lease_ends is None
+    valid = _received(
+        message(
+            "m-2",
+            **{
+                "worker.earlier-attempts": "3",
+                "worker.first-message-id": "m-0",
+                "worker.handed-over-from": "m-1",
+                "worker.replaced-lease-ends": "1.5",
+            },
+        )
+    )
+    assert (valid.attributes_problem, valid.attempt, valid.job_message_id) == ("", 4, "m-0")
+    assert (valid.handed_over_from, valid.replaced_lease_ends) == ("m-1", 1.5)
 
 
 def test_fake_leases_run_out_and_renewals_hide_again() -> None:

@@ -340,6 +340,55 @@ def test_a_driver_never_waits_for_slots_while_it_holds_replies() -> None:
     assert sorted(r.value[0] for r in results) == sorted(f"fetched:v{i}" for i in range(60))
 
 
+class RacedInbox(Channel[Item]):
+    """An inbox whose full batch, the first time a driver looks and sees exactly one
+    waiting, another driver takes before this one can: the race of two drivers of one
+    stage, forced."""
+
+    def __init__(self, batch_size: int):
+        super().__init__(64)
+        self.batch_size = batch_size
+        self.taken_by_another: list[Item] = []
+
+    def __len__(self) -> int:
+        length = super().__len__()
+        if length == self.batch_size and not self.taken_by_another:
+            self.taken_by_another = self.take_now(length) or []
+        return length
+
+
+def _take(channel: Channel[Item], count: int, within_s: float) -> list[Item]:
+    taken: list[Item] = []
+    reader = threading.Thread(target=lambda: taken.extend(channel.get() for _ in range(count)))
+    reader.daemon = True
+    reader.start()
+    reader.join(within_s)
+    return taken
+
+
+def test_a_driver_that_loses_the_batch_it_saw_collects_its_replies_first() -> None:
+    """A driver with a request in flight sees a full batch waiting, and another driver
+    takes it first: the driver collects its child's reply rather than wait for more
+    items with the reply unread (which held results until unrelated work came)."""
+    stage = ProcessStage(
+        "inference", functools.partial(stagefns.finishing_runner, 0.0, 0.0), batch_size=4
+    )
+    inbox, outbox, finished = RacedInbox(4), Channel[Item](64), Channel[Item](64)
+    for number in range(8):
+        inbox.put(Item("j", number, f"v{number}"))
+    stage.start(inbox, outbox, RecordingObserver(), finished)
+    try:
+        first = _take(outbox, 4, within_s=20)
+        assert [item.value for item in first] == [f"ran:v{n}+" for n in range(4)]
+        assert [item.index for item in inbox.taken_by_another] == [4, 5, 6, 7]
+        for item in inbox.taken_by_another:
+            inbox.put(item)
+        assert len(_take(outbox, 4, within_s=20)) == 4
+    finally:
+        inbox.close()
+        stage.stop()
+
+
 def test_a_finish_step_runs_beside_the_next_request_and_keeps_errors_apart() -> None:
     """A stage's `finish` makes each output into the item's outcome on a thread of the
     child while the next request runs (0.2 s of run and 0.2 s of finish a request, six

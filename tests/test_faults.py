@@ -77,6 +77,59 @@ def _assert_complete(aws: Aws, stack: Stack, job_id: str, inputs: list[str]) -> 
     assert aws.summary(output)["status"] == "succeeded"
 
 
+def test_forged_continuation_attributes_poison_their_own_message_alone(
+    aws: Aws, tmp_path: Path
+) -> None:
+    """Messages sent with boto3 whose continuation attributes do not parse (a count of
+    "²", a lease end of "soon", a first message id of "../../x", which would name a file
+    outside --log-dir) are each dead-lettered naming the attribute, and the valid jobs
+    received beside them run. A message naming another job's message as the one it
+    replaces, with an output of its own, neither skips nor stops that job."""
+    stack = aws.stack()
+    uris = list(upload_samples(aws.s3, stack.bucket, 6, seed=3))
+    jobs = {f"good-{number}": uris[number * 2 : number * 2 + 2] for number in range(3)}
+    victim = aws.sqs.send_message(
+        QueueUrl=stack.queue_url,
+        MessageBody=json.dumps(
+            {"job_id": "good-0", "inputs": jobs["good-0"], "output": _out(stack, "good-0")}
+        ),
+    )["MessageId"]
+    _send_jobs(aws, stack, {job_id: jobs[job_id] for job_id in ("good-1", "good-2")})
+
+    def forge(name: str, attribute: str, value: str, **body: str) -> None:
+        aws.sqs.send_message(
+            QueueUrl=stack.queue_url,
+            MessageBody=json.dumps({**body, "inputs": uris[:1], "output": _out(stack, name)}),
+            MessageAttributes={attribute: {"DataType": "String", "StringValue": value}},
+        )
+
+    forge("count", "worker.earlier-attempts", "²", job_id="count")
+    forge("soon", "worker.replaced-lease-ends", "soon", job_id="soon")
+    forge("escape", "worker.first-message-id", "../../x")
+    forge("hijack", "worker.handed-over-from", victim, job_id="hijack")
+
+    log_dir = tmp_path / "logs"
+    run = run_daemon(aws, _args(stack, log_dir, "--drain"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for job_id in ("good-0", "good-1", "good-2"):
+        _assert_complete(aws, stack, job_id, jobs[job_id])
+    _assert_complete(aws, stack, "hijack", uris[:1])
+    reasons = sorted(
+        message["MessageAttributes"]["reason"]["StringValue"]
+        for message in aws.dead_letters(stack.dlq_url)
+    )
+    assert len(reasons) == 3
+    for reason, attribute in zip(
+        reasons,
+        ["worker.earlier-attempts", "worker.first-message-id", "worker.replaced-lease-ends"],
+        strict=True,
+    ):
+        assert f"message attribute {attribute} is not" in reason, reasons
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["logs"]
+    assert not (tmp_path.parent / "x.log").exists()
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+
+
 def test_bad_inputs_and_poison_messages_fail_alone(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:

@@ -145,6 +145,22 @@ def test_a_cancelled_job_stops_feeding_and_drops_late_results(tmp_path: Path) ->
         ledger.next_item()  # nothing of it left to feed
 
 
+def test_a_job_whose_last_result_lands_while_it_is_found_superseded_finishes(
+    tmp_path: Path,
+) -> None:
+    """The progress loop sees a running job, finds its message handed over (an S3 read),
+    and meanwhile the job's last result lands: the job is finishing, its outputs fenced
+    against the continuation's, so it is not superseded, and nothing raises (which would
+    stop the daemon and charge every held job a receive)."""
+    ledger = Ledger()
+    job = _held(ledger, 1, 1, tmp_path)
+    assert ledger.next_item() == (job, 0)
+    assert job.state is JobState.RUNNING  # what the progress loop saw
+    assert ledger.record(job.key, 0, DONE) is job
+    assert not ledger.supersede(job)
+    assert job.state is JobState.FINISHING and ledger.ack(job)
+
+
 def test_the_feed_takes_jobs_in_turn(tmp_path: Path) -> None:
     """A one-item job admitted after a 100-item one is fed second, not 101st; a job
     released while it waits for its turn is skipped."""

@@ -9,10 +9,12 @@ retries are off, so there is one retry policy, not two stacked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +39,7 @@ from botocore.exceptions import (
 )
 
 from worker.errors import AccessDenied, MissingObject, PreconditionFailed, TransientError
+from worker.message import JOB_ID_PATTERN
 from worker.ports import (
     ABSENT,
     Notice,
@@ -526,20 +529,49 @@ def open_s3_reader(attempts: int, connections: int) -> Callable[[S3Location], by
 
 
 def _received(message: MessageTypeDef) -> ReceivedMessage:
-    """A received message, with what a continuation carries (`requeue`)."""
-    carried: dict[str, Any] = dict(message.get("MessageAttributes", {}))
-    earlier = carried.get(EARLIER_ATTEMPTS_ATTRIBUTE, {}).get("StringValue", "")
-    lease_ends = carried.get(REPLACED_LEASE_ENDS_ATTRIBUTE, {}).get("StringValue", "")
-    return ReceivedMessage(
+    """A received message, with what a continuation carries (`requeue`). Any sender can
+    set those attributes: a value that does not parse makes this message poison
+    (`attributes_problem`), and none of it is used."""
+    received = ReceivedMessage(
         message_id=message["MessageId"],
         body=message["Body"],
         receipt_handle=message["ReceiptHandle"],
         receive_count=int(message.get("Attributes", {}).get("ApproximateReceiveCount", 1)),
-        earlier_attempts=int(earlier) if earlier.isdigit() else 0,
-        first_message_id=carried.get(FIRST_MESSAGE_ATTRIBUTE, {}).get("StringValue", ""),
-        handed_over_from=carried.get(HANDED_OVER_FROM_ATTRIBUTE, {}).get("StringValue", ""),
-        replaced_lease_ends=float(lease_ends) if lease_ends else None,
     )
+    try:
+        carried = _carried(dict(message.get("MessageAttributes", {})))
+    except ValueError as error:
+        return dataclasses.replace(received, attributes_problem=str(error))
+    return dataclasses.replace(received, **carried)
+
+
+# What a continuation's attributes may hold: a count, a message id (it names files, as a
+# job id does), and an epoch time in seconds.
+ATTEMPTS_PATTERN = re.compile(r"[0-9]{1,6}")
+MESSAGE_ID_PATTERN = re.compile(JOB_ID_PATTERN)
+EPOCH_SECONDS_PATTERN = re.compile(r"[0-9]{1,11}(\.[0-9]{1,6})?")
+
+
+def _carried(attributes: dict[str, Any]) -> dict[str, Any]:
+    def value(name: str, pattern: re.Pattern[str], what: str) -> str | None:
+        attribute = attributes.get(name)
+        if attribute is None:
+            return None
+        text = attribute.get("StringValue")
+        if not isinstance(text, str) or not pattern.fullmatch(text):
+            raise ValueError(f"message attribute {name} is not {what}: {str(text)[:80]!r}")
+        return text
+
+    earlier = value(EARLIER_ATTEMPTS_ATTRIBUTE, ATTEMPTS_PATTERN, "a count of attempts")
+    first = value(FIRST_MESSAGE_ATTRIBUTE, MESSAGE_ID_PATTERN, "a message id")
+    handed_over_from = value(HANDED_OVER_FROM_ATTRIBUTE, MESSAGE_ID_PATTERN, "a message id")
+    lease_ends = value(REPLACED_LEASE_ENDS_ATTRIBUTE, EPOCH_SECONDS_PATTERN, "a time")
+    return {
+        "earlier_attempts": int(earlier or 0),
+        "first_message_id": first or "",
+        "handed_over_from": handed_over_from or "",
+        "replaced_lease_ends": float(lease_ends) if lease_ends else None,
+    }
 
 
 class PlatformUnavailable(Exception):

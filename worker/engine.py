@@ -799,19 +799,33 @@ class ProcessStage(_Stage):
         """
         in_flight: deque[list[Item]] = deque()  # batches sent, oldest first
         while True:
-            if child.retiring.is_set() and not in_flight:
-                self._retire(child)
-                return
-            full_batch_waiting = len(self._inbox) >= self.current_batch_size()
-            reserved: list[int] | None = []
-            if in_flight:
-                ahead = len(in_flight) < self.pipelined and full_batch_waiting
-                reserved = self._reserve_ahead() if ahead else None
-            if reserved is not None:
-                items = self._next_batch(unless=child.retiring.is_set)
-                self._dispatch(child, in_flight, items, reserved)
-            else:
+            if not in_flight:
+                if child.retiring.is_set():
+                    self._retire(child)
+                    return
+                self._dispatch(child, in_flight, self._next_batch(child.retiring.is_set), [])
+                continue
+            ahead = self._batch_ahead() if len(in_flight) < self.pipelined else None
+            if ahead is None:
                 self._complete_oldest(child, in_flight)
+            else:
+                self._dispatch(child, in_flight, *ahead)
+
+    def _batch_ahead(self) -> tuple[list[Item], list[int]] | None:
+        """A full batch, and its slots, to send ahead of replies this driver has yet to
+        collect, if both are there now (else None): it never waits with replies unread.
+        Another driver may take the batch it saw waiting before it takes it."""
+        batch_size = self.current_batch_size()
+        if len(self._inbox) < batch_size:
+            return None
+        reserved = self._reserve_ahead(batch_size)
+        if reserved is None:
+            return None
+        items = self._inbox.take_now(batch_size)
+        if items is None:
+            self._give_back(reserved)
+            return None
+        return items, reserved
 
     def _retire(self, child: _ChildProcess) -> None:
         """Stop a child that `shrink` chose, with this, its driver thread."""
@@ -830,14 +844,14 @@ class ProcessStage(_Stage):
             list(pool.map(_ChildProcess.stop, children))
         super().stop()
 
-    def _reserve_ahead(self) -> list[int] | None:
+    def _reserve_ahead(self, batch_size: int) -> list[int] | None:
         """Slots for a request sent ahead of replies this driver has yet to collect, if
         they are free now (else None). Waiting for them could wait for ever: the items
         of those replies hold slots that only this driver, collecting them, hands on."""
         if self.mode != "write":
             return []
         assert self.writes is not None
-        return self.writes.try_acquire(self.current_batch_size())
+        return self.writes.try_acquire(batch_size)
 
     def _dispatch(
         self,

@@ -172,6 +172,8 @@ class Intake:
             self._outcomes.hand_over(job, "shutting down")
             return None
         try:
+            if job.message.attributes_problem:
+                raise PoisonMessage(job.message.attributes_problem)
             spec = parse_job_message(job.message.body, settings.allowed_buckets)
             inputs = spec.inputs or self._read_manifest(spec.manifest or "")
             if len(inputs) > settings.max_items_per_job:

@@ -342,8 +342,13 @@ class Ledger:
 
     def supersede(self, job: Job) -> bool:
         """ADMITTED | RUNNING -> SUPERSEDED: a continuation of the job (another message)
-        runs it, so this message is deleted unfinished. False if settled meanwhile."""
-        return self._settle(job, JobState.SUPERSEDED)
+        runs it, so this message is deleted unfinished. False if it is finishing (its
+        last result came while the continuation was being looked for: its outputs are
+        fenced against the continuation's) or settled meanwhile."""
+        with self._changed:
+            if job.state not in FEEDABLE:
+                return False
+            return self._settle(job, JobState.SUPERSEDED)
 
     def release(self, job: Job, delay_s: int = 0) -> bool:
         """-> RELEASED: hand it back to the queue unfinished, visible again after

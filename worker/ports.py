@@ -61,6 +61,8 @@ class ReceivedMessage:
     # By when (epoch seconds, the sender's clock) the message it replaces can have come
     # back, if its worker died before deleting it; None: it cannot.
     replaced_lease_ends: float | None = None
+    # Why those attributes cannot be taken (they did not parse): the message is poison.
+    attributes_problem: str = ""
 
     @property
     def attempt(self) -> int:
