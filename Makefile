@@ -17,6 +17,13 @@ $(VENV)/installed: pyproject.toml
 demo: $(VENV)/installed
 	$(PY) -m worker demo
 
+# checkov pins boto3, botocore, packaging and networkx below the project's releases: it
+# gets a virtual environment of its own (tests/test_deploy.py runs it from there).
+$(VENV)/checkov/installed: $(VENV)/installed
+	$(PYTHON) -m venv $(VENV)/checkov
+	$(VENV)/checkov/bin/python -m pip install --quiet checkov==3.3.30
+	touch $@
+
 lint: $(VENV)/installed
 	$(PY) -m ruff check worker stages bench tests
 	$(PY) -m ruff format --check worker stages bench tests
@@ -24,7 +31,7 @@ lint: $(VENV)/installed
 
 # Three tests at a time: most of the suite's time is end-to-end tests waiting on moto,
 # timers and child processes, not using a core.
-test: lint
+test: lint $(VENV)/checkov/installed
 	$(PY) -m pytest -n 3 --dist worksteal
 
 # On a GPU host (the CUDA build of torch and its torchvision): the tests marked `gpu`

@@ -50,7 +50,7 @@ from worker.plugins import (
     load_preprocessor,
     resolve_device,
 )
-from worker.ports import ReceivedMessage, RemoteReader, S3Location
+from worker.ports import ObjectReader, ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
 from worker.timeline import Timeline
 
@@ -158,9 +158,9 @@ class LatentBlobStore(InMemoryBlobStore):
             delay_s = self._rng.lognormvariate(self._mu, self._sigma)
         time.sleep(delay_s)
 
-    def get(self, location: S3Location) -> bytes:
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
         self._wait()
-        return super().get(location)
+        return super().get(location, max_bytes)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
@@ -174,17 +174,14 @@ class LatentBlobStore(InMemoryBlobStore):
 
 
 def _late_reads(
-    open_reads: Callable[[int], Callable[[S3Location], bytes]],
-    mu: float,
-    sigma: float,
-    connections: int,
-) -> Callable[[S3Location], bytes]:
+    open_reads: Callable[[int], ObjectReader], mu: float, sigma: float, connections: int
+) -> ObjectReader:
     """`open_reads(connections)`, each read after a lognormal wait (in another process)."""
     get, rng = open_reads(connections), random.Random()
 
-    def late_get(location: S3Location) -> bytes:
+    def late_get(location: S3Location, max_bytes: int | None = None) -> bytes:
         time.sleep(rng.lognormvariate(mu, sigma))
-        return get(location)
+        return get(location, max_bytes)
 
     return late_get
 
@@ -797,7 +794,7 @@ def handoff(batches: int, runs: int) -> dict[str, float]:
     return {"handoff_ratio": ratio, "handoff_fraction_of_inference": handoff_s / inference_s}
 
 
-def _tree_rss_mb(pid: int) -> float:
+def tree_rss_mb(pid: int) -> float:
     """Resident memory of `pid` and all its descendants, from /proc."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -816,13 +813,14 @@ def _tree_rss_mb(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _peak_rss() -> Iterator[list[float]]:
+def peak_rss(pid: int, every_s: float = 0.25) -> Iterator[list[float]]:
+    """The most resident memory (MB) of `pid`'s process tree, sampled while inside."""
     peak = [0.0]
     done = threading.Event()
 
     def sample() -> None:
-        while not done.wait(0.25):
-            peak[0] = max(peak[0], _tree_rss_mb(os.getpid()))
+        while not done.wait(every_s):
+            peak[0] = max(peak[0], tree_rss_mb(pid))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -838,7 +836,7 @@ def backlog(work_dir: Path, seconds: float) -> dict[str, float]:
     the jobs in flight (compared with a backlog of 100), no message is redelivered."""
     results = {}
     for queued in (100, 10_000):
-        with _peak_rss() as peak:
+        with peak_rss(os.getpid()) as peak:
             daemon = _run_daemon(
                 [4] * queued,
                 InMemoryBlobStore(),

@@ -76,3 +76,9 @@ class SlowToWarmUp(nn.Module):
 
 def slow_to_warm_up() -> nn.Module:
     return SlowToWarmUp()
+
+
+def slow_to_load() -> nn.Module:
+    """Six seconds to load (a large model, or one compiled at load)."""
+    time.sleep(6)
+    return SlowToWarmUp()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ from moto import mock_aws
 
 from tests.conftest import Aws
 from worker.aws import S3BlobStore, SqsJobSource, _received
-from worker.errors import MissingObject, PreconditionFailed
+from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.ports import ABSENT, S3Location
 
@@ -61,6 +62,34 @@ def test_received_message_is_invisible_until_released(parts: tuple[Any, Any, Any
     source.release(message.receipt_handle)
     [again] = source.receive(10, 0, 30)
     assert again.message_id == message.message_id and again.receive_count == 2
+
+
+def test_an_object_over_the_readers_limit_is_refused_unread(
+    parts: tuple[Any, Any, Any], tmp_path: Path
+) -> None:
+    """`get` with `max_bytes` returns an object of up to that size and refuses a larger
+    one with its size and the limit; `chunks` streams an object within its own limit;
+    the reader another process opens (the fake's files) refuses as `get` does, and the
+    error crosses between processes whole."""
+    _, blobs, _ = parts
+    location = S3Location.parse("s3://bkt/in/object")
+    blobs.put(location, b"s3://bkt/a\ns3://bkt/b\n", "text/plain")
+    assert blobs.get(location, 22) == b"s3://bkt/a\ns3://bkt/b\n"
+    with pytest.raises(ObjectTooLarge, match="too large: 22 bytes, limit 21"):
+        blobs.get(location, 21)
+    assert b"".join(blobs.chunks(location, 22)) == b"s3://bkt/a\ns3://bkt/b\n"
+    with pytest.raises(ObjectTooLarge, match="too large: 22 bytes, limit 10"):
+        list(blobs.chunks(location, 10))
+    on_disk = InMemoryBlobStore(tmp_path)
+    on_disk.put(location, b"12345", "text/plain")
+    reader = on_disk.remote_reader()
+    assert reader is not None
+    get = reader.open(1)
+    assert get(location, 5) == b"12345"
+    with pytest.raises(ObjectTooLarge, match="too large: 5 bytes, limit 4") as raised:
+        get(location, 4)
+    copied = pickle.loads(pickle.dumps(raised.value))
+    assert (str(copied), copied.size, copied.limit) == (str(raised.value), 5, 4)
 
 
 def test_extend_reports_stale_handles_and_ack_deletes(parts: tuple[Any, Any, Any]) -> None:

@@ -80,6 +80,30 @@ def test_rows_land_in_place_and_a_row_that_does_not_fit_is_refused_whole(
     assert not (tmp_path / "job").exists()
 
 
+def test_rows_take_the_probes_layout_and_their_disk_space_as_they_come(tmp_path: Path) -> None:
+    """With the layouts the postprocessor's answer to zeros gave at start, a field's
+    file has that shape and dtype whichever row comes first: a first row of another
+    shape is refused, not made the rule; a field the probe did not give is refused. A
+    file of 1,000 rows of 64 KiB takes the disk space of the rows written, not of all."""
+    files = ArrayFiles(
+        tmp_path / "job", rows=1000, layouts={"mask": (np.dtype(np.uint8), (256, 256))}
+    )
+    with pytest.raises(
+        ValueError, match=r"uint8\[128, 128\], where this job's mask.npy takes uint8\[256"
+    ):
+        files.write(7, {"mask": np.ones((128, 128), np.uint8)})
+    with pytest.raises(ValueError, match="gave no embedding array for the model's answer"):
+        files.write(7, {"embedding": np.zeros(3, np.float32)})
+    for row in (3, 900):
+        files.write(row, {"mask": np.full((256, 256), row % 251, np.uint8)})
+    path = files.files()["mask.npy"]
+    assert os.stat(path).st_blocks * 512 < 4 * 256 * 256  # two rows and the header
+    mask = np.load(path, mmap_mode="r")
+    assert mask.shape == (1000, 256, 256) and mask[900].max() == 900 % 251
+    assert mask[7].max() == 0  # the refused rows wrote nothing
+    files.remove()
+
+
 def test_an_embedding_job_leaves_its_rows_in_input_order_beside_results(tmp_path: Path) -> None:
     """With an embedding model and `stages.postprocess:embedding`, each input's line
     refers to its row of embedding.npy, which holds what the model made of it; a
@@ -142,8 +166,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """When the local disk cannot take a job's array file (no space: its blocks are
-    taken when it is made, not on some later row's page fault), the input is fed again
+    """When the local disk cannot take a row of a job's array file (no space: a row's
+    blocks are taken as it is written, not on its page's write-back), the input is fed again
     rather than failed, and the job ends succeeded once the disk has room. Array files
     that a killed daemon left behind are removed at start; those of a daemon that lives
     (sharing the log directory) are not."""

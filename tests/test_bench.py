@@ -75,9 +75,9 @@ class InputReadsCounted(InMemoryBlobStore):
         super().__init__(directory)
         self.input_reads = 0
 
-    def get(self, location: S3Location) -> bytes:
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
         self.input_reads += location.key.startswith("in/")
-        return super().get(location)
+        return super().get(location, max_bytes)
 
 
 def test_the_host_ceiling_moves_every_item_of_its_jobs(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from stages.synthetic import samples
 from tests.conftest import also_on_gpu, needs_gpu
 from worker import intake, results
 from worker.daemon import Daemon, ExitCode
+from worker.engine import StageSetupTimeout
 from worker.errors import TransientError
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.ledger import Job
@@ -122,6 +123,30 @@ def test_bad_inputs_fail_alone_and_the_job_is_partial(tmp_path: Path) -> None:
     assert _output(blobs, "clean", "job.json")["status"] == "succeeded"
     assert _output(blobs, "mixed", "job.log").count('"item_failed"') == 4
     assert len(source) == 0
+
+
+def test_objects_over_their_byte_limits_are_not_read(tmp_path: Path) -> None:
+    """An input over --max-input-bytes is that input's error, with its size and the
+    limit; a manifest over --max-manifest-bytes makes its message poison, with the
+    reason; the other inputs and jobs are untouched."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    good = _images(blobs, 2)
+    limit = max(len(blobs.objects[uri]) for uri in good)
+    blobs.objects["s3://bkt/big"] = bytes(limit + 1)
+    blobs.objects["s3://bkt/list.txt"] = "\n".join(good * 200).encode()
+    inputs = [good[0], "s3://bkt/big", good[1]]
+    source.send(json.dumps({"job_id": "sizes", "inputs": inputs, "output": "s3://bkt/out/sizes/"}))
+    source.send(json.dumps({"manifest": "s3://bkt/list.txt", "output": "s3://bkt/out/long/"}))
+    _run(source, blobs, tmp_path, max_input_bytes=limit, max_manifest_bytes=1000)
+    results = _output(blobs, "sizes", "results.jsonl")
+    assert results[1]["error"] == {
+        "type": "ObjectTooLarge",
+        "message": f"too large: {limit + 1} bytes, limit {limit}",
+    }
+    assert "label" in results[0] and "label" in results[2]
+    [(_, reason)] = source.dead_letters
+    manifest_bytes = len(blobs.objects["s3://bkt/list.txt"])
+    assert reason == f"manifest s3://bkt/list.txt is too large: {manifest_bytes} bytes, limit 1000"
 
 
 def _png_header_claiming(width: int, height: int) -> bytes:
@@ -246,7 +271,9 @@ class StolenLeaseSource(InMemoryJobSource):
         self.stolen_handles: list[str] = []
         self.acked: list[str] = []
 
-    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
+    def extend(
+        self, receipt_handles: list[str], visibility_timeout_s: int, within_s: float | None = None
+    ) -> dict[str, str]:
         with self._lock:  # reentrant: the daemon's own receive cannot slip in between
             if not self.stolen_handles:
                 self.stolen_handles = list(receipt_handles)
@@ -291,12 +318,12 @@ class RecordingBlobs(InMemoryBlobStore):
         self.failing_puts: dict[str, int] = {}
         self.before_failing_get: Callable[[], None] = lambda: None
 
-    def get(self, location: S3Location) -> bytes:
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
         errors = self.failing_gets.get(str(location))
         if errors:
             self.before_failing_get()
             raise errors.pop()
-        return super().get(location)
+        return super().get(location, max_bytes)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
@@ -545,6 +572,33 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, dev
     assert health_while_starting[0].startswith("starting")
     summary = _output(blobs, "one", "job.json")
     assert summary["model"]["name"] == "tests.slow_model:slow_to_warm_up"
+    batches = [e for e in _output(blobs, "one", "job.log").splitlines() if '"batch_done"' in e]
+    assert len(batches) == 1 and '"batch_items": 1' in batches[0]  # a lone image's batch too
+
+
+def test_the_set_up_limit_is_a_setting_and_the_warm_up_adds_to_it(tmp_path: Path) -> None:
+    """`--setup-timeout-seconds` bounds a stage process's start; a model's process also
+    has `--inference-timeout-seconds` for each batch size its warm-up runs: a warm-up of
+    5 s starts within a 4 s set-up limit, and a model that takes 6 s to load does not
+    start within 4 s and seven warm-up sizes of 0.25 s."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    _send(source, "one", _images(blobs, 1))
+    warming = _draining(
+        tmp_path,
+        model="tests.slow_model:slow_to_warm_up",
+        batch_size=32,  # warm-up batches of 32, 16, 8, 4 and 2 images: 1 s each
+        setup_timeout_seconds=4,
+        inference_timeout_seconds=5,
+    )
+    assert Daemon(warming, source, blobs).run() is ExitCode.DRAINED
+    loading = _draining(
+        tmp_path,
+        model="tests.slow_model:slow_to_load",
+        setup_timeout_seconds=4,
+        inference_timeout_seconds=0.25,  # 7 warm-up batch sizes: 5.75 s in all
+    )
+    with pytest.raises(StageSetupTimeout, match=r"inference-0 did not start: .* in 5\.75 s"):
+        Daemon(loading, source, blobs).run()
 
 
 @pytest.mark.parametrize("devices", also_on_gpu("cpu,cpu", "cuda:0,cuda:0"))

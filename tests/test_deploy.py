@@ -1,27 +1,40 @@
 """Deployment artefacts: the container (hadolint and its key lines) and the
 CloudFormation stack (cfn-lint, and deployed into moto with a daemon draining its
-queue). The image itself cannot be built here: there is no Docker engine."""
+queue), both checked by checkov. The image itself cannot be built here: there is no
+Docker engine."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cfnlint.decode import decode
 
 from tests.conftest import REPO, Aws, run_daemon
+from worker.checkpoints import CANCEL_MARKER, CHECKPOINT_PREFIX, FINAL_OUTPUTS, SUPERSEDED_PREFIX
 from worker.demo import upload_samples
 
 TEMPLATE = REPO / "infra" / "worker.yaml"
 DOCKERFILE = REPO / "Dockerfile"
+# checkov pins boto3, botocore, packaging and networkx to older releases than the
+# project's, so it has a virtual environment of its own inside the project's.
+CHECKOV = Path(sys.executable).parent.parent / "checkov" / "bin" / "checkov"
 
 
 def _tool(name: str) -> str:
     """A linter installed in the project's environment (dev extra)."""
     return str(Path(sys.executable).parent / name)
+
+
+def _actions(statement: dict[str, Any]) -> list[str]:
+    action = statement["Action"]
+    return [action] if isinstance(action, str) else list(action)
 
 
 def test_dockerfile_passes_hadolint() -> None:
@@ -52,6 +65,33 @@ def test_template_passes_cfn_lint() -> None:
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
+def test_infra_and_dockerfile_pass_checkov() -> None:
+    """Every check passes or is skipped in the template with its reason beside it."""
+    assert CHECKOV.exists(), "checkov is not installed: `make test` installs it"
+    template, problems = decode(str(TEMPLATE))
+    assert not problems and template is not None
+    for name, resource in template["Resources"].items():
+        for skip in resource.get("Metadata", {}).get("checkov", {}).get("skip", []):
+            assert skip.get("comment"), f"{name} skips {skip['id']} without saying why"
+    files = [arg for path in sorted((REPO / "infra").glob("*.yaml")) for arg in ("-f", str(path))]
+    scan = subprocess.run(
+        [
+            str(CHECKOV),
+            *files,
+            *("-f", str(DOCKERFILE)),
+            *("--framework", "cloudformation", "dockerfile"),
+            *("--compact", "--quiet", "--skip-download"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "CKV_SKIP_PACKAGE_UPDATE_CHECK": "true"},
+        cwd=REPO,
+    )
+    assert scan.returncode == 0, scan.stdout + scan.stderr
+    assert "cloudformation scan results" in scan.stdout and "dockerfile scan results" in scan.stdout
+
+
 def test_template_locks_things_down() -> None:
     """Private, encrypted bucket; encrypted queues; IMDSv2 only; the daemon's policy
     names only the actions it calls, and on ECS task protection for its own tasks; ECS
@@ -63,18 +103,12 @@ def test_template_locks_things_down() -> None:
     bucket = resources["DataBucket"]["Properties"]
     assert all(bucket["PublicAccessBlockConfiguration"].values())
     assert bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"]
-    assert resources["JobsQueue"]["Properties"]["SqsManagedSseEnabled"]
-    assert resources["DeadLetterQueue"]["Properties"]["SqsManagedSseEnabled"]
+    assert resources["JobsQueue"]["Properties"]["SqsManagedSseEnabled"] is True
+    assert resources["DeadLetterQueue"]["Properties"]["SqsManagedSseEnabled"] is True
     metadata = resources["LaunchTemplate"]["Properties"]["LaunchTemplateData"]["MetadataOptions"]
     assert metadata["HttpTokens"] == "required"
     statements = resources["WorkerPolicy"]["Properties"]["PolicyDocument"]["Statement"]
-    actions = {
-        action
-        for statement in statements
-        for action in (
-            [statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"]
-        )
-    }
+    actions = {action for statement in statements for action in _actions(statement)}
     assert actions == {
         "sqs:ReceiveMessage",
         "sqs:DeleteMessage",
@@ -118,6 +152,37 @@ def test_template_locks_things_down() -> None:
     assert container["LinuxParameters"]["SharedMemorySize"] == {"Ref": "SharedMemoryMiB"}
     assert "--shm-size ${SharedMemoryMiB}m" in json.dumps(user_data)
     assert template["Parameters"]["SharedMemoryMiB"]["Default"] >= 1024
+
+
+def test_template_scopes_the_daemons_data_policy() -> None:
+    """The daemon deletes checkpoint parts and nothing else, wherever a job's output
+    prefix is; its data policy is on the instance role only on EC2 (on ECS the task
+    role carries it, and the instance keeps what the ECS agent needs)."""
+    template, problems = decode(str(TEMPLATE))
+    assert not problems and template is not None
+    resources = template["Resources"]
+    statements = resources["WorkerPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    [deletes] = [s for s in statements if "s3:DeleteObject" in _actions(s)]
+    assert _actions(deletes) == ["s3:DeleteObject"]
+    patterns = [resource["Fn::Sub"] for resource in deletes["Resource"]]
+    assert all(p.startswith("${DataBucket.Arn}/") for p in patterns)
+    keys = [p.removeprefix("${DataBucket.Arn}/") for p in patterns]  # IAM's * spans "/" too
+
+    def deletable(key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, pattern) for pattern in keys)
+
+    for output in ("", "results/job-1/", "a/b/c/"):
+        assert deletable(f"{output}{CHECKPOINT_PREFIX}0123abcd-m1-0.jsonl")
+        assert deletable(f"{output}{SUPERSEDED_PREFIX}m1")
+        kept = [*FINAL_OUTPUTS, CANCEL_MARKER, "scores.npy", f"my{CHECKPOINT_PREFIX}x"]
+        assert not any(deletable(f"{output}{name}") for name in kept)
+    assert not deletable("inputs/0001.jpg")
+
+    instance_policies = resources["InstanceRole"]["Properties"]["ManagedPolicyArns"]
+    on_ec2_only = {"Fn::If": ["OnEc2", {"Ref": "WorkerPolicy"}, {"Ref": "AWS::NoValue"}]}
+    assert on_ec2_only in instance_policies
+    assert json.dumps(instance_policies).count("WorkerPolicy") == 1
+    assert resources["TaskRole"]["Properties"]["ManagedPolicyArns"] == [{"Ref": "WorkerPolicy"}]
 
 
 def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runbooks() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bench.run import peak_rss, tree_rss_mb
 from stages.synthetic import samples
 from tests.conftest import Aws, DaemonProcess, run_daemon
 from tests.faultproxy import FaultProxy, Request
@@ -128,6 +129,44 @@ def test_forged_continuation_attributes_poison_their_own_message_alone(
     assert sorted(path.name for path in tmp_path.iterdir()) == ["logs"]
     assert not (tmp_path.parent / "x.log").exists()
     assert aws.queue_depth(stack.queue_url) == (0, 0)
+
+
+def test_a_huge_input_and_a_huge_manifest_leave_the_daemons_memory_alone(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """A 300 MB input and a 120 MB manifest beside ordinary jobs, the default limits
+    (64 MiB each): the input is its own error and the manifest's message poison, neither
+    read, the other jobs done, and the daemon's whole process tree never grows by as
+    much as the smaller of the two."""
+    stack = aws.stack()
+    uris = list(upload_samples(aws.s3, stack.bucket, 12, seed=4))
+    huge_input = _put(aws, stack, "huge/input.bin", bytes(300 * 2**20))
+    line = f"{uris[0]}\n".encode()
+    huge_manifest = _put(aws, stack, "huge/manifest.txt", line * (120 * 2**20 // len(line)))
+    jobs = {"first": uris[:6], "second": uris[6:]}
+    _send_jobs(aws, stack, {**jobs, "with-huge": [uris[0], huge_input, uris[1]]})
+    aws.send(stack.queue_url, {"manifest": huge_manifest, "output": _out(stack, "long")})
+
+    daemon = start_daemon(_args(stack, tmp_path, "--drain"))
+    daemon.wait_for("daemon_started")
+    started_mb = tree_rss_mb(daemon.pid)
+    with peak_rss(daemon.pid, every_s=0.05) as peak_mb:
+        assert daemon.wait(240) == 0, daemon.stderr[-3000:]
+    grew_mb = peak_mb[0] - started_mb
+    print(f"daemon tree: {started_mb:.0f} MB at start, peak {peak_mb[0]:.0f} MB")
+    assert grew_mb < 100, (started_mb, peak_mb)
+
+    for job_id, inputs in jobs.items():
+        _assert_complete(aws, stack, job_id, inputs)
+    huge = aws.results(_out(stack, "with-huge"))
+    assert huge[1]["error"] == {
+        "type": "ObjectTooLarge",
+        "message": f"too large: {300 * 2**20} bytes, limit {64 * 2**20}",
+    }
+    assert "label" in huge[0] and "label" in huge[2]
+    [dead] = aws.dead_letters(stack.dlq_url)
+    reason = dead["MessageAttributes"]["reason"]["StringValue"]
+    assert reason.startswith(f"manifest {huge_manifest} is too large: ")
 
 
 def test_bad_inputs_and_poison_messages_fail_alone(

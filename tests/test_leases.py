@@ -149,7 +149,9 @@ class ReleaseDuringRenewal(InMemoryJobSource):
         super().__init__(clock)
         self.release_first: tuple[Ledger, Job] | None = None
 
-    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
+    def extend(
+        self, receipt_handles: list[str], visibility_timeout_s: int, within_s: float | None = None
+    ) -> dict[str, str]:
         if self.release_first is not None:
             ledger, job = self.release_first
             self.release_first = None

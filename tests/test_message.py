@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -65,18 +68,62 @@ def test_bucket_outside_allow_list_is_poison() -> None:
     parse_job_message(body(), frozenset({"inputs", "outputs"}))
 
 
+def _pieces(text: bytes) -> Iterator[bytes]:
+    """`text` in pieces of 3 bytes, as a stream may come: lines split between them."""
+    for start in range(0, len(text), 3):
+        yield text[start : start + 3]
+
+
 def test_manifest_rules() -> None:
     """A manifest lists URIs, skipping blanks and comments; empty, oversized or
     malformed manifests are poison."""
-    assert parse_manifest(b"s3://inputs/a\n\n# note\ns3://inputs/b\n", NO_LIMIT, 10) == [
+    assert parse_manifest(_pieces(b"s3://inputs/a\n\n# note\ns3://inputs/b\n"), NO_LIMIT, 10) == [
         "s3://inputs/a",
         "s3://inputs/b",
     ]
     with pytest.raises(PoisonMessage, match="no inputs"):
-        parse_manifest(b"\n# nothing\n", NO_LIMIT, 10)
-    with pytest.raises(PoisonMessage, match="over the limit"):
-        parse_manifest(b"s3://inputs/a\ns3://inputs/b\n", NO_LIMIT, 1)
+        parse_manifest(_pieces(b"\n# nothing\n"), NO_LIMIT, 10)
     with pytest.raises(PoisonMessage, match="line 2"):
-        parse_manifest(b"s3://inputs/a\nnot-a-uri\n", NO_LIMIT, 10)
+        parse_manifest(_pieces(b"s3://inputs/a\nnot-a-uri\n"), NO_LIMIT, 10)
+    with pytest.raises(PoisonMessage, match="line 2 is not UTF-8"):
+        parse_manifest(_pieces(b"s3://inputs/a\n\xff\n"), NO_LIMIT, 10)
     with pytest.raises(PoisonMessage, match="not allowed"):
-        parse_manifest(b"s3://secret/a\n", frozenset({"inputs"}), 10)
+        parse_manifest(_pieces(b"s3://secret/a\n"), frozenset({"inputs"}), 10)
+
+
+def test_a_manifest_over_its_item_limit_is_read_no_further() -> None:
+    """The item limit stops the read at the first line past it: lines after it are
+    never taken from the stream."""
+    taken: list[int] = []
+
+    def endless() -> Iterator[bytes]:
+        for number in itertools.count():
+            taken.append(number)
+            yield f"s3://inputs/{number}\n".encode()
+
+    with pytest.raises(PoisonMessage, match="more than 3 inputs, over the limit"):
+        parse_manifest(endless(), NO_LIMIT, 3)
+    assert len(taken) == 4
+
+
+def test_a_manifest_line_longer_than_any_uri_is_refused_as_it_is_read() -> None:
+    """A line over 2,048 bytes can be no input's URI: the manifest is refused when the
+    stream has given that much of it, however long the line would go on, and in time
+    that does not grow with its square (a 64 MiB line once took minutes)."""
+    pieces: list[int] = []
+
+    def one_line() -> Iterator[bytes]:
+        for number in itertools.count():
+            pieces.append(number)
+            yield b"x" * 65536
+
+    with pytest.raises(PoisonMessage, match="manifest line 1 is over 2048 bytes"):
+        parse_manifest(one_line(), NO_LIMIT, 10)
+    assert pieces == [0]
+    long_last = b"s3://inputs/a\n" + b"y" * 3000
+    with pytest.raises(PoisonMessage, match="manifest line 2 is over 2048 bytes"):
+        parse_manifest(_pieces(long_last), NO_LIMIT, 10)
+    lines = b"".join(b"s3://inputs/%d\r\n" % number for number in range(50_000))
+    started = time.perf_counter()
+    assert len(parse_manifest([lines], NO_LIMIT, 50_000)) == 50_000
+    assert time.perf_counter() - started < 5

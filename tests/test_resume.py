@@ -37,9 +37,9 @@ class CountingBlobs(InMemoryBlobStore):
         self.reads: Counter[str] = Counter()
         self.before_put: dict[str, Callable[[], None]] = {}
 
-    def get(self, location: S3Location) -> bytes:
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
         self.reads[str(location)] += 1
-        return super().get(location)
+        return super().get(location, max_bytes)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

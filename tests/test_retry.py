@@ -4,6 +4,7 @@ under each call's own budget, permanent ones are raised at once as what they are
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +50,28 @@ def test_transient_errors_are_retried_until_the_budget_is_spent() -> None:
     assert len(slept) == 5
 
 
+def test_no_try_starts_after_its_deadline() -> None:
+    """With a `deadline`, a call with no time left is not tried; one that fails with
+    too little time left for its backoff and another try raises its own error rather
+    than try past it."""
+    tries: list[int] = []
+
+    def throttled() -> None:
+        tries.append(1)
+        raise TransientError("SlowDown")
+
+    with pytest.raises(TransientError, match="no time was left"):
+        call_with_retries(throttled, attempts=5, deadline=time.monotonic())
+    assert tries == []
+    slept: list[float] = []
+    backoff = Backoff(base_s=0.01, cap_s=0.01)
+    with pytest.raises(TransientError, match="SlowDown"):
+        call_with_retries(
+            throttled, 5, backoff, slept.append, deadline=time.monotonic() + 10, longest_try_s=20
+        )
+    assert tries == [1] and slept == []
+
+
 def _raise(error: Exception) -> Any:
     def call() -> None:
         raise error
@@ -81,7 +104,7 @@ def test_throttling_is_retried_within_the_call(
     blobs, stubber = s3
     _error(stubber, "SlowDown", 503)
     _error(stubber, "InternalError", 500)
-    stubber.add_response("get_object", {"Body": _body(b"jpeg")})
+    stubber.add_response("get_object", {"Body": _body(b"jpeg"), "ContentLength": 4})
     assert blobs.get(WHERE) == b"jpeg"
     stubber.assert_no_pending_responses()
 
@@ -144,8 +167,10 @@ def test_a_short_read_of_the_body_is_retried(
     whole GET is tried again."""
     monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
     blobs, stubber = s3
-    stubber.add_response("get_object", {"Body": StreamingBody(io.BytesIO(b"jp"), 4)})
-    stubber.add_response("get_object", {"Body": _body(b"jpeg")})
+    stubber.add_response(
+        "get_object", {"Body": StreamingBody(io.BytesIO(b"jp"), 4), "ContentLength": 4}
+    )
+    stubber.add_response("get_object", {"Body": _body(b"jpeg"), "ContentLength": 4})
     assert blobs.get(WHERE) == b"jpeg"
     assert isinstance(
         aws.classify(IncompleteReadError(actual_bytes=2, expected_bytes=4)), TransientError
@@ -153,7 +178,41 @@ def test_a_short_read_of_the_body_is_retried(
 
 
 def _without_sleeping(call: Any) -> Any:
-    def retry(fn: Any, attempts: int) -> Any:
-        return call(fn, attempts, sleep=lambda _: None)
+    def retry(fn: Any, attempts: int, **more: Any) -> Any:
+        return call(fn, attempts, sleep=lambda _: None, **more)
 
     return retry
+
+
+def test_every_chunk_of_a_renewal_is_tried_and_none_outlives_the_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fifteen leases, two calls: the first fails past its retries, and the second is
+    still made; each lease of the first is reported failed, not raised. With no time
+    left nothing is tried and every lease is reported failed at once."""
+    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    client = boto3.session.Session(
+        aws_access_key_id="t", aws_secret_access_key="t", region_name="us-east-1"
+    ).client("sqs", config=aws._config())
+    source = aws.SqsJobSource(client, "https://sqs.us-east-1.amazonaws.com/1/q", None, attempts=2)
+    handles = [f"handle-{number}" for number in range(15)]
+    with Stubber(client) as stubber:
+        for _ in range(2):
+            stubber.add_client_error(
+                "change_message_visibility_batch", "ServiceUnavailable", "down (test)", 503
+            )
+        stubber.add_response(
+            "change_message_visibility_batch",
+            {
+                "Successful": [{"Id": str(n)} for n in range(4)],
+                "Failed": [{"Id": "4", "SenderFault": True, "Code": "ReceiptHandleIsInvalid"}],
+            },
+        )
+        failures = source.extend(handles, 120, within_s=120)
+        stubber.assert_no_pending_responses()
+    assert failures == {
+        **dict.fromkeys(handles[:10], aws.RENEWAL_FAILED),
+        "handle-14": "ReceiptHandleIsInvalid",
+    }
+    with Stubber(client) as stubber:  # no response queued: a call would fail the test
+        assert source.extend(handles, 120, within_s=0) == dict.fromkeys(handles, aws.RENEWAL_FAILED)

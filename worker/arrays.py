@@ -11,13 +11,15 @@ take, is zeros, and its line has no reference to it.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -50,6 +52,8 @@ class ArraySpool:
         self._root = root
         self._lock: IO[str] | None = None
         self._directory: Path | None = None
+        # The rows' layouts, once the model's process has probed its postprocessor.
+        self.layouts: ArrayLayouts | None = None
 
     @property
     def directory(self) -> Path:
@@ -88,67 +92,83 @@ def _remove_if_unlocked(directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-class ArrayFiles:
-    """One job's array files, in `directory`: a file per field, `rows` rows each."""
+# A field's row: its dtype and shape, as the postprocessor's answer to the model's
+# output for zeros gave them at start (`about["arrays"]`).
+ArrayLayouts = Mapping[str, tuple[np.dtype[Any], tuple[int, ...]]]
 
-    def __init__(self, directory: Path, rows: int):
+
+def array_layouts(
+    arrays: Mapping[str, np.ndarray],
+) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
+    return {field: (array.dtype, array.shape) for field, array in arrays.items()}
+
+
+class ArrayFiles:
+    """One job's array files, in `directory`: a file per field, `rows` rows each, each
+    row of the field's `layouts` (where they are not known, a chain's, of its first row).
+    A row's disk blocks are taken as it is written, not the whole file's up front."""
+
+    def __init__(self, directory: Path, rows: int, layouts: ArrayLayouts | None = None):
         self._directory = directory
         self._rows = rows
-        self._files: dict[str, np.memmap] = {}
+        self._layouts = layouts
+        self._files: dict[str, _ArrayFile] = {}
         self._lock = threading.Lock()  # `remove` comes from whichever thread settles the job
         self._removed = False
 
     def write(self, row: int, arrays: dict[str, np.ndarray]) -> bytes:
-        """Put each field's array in row `row` of the field's file (made by its first
-        row, which sets the shape and dtype of all); the references to them, JSON-encoded
-        as members of the item's line. ValueError, and nothing written, if a field cannot
-        name a file or its array does not fit the file."""
+        """Put each field's array in row `row` of the field's file; the references to
+        them, JSON-encoded as members of the item's line. ValueError, and nothing
+        written, if a field cannot name a file, is not one of the layouts', or its array
+        does not fit the file."""
         with self._lock:
             if self._removed:  # the job was settled meanwhile: nothing will read them
                 return b""
             files = []
             for field, array in arrays.items():
-                rows = self._files.get(field)
-                if rows is None:
-                    rows = self._open(field, array)
-                if array.shape != rows.shape[1:] or array.dtype != rows.dtype:
+                file = self._files.get(field)
+                dtype, shape = (file.dtype, file.shape) if file else self._layout(field, array)
+                if array.shape != shape or array.dtype != dtype:
                     raise ValueError(
-                        f"the {field} array is {array.dtype}{list(array.shape)}, where this "
-                        f"job's {field}{ARRAY_FILE_SUFFIX} takes "
-                        f"{rows.dtype}{list(rows.shape[1:])}"
+                        f"the {field} array is {array.dtype}{list(array.shape)}, where "
+                        f"this job's {field}{ARRAY_FILE_SUFFIX} takes {dtype}{list(shape)}"
                     )
-                files.append((rows, array))
-            for rows, array in files:
-                rows[row] = array
+                files.append((file or self._open(field, dtype, shape), array))
+            for file, array in files:
+                file.put(row, array)
         return b"".join(
             b',"%s":{"array":"%s%s","row":%d}'
             % (field.encode(), field.encode(), ARRAY_FILE_SUFFIX.encode(), row)
             for field in arrays
         )
 
-    def _open(self, field: str, first: np.ndarray) -> np.memmap:
+    def _layout(self, field: str, first: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        """The dtype and shape of a field's rows: the probe's, or (unprobed) its first row's."""
         check_field_name(field)
-        if first.dtype.hasobject:
+        if self._layouts is None:
+            dtype, shape = first.dtype, first.shape
+        elif field in self._layouts:
+            dtype, shape = self._layouts[field]
+        else:
+            raise ValueError(
+                f"the postprocessor gave no {field} array for the model's answer to zeros "
+                "at start: each input must get the same array fields"
+            )
+        if dtype.hasobject:
             raise ValueError(f"the {field} array holds Python objects, not numbers")
+        return dtype, shape
+
+    def _open(self, field: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> _ArrayFile:
         self._directory.mkdir(parents=True, exist_ok=True)
-        path = self._directory / f"{field}{ARRAY_FILE_SUFFIX}"
-        rows: np.memmap = np.lib.format.open_memmap(
-            path, mode="w+", dtype=first.dtype, shape=(self._rows, *first.shape)
-        )
-        # The file is sparse: without its blocks taken now, a full disk would show as
-        # SIGBUS on some later row's page instead of an OSError here. (Linux; macOS,
-        # for local runs, has no posix_fallocate.)
-        if hasattr(os, "posix_fallocate"):
-            with open(path, "r+b") as file:
-                os.posix_fallocate(file.fileno(), 0, os.fstat(file.fileno()).st_size)
-        self._files[field] = rows
-        return rows
+        file = _ArrayFile(self._directory / f"{field}{ARRAY_FILE_SUFFIX}", dtype, shape, self._rows)
+        self._files[field] = file
+        return file
 
     def files(self) -> dict[str, Path]:
         """Each file's output name and local path, written through to disk."""
         with self._lock:
-            for rows in self._files.values():
-                rows.flush()
+            for file in self._files.values():
+                file.rows.flush()
             return {
                 f"{field}{ARRAY_FILE_SUFFIX}": self._directory / f"{field}{ARRAY_FILE_SUFFIX}"
                 for field in self._files
@@ -160,3 +180,27 @@ class ArrayFiles:
             self._removed = True
             self._files.clear()
             shutil.rmtree(self._directory, ignore_errors=True)
+
+
+class _ArrayFile:
+    """A memory-mapped .npy of `rows` rows, sparse until rows are put in it."""
+
+    def __init__(self, path: Path, dtype: np.dtype[Any], shape: tuple[int, ...], rows: int):
+        self.path, self.dtype, self.shape = path, dtype, shape
+        self.rows: np.memmap = np.lib.format.open_memmap(
+            path, mode="w+", dtype=dtype, shape=(rows, *shape)
+        )
+        self._row_bytes = dtype.itemsize * math.prod(shape)
+
+    def put(self, row: int, array: np.ndarray) -> None:
+        # The row's blocks are taken first: on a full disk this is an OSError here, not
+        # a SIGBUS when its page is written back. (Linux; macOS, for local runs, has no
+        # posix_fallocate.)
+        if self._row_bytes and hasattr(os, "posix_fallocate"):
+            descriptor = os.open(self.path, os.O_RDWR)
+            try:
+                offset = self.rows.offset + row * self._row_bytes
+                os.posix_fallocate(descriptor, offset, self._row_bytes)
+            finally:
+                os.close(descriptor)
+        self.rows[row] = array

@@ -9,6 +9,7 @@ retries are off, so there is one retry policy, not two stacked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -18,7 +19,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -38,13 +39,21 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
-from worker.errors import AccessDenied, MissingObject, PreconditionFailed, TransientError
+from worker.errors import (
+    AccessDenied,
+    MissingObject,
+    ObjectTooLarge,
+    PreconditionFailed,
+    TransientError,
+)
 from worker.message import JOB_ID_PATTERN
 from worker.ports import (
     ABSENT,
+    RENEWAL_FAILED,
     Notice,
     NoticeKind,
     NoticeSource,
+    ObjectReader,
     QueueCounts,
     ReceivedMessage,
     RemoteReader,
@@ -88,6 +97,8 @@ S3_MAX_KEYS_PER_DELETE = 1000
 CONNECT_TIMEOUT_S = 5
 # Longer than SQS's longest long poll (20 s), or a quiet receive would time out.
 READ_TIMEOUT_S = 30
+LONGEST_CALL_S = CONNECT_TIMEOUT_S + READ_TIMEOUT_S  # one try of a call, at worst
+STREAM_CHUNK_BYTES = 64 * 1024  # a streamed object's pieces (`chunks`)
 
 MISSING_OBJECT_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
 ACCESS_DENIED_CODES = frozenset({"AccessDenied", "Forbidden", "403"})
@@ -173,8 +184,13 @@ class _Retrying:
     def __init__(self, attempts: int):
         self._attempts = attempts
 
-    def _call(self, call: Callable[[], T]) -> T:
-        return call_with_retries(lambda: _classified(call), self._attempts)
+    def _call(self, call: Callable[[], T], deadline: float | None = None) -> T:
+        return call_with_retries(
+            lambda: _classified(call),
+            self._attempts,
+            deadline=deadline,
+            longest_try_s=LONGEST_CALL_S,
+        )
 
 
 def _conditions(expect: str | None) -> dict[str, Any]:
@@ -306,7 +322,14 @@ class SqsJobSource(_Retrying):
             )
         )
 
-    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
+    def extend(
+        self, receipt_handles: list[str], visibility_timeout_s: int, within_s: float | None = None
+    ) -> dict[str, str]:
+        """Every chunk of ten is tried, whatever became of the others, within `within_s`
+        (no try starts after it, and a retry only if it can end before it): a chunk whose
+        call failed, or that no time was left for, has each of its handles reported
+        `RENEWAL_FAILED`."""
+        deadline = None if within_s is None else time.monotonic() + within_s
         failures: dict[str, str] = {}
         for start in range(0, len(receipt_handles), SQS_MAX_ENTRIES_PER_BATCH_CALL):
             chunk = receipt_handles[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
@@ -314,13 +337,17 @@ class SqsJobSource(_Retrying):
                 {"Id": str(n), "ReceiptHandle": handle, "VisibilityTimeout": visibility_timeout_s}
                 for n, handle in enumerate(chunk)
             ]
-            reply = self._call(
-                functools.partial(
-                    self._client.change_message_visibility_batch,
-                    QueueUrl=self._queue_url,
-                    Entries=entries,
-                )
+            call = functools.partial(
+                self._client.change_message_visibility_batch,
+                QueueUrl=self._queue_url,
+                Entries=entries,
             )
+            try:
+                reply = self._call(call, deadline)
+            except Exception as error:
+                log.warning("lease_renewal_failed", leases=len(chunk), error=repr(error))
+                failures.update(dict.fromkeys(chunk, RENEWAL_FAILED))
+                continue
             # A batch call succeeds as a whole even when entries fail: check each one
             # (bbc/sqs-consumer#193).
             for failure in reply.get("Failed", []):
@@ -392,14 +419,42 @@ class S3BlobStore(_Retrying):
             imports=(__name__,),
         )
 
-    def get(self, location: S3Location) -> bytes:
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
         def read() -> bytes:
             # Inside the retried call: a reset or a short read mid-body is as transient
-            # as a failed request.
-            reply = self._client.get_object(Bucket=location.bucket, Key=location.key)
-            return reply["Body"].read()
+            # as a failed request (botocore checks the length read against the size
+            # S3 gave when the body is read whole).
+            body, size = self._opened(location, max_bytes)
+            with contextlib.closing(body):
+                if max_bytes is None or size is not None:
+                    return body.read()  # type: ignore[no-any-return]
+                data: bytes = body.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise ObjectTooLarge(None, max_bytes)
+            return data
 
         return self._call(read)
+
+    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+        # The request is retried; a reset mid-body is the caller's (transient) error.
+        body, _ = self._call(lambda: self._opened(location, max_bytes))
+        with contextlib.closing(body):
+            read = 0
+            for chunk in body.iter_chunks(STREAM_CHUNK_BYTES):
+                read += len(chunk)
+                if read > max_bytes:
+                    raise ObjectTooLarge(None, max_bytes)
+                yield chunk
+
+    def _opened(self, location: S3Location, max_bytes: int | None) -> tuple[Any, int | None]:
+        """The object's body, unread, and its size if S3 gave it; `ObjectTooLarge` if
+        that is over `max_bytes` (the body's connection is closed, not drained)."""
+        reply = self._client.get_object(Bucket=location.bucket, Key=location.key)
+        body, size = reply["Body"], reply.get("ContentLength")
+        if max_bytes is not None and size is not None and size > max_bytes:
+            body.close()
+            raise ObjectTooLarge(size, max_bytes)
+        return body, size
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
@@ -522,7 +577,7 @@ class S3BlobStore(_Retrying):
                     raise RuntimeError(f"{len(reply['Errors'])} not deleted, first: {failed}")
 
 
-def open_s3_reader(attempts: int, connections: int) -> Callable[[S3Location], bytes]:
+def open_s3_reader(attempts: int, connections: int) -> ObjectReader:
     """`S3BlobStore.get` with a client of this process's own, for `connections` reads at
     once (`RemoteReader.open`)."""
     return S3BlobStore(s3_client(connections), attempts).get

@@ -200,7 +200,7 @@ def _exit_before_start(_signum: int, _frame: object) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from worker.daemon import Daemon
-    from worker.engine import SharedMemoryTooSmall, StageSetupError
+    from worker.engine import SharedMemoryTooSmall, StageSetupError, StageSetupTimeout
 
     try:
         settings = settings_from_flags(args)
@@ -232,6 +232,13 @@ def _run(args: argparse.Namespace) -> int:
         )
         daemon = Daemon(settings, source, blobs, guard=guard, notices=notices, notify=notify)
         return daemon.run().code
+    except StageSetupTimeout as error:
+        print(
+            f"cannot start: {error}; a slow model load needs a higher --setup-timeout-seconds "
+            "(its warm-up has --inference-timeout-seconds a batch besides)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except (PluginError, StageSetupError, SharedMemoryTooSmall, aws.PlatformUnavailable) as error:
         print(f"cannot start: {error}", file=sys.stderr)
         return EXIT_USAGE

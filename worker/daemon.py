@@ -44,6 +44,7 @@ from worker.engine import (
     StageObserver,
     TensorArena,
     ThreadStage,
+    bisection_sizes,
 )
 from worker.intake import Feeder, Intake
 from worker.interruptions import InterruptionWatch
@@ -68,6 +69,7 @@ from worker.ports import (
     BlobStore,
     JobSource,
     NoticeSource,
+    ObjectReader,
     RemoteReader,
     S3Location,
     ScaleInGuard,
@@ -273,6 +275,8 @@ class Daemon:
             about = self._pipeline.about(name)
             models.append(ModelIdentity(**about["model"]))
             log.info("model_ready", **about["model"], warm_up=about["warm_up"])
+            # From the model's process, where its postprocessor runs (not a chain's).
+            self._arrays.layouts = about.get("arrays")
         identity = pipeline_identity(spec, models)
         self._metrics.model.info(identity.labels())
         if identity.steps:
@@ -344,9 +348,10 @@ def _pipeline(
     )
     log.info("inputs_decoded_in", where="inference" if on_device else "preprocess", why=why)
     per_process = settings.fetched_per_process
+    max_input_bytes = settings.max_input_bytes
     stages: list[ThreadStage | ProcessStage] = []
     if reader is None:
-        fetch = on_payload(lambda uri: blobs.get(S3Location.parse(uri)))
+        fetch = on_payload(lambda uri: blobs.get(S3Location.parse(uri), max_input_bytes))
         stages.append(
             ThreadStage(
                 "fetch",
@@ -360,13 +365,16 @@ def _pipeline(
             functools.partial(
                 preprocess_setup,
                 spec.preprocess,
-                functools.partial(open_fetch, reader.open, per_process) if reader else None,
+                functools.partial(open_fetch, reader.open, per_process, max_input_bytes)
+                if reader
+                else None,
                 defer_to_device=on_device,
             ),
             workers=settings.preprocess_workers,
             max_workers=decode_ceiling,
             batch_size=per_process,
             timeout_s=settings.preprocess_timeout_seconds,
+            setup_timeout_s=settings.setup_timeout_seconds,
             writes=image_arena,
             prepare=PrepareStep("fetch", reader.longest_s) if reader else None,
             imports=reader.imports if reader else (),
@@ -396,6 +404,7 @@ def _pipeline(
                 functools.partial(fan_out_setup, fan_out.fan_out),
                 workers=fan_out.workers,
                 timeout_s=settings.preprocess_timeout_seconds,
+                setup_timeout_s=settings.setup_timeout_seconds,
                 reads=image_arena,
                 writes=part_arena,
                 max_parts=fan_out.max_parts,
@@ -420,12 +429,12 @@ def _remote_reader(settings: Settings, blobs: BlobStore) -> RemoteReader | None:
 
 
 def open_fetch(
-    open_reader: Callable[[int], Callable[[S3Location], bytes]], connections: int
+    open_reader: Callable[[int], ObjectReader], connections: int, max_bytes: int
 ) -> Callable[[str], bytes]:
     """A preprocessing process's fetcher of an input's bytes by its URI, with a reader
-    of its own for `connections` reads at once."""
+    of its own for `connections` reads at once; an input over `max_bytes` is not read."""
     get = open_reader(connections)
-    return lambda uri: get(S3Location.parse(uri))
+    return lambda uri: get(S3Location.parse(uri), max_bytes)
 
 
 def _model_stage(
@@ -465,6 +474,9 @@ def _model_stage(
         batch_size=step.batch_size,
         max_batch_wait_ms=settings.max_batch_wait_ms,
         timeout_s=settings.inference_timeout_seconds,
+        # The warm-up runs a batch at each size bisection falls back to.
+        setup_timeout_s=settings.setup_timeout_seconds
+        + len(bisection_sizes(step.batch_size)) * settings.inference_timeout_seconds,
         reads=arena,
         keeps_slots=keeps_slots,
     )

@@ -479,6 +479,11 @@ class StageSetupError(Exception):
     """A stage's set-up (model load, ...) raised in its child process."""
 
 
+class StageSetupTimeout(StageSetupError):
+    """A stage's child did not finish its set-up within the stage's `setup_timeout_s`,
+    each time it was started."""
+
+
 class _ChildProcess:
     """One child of a `ProcessStage` and the pipe that feeds it: used by its driver
     thread, and stopped by `ProcessStage.stop` from another.
@@ -516,7 +521,8 @@ class _ChildProcess:
                     "stage_worker_start_failed", worker=self.name, attempt=attempt, error=str(lost)
                 )
                 if attempt == START_ATTEMPTS:
-                    raise StageSetupError(f"{self.name} did not start: {lost}") from lost
+                    failed = StageSetupTimeout if isinstance(lost, WorkerHung) else StageSetupError
+                    raise failed(f"{self.name} did not start: {lost}") from lost
 
     def _spawn(self) -> None:
         context = _process_context()

@@ -3,8 +3,8 @@
 - `TransientError`: the surroundings failed for now (throttling, 5xx, a timeout, a reset
   connection, a short read). Retried with backoff; a job that cannot get past it is
   released to run again later, never finished with the error in its results.
-- `MissingObject`, `AccessDenied`: permanent for that object. For an input this is the
-  item's own error record; for a manifest the message is poison.
+- `MissingObject`, `AccessDenied`, `ObjectTooLarge`: permanent for that object. For an
+  input this is the item's own error record; for a manifest the message is poison.
 - `PreconditionFailed`: a conditional write found the object changed since it was read:
   another attempt at the same job wrote it first, so this one is fenced off.
 - `WorkerFault`: the worker itself is broken (a stage fails for everything, known-good
@@ -27,6 +27,18 @@ class MissingObject(LookupError):
 class AccessDenied(PermissionError):
     """Reading or writing the object is not allowed (S3 also says this for a missing key
     when the caller may not list the bucket): retrying will not help."""
+
+
+class ObjectTooLarge(ValueError):
+    """The object is bigger than the reader takes (`--max-input-bytes`, a manifest's
+    limit): it was not read past the limit. `size` is None where the store did not say."""
+
+    def __init__(self, size: int | None, limit: int):
+        super().__init__(f"too large: {'over ' if size is None else size} bytes, limit {limit}")
+        self.size, self.limit = size, limit
+
+    def __reduce__(self) -> tuple[type[ObjectTooLarge], tuple[int | None, int]]:
+        return type(self), (self.size, self.limit)
 
 
 class PreconditionFailed(Exception):

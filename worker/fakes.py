@@ -16,12 +16,19 @@ import time
 import urllib.parse
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.errors import MissingObject, PreconditionFailed
-from worker.ports import ABSENT, QueueCounts, ReceivedMessage, RemoteReader, S3Location
+from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
+from worker.ports import (
+    ABSENT,
+    ObjectReader,
+    QueueCounts,
+    ReceivedMessage,
+    RemoteReader,
+    S3Location,
+)
 
 
 @dataclass
@@ -162,7 +169,9 @@ class InMemoryJobSource:
             delay_s=delay_s,
         )
 
-    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
+    def extend(
+        self, receipt_handles: list[str], visibility_timeout_s: int, within_s: float | None = None
+    ) -> dict[str, str]:
         with self._lock:
             self.extend_calls += 1
             failures = {}
@@ -215,16 +224,26 @@ def _file_of(directory: Path, uri: str) -> Path:
     return directory / urllib.parse.quote(uri, safe="")
 
 
-def read_files(directory: Path, connections: int) -> Callable[[S3Location], bytes]:
+def read_files(directory: Path, connections: int) -> ObjectReader:
     """Another process's reader of an `InMemoryBlobStore` kept in `directory`."""
 
-    def get(location: S3Location) -> bytes:
+    def get(location: S3Location, max_bytes: int | None = None) -> bytes:
+        path = _file_of(directory, str(location))
         try:
-            return _file_of(directory, str(location)).read_bytes()
+            _check_size(path.stat().st_size, max_bytes)
+            return path.read_bytes()
         except FileNotFoundError:
             raise MissingObject(f"{location} does not exist") from None
 
     return get
+
+
+FAKE_CHUNK_BYTES = 1000  # small, so a reader meets lines split between pieces
+
+
+def _check_size(size: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and size > max_bytes:
+        raise ObjectTooLarge(size, max_bytes)
 
 
 class InMemoryBlobStore:
@@ -241,12 +260,19 @@ class InMemoryBlobStore:
         self._directory = directory
         self._lock = threading.Lock()
 
-    def get(self, location: S3Location) -> bytes:
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
         with self._lock:
             try:
-                return self.objects[str(location)]
+                data = self.objects[str(location)]
             except KeyError:
                 raise MissingObject(f"{location} does not exist") from None
+        _check_size(len(data), max_bytes)
+        return data
+
+    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+        data = self.get(location, max_bytes)
+        for start in range(0, len(data), FAKE_CHUNK_BYTES):
+            yield data[start : start + FAKE_CHUNK_BYTES]
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

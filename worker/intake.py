@@ -8,6 +8,7 @@ one-image job is not stuck behind a 100,000-image one received with it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -20,7 +21,7 @@ import structlog
 from worker.arrays import ArrayFiles, ArraySpool
 from worker.checkpoints import Checkpoints, Prior
 from worker.engine import Item, Pipeline
-from worker.errors import AccessDenied, MissingObject
+from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
 from worker.joblog import JobLog
 from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
@@ -229,7 +230,7 @@ class Intake:
         job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
         log_file = JobLog(log_dir / f"{job_id}.log", job_id, prior.earlier_log)
-        job.arrays = ArrayFiles(self._arrays.directory / job.key, len(inputs))
+        job.arrays = ArrayFiles(self._arrays.directory / job.key, len(inputs), self._arrays.layouts)
         admitted = self._ledger.admit(
             job, spec, inputs, log_file, prior.resumed, cancelled=prior.cancel_requested
         )
@@ -259,15 +260,17 @@ class Intake:
             self._finish(job)
 
     def _read_manifest(self, uri: str) -> list[str]:
+        settings = self._settings
+        chunks = self._blobs.chunks(S3Location.parse(uri), settings.max_manifest_bytes)
         try:
-            text = self._blobs.get(S3Location.parse(uri))
+            with contextlib.closing(chunks):  # one refused part-way is not read on
+                return parse_manifest(chunks, settings.allowed_buckets, settings.max_items_per_job)
         except MissingObject as missing:
             raise PoisonMessage(f"manifest {uri} does not exist") from missing
         except AccessDenied as denied:
             raise PoisonMessage(f"manifest {uri} cannot be read: {denied}") from denied
-        return parse_manifest(
-            text, self._settings.allowed_buckets, self._settings.max_items_per_job
-        )
+        except ObjectTooLarge as too_large:
+            raise PoisonMessage(f"manifest {uri} is {too_large}") from too_large
 
 
 class Feeder:

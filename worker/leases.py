@@ -17,7 +17,7 @@ from collections.abc import Callable
 import structlog
 
 from worker.ledger import Job, JobState, Ledger
-from worker.ports import JobSource
+from worker.ports import RENEWAL_FAILED, JobSource
 from worker.supervisor import Progress
 
 log = structlog.get_logger()
@@ -77,7 +77,12 @@ class LeaseKeeper:
             return
         held = [job for key in leases if (job := self._ledger.get(key)) is not None]
         try:
-            failures = self._source.extend(list(leases.values()), self._visibility_timeout_s)
+            # Done before the leases renewed a tick ago run out: a late renewal is none.
+            failures = self._source.extend(
+                list(leases.values()),
+                self._visibility_timeout_s,
+                within_s=self._visibility_timeout_s - self._interval_s,
+            )
         except Exception as error:
             # Half the timeout is still left: the next tick tries again.
             log.warning("lease_renewal_failed", error=repr(error), leases=len(leases))
@@ -96,7 +101,7 @@ class LeaseKeeper:
                     if job.log is not None:
                         job.log.error("lease_lost", code=code)
                     log.warning("lease_lost", job_id=job.job_id, code=code)
-            else:
+            elif code != RENEWAL_FAILED:  # a failed call is logged once, by the source
                 log.warning("lease_renewal_failed", message_id=key, code=code)
 
     def _redo_releases(self, renewed: list[Job]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -73,21 +74,58 @@ def check_buckets(buckets: set[str], allowed_buckets: frozenset[str]) -> None:
         raise PoisonMessage(f"bucket(s) not allowed: {', '.join(outside)}")
 
 
-def parse_manifest(text: bytes, allowed_buckets: frozenset[str], max_items: int) -> list[str]:
-    """The input URIs listed one per line (blank lines and '#' comments skipped)."""
-    try:
-        lines = text.decode("utf-8").splitlines()
-    except UnicodeDecodeError as error:
-        raise PoisonMessage(f"manifest is not UTF-8: {error}") from error
-    uris = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not uris:
-        raise PoisonMessage("manifest lists no inputs")
-    if len(uris) > max_items:
-        raise PoisonMessage(f"manifest lists {len(uris)} inputs, over the limit of {max_items}")
-    for number, uri in enumerate(uris, start=1):
+# Longer than any S3 URI (a bucket name and a key of up to 1,024 bytes).
+MAX_MANIFEST_LINE_BYTES = 2048
+
+
+def parse_manifest(
+    chunks: Iterable[bytes], allowed_buckets: frozenset[str], max_items: int
+) -> list[str]:
+    """The input URIs listed one per line (blank lines and '#' comments skipped), taken
+    as the manifest's bytes are read: it is refused at its first line past `max_items`
+    inputs, or longer than any URI can be."""
+    uris: list[str] = []
+    for number, raw in enumerate(_lines(chunks), start=1):
         try:
-            S3Location.parse(uri)
+            line = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as error:
+            raise PoisonMessage(f"manifest line {number} is not UTF-8: {error}") from error
+        if not line or line.startswith("#"):
+            continue
+        if len(uris) == max_items:
+            raise PoisonMessage(f"manifest lists more than {max_items} inputs, over the limit")
+        try:
+            S3Location.parse(line)
         except ValueError as error:
             raise PoisonMessage(f"manifest line {number}: {error}") from error
+        uris.append(line)
+    if not uris:
+        raise PoisonMessage("manifest lists no inputs")
     check_buckets({S3Location.parse(uri).bucket for uri in uris}, allowed_buckets)
     return uris
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of a stream of pieces, each at most `MAX_MANIFEST_LINE_BYTES`: the
+    pieces are searched once, so one endless line costs no more than many short ones."""
+    pending = bytearray()
+    number = 0
+    for chunk in chunks:
+        pending += chunk
+        start = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            number += 1
+            _check_line(number, end - start)
+            yield bytes(pending[start:end]).rstrip(b"\r")
+            start = end + 1
+        del pending[:start]
+        _check_line(number + 1, len(pending))
+    if pending:
+        yield bytes(pending)
+
+
+def _check_line(number: int, length: int) -> None:
+    if length > MAX_MANIFEST_LINE_BYTES:
+        raise PoisonMessage(
+            f"manifest line {number} is over {MAX_MANIFEST_LINE_BYTES} bytes: no input's URI"
+        )

@@ -23,7 +23,7 @@ import orjson
 import structlog
 import torch
 
-from worker.arrays import check_field_name
+from worker.arrays import array_layouts, check_field_name
 from worker.engine import ItemError, StageFunction, bisection_sizes, isolate_failures
 from worker.spec import DecodePlacement, PipelineSpec
 
@@ -420,17 +420,19 @@ def inference_setup(
             for output, (_, params) in zip(outputs, values, strict=True)
         ]
 
-    def postprocess_probe() -> None:
-        encoded_fields(postprocessor, answer_to_zeros, {})
+    def postprocess_probe() -> Encoded:
+        return encoded_fields(postprocessor, answer_to_zeros, {})
 
     try:
-        postprocess_probe()
+        probed = postprocess_probe()
     except Exception as error:
         raise PluginError(
             f"{postprocess} fails on the model's answer to a batch of zeros with no params "
             f"({type(error).__name__}: {error}); the daemon runs it whenever it fails a "
             "whole batch, to tell a broken worker from bad inputs"
         ) from error
+    # Each input's array fields must be these, of these shapes and dtypes.
+    about["arrays"] = array_layouts(probed[1] if isinstance(probed, tuple) else {})
     return StageFunction(
         infer, probe, about, finish=postprocess_all, finish_probe=postprocess_probe
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -96,8 +96,12 @@ class JobSource(Protocol):
         ends (the caller then acks the old one): a continuation starts at receive count
         1, so an interruption does not spend the queue's maxReceiveCount."""
 
-    def extend(self, receipt_handles: list[str], visibility_timeout_s: int) -> dict[str, str]:
-        """Renew leases; returns the error code of each handle that could not be renewed."""
+    def extend(
+        self, receipt_handles: list[str], visibility_timeout_s: int, within_s: float | None = None
+    ) -> dict[str, str]:
+        """Renew leases, no call started after `within_s` where it is given, and no retry
+        that could not end by then; returns the error code of each handle that could not
+        be renewed (a call that failed is reported so, never raised)."""
 
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         """Copy a message to the dead-letter queue with `reason` (the caller then acks
@@ -108,16 +112,20 @@ class JobSource(Protocol):
 
 
 ABSENT = ""  # `BlobStore.put(expect=ABSENT)`: the object must not exist yet
+RENEWAL_FAILED = "RenewalFailed"  # `JobSource.extend`'s code for a lease whose call failed
+# `BlobStore.get` in another process: (location, max_bytes) -> bytes.
+ObjectReader = Callable[[S3Location, int | None], bytes]
 
 
 @dataclass(frozen=True)
 class RemoteReader:
     """How another process (a stage's child) reads a store with a client of its own:
-    there, `open(n)` gives `get(location) -> bytes` for up to `n` reads at once, each
-    within `longest_s` however it is retried. `open` must be picklable; it needs the
-    modules `imports` (which a server process forking readers may import once)."""
+    there, `open(n)` gives `get(location, max_bytes) -> bytes` (`BlobStore.get`) for up
+    to `n` reads at once, each within `longest_s` however it is retried. `open` must be
+    picklable; it needs the modules `imports` (which a server process forking readers
+    may import once)."""
 
-    open: Callable[[int], Callable[[S3Location], bytes]]
+    open: Callable[[int], ObjectReader]
     longest_s: float
     imports: tuple[str, ...] = ()
 
@@ -125,9 +133,14 @@ class RemoteReader:
 class BlobStore(Protocol):
     """Object storage (S3)."""
 
-    def get(self, location: S3Location) -> bytes:
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
         """The object's bytes; raises `MissingObject`, `AccessDenied` or `TransientError`
-        (after its own retries), or another error that retrying will not cure."""
+        (after its own retries), `ObjectTooLarge` (without reading it) if it is over
+        `max_bytes`, or another error that retrying will not cure."""
+
+    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+        """The object's bytes in pieces as they are read, never more than `max_bytes` of
+        it in all; raises as `get` does."""
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

@@ -61,7 +61,7 @@ class JobObserver:
             assert job.log is not None
             with self._timings:
                 job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
-            if stage in self._batching_stages and len(items) > 1:
+            if stage in self._batching_stages:
                 job.log.info(
                     "batch_done",
                     stage=stage,

@@ -45,14 +45,25 @@ def call_with_retries(
     attempts: int,
     backoff: Backoff = CALL_BACKOFF,
     sleep: Callable[[float], None] = time.sleep,
+    *,
+    deadline: float | None = None,
+    longest_try_s: float = 0.0,
 ) -> T:
     """`call()`, tried up to `attempts` times while it raises `TransientError`; the last
-    error is raised as it came. Any other exception is raised at once."""
-    for retry in range(attempts):
+    error is raised as it came. Any other exception is raised at once. With a `deadline`
+    (a `time.monotonic()` time), no try starts after it, and a retry only if it can end
+    before it (a try takes up to `longest_try_s`): the last error is raised instead, or
+    a `TransientError` if no time was left for a first try."""
+    if attempts < 1:
+        raise ValueError("attempts must be at least 1")
+    if deadline is not None and time.monotonic() >= deadline:
+        raise TransientError("no time was left to try the call")
+    for retry in range(attempts - 1):
         try:
             return call()
         except TransientError:
-            if retry == attempts - 1:
+            delay_s = backoff.delay_s(retry)
+            if deadline is not None and time.monotonic() + delay_s + longest_try_s > deadline:
                 raise
-            sleep(backoff.delay_s(retry))
-    raise ValueError("attempts must be at least 1")
+            sleep(delay_s)
+    return call()

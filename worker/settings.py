@@ -162,7 +162,24 @@ class Settings(BaseSettings):
         "are waiting ahead of inference.",
     )
     max_items_per_job: int = Field(
-        default=100_000, ge=1, description="Larger jobs are rejected as poison."
+        default=100_000,
+        ge=1,
+        description="Jobs listing more inputs (in the message or its manifest) are "
+        "rejected as poison.",
+    )
+    max_input_bytes: int = Field(
+        default=64 * 2**20,
+        ge=1,
+        description="An input over this many bytes (64 MiB by default) is that input's "
+        "error ('too large: N bytes, limit M'), never read: each fetch in flight may hold "
+        "one input whole.",
+    )
+    max_manifest_bytes: int = Field(
+        default=64 * 2**20,
+        ge=1,
+        description="A manifest over this many bytes (64 MiB by default, over 500,000 "
+        "lines of 128 characters) makes its message poison, never read; manifests are "
+        "read line by line.",
     )
     allowed_buckets: Annotated[frozenset[str], NoDecode] = Field(
         default=frozenset(),
@@ -233,6 +250,14 @@ class Settings(BaseSettings):
     )
     inference_timeout_seconds: float = Field(
         default=600, gt=0, description="Per-batch inference limit; a hung process is replaced."
+    )
+    setup_timeout_seconds: float = Field(
+        default=300,
+        gt=0,
+        description="How long a stage process may take to start (a model's: to load or "
+        "compile it) before it is tried again (three tries, then exit 2); a model's "
+        "process has --inference-timeout-seconds more for each batch size its warm-up "
+        "runs. Meanwhile /healthz answers 503 'starting'.",
     )
     aws_max_attempts: int = Field(
         default=DEFAULT_AWS_MAX_ATTEMPTS,
