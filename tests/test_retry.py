@@ -10,11 +10,12 @@ from typing import Any
 
 import boto3
 import pytest
-from botocore.exceptions import IncompleteReadError
+from botocore.exceptions import FlexibleChecksumError, IncompleteReadError
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
 from worker import aws
+from worker.engine import ItemError
 from worker.errors import AccessDenied, MissingObject, TransientError
 from worker.ports import S3Location
 from worker.retry import Backoff, call_with_retries
@@ -216,3 +217,13 @@ def test_every_chunk_of_a_renewal_is_tried_and_none_outlives_the_lease(
     }
     with Stubber(client) as stubber:  # no response queued: a call would fail the test
         assert source.extend(handles, 120, within_s=0) == dict.fromkeys(handles, aws.RENEWAL_FAILED)
+
+
+def test_a_checksum_mismatch_and_a_full_host_memory_are_not_the_inputs_fault() -> None:
+    """Bytes that do not match S3's checksum are a bad transfer (tried again), and a
+    MemoryError on one input is the host's memory, as a GPU out-of-memory is the
+    device's: the input is fed again, never failed for it."""
+    mismatch = FlexibleChecksumError(error_msg="Expected checksum x did not match y")
+    assert isinstance(aws.classify(mismatch), TransientError)
+    assert ItemError.from_exception(MemoryError(), "preprocess").transient
+    assert not ItemError.from_exception(ValueError("corrupt"), "preprocess").transient

@@ -31,6 +31,7 @@ from botocore.config import Config
 from botocore.exceptions import (
     ClientError,
     CredentialRetrievalError,
+    FlexibleChecksumError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
@@ -145,6 +146,7 @@ TRANSIENT_EXCEPTIONS = (
     BotoConnectionError,  # endpoint unreachable, connect timeout
     HTTPClientError,  # connection closed or reset, read timeout, broken response stream
     IncompleteReadError,  # the body was shorter than its Content-Length
+    FlexibleChecksumError,  # the bytes that came are not those S3 holds: a bad transfer
     urllib3.exceptions.HTTPError,
     NoCredentialsError,  # the instance metadata service did not answer in time
     CredentialRetrievalError,

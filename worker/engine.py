@@ -101,8 +101,9 @@ class ItemError:
     @classmethod
     def from_exception(cls, error: BaseException, stage: str) -> ItemError:
         # Out of memory on one item is memory pressure, not the item: every item of a
-        # stage has the same shape, and it fitted before.
-        transient = isinstance(error, TransientError | torch.OutOfMemoryError)
+        # stage has the same shape, and it fitted before. The host's memory likewise:
+        # an input's bytes and pixels are bounded before it is decoded.
+        transient = isinstance(error, TransientError | torch.OutOfMemoryError | MemoryError)
         return cls(type(error).__name__, str(error)[:1000], stage, transient)
 
 
