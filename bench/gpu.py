@@ -67,6 +67,7 @@ from worker.plugins import decode_or_defer, inference_setup, load_device_decoder
 PHOTO_SIZE = (500, 375)
 PHOTOS = 64  # distinct photos, reused under many keys
 GPU_BATCH_SIZE = 128
+CORES = os.cpu_count() or 1  # a preprocessing process each, in every figure here
 photo_preprocessor = ImagePreprocessor(size=224)
 
 
@@ -111,7 +112,6 @@ def decode_speedup(
     """`--decode gpu` over `--decode cpu`: images/s of the same photos, the model free,
     a preprocessing process per core either way."""
     pool, jobs = photos(), [OVERLAP_JOB_SIZE] * (images // OVERLAP_JOB_SIZE)
-    cores = os.cpu_count() or 1
     rates, fallback_jobs = {}, 0
     for placement in ("cpu", "gpu"):
         blobs = InMemoryBlobStore(work_dir / f"decode-{placement}")  # read where decoded
@@ -126,9 +126,9 @@ def decode_speedup(
                 device=device,
                 decode=placement,
                 batch_size=GPU_BATCH_SIZE,
-                preprocess_workers=cores,
-                preprocess_workers_max=cores,
-                fetch_concurrency=8 * cores,
+                preprocess_workers=CORES,
+                preprocess_workers_max=CORES,
+                fetch_concurrency=8 * CORES,
             )
         (decided,) = [event for event in logs if event["event"] == "inputs_decoded_in"]
         if (decided["where"] == "inference") != (placement == "gpu"):
@@ -145,7 +145,7 @@ def decode_speedup(
         "decode_cpu_images_per_s": rates["cpu"],
         "decode_gpu_images_per_s": rates["gpu"],
         "gpu_decode_fallback_jobs": float(fallback_jobs),
-        "decode_cpu_processes": float(cores),
+        "decode_cpu_processes": float(CORES),
     }
 
 
@@ -164,15 +164,14 @@ def gpu_overlap(
 ) -> dict[str, float]:
     """The daemon over the model alone, photos decoded on the device, bf16, channels-last;
     then the daemon with two inference processes on the device over it with one."""
-    cores = os.cpu_count() or 1
     common = {
         "pool": photos(),
         "model": model,
         "preprocess": preprocess,
         "in_files": True,
-        "preprocess_workers": cores,
+        "preprocess_workers": CORES,
         # 30 ms a GET: 32 a process keep about 1,000 images/s a process coming (512 at most).
-        "fetch_concurrency": min(512, 32 * cores),
+        "fetch_concurrency": min(512, 32 * CORES),
         **MODEL_SETTINGS,
     }
     figures = overlap(work_dir, images, 1, out, device=device, **common)
@@ -193,7 +192,7 @@ def moto_end_to_end(
     """The daemon as a subprocess, real boto3 against a moto server here, the overlap
     figure's model and photos: images/s from the first job's receive to the last job's
     finish, as their job.json files say."""
-    pool, cores = photos(), os.cpu_count() or 1
+    pool = photos()
     with moto_stack("gpu-end-to-end") as (env, sqs, s3, stack):
         keys = [f"photos/{number}.jpg" for number in range(images)]
         with ThreadPoolExecutor(MOTO_UPLOADS) as uploads:
@@ -211,16 +210,12 @@ def moto_end_to_end(
                 QueueUrl=stack.queue_url,
                 MessageBody=json.dumps({"inputs": inputs, "output": outputs[-1]}),
             )
-        command = draining_daemon(
-            stack,
-            work_dir / "moto-logs",
-            *("--device", device, "--model", model, "--preprocess", preprocess),
-            *("--postprocess", MODEL_SETTINGS["postprocess"]),
-            *("--decode", MODEL_SETTINGS["decode"], "--precision", MODEL_SETTINGS["precision"]),
-            *("--channels-last", "--batch-size", str(MODEL_SETTINGS["batch_size"])),
-            *("--preprocess-workers", str(cores), "--fetch-concurrency", str(8 * cores)),
-            *("--timeline-dir", str(out / "moto")),
-        )
+        settings = {
+            **{"device": device, "model": model, "preprocess": preprocess, **MODEL_SETTINGS},
+            **{"preprocess_workers": CORES, "fetch_concurrency": 8 * CORES},
+            "timeline_dir": out / "moto",
+        }
+        command = draining_daemon(stack, work_dir / "moto-logs", *as_flags(settings))
         run = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if run.returncode != 0:
             raise RuntimeError(f"the daemon exited {run.returncode}: {run.stderr[-2000:]}")
@@ -230,6 +225,15 @@ def moto_end_to_end(
     began = min(datetime.fromisoformat(summary["received_at"]) for summary in summaries)
     ended = max(datetime.fromisoformat(summary["finished_at"]) for summary in summaries)
     return {"moto_images_per_s": images / (ended - began).total_seconds()}
+
+
+def as_flags(settings: dict[str, Any]) -> list[str]:
+    """`python -m worker run`'s flags for the settings: a true one alone, others valued."""
+    flags: list[str] = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def inference_profile(

@@ -116,15 +116,14 @@ class ImagePreprocessor:
         size are resized together: a batch of photos costs a few kernels, not a few per
         photo."""
         images = self._decode_jpegs(encoded, device)
-        fitted: list[torch.Tensor] = [images[0]] * len(images)
         by_size: dict[tuple[int, ...], list[int]] = {}
         for position, image in enumerate(images):
             by_size.setdefault(tuple(image.shape), []).append(position)
+        fitted: dict[int, torch.Tensor] = {}
         for positions in by_size.values():
             resized = self.fit(torch.stack([images[p] for p in positions]))
-            for position, image in zip(positions, resized, strict=True):
-                fitted[position] = image
-        return fitted
+            fitted.update(zip(positions, resized, strict=True))
+        return [fitted[position] for position in range(len(images))]
 
     def _decode_jpegs(
         self, encoded: Sequence[torch.Tensor], device: torch.device
@@ -158,7 +157,7 @@ def draft_scale(height_width: tuple[int, ...], size: int) -> int:
     of 8, 4, 2 and 1 that leaves both sides at least `size`."""
     height, width = height_width
     most = min(width // size, height // size)
-    return next(scale for scale in (8, 4, 2, 1) if most >= scale or scale == 1)
+    return max((scale for scale in (8, 4, 2) if most >= scale), default=1)
 
 
 def jpeg_headers_consistent(data: bytes) -> bool:

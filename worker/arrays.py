@@ -94,12 +94,13 @@ def _remove_if_unlocked(directory: Path) -> None:
 
 # A field's row: its dtype and shape, as the postprocessor's answer to the model's
 # output for zeros gave them at start (`about["arrays"]`).
-ArrayLayouts = Mapping[str, tuple[np.dtype[Any], tuple[int, ...]]]
+ArrayLayout = tuple[np.dtype[Any], tuple[int, ...]]
+ArrayLayouts = Mapping[str, ArrayLayout]
 
 
 def array_layouts(
     arrays: Mapping[str, np.ndarray],
-) -> dict[str, tuple[np.dtype[Any], tuple[int, ...]]]:
+) -> dict[str, ArrayLayout]:
     return {field: (array.dtype, array.shape) for field, array in arrays.items()}
 
 
@@ -127,7 +128,7 @@ class ArrayFiles:
             files = []
             for field, array in arrays.items():
                 file = self._files.get(field)
-                dtype, shape = (file.dtype, file.shape) if file else self._layout(field, array)
+                dtype, shape = file.layout if file else self._layout(field, array)
                 if array.shape != shape or array.dtype != dtype:
                     raise ValueError(
                         f"the {field} array is {array.dtype}{list(array.shape)}, where "
@@ -142,7 +143,7 @@ class ArrayFiles:
             for field in arrays
         )
 
-    def _layout(self, field: str, first: np.ndarray) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    def _layout(self, field: str, first: np.ndarray) -> ArrayLayout:
         """The dtype and shape of a field's rows: the probe's, or (unprobed) its first row's."""
         check_field_name(field)
         if self._layouts is None:
@@ -186,11 +187,15 @@ class _ArrayFile:
     """A memory-mapped .npy of `rows` rows, sparse until rows are put in it."""
 
     def __init__(self, path: Path, dtype: np.dtype[Any], shape: tuple[int, ...], rows: int):
-        self.path, self.dtype, self.shape = path, dtype, shape
+        self.path = path
         self.rows: np.memmap = np.lib.format.open_memmap(
             path, mode="w+", dtype=dtype, shape=(rows, *shape)
         )
         self._row_bytes = dtype.itemsize * math.prod(shape)
+
+    @property
+    def layout(self) -> ArrayLayout:
+        return self.rows.dtype, self.rows.shape[1:]
 
     def put(self, row: int, array: np.ndarray) -> None:
         # The row's blocks are taken first: on a full disk this is an OSError here, not

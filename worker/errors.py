@@ -34,7 +34,9 @@ class ObjectTooLarge(ValueError):
     limit): it was not read past the limit. `size` is None where the store did not say."""
 
     def __init__(self, size: int | None, limit: int):
-        super().__init__(f"too large: {'over ' if size is None else size} bytes, limit {limit}")
+        super().__init__(
+            f"too large: {f'over {limit}' if size is None else size} bytes, limit {limit}"
+        )
         self.size, self.limit = size, limit
 
     def __reduce__(self) -> tuple[type[ObjectTooLarge], tuple[int | None, int]]:
