@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from stages.boards import objects
 from stages.model import default_classifier
 from stages.preprocess import ImagePreprocessor, default_preprocessor
 from tests.stagefns import inject_fault
@@ -71,14 +72,39 @@ class FragileClassifier(nn.Module):
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if len(batch) > FRAGILE_MAX_BATCH:
             raise torch.OutOfMemoryError(f"{len(batch)} images do not fit (test)")
-        magenta = torch.tensor(MAGENTA, dtype=batch.dtype, device=batch.device).view(1, 3, 1, 1)
-        if bool((batch == magenta).flatten(1).all(dim=1).any()):
+        if _any_magenta(batch):
             raise ValueError("the model cannot take an all-magenta image (test)")
         return self.inner(batch)  # type: ignore[no-any-return]
 
 
 def fragile_classifier() -> nn.Module:
     return FragileClassifier(default_classifier())
+
+
+def _any_magenta(batch: torch.Tensor) -> bool:
+    magenta = torch.tensor(MAGENTA, dtype=batch.dtype, device=batch.device).view(1, 3, 1, 1)
+    return bool((batch == magenta).flatten(1).all(dim=1).any())
+
+
+class PoisonableClassifier(nn.Module):
+    """The default classifier, until a batch holds an all-magenta image: from then on
+    its process fails every batch (its probe's too), as one whose input left the GPU in
+    a sticky error state would. A fresh process is well again."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.poisoned = False
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        self.poisoned = self.poisoned or _any_magenta(batch)
+        if self.poisoned:
+            raise RuntimeError(CUDA_ERROR)
+        return self.inner(batch)  # type: ignore[no-any-return]
+
+
+def poisonable_classifier() -> nn.Module:
+    return PoisonableClassifier(default_classifier())
 
 
 class MemoryHungryClassifier(nn.Module):
@@ -171,3 +197,12 @@ def reencoded(data: bytes, **options: Any) -> bytes:
         buffer = io.BytesIO()
         image.convert(options.pop("mode", "RGB")).save(buffer, format="JPEG", **options)
     return buffer.getvalue()
+
+
+def breakable_objects(parts: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The shape boards' postprocessor, until the file named by $BREAK_MODEL_FILE
+    exists: from then on it fails every input, its known-good one too."""
+    marker = os.environ.get(BREAK_MODEL_FILE, "")
+    if marker and os.path.exists(marker):
+        raise RuntimeError("the postprocessor's library is gone (test)")
+    return objects(parts, params)

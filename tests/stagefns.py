@@ -339,3 +339,55 @@ def echo_model() -> torch.nn.Module:
 def needs_params(output: Any, params: dict[str, Any]) -> dict[str, Any]:
     """A postprocessor with no default for a param it needs."""
     return {"above": bool(output[0] > params["threshold"])}
+
+
+def revocable_fetcher(marker_path: str) -> StageFunction:
+    """Fetches `name` into `fetched:name`, but `denied` (an object the worker may not
+    read), and every input once `marker_path` exists (the worker's credentials
+    revoked); then writes as `sleepy_writer` does, with the fill 7."""
+    marker = Path(marker_path)
+
+    def fetch(value: str) -> str:
+        if value == "denied" or marker.exists():
+            raise PermissionError(f"AccessDenied: {value} (test)")
+        return f"fetched:{value}"
+
+    def write(value: str, out: torch.Tensor) -> str:
+        out.fill_(7)
+        return value
+
+    return StageFunction(write, prepare=fetch)
+
+
+def revocable_parts(
+    marker_path: str,
+) -> Callable[[torch.Tensor, int, Sequence[torch.Tensor]], list[str]]:
+    """`numbered_parts` (failing on nothing) until `marker_path` exists; from then on it
+    fails every image, as a fan-out whose process broke would."""
+    marker = Path(marker_path)
+    fan_out = numbered_parts(-1)
+
+    def cut(image: torch.Tensor, found: int, outs: Sequence[torch.Tensor]) -> list[str]:
+        if marker.exists():
+            raise RuntimeError("the fan-out's process is broken (test)")
+        return fan_out(image, found, outs)
+
+    return cut
+
+
+def oom_killed_writer(vmstat_path: str) -> Callable[[Any, torch.Tensor], Any]:
+    """`sleepy_writer`, but `oom` makes the kernel's OOM killer kill this process (its
+    stand-in: the kill counted in `vmstat_path`, then SIGKILL) and `sigkill` is killed
+    by someone else."""
+    vmstat = Path(vmstat_path)
+    write = sleepy_writer(0.0)
+
+    def write_or_die(value: Any, out: torch.Tensor) -> Any:
+        if value == "oom":
+            kills = int(vmstat.read_text().split()[-1])
+            vmstat.write_text(f"pgfault 12\noom_kill {kills + 1}\n")
+        if value in ("oom", "sigkill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(1 if isinstance(value, str) else value, out)
+
+    return write_or_die

@@ -181,7 +181,7 @@ def test_a_file_bigger_than_a_part_goes_up_in_parts_on_its_condition(
         assert blobs.put_file(again, big, "application/x-npy", expect=ABSENT) == etag
 
 
-def test_a_continuation_carries_the_attempts_and_the_first_message(
+def test_a_continuation_carries_the_attempts_the_first_message_and_broken_workers(
     parts: tuple[Any, Any, Any],
 ) -> None:
     source, _, send = parts
@@ -193,10 +193,15 @@ def test_a_continuation_carries_the_attempts_and_the_first_message(
     assert (second.receive_count, second.attempt) == (1, 2)
     assert second.message_id != first.message_id
     assert second.job_message_id == first.message_id
-    source.requeue(second)
+    source.requeue(second, breakage="stage inference is broken")
     source.ack(second.receipt_handle)
     [third] = source.receive(1, 0, 30)
     assert third.attempt == 3 and third.job_message_id == first.message_id
+    assert (third.broke_workers, third.breakage) == (1, "stage inference is broken")
+    source.requeue(third)  # handed over, not broken: the count stays
+    source.ack(third.receipt_handle)
+    [fourth] = source.receive(1, 0, 30)
+    assert (fourth.broke_workers, fourth.breakage) == (1, "stage inference is broken")
 
 
 @pytest.mark.parametrize(
@@ -208,6 +213,8 @@ def test_a_continuation_carries_the_attempts_and_the_first_message(
         ("worker.replaced-lease-ends", "nan"),
         ("worker.first-message-id", "../../x"),
         ("worker.handed-over-from", "a" * 200),
+        ("worker.broke-workers", "many"),
+        ("worker.breakage", "x" * 501),
     ],
 )
 def test_continuation_attributes_that_do_not_parse_poison_their_message(
@@ -238,11 +245,14 @@ def test_continuation_attributes_that_do_not_parse_poison_their_message(
                 "worker.first-message-id": "m-0",
                 "worker.handed-over-from": "m-1",
                 "worker.replaced-lease-ends": "1.5",
+                "worker.broke-workers": "2",
+                "worker.breakage": "stage inference is broken",
             },
         )
     )
     assert (valid.attributes_problem, valid.attempt, valid.job_message_id) == ("", 4, "m-0")
     assert (valid.handed_over_from, valid.replaced_lease_ends) == ("m-1", 1.5)
+    assert (valid.broke_workers, valid.breakage) == (2, "stage inference is broken")
 
 
 def test_fake_leases_run_out_and_renewals_hide_again() -> None:

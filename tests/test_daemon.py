@@ -17,13 +17,15 @@ import structlog
 from structlog.testing import capture_logs
 
 from stages.synthetic import samples
-from tests.conftest import also_on_gpu, needs_gpu
+from tests.conftest import REPO, also_on_gpu, needs_gpu
+from tests.faults import BREAK_MODEL_FILE
 from worker import intake, results
 from worker.daemon import Daemon, ExitCode
 from worker.engine import StageSetupTimeout
 from worker.errors import TransientError
 from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.ledger import Job
+from worker.plugins import PluginError
 from worker.ports import ReceivedMessage, S3Location
 from worker.reporting import ProgressReporter
 from worker.retry import Backoff
@@ -660,3 +662,31 @@ def test_a_batch_that_does_not_fit_on_the_gpu_is_split_and_the_batch_size_lowere
     assert sum(r["label"] == truth[r["input"]] for r in results) >= 38
     events = _output(blobs, "big", "job.log")
     assert '"out_of_memory"' in events
+
+
+def test_a_chains_postprocessor_that_fails_known_good_input_breaks_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's postprocessor runs in the daemon, where no stage probes it: one that
+    fails an input with no parts and no params stops the daemon from starting, and one
+    that starts failing so later breaks the worker instead of failing the input. The
+    job goes back, unwritten, as the one suspect."""
+    marker = tmp_path / "broken"
+    monkeypatch.setenv(BREAK_MODEL_FILE, str(marker))
+    chain = tmp_path / "chain.toml"
+    boards = (REPO / "stages" / "boards.toml").read_text()
+    chain.write_text(boards.replace("stages.boards:objects", "tests.faults:breakable_objects"))
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    _send(source, "boards", _images(blobs, 2))
+    settings = Settings(queue_url="q", log_dir=tmp_path / "logs", pipeline=str(chain))
+    marker.touch()
+    with pytest.raises(PluginError, match="fails on an input with no parts and no params"):
+        Daemon(settings, source, blobs)
+    marker.unlink()
+    daemon = Daemon(settings, source, blobs)
+    marker.touch()
+    assert daemon.run() is ExitCode.BROKEN
+    assert "the postprocessor fails known-good input" in (daemon.health_problem() or "")
+    assert not [uri for uri in blobs.objects if uri.startswith("s3://bkt/out/")]
+    [back] = source.receive(10, 0, 30)
+    assert back.broke_workers == 1 and "library is gone" in back.breakage

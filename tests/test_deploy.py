@@ -122,10 +122,13 @@ def test_template_locks_things_down() -> None:
         "sns:Publish",
         "autoscaling:SetInstanceProtection",
         "autoscaling:CompleteLifecycleAction",
+        "autoscaling:SetInstanceHealth",
         "logs:CreateLogStream",
         "logs:PutLogEvents",
     }
     assert all(statement["Resource"] != "*" for statement in statements)
+    hosts_out = resources["HostsOutOfService"]["Properties"]
+    assert '"host_out_of_service"' in hosts_out["FilterPattern"]
     [task_policy] = resources["TaskRole"]["Properties"]["Policies"]
     [task_statement] = task_policy["PolicyDocument"]["Statement"]
     assert set(task_statement["Action"]) == {"ecs:UpdateTaskProtection", "ecs:GetTaskProtection"}

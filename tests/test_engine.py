@@ -39,6 +39,7 @@ class RecordingObserver:
         self.events: list[str] = []
         self.lost: list[str] = []
         self.broken: list[str] = []
+        self.suspects: list[frozenset[str] | None] = []
         self.workers: list[tuple[str, int]] = []
 
     def stage_ran(self, stage: str, items: Sequence[Item], duration_s: float, events: Any) -> None:
@@ -48,8 +49,9 @@ class RecordingObserver:
     def worker_lost(self, stage: str, items: Sequence[Item], reason: str) -> None:
         self.lost.append(reason)
 
-    def stage_broken(self, stage: str, error: BaseException) -> None:
+    def stage_broken(self, stage: str, error: BaseException, jobs: frozenset[str] | None) -> None:
         self.broken.append(f"{type(error).__name__}: {error}")
+        self.suspects.append(jobs)
 
     def workers_changed(self, stage: str, workers: int, reason: str) -> None:
         self.workers.append((stage, workers))
@@ -841,3 +843,118 @@ def test_an_arena_larger_than_shared_memory_is_refused_before_it_is_made(
     with pytest.raises(SharedMemoryTooSmall, match="--shm-size"):
         TensorArena((3, 1024, 1024), slots, shared_memory=tmp_path)
     assert TensorArena((3, 8, 8), 4, shared_memory=tmp_path).tensor.shape == (4, 3, 8, 8)
+
+
+def _fetching_stage(marker: Path, batch_size: int) -> ProcessStage:
+    return ProcessStage(
+        "preprocess",
+        functools.partial(stagefns.revocable_fetcher, str(marker)),
+        batch_size=batch_size,
+        writes=TensorArena((2, 2), slots=16),
+        prepare=PrepareStep("fetch", 30.0),
+    )
+
+
+def test_a_fetch_that_fails_an_input_fetched_before_too_is_a_broken_worker(
+    tmp_path: Path,
+) -> None:
+    """An object the worker may not read is that input's error, even a request of only
+    such, while an input fetched before still reads. Once every input fails (the
+    credentials revoked), so does that one: no item is blamed, a fresh child fails the
+    same way, and the stage is broken with the failing request's job the suspect."""
+    marker = tmp_path / "revoked"
+    observer = RecordingObserver()
+    with Pipeline([_fetching_stage(marker, 4)], observer) as pipeline:
+        first = run_items(pipeline, [Item("j", i, v) for i, v in enumerate("ab")])
+        assert [r.error for r in first] == [None, None]
+        denied = run_items(pipeline, [Item("j", 2 + i, "denied") for i in range(4)])
+        assert {(r.error.type, r.error.transient) for r in denied if r.error} == {
+            ("PermissionError", False)
+        }
+        assert all(r.error for r in denied)
+        marker.touch()
+        for index in range(4):
+            pipeline.submit(Item("k", index, f"v{index}"))
+        _wait_until(lambda: observer.broken)
+    assert observer.broken[0].startswith("WorkerFault"), observer.broken
+    assert "an input that passed fetch before fails too: PermissionError" in observer.broken[0]
+    assert observer.suspects == [frozenset({"k"})]
+
+
+def test_a_fetch_step_that_never_fetched_an_input_blames_none_and_stops_on_a_second_job(
+    tmp_path: Path,
+) -> None:
+    """With nothing fetched before to tell by, inputs that all fail are not blamed: their
+    errors are transient (fed again, then the job given back). Requests of a second job
+    failing so too make the stage broken: credentials that never worked."""
+    marker = tmp_path / "revoked"
+    marker.touch()
+    observer = RecordingObserver()
+    with Pipeline([_fetching_stage(marker, 1)], observer) as pipeline:
+        untold = run_items(pipeline, [Item("j", i, f"v{i}") for i in range(2)])
+        assert all(r.error and r.error.transient for r in untold)
+        assert all("no input passed fetch before" in r.error.message for r in untold if r.error)
+        assert observer.broken == []
+        pipeline.submit(Item("k", 0, "v0"))
+        _wait_until(lambda: observer.broken)
+    assert "none was ever prepared" in observer.broken[0]
+    assert observer.suspects == [frozenset({"k"})]
+
+
+def test_a_fan_out_that_fails_an_image_it_cut_up_before_is_a_broken_worker(
+    tmp_path: Path,
+) -> None:
+    """A fan-out has no probe of its own: it is probed with an image it cut up before.
+    Once it fails every image and that one too, no item is blamed and the stage is
+    broken, with the job of the image it failed on the suspect."""
+    marker = tmp_path / "broken"
+    images = TensorArena((2,), slots=8)
+    crops = TensorArena((2,), slots=8)
+    stages = [
+        ProcessStage("decode", functools.partial(stagefns.sleepy_writer, 0.0), writes=images),
+        ProcessStage(
+            "detector", functools.partial(stagefns.fill_reader, -1), reads=images, keeps_slots=True
+        ),
+        ProcessStage(
+            "crops",
+            functools.partial(stagefns.revocable_parts, str(marker)),
+            reads=images,
+            writes=crops,
+            max_parts=3,
+        ),
+        ProcessStage("classifier", functools.partial(stagefns.part_reader, 8, "none"), reads=crops),
+    ]
+    observer = RecordingObserver()
+    with Pipeline(stages, observer) as pipeline:
+        cut = run_items(pipeline, [Item("j", i, i) for i in (1, 2, 3)])
+        assert all(r.error is None for r in cut)
+        marker.touch()
+        pipeline.submit(Item("k", 0, 5))
+        _wait_until(lambda: observer.broken)
+    assert observer.broken[0].startswith("WorkerFault"), observer.broken
+    assert "the fan-out's process is broken" in observer.broken[0]
+    assert observer.suspects == [frozenset({"k"})]
+
+
+def test_a_child_the_oom_killer_kills_is_the_hosts_memory_not_the_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An input whose child the kernel's OOM killer kills, alone, on every try is not
+    blamed: the host ran out of memory (its error is transient: fed again, then the job
+    given back). One killed by SIGKILL from anyone else is the input's, as before."""
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("pgfault 12\noom_kill 0\n")
+    monkeypatch.setattr(engine, "HOST_VMSTAT", vmstat)
+    stage = ProcessStage(
+        "decode",
+        functools.partial(stagefns.oom_killed_writer, str(vmstat)),
+        writes=TensorArena((2,), slots=4),
+    )
+    with Pipeline([stage], RecordingObserver()) as pipeline:
+        values = ["oom", "sigkill", 5]
+        results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+    errors = {r.index: r.error for r in results}
+    assert errors[0] is not None and errors[0].transient
+    assert "killed by the kernel's OOM killer" in errors[0].message
+    assert errors[1] is not None and (errors[1].type, errors[1].transient) == ("WorkerDied", False)
+    assert errors[2] is None

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import queue
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -340,3 +344,43 @@ def test_job_log_reaches_the_file_only_when_flushed(tmp_path: Path) -> None:
     lines = (tmp_path / "j.log").read_text().splitlines()
     assert [json.loads(line)["items"] for line in lines] == [3, 5]
     log.discard()
+
+
+def test_a_suspect_is_fed_apart_once_the_others_items_are_back(tmp_path: Path) -> None:
+    """A job that was in the failing work of a broken worker is fed only once no other
+    job's items are inside the pipeline, and nothing else is fed until its last result
+    is in: if it breaks this worker too, it is the only suspect."""
+    ledger = Ledger()
+    plain = _held(ledger, 1, 3, tmp_path)
+    suspect = ledger.receive(dataclasses.replace(_message(2), broke_workers=1))
+    assert suspect is not None and suspect.suspect and not plain.suspect
+    ledger.next_item()  # plain's first, fed before the suspect came
+    _admit(ledger, suspect, 2, tmp_path)
+
+    fed: queue.SimpleQueue[tuple[Job, int]] = queue.SimpleQueue()
+
+    def feed() -> None:
+        with contextlib.suppress(Closed):
+            while True:
+                fed.put(ledger.next_item())
+
+    threading.Thread(target=feed, daemon=True).start()
+
+    def fed_within(timeout_s: float) -> tuple[Job, int] | None:
+        try:
+            return fed.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    assert fed_within(0.2) is None  # plain's item is inside: the suspect waits, and so do others
+    ledger.record(plain.key, 0, DONE)
+    assert fed_within(1) == (suspect, 0)
+    assert fed_within(1) == (suspect, 1)
+    assert fed_within(0.2) is None  # the suspect's items are inside
+    ledger.record(suspect.key, 0, DONE)
+    assert fed_within(0.2) is None
+    ledger.record(suspect.key, 1, FAILED)
+    assert suspect.state is JobState.FINISHING
+    assert fed_within(1) == (plain, 1)
+    assert fed_within(1) == (plain, 2)
+    ledger.close()

@@ -10,12 +10,23 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
-from tests.conftest import Aws
+from tests.conftest import Aws, DaemonProcess
+from tests.fakeaws import FakeImds
 from tests.faultproxy import Fault, FaultProxy, Request
-from tests.faults import BREAK_MODEL_FILE
-from tests.test_faults import StartDaemon, _args, _assert_complete, _out, _send_jobs
+from tests.faults import BREAK_MODEL_FILE, MAGENTA
+from tests.test_faults import (
+    StartDaemon,
+    _args,
+    _assert_complete,
+    _out,
+    _png,
+    _put,
+    _send_jobs,
+)
 from tests.test_fleet import _free_port, _get
+from tests.test_interruptions import _on_ec2
 from worker.demo import upload_samples
 from worker.settings import MIN_SHUTDOWN_TAIL_S
 
@@ -31,8 +42,8 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
 ) -> None:
     """The model starts failing every batch (a sticky CUDA error, injected by a marker
     file): no job is written `failed`. The daemon says why on /healthz and in its log,
-    gives back every job it holds unwritten, at the cost of one receive each, and
-    exits 1."""
+    gives back every job it holds unwritten, charging only the jobs of the batch that
+    failed, and exits 1."""
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 40, seed=31))
     jobs = {f"job-{n:02d}": uris[n * 2 : n * 2 + 2] for n in range(20)}
@@ -88,17 +99,19 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
     acked = {event["job_id"] for event in daemon.events("job_finished")}
     assert acked <= done
     assert aws.queue_depth(stack.queue_url) == (len(jobs) - len(acked), 0)
-    # The fault cost each job it held one receive (this receive is the next one), and
-    # jobs it had not received yet none.
-    counts = [
-        int(message["Attributes"]["ApproximateReceiveCount"])
-        for message in aws.sqs.receive_message(
-            QueueUrl=stack.queue_url,
-            MaxNumberOfMessages=10,
-            MessageSystemAttributeNames=["ApproximateReceiveCount"],
-        )["Messages"]
-    ]
-    assert counts and max(counts) == 2, counts
+    # Only the jobs with items in the batch that failed (two images: one or two jobs)
+    # are charged, as suspects; the others it held went back uncharged, as
+    # continuations, and the jobs it had not received are untouched.
+    suspects, uncharged = [], []
+    for message in aws.dead_letters(stack.queue_url):
+        attributes = message.get("MessageAttributes", {})
+        if "worker.broke-workers" in attributes:
+            assert attributes["worker.broke-workers"]["StringValue"] == "1"
+            assert "illegal memory access" in attributes["worker.breakage"]["StringValue"]
+            suspects.append(message)
+        elif "worker.handed-over-from" in attributes:
+            uncharged.append(message)
+    assert 1 <= len(suspects) <= 2 and uncharged, (len(suspects), len(uncharged))
 
 
 def test_throttled_and_reset_downloads_never_reach_the_results(
@@ -212,4 +225,59 @@ def test_a_refusing_dead_letter_queue_leaves_poison_to_the_redrive_policy(
     _assert_complete(aws, stack, "good", [uri])
     [dead] = aws.dead_letters(stack.dlq_url)
     assert dead["Body"] == "{not json"
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+
+
+def test_an_input_that_breaks_workers_is_dead_lettered_alone_and_its_host_taken_out(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """One job holds an image that leaves the model's process failing everything (a
+    sticky device error). Daemons on one host (one log directory), restarted as
+    docker's restart policy would: each breakage hands the jobs that were not in the
+    failing batch over uncharged and sends the suspects on with a count of the workers
+    they broke. Suspects run apart, so the culprit breaks the next workers alone while
+    its batch-mates finish. The third breakage on the host sets the instance Unhealthy
+    and a daemon restarted there takes no work; a daemon on another host dead-letters
+    the culprit with the reason, and every other job succeeds."""
+    stack = aws.stack()
+    group = f"{stack.bucket}-workers"
+    instance_id = aws.auto_scaling_group(group)
+    uris = list(upload_samples(aws.s3, stack.bucket, 18, seed=41))
+    magenta = _put(aws, stack, "bad/magenta.png", _png(Image.new("RGB", (64, 64), MAGENTA)))
+    jobs = {f"job-{n}": uris[n * 2 : n * 2 + 2] for n in range(8)}
+    _send_jobs(aws, stack, {**jobs, "culprit": [uris[16], magenta, uris[17]]})
+
+    def run(log_dir: Path, *more: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        args = ["--drain", "--model", "tests.faults:poisonable_classifier", *more]
+        daemon = start_daemon(_args(stack, log_dir, "--batch-size", "4", *args), env=env)
+        daemon.wait(120)
+        return daemon
+
+    host = tmp_path / "host-a"
+    fake = FakeImds(instance_id, group)
+    with fake.serving() as imds_url:
+        on_ec2 = _on_ec2(aws, imds_url)
+        broke = [run(host, env=on_ec2) for _ in range(3)]
+        restarted = run(host, env=on_ec2)
+    assert [daemon.process.returncode for daemon in broke] == [1, 1, 1]
+    suspects = [daemon.events("worker_broken")[0]["suspects"] for daemon in broke]
+    assert all("illegal memory access" in d.events("worker_broken")[0]["cause"] for d in broke)
+    assert len(suspects[0]) >= 1 and len(suspects[1]) == len(suspects[2]) == 1, suspects
+    [taken_out] = broke[2].events("host_out_of_service")
+    assert "3 breakages" in taken_out["reason"] and instance_id in taken_out["action"]
+    [instance] = aws.client("autoscaling").describe_auto_scaling_instances(
+        InstanceIds=[instance_id]
+    )["AutoScalingInstances"]
+    assert instance["HealthStatus"].upper() == "UNHEALTHY"
+    assert restarted.process.returncode == 1
+    assert restarted.events("host_out_of_service") and not restarted.events("job_received")
+
+    elsewhere = run(tmp_path / "host-b", "--protection", "off")
+    assert elsewhere.process.returncode == 0, elsewhere.stderr[-3000:]
+    [dead] = aws.dead_letters(stack.dlq_url)
+    assert '"culprit"' in dead["Body"]
+    reason = dead["MessageAttributes"]["reason"]["StringValue"]
+    assert "3 workers broke with its items in the work that failed" in reason, reason
+    for job_id, inputs in jobs.items():
+        _assert_complete(aws, stack, job_id, inputs)
     assert aws.queue_depth(stack.queue_url) == (0, 0)

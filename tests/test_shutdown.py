@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from structlog.testing import capture_logs
 
+from worker.host import Breakages
 from worker.ledger import Ledger
 from worker.metrics import Metrics
 from worker.ports import Notice, NoticeKind, ReceivedMessage
@@ -100,3 +102,20 @@ def test_a_failing_hook_completion_does_not_stop_the_shutdown() -> None:
         "interruption_handled",
         "lifecycle_action_not_completed",
     ]
+
+
+def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
+    tmp_path: Path,
+) -> None:
+    """Breakages noted on the host (a file that outlives the process) count towards
+    taking it out of service only within the window; a limit of 0 never trips."""
+    now = [1000.0]
+    breakages = Breakages(tmp_path, limit=2, window_s=60, clock=lambda: now[0])
+    breakages.note("a dead GPU")
+    now[0] += 61
+    breakages.note("a dead GPU again")
+    assert Breakages(tmp_path, 2, 60, lambda: now[0]).recent() == ["a dead GPU again"]
+    assert not breakages.too_many()
+    breakages.note("and again")
+    assert breakages.too_many()
+    assert not Breakages(tmp_path, limit=0, window_s=60, clock=lambda: now[0]).too_many()

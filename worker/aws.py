@@ -50,6 +50,7 @@ from worker.errors import (
 from worker.message import JOB_ID_PATTERN
 from worker.ports import (
     ABSENT,
+    MAX_BREAKAGE_CHARS,
     RENEWAL_FAILED,
     Notice,
     NoticeKind,
@@ -60,6 +61,7 @@ from worker.ports import (
     RemoteReader,
     S3Location,
     ScaleInGuard,
+    breakage_carried,
 )
 from worker.retry import CALL_BACKOFF, call_with_retries
 from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_CALL
@@ -84,6 +86,8 @@ EARLIER_ATTEMPTS_ATTRIBUTE = "worker.earlier-attempts"
 FIRST_MESSAGE_ATTRIBUTE = "worker.first-message-id"
 HANDED_OVER_FROM_ATTRIBUTE = "worker.handed-over-from"
 REPLACED_LEASE_ENDS_ATTRIBUTE = "worker.replaced-lease-ends"
+BROKE_WORKERS_ATTRIBUTE = "worker.broke-workers"
+BREAKAGE_ATTRIBUTE = "worker.breakage"
 IMDS_DEFAULT_ENDPOINT = "http://169.254.169.254"
 IMDS_TOKEN_TTL_S = 60
 IMDS_TOKEN_MARGIN_S = 10
@@ -283,6 +287,8 @@ class SqsJobSource(_Retrying):
                     FIRST_MESSAGE_ATTRIBUTE,
                     HANDED_OVER_FROM_ATTRIBUTE,
                     REPLACED_LEASE_ENDS_ATTRIBUTE,
+                    BROKE_WORKERS_ATTRIBUTE,
+                    BREAKAGE_ATTRIBUTE,
                 ],
             )
         )
@@ -303,13 +309,25 @@ class SqsJobSource(_Retrying):
         )
 
     def requeue(
-        self, message: ReceivedMessage, *, delay_s: int = 0, lease_ends: float | None = None
+        self,
+        message: ReceivedMessage,
+        *,
+        delay_s: int = 0,
+        lease_ends: float | None = None,
+        breakage: str | None = None,
     ) -> None:
         attributes: Any = {
             EARLIER_ATTEMPTS_ATTRIBUTE: {"DataType": "Number", "StringValue": str(message.attempt)},
             FIRST_MESSAGE_ATTRIBUTE: {"DataType": "String", "StringValue": message.job_message_id},
             HANDED_OVER_FROM_ATTRIBUTE: {"DataType": "String", "StringValue": message.message_id},
         }
+        broke_workers, cause = breakage_carried(message, breakage)
+        if broke_workers:
+            attributes[BROKE_WORKERS_ATTRIBUTE] = {
+                "DataType": "Number",
+                "StringValue": str(broke_workers),
+            }
+            attributes[BREAKAGE_ATTRIBUTE] = {"DataType": "String", "StringValue": cause or "-"}
         if lease_ends is not None:
             attributes[REPLACED_LEASE_ENDS_ATTRIBUTE] = {
                 "DataType": "Number",
@@ -603,10 +621,11 @@ def _received(message: MessageTypeDef) -> ReceivedMessage:
 
 
 # What a continuation's attributes may hold: a count, a message id (it names files, as a
-# job id does), and an epoch time in seconds.
+# job id does), an epoch time in seconds, and a cause (only ever logged and quoted).
 ATTEMPTS_PATTERN = re.compile(r"[0-9]{1,6}")
 MESSAGE_ID_PATTERN = re.compile(JOB_ID_PATTERN)
 EPOCH_SECONDS_PATTERN = re.compile(r"[0-9]{1,11}(\.[0-9]{1,6})?")
+BREAKAGE_PATTERN = re.compile(f".{{1,{MAX_BREAKAGE_CHARS}}}", re.DOTALL)
 
 
 def _carried(attributes: dict[str, Any]) -> dict[str, Any]:
@@ -623,11 +642,15 @@ def _carried(attributes: dict[str, Any]) -> dict[str, Any]:
     first = value(FIRST_MESSAGE_ATTRIBUTE, MESSAGE_ID_PATTERN, "a message id")
     handed_over_from = value(HANDED_OVER_FROM_ATTRIBUTE, MESSAGE_ID_PATTERN, "a message id")
     lease_ends = value(REPLACED_LEASE_ENDS_ATTRIBUTE, EPOCH_SECONDS_PATTERN, "a time")
+    broke_workers = value(BROKE_WORKERS_ATTRIBUTE, ATTEMPTS_PATTERN, "a count of workers")
+    breakage = value(BREAKAGE_ATTRIBUTE, BREAKAGE_PATTERN, "a cause")
     return {
         "earlier_attempts": int(earlier or 0),
         "first_message_id": first or "",
         "handed_over_from": handed_over_from or "",
         "replaced_lease_ends": float(lease_ends) if lease_ends else None,
+        "broke_workers": int(broke_workers or 0),
+        "breakage": breakage or "",
     }
 
 
@@ -663,6 +686,16 @@ class AsgGuard(_Retrying):
             )
         )
 
+    def take_out_of_service(self) -> str:
+        self._call(
+            lambda: self._client.set_instance_health(
+                InstanceId=self.instance_id,
+                HealthStatus="Unhealthy",
+                ShouldRespectGracePeriod=False,
+            )
+        )
+        return f"instance {self.instance_id} set Unhealthy: its Auto Scaling group replaces it"
+
 
 class EcsGuard:
     """ECS task scale-in protection through the container agent's endpoint."""
@@ -689,6 +722,9 @@ class EcsGuard:
             answer = json.loads(reply.read() or b"{}")
         if answer.get("failure") or answer.get("error"):
             raise RuntimeError(f"ECS agent refused task protection: {answer}")
+
+    def take_out_of_service(self) -> str:
+        return "the task exits, and the ECS service starts another"
 
 
 class Imds:

@@ -46,6 +46,7 @@ from worker.engine import (
     ThreadStage,
     bisection_sizes,
 )
+from worker.host import Breakages, take_out_of_service
 from worker.intake import Feeder, Intake
 from worker.interruptions import InterruptionWatch
 from worker.leases import LeaseKeeper
@@ -54,6 +55,8 @@ from worker.metrics import Metrics, serving
 from worker.outcomes import Lifecycle, Outcomes
 from worker.plugins import (
     ModelIdentity,
+    PluginError,
+    chain_postprocess_fault,
     decodes_on_device,
     fan_out_setup,
     inference_devices,
@@ -187,10 +190,19 @@ class Daemon:
             else None
         )
         self._arrays = ArraySpool(settings.log_dir / ARRAYS_DIR)
+        self._guard = guard
+        self._breakages = Breakages(settings.log_dir, settings.host_breakages_limit)
         # Loaded here too so that a wrong reference stops the daemon before it starts.
         # A single model's postprocessor runs in its process; a chain's parts come
         # together only here, so its postprocessor runs here.
         postprocess = load_postprocessor(spec.postprocess)
+        fault = chain_postprocess_fault(postprocess) if spec.fan_out else None
+        if fault is not None:
+            raise PluginError(
+                f"{spec.postprocess} fails on an input with no parts and no params ({fault}); "
+                "the daemon runs that whenever it fails an input, to tell a broken worker "
+                "from bad inputs"
+            )
         self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
         intake = Intake(
             settings,
@@ -208,7 +220,11 @@ class Daemon:
             "intake": intake.run,
             "feeder": Feeder(ledger, self._pipeline).run,
             "regrouper": Regrouper(
-                self._pipeline, lifecycle, finisher, postprocess if spec.fan_out else None
+                self._pipeline,
+                lifecycle,
+                finisher,
+                postprocess if spec.fan_out else None,
+                shutdown.broken,
             ).run,
             **{f"finisher-{n}": finisher.run for n in range(settings.fetch_concurrency)},
             "lease-keeper": self._leases.run,
@@ -234,6 +250,9 @@ class Daemon:
         """Serve until drained (with `drain`), signalled, interrupted or broken; then
         shut down within `shutdown_tail_s` more than the time held jobs are given."""
         log.info("daemon_starting", settings=self._settings.model_dump(mode="json"))
+        if self._breakages.too_many():  # restarted on a host that is to be replaced
+            take_out_of_service(self._breakages, self._guard, self._metrics)
+            return ExitCode.BROKEN
         with contextlib.ExitStack() as running:
             running.enter_context(self._shutdown.signal_handlers())
             if self._settings.metrics_port:
@@ -253,6 +272,10 @@ class Daemon:
             reason = self._shutdown.wait()
             self._shutdown.let_held_jobs_finish()
             self._close_within_tail()
+        if self._shutdown.broken_cause is not None:
+            self._breakages.note(self._shutdown.broken_cause)
+            if self._breakages.too_many():
+                take_out_of_service(self._breakages, self._guard, self._metrics)
         log.info("daemon_stopped", reason=reason.value, exit_code=reason.code)
         return reason
 
@@ -309,7 +332,7 @@ class Daemon:
         self._checkpointer.stop()
         shutdown = self._shutdown
         handed_back = self._outcomes.release_all(
-            shutdown.release_reason(), hand_over=shutdown.broken_cause is None
+            shutdown.release_reason(), breakage=shutdown.broken_cause, suspects=shutdown.suspects
         )
         shutdown.handed_back(handed_back)
         self._finisher.close()

@@ -75,6 +75,9 @@ _WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 # After an out-of-memory error, batches stay at the size that fitted for this long:
 # retrying the full size at once would only run out of memory again.
 OOM_COOLDOWN_S = 300.0
+# A stage that has never prepared an input (fetched it) stops after this many requests
+# in a row, of more than one job, failed every item (`_judged`, untold).
+UNTOLD_REQUESTS_BEFORE_FAULT = 3
 # WorkerScaler: how often it looks, and the utilisation of a stage's workers (their
 # time on requests over the wall time) above which it adds one when the next stage
 # waits, and below which (counted as if one fewer did the work) it removes one.
@@ -86,6 +89,7 @@ SHRINK_BELOW_UTILISATION = 0.6
 log = structlog.get_logger()
 # Where torch puts shared tensors on Linux (shm_open).
 SHARED_MEMORY_DIR = Path("/dev/shm")
+HOST_VMSTAT = Path("/proc/vmstat")  # its oom_kill counts the OOM killer's kills
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +184,10 @@ class StageObserver(Protocol):
     def worker_lost(self, stage: str, items: Sequence[Item], reason: str) -> None:
         """A child process died or hung while holding `items`; it is being replaced."""
 
-    def stage_broken(self, stage: str, error: BaseException) -> None:
+    def stage_broken(self, stage: str, error: BaseException, jobs: frozenset[str] | None) -> None:
         """A stage cannot go on (its set-up fails, its worker fails known-good input, its
-        thread raised): the pipeline is unusable."""
+        thread raised): the pipeline is unusable. `jobs` are those with items in the work
+        that failed, which may be why; None when that is not known (a thread raised)."""
 
     def workers_changed(self, stage: str, workers: int, reason: str) -> None:
         """A process stage grew or shrank to `workers` (`WorkerScaler`)."""
@@ -283,6 +288,20 @@ class TensorArena:
     def close(self) -> None:
         """Wake everyone waiting for a slot."""
         self._free.close()
+
+
+def host_oom_kills() -> int:
+    """How many processes the kernel's OOM killer has killed on this host since it
+    booted (Linux 4.13 and later; 0 where it does not say)."""
+    try:
+        lines = HOST_VMSTAT.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        name, _, count = line.partition(" ")
+        if name == "oom_kill":
+            return int(count)
+    return 0
 
 
 class SharedMemoryTooSmall(Exception):
@@ -406,7 +425,7 @@ class _Stage:
             if self.stopping.is_set():
                 return  # its child or channel was closed under it: the stage is stopping
             log.exception("stage_thread_failed", stage=self.name)
-            self._observer.stage_broken(self.name, error)
+            self._observer.stage_broken(self.name, error, None)
 
     def _next_batch(self, unless: Callable[[], bool] | None = None) -> list[Item]:
         return self._inbox.get_batch(self.current_batch_size(), self.max_batch_wait_s, unless)
@@ -462,10 +481,17 @@ class WorkerLost(Exception):
     # Lost while it prepared a request (`PrepareStep`: fetching inputs, whose reads have
     # their own time limits): the surroundings failed, not an input.
     preparing = False
+    # Killed by the kernel's OOM killer: the host ran out of memory, whichever process
+    # it chose to kill.
+    out_of_memory = False
 
 
 class WorkerDied(WorkerLost):
     """The child process exited (a crash, a kill) while it held work."""
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class WorkerHung(WorkerLost):
@@ -542,6 +568,8 @@ class _ChildProcess:
                     stage.mode,
                     stage.prepare,
                     stage.batch_size,
+                    stage.max_parts,
+                    stage.known_good(),
                 ),
                 stage.reads.tensor if stage.reads else None,
                 stage.writes.tensor if stage.writes else None,
@@ -612,7 +640,7 @@ class _ChildProcess:
         if not ready:
             raise WorkerHung(f"{self.name} gave no answer in {timeout_s} s")
         process.join(STOP_GRACE_S)
-        raise WorkerDied(f"{self.name} exited with code {process.exitcode}")
+        raise WorkerDied(f"{self.name} exited with code {process.exitcode}", process.exitcode)
 
     def stop(self, graceful: bool = True) -> None:
         """Ask the child to exit (it ignores SIGTERM), and kill it if it does not."""
@@ -720,7 +748,12 @@ class ProcessStage(_Stage):
         self._children: list[_ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
-        self._lock = threading.Lock()  # the two above; drivers and the scaler share them
+        self._oom_kills = host_oom_kills()
+        self._known_good = _KnownGood()
+        self._prepare_name = prepare.name if prepare else None
+        # The jobs of the latest requests whose every item failed to prepare, untold.
+        self._untold: deque[frozenset[str]] = deque(maxlen=UNTOLD_REQUESTS_BEFORE_FAULT)
+        self._lock = threading.Lock()  # the above; drivers and the scaler share them
 
     def start(
         self,
@@ -933,6 +966,7 @@ class ProcessStage(_Stage):
             self._busy_s += reply.duration_s
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
+        self._learn_from(live, reply)
         _apply(live, reply.outcomes)
         self._observer.stage_ran(self.name, live, reply.duration_s, reply.events)
 
@@ -985,15 +1019,63 @@ class ProcessStage(_Stage):
     def _restart(self, child: _ChildProcess, items: list[Item], lost: WorkerLost) -> None:
         if self.stopping.is_set():
             raise Closed
+        if isinstance(lost, WorkerDied):
+            lost.out_of_memory = self._oom_killed(lost)
         self._observer.worker_lost(self.name, items, str(lost))
         try:
             child.restart()
         except StageSetupError as error:
-            self._break(error)
+            self._break(error, items)
 
-    def _break(self, error: BaseException) -> None:
-        """The stage cannot go on: report it and end this driver thread."""
-        self._observer.stage_broken(self.name, error)
+    def known_good(self) -> _KnownGood:
+        """What a new child is told its stage handled well (`_KnownGood`)."""
+        with self._lock:
+            return replace(self._known_good)
+
+    def _learn_from(self, live: list[Item], reply: _Reply) -> None:
+        """Keep an item the reply shows handled well as the stage's known good, before
+        its value is replaced by its outcome; and stop the stage once requests of more
+        than one job, in a row, failed their prepare step with nothing prepared before
+        (credentials that never worked), rather than fail every job's items."""
+        outcomes = list(zip(live, reply.outcomes, strict=True))
+        prepared = [
+            item
+            for item, outcome in outcomes
+            if not (isinstance(outcome, ItemError) and outcome.stage == self._prepare_name)
+        ]
+        ran_well = [item for item, outcome in outcomes if not isinstance(outcome, ItemError)]
+        with self._lock:
+            if prepared and self.prepare is not None:
+                self._known_good.unprepared = prepared[0].value
+                self._untold.clear()
+            if self.mode == "fan-out" and ran_well:
+                assert self.reads is not None and ran_well[0].slot is not None
+                image = self.reads.tensor[ran_well[0].slot].clone()
+                self._known_good.fan_out = (image, ran_well[0].value)
+            if reply.untold:
+                self._untold.append(frozenset(item.job for item in live))
+            untold = list(self._untold)
+        jobs = frozenset().union(*untold)
+        if len(untold) >= UNTOLD_REQUESTS_BEFORE_FAULT and len(jobs) > 1:
+            fault = (
+                f"every input of {len(untold)} requests of {len(jobs)} jobs failed to "
+                f"prepare, and none was ever prepared: {reply.outcomes[0].message}"
+            )
+            self._break(WorkerFault(fault), live)
+
+    def _oom_killed(self, died: WorkerDied) -> bool:
+        """Whether the kernel's OOM killer killed the child: it died of SIGKILL, and the
+        host's count of such kills rose since this stage last looked."""
+        kills = host_oom_kills()
+        with self._lock:
+            rose = kills > self._oom_kills
+            self._oom_kills = kills
+        return died.exit_code == -signal.SIGKILL and rose
+
+    def _break(self, error: BaseException, items: Sequence[Item]) -> None:
+        """The stage cannot go on: report it, naming the jobs of the `items` it failed
+        on, and end this driver thread."""
+        self._observer.stage_broken(self.name, error, frozenset(item.job for item in items))
         raise Closed from error
 
     def _run(self, child: _ChildProcess, live: list[Item], after: WorkerLost | None = None) -> None:
@@ -1004,7 +1086,7 @@ class ProcessStage(_Stage):
             reply = self._reply(child, live)
         except WorkerLost as lost:
             if isinstance(lost, WorkerFailedProbe) and isinstance(after, WorkerFailedProbe):
-                self._break(WorkerFault(f"a fresh worker failed the same way: {lost}"))
+                self._break(WorkerFault(f"a fresh worker failed the same way: {lost}"), live)
             self._restart(child, live, lost)
             self._retry(child, live, lost)
             return
@@ -1029,8 +1111,11 @@ class ProcessStage(_Stage):
             return
         fault = child.probe(self.timeout_s)
         if fault is not None:
-            self._break(WorkerFault(f"{lost}, and a fresh worker failed its probe: {fault}"))
-        if lost.preparing:
+            self._break(WorkerFault(f"{lost}, and a fresh worker failed its probe: {fault}"), live)
+        if lost.out_of_memory:  # the host's memory, however often: not the input's fault
+            message = f"{lost}: killed by the kernel's OOM killer"
+            item.error = ItemError(type(lost).__name__, message, self.name, transient=True)
+        elif lost.preparing:
             assert self.prepare is not None
             message = f"{lost} while it prepared the item"
             item.error = ItemError(type(lost).__name__, message, self.prepare.name, transient=True)
@@ -1086,6 +1171,8 @@ class _ChildPlan:
     mode: ArenaMode
     prepare: PrepareStep | None
     prepare_threads: int
+    max_parts: int
+    known_good: _KnownGood  # what the stage's children handled well so far
 
 
 class _Task(NamedTuple):
@@ -1113,6 +1200,19 @@ class _Reply(NamedTuple):
     fitting_batch_size: int | None  # after an out-of-memory error, the size that fitted
     duration_s: float
     fault: str | None  # every item failed, and so did the probe: why the probe failed
+    # Every item failed its prepare step, and nothing was prepared before to tell a
+    # worker's fault from the inputs' (their errors are made transient).
+    untold: bool = False
+
+
+@dataclass
+class _KnownGood:
+    """Input a stage handled well: the probe of a step that has none of its own. A
+    value its prepare step prepared (a fetch probed by fetching it again), and for a
+    fan-out a copy of an image it cut into parts, with what it was told of it."""
+
+    unprepared: Any = None
+    fan_out: tuple[torch.Tensor, Any] | None = None
 
 
 def _child_main(
@@ -1138,6 +1238,13 @@ def _child_main(
     except BaseException:
         conn.send(("setup_failed", traceback.format_exc()))
         return
+    known_good = replace(plan.known_good)
+    probe = stage_fn.probe
+    if probe is None and plan.mode == "fan-out":
+        assert writes is not None
+        probe = functools.partial(
+            _fan_out_probe, stage_fn.run, known_good, writes.shape[1:], plan.max_parts
+        )
     gatherer = BatchGatherer(reads) if plan.mode == "read" and reads is not None else None
     threads = ThreadPoolExecutor(plan.prepare_threads) if stage_fn.prepare else None
     requests: queue.SimpleQueue[_Received] = queue.SimpleQueue()
@@ -1163,17 +1270,31 @@ def _child_main(
             return
         values = None
         if request == PROBE:
-            answer: Any = _probe(stage_fn.probe)
+            answer: Any = _probe(probe)
         else:
             logs.events.clear()
             failed: dict[int, ItemError] = {}
+            judged: _Judged | None = None
             if preparations is not None:
-                assert plan.prepare is not None
+                assert plan.prepare is not None and stage_fn.prepare is not None
+                unprepared = [task.value for task in request]
                 request, failed = _prepared(request, preparations, plan.prepare)
+                judged = _judged(failed, unprepared, known_good, stage_fn.prepare, plan.prepare)
+                failed = judged.failed
                 if not send(_Prepared(time.perf_counter() - started)):
                     return
-            answer = _run_request(stage_fn, plan, (reads, writes), gatherer, request, failed=failed)
+            answer = _run_request(
+                replace(stage_fn, probe=probe),
+                plan,
+                (reads, writes),
+                gatherer,
+                request,
+                failed=failed,
+                known_good=known_good,
+            )
             answer = answer._replace(events=list(logs.events))
+            if judged is not None:
+                answer = answer._replace(fault=answer.fault or judged.fault, untold=judged.untold)
             values = [task.value for task in request]
         if not send(answer, values):
             return
@@ -1264,12 +1385,20 @@ def _run_request(
     request: list[_Task],
     *,
     failed: Mapping[int, ItemError],
+    known_good: _KnownGood,
 ) -> _Reply:
     """Run the request's items but those that `failed` to be prepared; if every item
-    run fails, run the probe too."""
+    run fails, run the probe too. A fan-out keeps an item it cut up as its known good."""
     started = time.perf_counter()
     runnable = [task for position, task in enumerate(request) if position not in failed]
     ran, fitting_batch_size = _serve_request(stage_fn.run, plan, arenas, gatherer, runnable)
+    if plan.mode == "fan-out":
+        reads = arenas[0]
+        assert reads is not None
+        for task, outcome in zip(runnable, ran, strict=True):
+            if not isinstance(outcome, ItemError):
+                known_good.fan_out = (reads[task.slot].clone(), task.value)
+                break
     fault = _fault_if_all_failed(ran, stage_fn.probe)
     duration_s = time.perf_counter() - started
     outcomes = iter(ran)
@@ -1304,6 +1433,70 @@ def _prepared(
             failed[position] = ItemError.from_exception(error, step.name)
             prepared.append(task)
     return prepared, failed
+
+
+class _Judged(NamedTuple):
+    """What a request's preparation says of the worker (`_judged`)."""
+
+    failed: dict[int, ItemError]
+    fault: str | None
+    untold: bool
+
+
+def _judged(
+    failed: dict[int, ItemError],
+    unprepared: Sequence[Any],
+    known_good: _KnownGood,
+    prepare: Callable[[Any], Any],
+    step: PrepareStep,
+) -> _Judged:
+    """When every item of a request failed its prepare step for a reason retrying will
+    not cure (access denied to every input, say), whether the worker is to blame: it
+    prepares a value it prepared before. If that fails too, the worker is at fault;
+    if that fails for now (throttled), nobody can tell yet and the errors are made
+    transient; with no such value (nothing prepared yet), likewise, and `untold`."""
+    succeeded = [value for position, value in enumerate(unprepared) if position not in failed]
+    if succeeded:
+        known_good.unprepared = succeeded[0]
+        return _Judged(failed, None, False)
+    if not failed or any(error.transient for error in failed.values()):
+        return _Judged(failed, None, False)
+    if known_good.unprepared is None:
+        why = f"no input passed {step.name} before, to tell the worker's fault from the input's"
+        return _Judged(_made_transient(failed, why), None, True)
+    try:
+        prepare(known_good.unprepared)
+    except TransientError as error:
+        why = f"an input that passed {step.name} before fails for now too ({error})"
+        return _Judged(_made_transient(failed, why), None, False)
+    except Exception as error:
+        fault = (
+            f"an input that passed {step.name} before fails too: "
+            f"{type(error).__name__}: {str(error)[:500]}"
+        )
+        return _Judged(failed, fault, False)
+    return _Judged(failed, None, False)
+
+
+def _made_transient(failed: dict[int, ItemError], why: str) -> dict[int, ItemError]:
+    return {
+        position: replace(error, message=f"{error.message} ({why})", transient=True)
+        for position, error in failed.items()
+    }
+
+
+def _fan_out_probe(
+    fan_out: Callable[..., Any],
+    known_good: _KnownGood,
+    part_shape: Sequence[int],
+    max_parts: int,
+) -> None:
+    """Cut up again an image a fan-out cut up before (none yet: nothing to tell by)."""
+    if known_good.fan_out is None:
+        return
+    image, found = known_good.fan_out
+    outs = list(torch.empty((max_parts, *part_shape), dtype=torch.uint8))
+    fan_out(image, found, outs)
 
 
 def _fault_if_all_failed(outcomes: Sequence[Any], probe: Callable[[], object] | None) -> str | None:

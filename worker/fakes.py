@@ -17,8 +17,9 @@ import urllib.parse
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.ports import (
@@ -28,6 +29,7 @@ from worker.ports import (
     ReceivedMessage,
     RemoteReader,
     S3Location,
+    breakage_carried,
 )
 
 
@@ -39,10 +41,8 @@ class _Stored:
     receipt_handle: str | None = None
     receive_count: int = 0
     ready: bool = True  # in the ready queue
-    earlier_attempts: int = 0
-    first_message_id: str = ""
-    handed_over_from: str = ""
-    replaced_lease_ends: float | None = None
+    # What a continuation carries: `ReceivedMessage`'s fields of that name.
+    carried: dict[str, Any] = field(default_factory=dict)
 
 
 class InMemoryJobSource:
@@ -64,27 +64,12 @@ class InMemoryJobSource:
         self.receive_calls = 0
         self.extend_calls = 0
 
-    def send(
-        self,
-        body: str,
-        *,
-        earlier_attempts: int = 0,
-        first_message_id: str = "",
-        handed_over_from: str = "",
-        replaced_lease_ends: float | None = None,
-        delay_s: int = 0,
-    ) -> str:
-        """Enqueue a message, visible after `delay_s`; returns its id."""
+    def send(self, body: str, *, delay_s: int = 0, **carried: Any) -> str:
+        """Enqueue a message, visible after `delay_s`, with what a continuation carries
+        (`ReceivedMessage`'s fields); returns its id."""
         with self._lock:
             message_id = str(uuid.uuid4())
-            stored = _Stored(
-                message_id,
-                body,
-                earlier_attempts=earlier_attempts,
-                first_message_id=first_message_id,
-                handed_over_from=handed_over_from,
-                replaced_lease_ends=replaced_lease_ends,
-            )
+            stored = _Stored(message_id, body, carried=carried)
             self._messages[message_id] = stored
             if delay_s:
                 stored.ready = False
@@ -120,10 +105,7 @@ class InMemoryJobSource:
                         stored.body,
                         stored.receipt_handle,
                         stored.receive_count,
-                        stored.earlier_attempts,
-                        stored.first_message_id,
-                        stored.handed_over_from,
-                        stored.replaced_lease_ends,
+                        **stored.carried,
                     )
                 )
             return received
@@ -158,15 +140,23 @@ class InMemoryJobSource:
             raise LookupError(f"ReceiptHandleIsInvalid: {receipt_handle}")
 
     def requeue(
-        self, message: ReceivedMessage, *, delay_s: int = 0, lease_ends: float | None = None
+        self,
+        message: ReceivedMessage,
+        *,
+        delay_s: int = 0,
+        lease_ends: float | None = None,
+        breakage: str | None = None,
     ) -> None:
+        broke_workers, cause = breakage_carried(message, breakage)
         self.send(
             message.body,
+            delay_s=delay_s,
             earlier_attempts=message.attempt,
             first_message_id=message.job_message_id,
             handed_over_from=message.message_id,
             replaced_lease_ends=lease_ends,
-            delay_s=delay_s,
+            broke_workers=broke_workers,
+            breakage=cause,
         )
 
     def extend(
@@ -325,6 +315,7 @@ class RecordingGuard:
     def __init__(self, renew_every_s: float | None = None, failures: int = 0):
         self.renew_every_s = renew_every_s
         self.calls: list[bool] = []
+        self.out_of_service = False
         self._failures = failures
 
     def set_protected(self, protected: bool) -> None:
@@ -332,3 +323,7 @@ class RecordingGuard:
             self._failures -= 1
             raise ConnectionError("protection API unreachable (fake)")
         self.calls.append(protected)
+
+    def take_out_of_service(self) -> str:
+        self.out_of_service = True
+        return "recorded (fake)"

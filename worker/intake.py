@@ -40,6 +40,9 @@ DRAINED_READINGS = 2
 # How far apart two workers' clocks may be (a continuation compares its sender's time).
 CLOCK_SKEW_S = 5.0
 WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
+# A job in the failing work of this many workers that broke (the last times run apart
+# from other jobs) is dead-lettered: it breaks workers, whatever the cause.
+MAX_BROKEN_WORKERS = 3
 
 
 class _Admission(NamedTuple):
@@ -175,6 +178,11 @@ class Intake:
         try:
             if job.message.attributes_problem:
                 raise PoisonMessage(job.message.attributes_problem)
+            if job.message.broke_workers >= MAX_BROKEN_WORKERS:
+                raise PoisonMessage(
+                    f"{job.message.broke_workers} workers broke with its items in the work "
+                    f"that failed; the last: {job.message.breakage}"
+                )
             spec = parse_job_message(job.message.body, settings.allowed_buckets)
             inputs = spec.inputs or self._read_manifest(spec.manifest or "")
             if len(inputs) > settings.max_items_per_job:

@@ -18,6 +18,9 @@ transition instead of flipping flags, one method per transition:
   could not be read for now is fed again, `retry_item`);
 - finishing: every item's result is in (or the job was cancelled); its outputs are
   being written;
+- a suspect (a job that was in the failing work of a worker that broke) is fed apart:
+  once nothing else is inside the pipeline, and nothing else until its last item is
+  back, so that if it breaks this worker too, no other job is in the failing work;
 - acked, released, dead-lettered: settled. A settled job stays in the ledger until its
   SQS call has returned (`forget`), so the daemon is not idle, nor `--drain` done, while
   a release is still on its way.
@@ -147,6 +150,7 @@ class Job:
     arrays: ArrayFiles | None = None  # its array outputs, from admission
     fed: int = 0  # the feed's place in `inputs`
     unfed: int = 0  # items not fed yet
+    inside: int = 0  # items fed and not yet back
     item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
     release_delay_s: int = 0  # once released: how long it is to stay hidden
     succeeded: int = 0
@@ -169,6 +173,11 @@ class Job:
     @property
     def attempt(self) -> int:
         return self.message.attempt
+
+    @property
+    def suspect(self) -> bool:
+        """Whether it was in the failing work of a worker that broke: it is run apart."""
+        return self.message.broke_workers > 0
 
     @property
     def settled(self) -> bool:
@@ -205,6 +214,9 @@ class Ledger:
         self._deliveries = itertools.count(1)
         # Kept as a count: the intake asks after every change, with hundreds of jobs held.
         self._outstanding = 0
+        self._inside = 0  # items fed and not yet back, of every job
+        self._suspects: set[Job] = set()  # feedable ones
+        self._apart: Job | None = None  # the suspect being fed, apart from the others
 
     def __len__(self) -> int:
         """Jobs held, settling ones included."""
@@ -278,27 +290,55 @@ class Ledger:
         RUNNING with its first item. Waits for one; raises `Closed` once closed."""
         with self._changed:
             while not self._closed:
-                while self._again and self._again[0][0] <= time.monotonic():
-                    _, _, job, index = heapq.heappop(self._again)
-                    if job.state is JobState.RUNNING:
-                        return job, index
-                while self._feeding:
-                    job = self._feeding.popleft()
-                    if job.state not in FEEDABLE:
-                        continue  # released while it waited for its turn
-                    if job.state is JobState.ADMITTED:
-                        self._move(job, JobState.RUNNING)
-                    while job.results[job.fed] is not None:  # resumed from a checkpoint
-                        job.fed += 1
-                    index = job.fed
-                    job.fed += 1
-                    job.unfed -= 1
-                    if job.unfed:
-                        self._feeding.append(job)
+                picked = self._pick()
+                if picked is not None:
+                    job, index = picked
+                    job.inside += 1
+                    self._inside += 1
                     return job, index
                 due_in_s = self._again[0][0] - time.monotonic() if self._again else None
                 self._changed.wait(due_in_s)
             raise Closed
+
+    def _pick(self) -> tuple[Job, int] | None:
+        """The next item `next_item` may feed now, if any."""
+        while self._again and self._again[0][0] <= time.monotonic():
+            job = self._again[0][2]
+            if job.state is JobState.RUNNING and not self._may_feed(job):
+                break  # until the suspect fed apart is done
+            _, _, job, index = heapq.heappop(self._again)
+            if job.state is JobState.RUNNING:
+                return job, index
+        for _ in range(len(self._feeding)):
+            job = self._feeding.popleft()
+            if job.state not in FEEDABLE:
+                continue  # released while it waited for its turn
+            if not self._may_feed(job):
+                self._feeding.append(job)
+                continue
+            if job.state is JobState.ADMITTED:
+                self._move(job, JobState.RUNNING)
+            while job.results[job.fed] is not None:  # resumed from a checkpoint
+                job.fed += 1
+            index = job.fed
+            job.fed += 1
+            job.unfed -= 1
+            if job.unfed:
+                self._feeding.append(job)
+            return job, index
+        return None
+
+    def _may_feed(self, job: Job) -> bool:
+        """Whether the job's items may go into the pipeline now: while a suspect is held,
+        only its own, and those only once the others' are all back."""
+        if self._apart is None:
+            if not self._suspects:
+                return True
+            suspect = next(iter(self._suspects))
+            if job is not suspect or self._inside > job.inside:
+                return False
+            self._apart = suspect
+        return job is self._apart
 
     def retry_item(self, job: Job, index: int, delay_s: float) -> None:
         """Feed a running job's item again after `delay_s`: its input could not be read
@@ -307,6 +347,8 @@ class Ledger:
             if job.state is not JobState.RUNNING:
                 return
             job.item_retries[index] = job.item_retries.get(index, 0) + 1
+            job.inside -= 1
+            self._inside -= 1
             due = time.monotonic() + delay_s
             heapq.heappush(self._again, (due, next(self._deliveries), job, index))
             self._changed.notify_all()
@@ -321,6 +363,8 @@ class Ledger:
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
+            job.inside -= 1
+            self._inside -= 1
             if result.has_arrays:
                 job.uncheckpointed += 1
             else:
@@ -398,6 +442,15 @@ class Ledger:
     def _move(self, job: Job, state: JobState) -> None:
         if state not in TRANSITIONS.get(job.state, frozenset()):
             raise IllegalTransition(f"job {job.job_id}: {job.state} -> {state} is not allowed")
+        if job.state in FEEDABLE and state not in FEEDABLE:
+            # Its items still inside are dropped as they come back.
+            self._inside -= job.inside
+            job.inside = 0
+            self._suspects.discard(job)
+            if self._apart is job:
+                self._apart = None
+        elif state is JobState.ADMITTED and job.suspect:
+            self._suspects.add(job)
         job.state = state
 
     # Leases ------------------------------------------------------------------

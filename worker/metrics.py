@@ -95,6 +95,11 @@ class Metrics:
             ["kind", "cause"],
             registry=registry,
         )
+        self.host_out_of_service = Gauge(
+            "worker_host_out_of_service",
+            "1 once this host is taken out of service for breaking its workers.",
+            registry=registry,
+        )
         self.jobs_handed_back = Counter(
             "worker_jobs_handed_back",
             "Jobs released unfinished at shutdown, by why the daemon stopped.",

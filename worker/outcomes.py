@@ -166,20 +166,32 @@ class Outcomes:
         else:
             self.release(job, "lease ceiling reached, no progress")
 
-    def release_all(self, reason: str, *, hand_over: bool) -> int:
-        """Give back every unsettled job at once (shutdown, an open circuit), each one's
-        results so far checkpointed; handed over as continuations, or (a broken worker:
-        the jobs may be why) released in batched calls. Returns how many."""
+    def release_all(
+        self,
+        reason: str,
+        *,
+        breakage: str | None = None,
+        suspects: frozenset[str] | None = frozenset(),
+    ) -> int:
+        """Give back every unsettled job at once (shutdown), each one's results so far
+        checkpointed, as continuations. With `breakage` (why this worker broke), those
+        that may be why (`suspects`, by key; None: all) carry one more broken worker and
+        are run apart from other jobs next time, or dead-lettered (`Intake`); the others
+        could not be why, and go uncharged. A job not handed over is released, in
+        batched calls. Returns how many."""
         jobs = [job for job in self._ledger.unsettled() if self._ledger.release(job)]
         for job in jobs:
             self._note_released(job, reason, 0)
+
+        def give_back(job: Job) -> bool:
+            if breakage is None:
+                return self._continued(job)
+            suspect = suspects is None or job.key in suspects
+            return self._continued(job, breakage=breakage if suspect else None, surely=True)
+
         # At once: hundreds of jobs must not take hundreds of round trips in a row.
         with ThreadPoolExecutor(HAND_OVER_THREADS, thread_name_prefix="hand-over") as pool:
-            if hand_over:
-                continued = list(pool.map(self._continued, jobs))
-            else:  # checkpointed all the same: what they finished is not done again
-                list(pool.map(self._checkpoints.save, jobs))
-                continued = [False] * len(jobs)
+            continued = list(pool.map(give_back, jobs))
         released = [job for job, done in zip(jobs, continued, strict=True) if not done]
         handles = [job.receipt_handle for job in released if not job.lease_lost]
         for start in range(0, len(handles), SQS_MAX_ENTRIES_PER_BATCH_CALL):
@@ -195,20 +207,27 @@ class Outcomes:
             self._forget(job)
         return len(jobs)
 
-    def _continued(self, job: Job, delay_s: int = 0) -> bool:
-        """Checkpoint the job, send its continuation, delete this message; False if no
-        continuation was sent (the job is to be released instead). Never raises."""
+    def _continued(
+        self, job: Job, delay_s: int = 0, breakage: str | None = None, *, surely: bool = False
+    ) -> bool:
+        """Checkpoint the job, send its continuation (with `breakage`, one more broken
+        worker), delete this message; False if no continuation was sent (the job is to
+        be released instead): it did not move (`_moved_or_untouched`), unless `surely`
+        (a breakage's suspects' tries are bounded by their count, and the others are
+        cleared). Never raises."""
         self._checkpoints.save(job)
         if job.lease_lost:  # another delivery has it now
             return True
-        if not _moved_or_untouched(job):
+        if not (surely or _moved_or_untouched(job)):
             return False
         # If this worker dies before the delete, this message comes back once its lease
         # ends: the continuation is told when, to wait for it to stop if it was late.
         # (A delayed continuation is such a wait already: it is not told again.)
         lease_ends = None if delay_s else time.time() + self._lease_s
         try:
-            self._source.requeue(job.message, delay_s=delay_s, lease_ends=lease_ends)
+            self._source.requeue(
+                job.message, delay_s=delay_s, lease_ends=lease_ends, breakage=breakage
+            )
         except Exception as error:
             log.warning("continuation_not_sent", job_id=job.job_id, error=repr(error))
             return False

@@ -180,6 +180,14 @@ def postprocessed(
         return ItemError.from_exception(error, POSTPROCESS_STAGE)
 
 
+def chain_postprocess_fault(postprocess: Postprocessor) -> str | None:
+    """Why a chain's postprocessor fails known-good input (the parts of an input its
+    fan-out found nothing in, with no params), or None: it tells a broken worker from
+    bad inputs, as a model's probe does."""
+    outcome = postprocessed(postprocess, [], {})
+    return f"{outcome.type}: {outcome.message}" if isinstance(outcome, ItemError) else None
+
+
 def load_object(reference: str) -> Any:
     """The object named by `module:attribute`."""
     module_name, _, attribute = reference.partition(":")

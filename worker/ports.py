@@ -61,6 +61,10 @@ class ReceivedMessage:
     # By when (epoch seconds, the sender's clock) the message it replaces can have come
     # back, if its worker died before deleting it; None: it cannot.
     replaced_lease_ends: float | None = None
+    # How many workers broke with the job's items in the work that failed, and why the
+    # last one did: a suspect, run apart from other jobs (`JobSource.requeue`).
+    broke_workers: int = 0
+    breakage: str = ""
     # Why those attributes cannot be taken (they did not parse): the message is poison.
     attributes_problem: str = ""
 
@@ -72,6 +76,20 @@ class ReceivedMessage:
     @property
     def job_message_id(self) -> str:
         return self.first_message_id or self.message_id
+
+
+MAX_BREAKAGE_CHARS = 500
+
+
+def breakage_carried(message: ReceivedMessage, breakage: str | None) -> tuple[int, str]:
+    """How many broken workers, and the last one's cause, a continuation of `message`
+    carries (`JobSource.requeue`)."""
+    if breakage is None:
+        return message.broke_workers, message.breakage
+    if len(breakage) > MAX_BREAKAGE_CHARS:  # its start says where, its end what (a traceback)
+        head = MAX_BREAKAGE_CHARS // 5
+        breakage = f"{breakage[:head]} ... {breakage[head + 5 - MAX_BREAKAGE_CHARS :]}"
+    return message.broke_workers + 1, breakage
 
 
 class JobSource(Protocol):
@@ -89,12 +107,20 @@ class JobSource(Protocol):
         """Make a message visible again after `delay_s` (0: at once) for another try."""
 
     def requeue(
-        self, message: ReceivedMessage, *, delay_s: int = 0, lease_ends: float | None = None
+        self,
+        message: ReceivedMessage,
+        *,
+        delay_s: int = 0,
+        lease_ends: float | None = None,
+        breakage: str | None = None,
     ) -> None:
         """Send the job again as a new message, visible after `delay_s`, that carries its
         attempts so far, the id of the message it replaces and when that one's lease
         ends (the caller then acks the old one): a continuation starts at receive count
-        1, so an interruption does not spend the queue's maxReceiveCount."""
+        1, so an interruption does not spend the queue's maxReceiveCount. With
+        `breakage` (why this worker broke, with the job's items in the work that
+        failed), it carries one more broken worker and that cause; else as many as
+        the message did."""
 
     def extend(
         self, receipt_handles: list[str], visibility_timeout_s: int, within_s: float | None = None
@@ -172,6 +198,10 @@ class ScaleInGuard(Protocol):
     renew_every_s: float | None  # protection that expires by itself is renewed this often
 
     def set_protected(self, protected: bool) -> None: ...
+
+    def take_out_of_service(self) -> str:
+        """Have the platform replace this machine (it keeps breaking its workers); says
+        what was done."""
 
 
 class NoticeKind(StrEnum):

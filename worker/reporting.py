@@ -33,7 +33,7 @@ class JobObserver:
         metrics: Metrics,
         progress: Progress,
         timeline: Timeline | None,
-        on_broken: Callable[[str], None],
+        on_broken: Callable[[str, frozenset[str] | None], None],
         *,
         batching_stages: Sequence[str],
     ):
@@ -84,9 +84,9 @@ class JobObserver:
         if self._timeline is not None:
             self._timeline.count(f"{stage} workers", workers)
 
-    def stage_broken(self, stage: str, error: BaseException) -> None:
+    def stage_broken(self, stage: str, error: BaseException, jobs: frozenset[str] | None) -> None:
         log.error("stage_broken", stage=stage, error=str(error))
-        self._on_broken(f"stage {stage} is broken: {error}")
+        self._on_broken(f"stage {stage} is broken: {error}", jobs)
 
 
 class ProgressReporter:

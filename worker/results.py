@@ -19,7 +19,13 @@ from worker.engine import Item, ItemError, Pipeline
 from worker.errors import PreconditionFailed
 from worker.ledger import Job, JobState, Result
 from worker.outcomes import Lifecycle
-from worker.plugins import POSTPROCESS_STAGE, Postprocessor, encode_json, postprocessed
+from worker.plugins import (
+    POSTPROCESS_STAGE,
+    Postprocessor,
+    chain_postprocess_fault,
+    encode_json,
+    postprocessed,
+)
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
 
@@ -45,7 +51,8 @@ class Regrouper:
 
     Items come with their fields encoded by the model's process (`postprocessed`), or,
     given `postprocess` (a chain, whose parts come together only here), as the model's
-    outputs to postprocess here."""
+    outputs to postprocess here; if that fails known-good input too, the worker is
+    broken (`on_broken`), not the item."""
 
     def __init__(
         self,
@@ -53,6 +60,7 @@ class Regrouper:
         lifecycle: Lifecycle,
         finisher: Finisher,
         postprocess: Postprocessor | None = None,
+        on_broken: Callable[[str, frozenset[str]], None] | None = None,
     ):
         self._pipeline = pipeline
         self._ledger = lifecycle.ledger
@@ -61,6 +69,7 @@ class Regrouper:
         self._progress = lifecycle.progress
         self._finisher = finisher
         self._postprocess = postprocess
+        self._on_broken = on_broken
 
     def run(self) -> None:
         while True:
@@ -92,8 +101,13 @@ class Regrouper:
     def _result(self, job: Job, item: Item) -> Result | None:
         """The results.jsonl line of one item: its prediction fields, or its error; None
         after an error of its surroundings (`_retry`), which no result may hold."""
-        assert job.model is not None
-        outcome = item.error or self._fields(job, item)
+        assert job.model is not None and job.spec is not None
+        encoded = item.value
+        if self._postprocess is not None and item.error is None:
+            encoded = postprocessed(self._postprocess, item.value, job.spec.params)
+            if self._worker_at_fault(job, encoded):
+                return None
+        outcome = item.error or self._fields(job, item.index, encoded)
         if isinstance(outcome, ItemError) and outcome.transient:
             self._retry(job, item, outcome)
             return None
@@ -108,20 +122,29 @@ class Regrouper:
         )
         return Result(line, failed=False, has_arrays=has_arrays)
 
-    def _fields(self, job: Job, item: Item) -> tuple[bytes, bool] | ItemError:
+    def _worker_at_fault(self, job: Job, encoded: Any) -> bool:
+        """Whether the chain's postprocessor failed the item because it fails known-good
+        input too: the worker is then broken, with this job the suspect."""
+        if not isinstance(encoded, ItemError) or encoded.transient:
+            return False
+        assert self._postprocess is not None and self._on_broken is not None
+        fault = chain_postprocess_fault(self._postprocess)
+        if fault is None:
+            return False
+        self._on_broken(f"the postprocessor fails known-good input: {fault}", frozenset({job.key}))
+        return True
+
+    def _fields(self, job: Job, index: int, encoded: Any) -> tuple[bytes, bool] | ItemError:
         """The item's fields, encoded, with its arrays written to the job's array files
         and referred to among them; and whether it had any. Or why there are none."""
-        assert job.spec is not None and job.arrays is not None
-        encoded = item.value
-        if self._postprocess is not None:
-            encoded = postprocessed(self._postprocess, item.value, job.spec.params)
+        assert job.arrays is not None
         if isinstance(encoded, ItemError):
             return encoded
         if isinstance(encoded, bytes):
             return encoded, False
         fields, arrays = encoded
         try:
-            return fields + job.arrays.write(item.index, arrays), True
+            return fields + job.arrays.write(index, arrays), True
         except ValueError as error:
             return ItemError.from_exception(error, POSTPROCESS_STAGE)
         except OSError as error:  # this machine's disk, not the input's fault

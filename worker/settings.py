@@ -259,6 +259,14 @@ class Settings(BaseSettings):
         "process has --inference-timeout-seconds more for each batch size its warm-up "
         "runs. Meanwhile /healthz answers 503 'starting'.",
     )
+    host_breakages_limit: int = Field(
+        default=3,
+        ge=0,
+        description="Take the host out of service (SetInstanceHealth Unhealthy on EC2; "
+        "on ECS the task exits) once its daemons have stopped broken this many times "
+        "within an hour, counted in the log directory; a daemon started on such a host "
+        "exits at once. 0: never.",
+    )
     aws_max_attempts: int = Field(
         default=DEFAULT_AWS_MAX_ATTEMPTS,
         ge=1,

@@ -54,6 +54,9 @@ class Shutdown:
         self.requested = threading.Event()
         self._reason: ExitCode | None = None
         self.broken_cause: str | None = None
+        # The jobs that may have broken it (with items in the work that failed); None:
+        # any held job may have.
+        self.suspects: frozenset[str] | None = frozenset()
         self._notice: Notice | None = None  # the termination notice acted on
         self._signalled = False
         self._hand_back_at = float("inf")  # (monotonic) the notice's end less the margin
@@ -68,12 +71,15 @@ class Shutdown:
     def drained(self) -> None:
         self.request(ExitCode.DRAINED)
 
-    def broken(self, cause: str) -> None:
+    def broken(self, cause: str, suspects: frozenset[str] | None = None) -> None:
         """The worker itself is at fault: stop taking jobs and give back what is held,
-        unwritten, so the orchestrator replaces this worker (the circuit opens)."""
+        unwritten, so the orchestrator replaces this worker (the circuit opens). The
+        jobs that may be why are `suspects` (None: any held job)."""
         if self.broken_cause is None:
             self.broken_cause = cause
-            log.error("worker_broken", cause=cause)
+            log.error("worker_broken", cause=cause, suspects=sorted(suspects or ()) or "all")
+        if self.suspects is not None:
+            self.suspects = None if suspects is None else self.suspects | suspects
         self.request(ExitCode.BROKEN)
 
     def interrupted(self, notice: Notice) -> None:
