@@ -343,13 +343,16 @@ def needs_params(output: Any, params: dict[str, Any]) -> dict[str, Any]:
 
 def revocable_fetcher(marker_path: str) -> StageFunction:
     """Fetches `name` into `fetched:name`, but `denied` (an object the worker may not
-    read), and every input once `marker_path` exists (the worker's credentials
-    revoked); then writes as `sleepy_writer` does, with the fill 7."""
+    read), `name` once a file `deleted-name` is beside `marker_path` (its owner deleted
+    it), and every input once `marker_path` exists (the worker's credentials revoked);
+    then writes as `sleepy_writer` does, with the fill 7."""
     marker = Path(marker_path)
 
     def fetch(value: str) -> str:
         if value == "denied" or marker.exists():
             raise PermissionError(f"AccessDenied: {value} (test)")
+        if (marker.parent / f"deleted-{value}").exists():
+            raise FileNotFoundError(f"NoSuchKey: {value} (test)")
         return f"fetched:{value}"
 
     def write(value: str, out: torch.Tensor) -> str:

@@ -113,7 +113,7 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
         assert {r["model"] for r in results} == {"shapes-cnn@3"}
         events = [json.loads(line)["event"] for line in aws.read(output, "job.log").splitlines()]
         assert events[0] == "job_received" and "job_finished" in events
-        assert not (log_dir / f"{job_id}.log").exists()  # done: its log is in S3
+        assert log_dir.is_dir() and not list(log_dir.glob(f"{job_id}.*.log"))  # in S3 now
         assert _last_modified(aws, output, "job.json") >= _last_modified(
             aws, output, "results.jsonl"
         )

@@ -855,50 +855,56 @@ def _fetching_stage(marker: Path, batch_size: int) -> ProcessStage:
     )
 
 
-def test_a_fetch_that_fails_an_input_fetched_before_too_is_a_broken_worker(
+def test_a_fetch_that_fails_inputs_fetched_before_too_is_a_broken_worker(
     tmp_path: Path,
 ) -> None:
-    """An object the worker may not read is that input's error, even a request of only
-    such, while an input fetched before still reads. Once every input fails (the
-    credentials revoked), so does that one: no item is blamed, a fresh child fails the
-    same way, and the stage is broken with the failing request's job the suspect."""
+    """An object the worker may not read is that input's error, even in a request of
+    only such, while an input fetched before still reads (one deleted since is
+    forgotten, not taken for the worker's fault). Once every input fails (credentials
+    revoked), so do two fetched before: no item is blamed, a fresh child fails the same
+    way, and the stage is broken with the failing request's job the suspect."""
     marker = tmp_path / "revoked"
     observer = RecordingObserver()
     with Pipeline([_fetching_stage(marker, 4)], observer) as pipeline:
-        first = run_items(pipeline, [Item("j", i, v) for i, v in enumerate("ab")])
-        assert [r.error for r in first] == [None, None]
+        for index, value in enumerate("ab"):  # two requests: two inputs known good
+            [fetched] = run_items(pipeline, [Item("j", index, value)])
+            assert fetched.error is None
+        (tmp_path / "deleted-b").touch()
         denied = run_items(pipeline, [Item("j", 2 + i, "denied") for i in range(4)])
-        assert {(r.error.type, r.error.transient) for r in denied if r.error} == {
+        assert [(r.error.type, r.error.transient) for r in denied if r.error] == [
             ("PermissionError", False)
-        }
-        assert all(r.error for r in denied)
+        ] * 4
+        assert observer.broken == []
+        [fetched] = run_items(pipeline, [Item("j", 6, "c")])
         marker.touch()
         for index in range(4):
             pipeline.submit(Item("k", index, f"v{index}"))
         _wait_until(lambda: observer.broken)
     assert observer.broken[0].startswith("WorkerFault"), observer.broken
-    assert "an input that passed fetch before fails too: PermissionError" in observer.broken[0]
+    assert "inputs that passed fetch before fail too: PermissionError" in observer.broken[0]
     assert observer.suspects == [frozenset({"k"})]
 
 
-def test_a_fetch_step_that_never_fetched_an_input_blames_none_and_stops_on_a_second_job(
+def test_a_fetch_step_that_never_fetched_an_input_blames_none_and_stops_on_a_third_job(
     tmp_path: Path,
 ) -> None:
     """With nothing fetched before to tell by, inputs that all fail are not blamed: their
-    errors are transient (fed again, then the job given back). Requests of a second job
-    failing so too make the stage broken: credentials that never worked."""
+    errors are transient (fed again, then the job given back). Requests of three jobs in
+    a row failing so make the stage broken (credentials that never worked), all three
+    jobs its suspects."""
     marker = tmp_path / "revoked"
     marker.touch()
     observer = RecordingObserver()
     with Pipeline([_fetching_stage(marker, 1)], observer) as pipeline:
         untold = run_items(pipeline, [Item("j", i, f"v{i}") for i in range(2)])
+        untold += run_items(pipeline, [Item("k", 0, "v0")])
         assert all(r.error and r.error.transient for r in untold)
         assert all("no input passed fetch before" in r.error.message for r in untold if r.error)
         assert observer.broken == []
-        pipeline.submit(Item("k", 0, "v0"))
+        pipeline.submit(Item("l", 0, "v0"))
         _wait_until(lambda: observer.broken)
     assert "none was ever prepared" in observer.broken[0]
-    assert observer.suspects == [frozenset({"k"})]
+    assert observer.suspects == [frozenset({"j", "k", "l"})]
 
 
 def test_a_fan_out_that_fails_an_image_it_cut_up_before_is_a_broken_worker(
@@ -936,12 +942,13 @@ def test_a_fan_out_that_fails_an_image_it_cut_up_before_is_a_broken_worker(
     assert observer.suspects == [frozenset({"k"})]
 
 
-def test_a_child_the_oom_killer_kills_is_the_hosts_memory_not_the_input(
+def test_an_oom_kill_is_decided_only_once_the_input_is_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An input whose child the kernel's OOM killer kills, alone, on every try is not
-    blamed: the host ran out of memory (its error is transient: fed again, then the job
-    given back). One killed by SIGKILL from anyone else is the input's, as before."""
+    """An input whose child the kernel's OOM killer kills is decided on only once it has
+    been isolated alone: killed on every try with a fresh child that passes its probe,
+    the error says it needs more memory than the host gives it. One killed by SIGKILL
+    from anyone else is a plain death."""
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("pgfault 12\noom_kill 0\n")
     monkeypatch.setattr(engine, "HOST_VMSTAT", vmstat)
@@ -954,7 +961,10 @@ def test_a_child_the_oom_killer_kills_is_the_hosts_memory_not_the_input(
         values = ["oom", "sigkill", 5]
         results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
     errors = {r.index: r.error for r in results}
-    assert errors[0] is not None and errors[0].transient
-    assert "killed by the kernel's OOM killer" in errors[0].message
+    assert errors[0] is not None and not errors[0].transient
+    assert "killed by the kernel's OOM killer on each try with only this input" in (
+        errors[0].message
+    )
     assert errors[1] is not None and (errors[1].type, errors[1].transient) == ("WorkerDied", False)
+    assert "OOM" not in errors[1].message
     assert errors[2] is None

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from worker.channel import Closed
-from worker.joblog import JobLog
+from worker.joblog import JobLog, local_log_path
 from worker.ledger import TRANSITIONS, IllegalTransition, Job, JobState, Ledger, Result
 from worker.message import parse_job_message
 from worker.ports import ReceivedMessage
@@ -348,15 +348,13 @@ def test_job_log_reaches_the_file_only_when_flushed(tmp_path: Path) -> None:
 
 def test_a_suspect_is_fed_apart_once_the_others_items_are_back(tmp_path: Path) -> None:
     """A job that was in the failing work of a broken worker is fed only once no other
-    job's items are inside the pipeline, and nothing else is fed until its last result
-    is in: if it breaks this worker too, it is the only suspect."""
+    job's items are inside the pipeline, and nothing else until its last result is in:
+    if it breaks this worker too, it is the only suspect. Another job's item due to be
+    fed again waits meanwhile, and the suspect's own retry does not wait behind it."""
     ledger = Ledger()
     plain = _held(ledger, 1, 3, tmp_path)
     suspect = ledger.receive(dataclasses.replace(_message(2), broke_workers=1))
     assert suspect is not None and suspect.suspect and not plain.suspect
-    ledger.next_item()  # plain's first, fed before the suspect came
-    _admit(ledger, suspect, 2, tmp_path)
-
     fed: queue.SimpleQueue[tuple[Job, int]] = queue.SimpleQueue()
 
     def feed() -> None:
@@ -364,23 +362,46 @@ def test_a_suspect_is_fed_apart_once_the_others_items_are_back(tmp_path: Path) -
             while True:
                 fed.put(ledger.next_item())
 
-    threading.Thread(target=feed, daemon=True).start()
-
     def fed_within(timeout_s: float) -> tuple[Job, int] | None:
         try:
             return fed.get(timeout=timeout_s)
         except queue.Empty:
             return None
 
-    assert fed_within(0.2) is None  # plain's item is inside: the suspect waits, and so do others
-    ledger.record(plain.key, 0, DONE)
+    def back(job: Job, index: int, result: Result | None = None) -> None:
+        ledger.back_from_pipeline(job.key)
+        if result is None:
+            ledger.retry_item(job, index, 0.0)
+        else:
+            ledger.record(job.key, index, result)
+
+    assert ledger.next_item() == (plain, 0)  # fed before the suspect came
+    _admit(ledger, suspect, 2, tmp_path)
+    threading.Thread(target=feed, daemon=True).start()
+    assert fed_within(0.2) is None  # plain's item is inside: the suspect waits, others too
+    back(plain, 0)  # to be fed again at once, but a suspect is held
     assert fed_within(1) == (suspect, 0)
     assert fed_within(1) == (suspect, 1)
     assert fed_within(0.2) is None  # the suspect's items are inside
-    ledger.record(suspect.key, 0, DONE)
+    back(suspect, 0, DONE)
+    back(suspect, 1)
+    assert fed_within(1) == (suspect, 1)
     assert fed_within(0.2) is None
-    ledger.record(suspect.key, 1, FAILED)
+    back(suspect, 1, FAILED)
     assert suspect.state is JobState.FINISHING
-    assert fed_within(1) == (plain, 1)
-    assert fed_within(1) == (plain, 2)
+    assert [fed_within(1) for _ in range(3)] == [(plain, 0), (plain, 1), (plain, 2)]
     ledger.close()
+
+
+def test_two_jobs_of_one_id_never_share_a_local_log(tmp_path: Path) -> None:
+    """A job id is the sender's (or a first message id anyone can forge): the local log
+    is named by the output too, and one job's finish removes only its own file."""
+    first = local_log_path(tmp_path, "j", "s3://bkt/out/a/")
+    second = local_log_path(tmp_path, "j", "s3://bkt/out/b/")
+    assert first != second and first == local_log_path(tmp_path, "j", "s3://bkt/out/a/")
+    logs = [JobLog(path, "j") for path in (first, second)]
+    for log in logs:
+        log.info("job_received")
+        log.flush()
+    logs[0].discard()
+    assert not first.exists() and second.read_text().count('"job_received"') == 1

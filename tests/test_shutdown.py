@@ -9,7 +9,7 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from worker.host import Breakages
+from worker.host import BREAKAGES_FILE, Breakages
 from worker.ledger import Ledger
 from worker.metrics import Metrics
 from worker.ports import Notice, NoticeKind, ReceivedMessage
@@ -108,7 +108,8 @@ def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
     tmp_path: Path,
 ) -> None:
     """Breakages noted on the host (a file that outlives the process) count towards
-    taking it out of service only within the window; a limit of 0 never trips."""
+    taking it out of service only within the window, a line cut short is skipped, and
+    a limit of 0 never trips."""
     now = [1000.0]
     breakages = Breakages(tmp_path, limit=2, window_s=60, clock=lambda: now[0])
     breakages.note("a dead GPU")
@@ -116,6 +117,8 @@ def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
     breakages.note("a dead GPU again")
     assert Breakages(tmp_path, 2, 60, lambda: now[0]).recent() == ["a dead GPU again"]
     assert not breakages.too_many()
+    with (tmp_path / BREAKAGES_FILE).open("a") as notes:
+        notes.write('{"at": 10')  # cut short as the daemon was killed
     breakages.note("and again")
     assert breakages.too_many()
     assert not Breakages(tmp_path, limit=0, window_s=60, clock=lambda: now[0]).too_many()

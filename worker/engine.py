@@ -75,9 +75,14 @@ _WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 # After an out-of-memory error, batches stay at the size that fitted for this long:
 # retrying the full size at once would only run out of memory again.
 OOM_COOLDOWN_S = 300.0
-# A stage that has never prepared an input (fetched it) stops after this many requests
-# in a row, of more than one job, failed every item (`_judged`, untold).
-UNTOLD_REQUESTS_BEFORE_FAULT = 3
+# A stage that has never prepared an input (fetched it) stops once requests of this many
+# jobs in a row failed every item (`_judged`, untold).
+UNTOLD_JOBS_BEFORE_FAULT = 3
+# The prepare step's probe: the latest values that passed it (from different requests);
+# it blames the worker only when at least two are known and all fail, so one input its
+# owner deleted since cannot.
+KNOWN_GOOD_VALUES = 3
+KNOWN_GOOD_REFRESH_S = 60.0  # a fan-out's known-good image is copied at most this often
 # WorkerScaler: how often it looks, and the utilisation of a stage's workers (their
 # time on requests over the wall time) above which it adds one when the next stage
 # waits, and below which (counted as if one fewer did the work) it removes one.
@@ -752,7 +757,7 @@ class ProcessStage(_Stage):
         self._known_good = _KnownGood()
         self._prepare_name = prepare.name if prepare else None
         # The jobs of the latest requests whose every item failed to prepare, untold.
-        self._untold: deque[frozenset[str]] = deque(maxlen=UNTOLD_REQUESTS_BEFORE_FAULT)
+        self._untold: set[str] = set()
         self._lock = threading.Lock()  # the above; drivers and the scaler share them
 
     def start(
@@ -1009,14 +1014,24 @@ class ProcessStage(_Stage):
         it are sent again."""
         batches = list(in_flight)
         in_flight.clear()
-        self._restart(child, [item for items in batches for item in _live(items)], lost)
+        held = [item for items in batches for item in _live(items)]
+        self._restart(child, held, lost, working_on=_live(batches[0]))
         self._retry(child, _live(batches[0]), lost)
         for items in batches[1:]:
             self._run(child, _live(items))
         for items in batches:
             self._forward(items)
 
-    def _restart(self, child: _ChildProcess, items: list[Item], lost: WorkerLost) -> None:
+    def _restart(
+        self,
+        child: _ChildProcess,
+        items: list[Item],
+        lost: WorkerLost,
+        working_on: list[Item] | None = None,
+    ) -> None:
+        """Replace a lost child that held `items`; one that cannot be replaced breaks the
+        stage, naming the jobs of the items it was `working_on` (all it held if not
+        given), not those of requests queued behind them."""
         if self.stopping.is_set():
             raise Closed
         if isinstance(lost, WorkerDied):
@@ -1025,12 +1040,12 @@ class ProcessStage(_Stage):
         try:
             child.restart()
         except StageSetupError as error:
-            self._break(error, items)
+            self._break(error, items if working_on is None else working_on)
 
     def known_good(self) -> _KnownGood:
         """What a new child is told its stage handled well (`_KnownGood`)."""
         with self._lock:
-            return replace(self._known_good)
+            return self._known_good.copy()
 
     def _learn_from(self, live: list[Item], reply: _Reply) -> None:
         """Keep an item the reply shows handled well as the stage's known good, before
@@ -1046,22 +1061,23 @@ class ProcessStage(_Stage):
         ran_well = [item for item, outcome in outcomes if not isinstance(outcome, ItemError)]
         with self._lock:
             if prepared and self.prepare is not None:
-                self._known_good.unprepared = prepared[0].value
+                self._known_good.remember(prepared[0].value)
                 self._untold.clear()
-            if self.mode == "fan-out" and ran_well:
-                assert self.reads is not None and ran_well[0].slot is not None
-                image = self.reads.tensor[ran_well[0].slot].clone()
-                self._known_good.fan_out = (image, ran_well[0].value)
             if reply.untold:
-                self._untold.append(frozenset(item.job for item in live))
-            untold = list(self._untold)
-        jobs = frozenset().union(*untold)
-        if len(untold) >= UNTOLD_REQUESTS_BEFORE_FAULT and len(jobs) > 1:
+                self._untold |= {item.job for item in live}
+            untold = frozenset(self._untold)
+        if self.mode == "fan-out" and ran_well and self._known_good.fan_out_stale():
+            assert self.reads is not None and ran_well[0].slot is not None
+            image = self.reads.tensor[ran_well[0].slot].clone()
+            with self._lock:
+                self._known_good.cut(image, ran_well[0].value)
+        if len(untold) >= UNTOLD_JOBS_BEFORE_FAULT:
             fault = (
-                f"every input of {len(untold)} requests of {len(jobs)} jobs failed to "
-                f"prepare, and none was ever prepared: {reply.outcomes[0].message}"
+                f"every input of requests of {len(untold)} jobs in a row failed to prepare, "
+                f"and none was ever prepared: {reply.outcomes[0].message}"
             )
-            self._break(WorkerFault(fault), live)
+            self._observer.stage_broken(self.name, WorkerFault(fault), untold)
+            raise Closed
 
     def _oom_killed(self, died: WorkerDied) -> bool:
         """Whether the kernel's OOM killer killed the child: it died of SIGKILL, and the
@@ -1112,9 +1128,12 @@ class ProcessStage(_Stage):
         fault = child.probe(self.timeout_s)
         if fault is not None:
             self._break(WorkerFault(f"{lost}, and a fresh worker failed its probe: {fault}"), live)
-        if lost.out_of_memory:  # the host's memory, however often: not the input's fault
-            message = f"{lost}: killed by the kernel's OOM killer"
-            item.error = ItemError(type(lost).__name__, message, self.name, transient=True)
+        if lost.out_of_memory:  # on every try, alone, and a fresh child passes its probe
+            message = (
+                f"{lost}: killed by the kernel's OOM killer on each try with only this "
+                "input: it needs more memory than this host gives it"
+            )
+            item.error = ItemError(type(lost).__name__, message, self.name)
         elif lost.preparing:
             assert self.prepare is not None
             message = f"{lost} while it prepared the item"
@@ -1207,12 +1226,26 @@ class _Reply(NamedTuple):
 
 @dataclass
 class _KnownGood:
-    """Input a stage handled well: the probe of a step that has none of its own. A
-    value its prepare step prepared (a fetch probed by fetching it again), and for a
-    fan-out a copy of an image it cut into parts, with what it was told of it."""
+    """Input a stage handled well: the probe of a step that has none of its own. The
+    latest values its prepare step prepared (a fetch probed by fetching them again), and
+    for a fan-out a copy of an image it cut into parts, with what it was told of it."""
 
-    unprepared: Any = None
+    unprepared: list[Any] = field(default_factory=list)  # the latest first
     fan_out: tuple[torch.Tensor, Any] | None = None
+    fan_out_at: float = -math.inf  # monotonic
+
+    def remember(self, value: Any) -> None:
+        if value not in self.unprepared:
+            self.unprepared = [value, *self.unprepared][:KNOWN_GOOD_VALUES]
+
+    def fan_out_stale(self) -> bool:
+        return time.monotonic() - self.fan_out_at > KNOWN_GOOD_REFRESH_S
+
+    def cut(self, image: torch.Tensor, found: Any) -> None:
+        self.fan_out, self.fan_out_at = (image, found), time.monotonic()
+
+    def copy(self) -> _KnownGood:
+        return replace(self, unprepared=list(self.unprepared))
 
 
 def _child_main(
@@ -1238,7 +1271,7 @@ def _child_main(
     except BaseException:
         conn.send(("setup_failed", traceback.format_exc()))
         return
-    known_good = replace(plan.known_good)
+    known_good = plan.known_good.copy()
     probe = stage_fn.probe
     if probe is None and plan.mode == "fan-out":
         assert writes is not None
@@ -1392,12 +1425,12 @@ def _run_request(
     started = time.perf_counter()
     runnable = [task for position, task in enumerate(request) if position not in failed]
     ran, fitting_batch_size = _serve_request(stage_fn.run, plan, arenas, gatherer, runnable)
-    if plan.mode == "fan-out":
+    if plan.mode == "fan-out" and known_good.fan_out_stale():
         reads = arenas[0]
         assert reads is not None
         for task, outcome in zip(runnable, ran, strict=True):
             if not isinstance(outcome, ItemError):
-                known_good.fan_out = (reads[task.slot].clone(), task.value)
+                known_good.cut(reads[task.slot].clone(), task.value)
                 break
     fault = _fault_if_all_failed(ran, stage_fn.probe)
     duration_s = time.perf_counter() - started
@@ -1452,30 +1485,45 @@ def _judged(
 ) -> _Judged:
     """When every item of a request failed its prepare step for a reason retrying will
     not cure (access denied to every input, say), whether the worker is to blame: it
-    prepares a value it prepared before. If that fails too, the worker is at fault;
-    if that fails for now (throttled), nobody can tell yet and the errors are made
-    transient; with no such value (nothing prepared yet), likewise, and `untold`."""
+    prepares again the values it prepared before. One that passes clears the worker
+    (the errors stand); one that fails is forgotten (its owner may have deleted it). If
+    two or more fail, all of them, the worker is at fault. With fewer to tell by (or a
+    failure for now: throttled), nobody can tell: the errors are made transient, and
+    `untold` when nothing was ever prepared."""
     succeeded = [value for position, value in enumerate(unprepared) if position not in failed]
     if succeeded:
-        known_good.unprepared = succeeded[0]
+        known_good.remember(succeeded[0])
         return _Judged(failed, None, False)
     if not failed or any(error.transient for error in failed.values()):
         return _Judged(failed, None, False)
-    if known_good.unprepared is None:
-        why = f"no input passed {step.name} before, to tell the worker's fault from the input's"
-        return _Judged(_made_transient(failed, why), None, True)
-    try:
-        prepare(known_good.unprepared)
-    except TransientError as error:
-        why = f"an input that passed {step.name} before fails for now too ({error})"
+    if not known_good.unprepared:
+        never = f"no input passed {step.name} before, to tell the worker's fault from the input's"
+        return _Judged(_made_transient(failed, never), None, True)
+    fault, why = _prepared_again(known_good, prepare, step)
+    if why is not None:
         return _Judged(_made_transient(failed, why), None, False)
-    except Exception as error:
-        fault = (
-            f"an input that passed {step.name} before fails too: "
-            f"{type(error).__name__}: {str(error)[:500]}"
-        )
-        return _Judged(failed, fault, False)
-    return _Judged(failed, None, False)
+    return _Judged(failed, fault, False)
+
+
+def _prepared_again(
+    known_good: _KnownGood, prepare: Callable[[Any], Any], step: PrepareStep
+) -> tuple[str | None, str | None]:
+    """Prepare the known-good values again (`_judged`): (None, None) if one passes; a
+    fault if two or more all fail; else why nobody can tell."""
+    tried, errors = list(known_good.unprepared), []
+    for value in tried:
+        try:
+            prepare(value)
+        except TransientError as error:
+            return None, f"an input that passed {step.name} before fails for now too ({error})"
+        except Exception as error:
+            errors.append(f"{type(error).__name__}: {str(error)[:300]}")
+            known_good.unprepared.remove(value)
+            continue
+        return None, None
+    if len(tried) < 2:
+        return None, f"the one input that passed {step.name} before fails too ({errors[0]})"
+    return f"{len(tried)} inputs that passed {step.name} before fail too: {errors[-1]}", None
 
 
 def _made_transient(failed: dict[int, ItemError], why: str) -> dict[int, ItemError]:

@@ -43,9 +43,14 @@ class Breakages:
         self._clock = clock
 
     def note(self, cause: str) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        with self._path.open("a") as notes:
-            notes.write(json.dumps({"at": self._clock(), "cause": cause}) + "\n")
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            with self._path.open("a") as notes:
+                # On a line of its own even after a line cut short (the daemon killed
+                # as it wrote): blank lines are skipped.
+                notes.write("\n" + json.dumps({"at": self._clock(), "cause": cause}) + "\n")
+        except OSError as error:  # a full disk: the daemon stops broken all the same
+            log.error("breakage_not_noted", path=str(self._path), error=repr(error))
 
     def recent(self) -> list[str]:
         """The causes of the breakages within the window, oldest first."""
@@ -54,8 +59,15 @@ class Breakages:
         except FileNotFoundError:
             return []
         since = self._clock() - self._window_s
-        notes = [json.loads(line) for line in lines if line.strip()]
-        return [note["cause"] for note in notes if note["at"] >= since]
+        causes = []
+        for line in lines:
+            try:  # a line cut short (the daemon killed as it wrote) is skipped
+                note = json.loads(line)
+                if note["at"] >= since:
+                    causes.append(str(note["cause"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return causes
 
     def too_many(self) -> bool:
         return self.limit > 0 and len(self.recent()) >= self.limit

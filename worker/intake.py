@@ -22,7 +22,7 @@ from worker.arrays import ArrayFiles, ArraySpool
 from worker.checkpoints import Checkpoints, Prior
 from worker.engine import Item, Pipeline
 from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
-from worker.joblog import JobLog
+from worker.joblog import JobLog, local_log_path
 from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
@@ -237,7 +237,7 @@ class Intake:
         job.model = self._model.result()
         job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
-        log_file = JobLog(log_dir / f"{job_id}.log", job_id, prior.earlier_log)
+        log_file = JobLog(local_log_path(log_dir, job_id, spec.output), job_id, prior.earlier_log)
         job.arrays = ArrayFiles(self._arrays.directory / job.key, len(inputs), self._arrays.layouts)
         admitted = self._ledger.admit(
             job, spec, inputs, log_file, prior.resumed, cancelled=prior.cancel_requested

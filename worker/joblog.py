@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import threading
@@ -27,6 +28,12 @@ def configure_daemon_logging(stream: TextIO = sys.stdout) -> None:
         logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )
+
+
+def local_log_path(log_dir: Path, job_id: str, output: str) -> Path:
+    """Where a job's log is kept on this machine: named by its id and its output, so two
+    jobs of one id (reused by a sender, or a first message id forged) never share it."""
+    return log_dir / f"{job_id}.{hashlib.sha256(output.encode()).hexdigest()[:8]}.log"
 
 
 class JobLog:

@@ -37,7 +37,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -150,7 +150,6 @@ class Job:
     arrays: ArrayFiles | None = None  # its array outputs, from admission
     fed: int = 0  # the feed's place in `inputs`
     unfed: int = 0  # items not fed yet
-    inside: int = 0  # items fed and not yet back
     item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
     release_delay_s: int = 0  # once released: how long it is to stay hidden
     succeeded: int = 0
@@ -214,7 +213,9 @@ class Ledger:
         self._deliveries = itertools.count(1)
         # Kept as a count: the intake asks after every change, with hundreds of jobs held.
         self._outstanding = 0
-        self._inside = 0  # items fed and not yet back, of every job
+        # Items fed and not yet back, by job key: counted until they come back, whether
+        # their job is still held or not.
+        self._inside: Counter[str] = Counter()
         self._suspects: set[Job] = set()  # feedable ones
         self._apart: Job | None = None  # the suspect being fed, apart from the others
 
@@ -293,22 +294,29 @@ class Ledger:
                 picked = self._pick()
                 if picked is not None:
                     job, index = picked
-                    job.inside += 1
-                    self._inside += 1
+                    self._inside[job.key] += 1
                     return job, index
-                due_in_s = self._again[0][0] - time.monotonic() if self._again else None
-                self._changed.wait(due_in_s)
+                self._changed.wait(self._next_due_in_s())
             raise Closed
 
     def _pick(self) -> tuple[Job, int] | None:
         """The next item `next_item` may feed now, if any."""
-        while self._again and self._again[0][0] <= time.monotonic():
-            job = self._again[0][2]
-            if job.state is JobState.RUNNING and not self._may_feed(job):
-                break  # until the suspect fed apart is done
-            _, _, job, index = heapq.heappop(self._again)
-            if job.state is JobState.RUNNING:
-                return job, index
+        now = time.monotonic()
+        held_back = []  # items due again whose job may not be fed now (a suspect is)
+        picked = None
+        while picked is None and self._again and self._again[0][0] <= now:
+            entry = heapq.heappop(self._again)
+            job = entry[2]
+            if job.state is not JobState.RUNNING:
+                continue
+            if self._may_feed(job):
+                picked = job, entry[3]
+            else:
+                held_back.append(entry)
+        for entry in held_back:
+            heapq.heappush(self._again, entry)
+        if picked is not None:
+            return picked
         for _ in range(len(self._feeding)):
             job = self._feeding.popleft()
             if job.state not in FEEDABLE:
@@ -328,6 +336,13 @@ class Ledger:
             return job, index
         return None
 
+    def _next_due_in_s(self) -> float | None:
+        """How long until an item is due to be fed again (None: none is); one that is due
+        but held back waits for a change, not for a time."""
+        now = time.monotonic()
+        future = [due for due, *_ in self._again if due > now]
+        return min(future) - now if future else None
+
     def _may_feed(self, job: Job) -> bool:
         """Whether the job's items may go into the pipeline now: while a suspect is held,
         only its own, and those only once the others' are all back."""
@@ -335,10 +350,19 @@ class Ledger:
             if not self._suspects:
                 return True
             suspect = next(iter(self._suspects))
-            if job is not suspect or self._inside > job.inside:
+            others_inside = self._inside.total() - self._inside[suspect.key]
+            if job is not suspect or others_inside:
                 return False
             self._apart = suspect
         return job is self._apart
+
+    def back_from_pipeline(self, key: str) -> None:
+        """An item the feeder gave out came back (its job may be settled by now)."""
+        with self._changed:
+            self._inside[key] -= 1
+            if self._inside[key] <= 0:
+                del self._inside[key]
+            self._changed.notify_all()
 
     def retry_item(self, job: Job, index: int, delay_s: float) -> None:
         """Feed a running job's item again after `delay_s`: its input could not be read
@@ -347,8 +371,6 @@ class Ledger:
             if job.state is not JobState.RUNNING:
                 return
             job.item_retries[index] = job.item_retries.get(index, 0) + 1
-            job.inside -= 1
-            self._inside -= 1
             due = time.monotonic() + delay_s
             heapq.heappush(self._again, (due, next(self._deliveries), job, index))
             self._changed.notify_all()
@@ -363,8 +385,6 @@ class Ledger:
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
-            job.inside -= 1
-            self._inside -= 1
             if result.has_arrays:
                 job.uncheckpointed += 1
             else:
@@ -443,9 +463,6 @@ class Ledger:
         if state not in TRANSITIONS.get(job.state, frozenset()):
             raise IllegalTransition(f"job {job.job_id}: {job.state} -> {state} is not allowed")
         if job.state in FEEDABLE and state not in FEEDABLE:
-            # Its items still inside are dropped as they come back.
-            self._inside -= job.inside
-            job.inside = 0
             self._suspects.discard(job)
             if self._apart is job:
                 self._apart = None

@@ -79,6 +79,8 @@ class ReceivedMessage:
 
 
 MAX_BREAKAGE_CHARS = 500
+# Characters an SQS message attribute may not hold.
+SQS_UNSENDABLE = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 def breakage_carried(message: ReceivedMessage, breakage: str | None) -> tuple[int, str]:
@@ -86,6 +88,7 @@ def breakage_carried(message: ReceivedMessage, breakage: str | None) -> tuple[in
     carries (`JobSource.requeue`)."""
     if breakage is None:
         return message.broke_workers, message.breakage
+    breakage = SQS_UNSENDABLE.sub("?", breakage)
     if len(breakage) > MAX_BREAKAGE_CHARS:  # its start says where, its end what (a traceback)
         head = MAX_BREAKAGE_CHARS // 5
         breakage = f"{breakage[:head]} ... {breakage[head + 5 - MAX_BREAKAGE_CHARS :]}"

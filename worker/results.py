@@ -75,6 +75,7 @@ class Regrouper:
         while True:
             item = self._pipeline.next_result()
             self._progress.beat()
+            self._ledger.back_from_pipeline(item.job)
             job = self._ledger.get(item.job)
             if job is None or job.state is not JobState.RUNNING:
                 continue  # released while its items were inside
