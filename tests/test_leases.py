@@ -11,7 +11,7 @@ from worker.joblog import JobLog
 from worker.leases import LeaseKeeper
 from worker.ledger import Job, Ledger
 from worker.message import parse_job_message
-from worker.supervisor import Progress
+from worker.progress import Progress
 
 
 class ManualClock:

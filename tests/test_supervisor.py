@@ -8,7 +8,8 @@ import time
 
 from tests.test_leases import ManualClock
 from worker.channel import Closed
-from worker.supervisor import Progress, Supervisor
+from worker.progress import Progress
+from worker.supervisor import Supervisor
 
 
 def _supervisor(busy: bool, progress: Progress) -> tuple[Supervisor, list[str], threading.Event]:

@@ -13,32 +13,19 @@ from __future__ import annotations
 import fcntl
 import math
 import os
-import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
+from worker.plugins import ArrayLayout, ArrayLayouts, check_field_name
+
 ARRAY_FILE_SUFFIX = ".npy"
 ARRAYS_DIR = "arrays"  # under --log-dir
 SPOOL_LOCK = ".lock"  # in each daemon's directory there, held while it runs
-# It names a file under the job's output, where names starting "checkpoint-" are the
-# checkpoints' (`worker.checkpoints`), removed once the job is finished.
-_FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
-
-
-def check_field_name(field: object) -> str:
-    """The array field's name, if it can name its file; ValueError if not."""
-    if not isinstance(field, str) or not _FIELD_NAME.match(field):
-        raise ValueError(
-            f"the array field {field!r} cannot name a file: use letters, digits, _ and -, "
-            "not starting checkpoint-"
-        )
-    return field
 
 
 class ArraySpool:
@@ -94,16 +81,6 @@ def _remove_if_unlocked(directory: Path) -> None:
 
 # A field's row: its dtype and shape, as the postprocessor's answer to the model's
 # output for zeros gave them at start (`about["arrays"]`).
-ArrayLayout = tuple[np.dtype[Any], tuple[int, ...]]
-ArrayLayouts = Mapping[str, ArrayLayout]
-
-
-def array_layouts(
-    arrays: Mapping[str, np.ndarray],
-) -> dict[str, ArrayLayout]:
-    return {field: (array.dtype, array.shape) for field, array in arrays.items()}
-
-
 class ArrayFiles:
     """One job's array files, in `directory`: a file per field, `rows` rows each, each
     row of the field's `layouts` (where they are not known, a chain's, of its first row).

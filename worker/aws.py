@@ -47,11 +47,12 @@ from worker.errors import (
     PreconditionFailed,
     TransientError,
 )
-from worker.message import JOB_ID_PATTERN
 from worker.ports import (
     ABSENT,
+    JOB_ID_PATTERN,
     MAX_BREAKAGE_CHARS,
     RENEWAL_FAILED,
+    SQS_MAX_ENTRIES_PER_BATCH_CALL,
     Notice,
     NoticeKind,
     NoticeSource,
@@ -63,8 +64,7 @@ from worker.ports import (
     ScaleInGuard,
     breakage_carried,
 )
-from worker.retry import CALL_BACKOFF, call_with_retries
-from worker.settings import DEFAULT_AWS_MAX_ATTEMPTS, SQS_MAX_ENTRIES_PER_BATCH_CALL
+from worker.retry import CALL_BACKOFF, DEFAULT_AWS_MAX_ATTEMPTS, call_with_retries
 
 if TYPE_CHECKING:
     from mypy_boto3_autoscaling import AutoScalingClient

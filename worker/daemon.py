@@ -77,13 +77,14 @@ from worker.ports import (
     S3Location,
     ScaleInGuard,
 )
+from worker.progress import Progress
 from worker.protection import ProtectionKeeper
 from worker.reporting import JobObserver, ProgressReporter
 from worker.results import Finisher, Regrouper
 from worker.settings import Settings
 from worker.shutdown import ExitCode, Shutdown
 from worker.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
-from worker.supervisor import Progress, Supervisor
+from worker.supervisor import Supervisor
 from worker.timeline import Timeline, TimelineWriter
 
 __all__ = ["Daemon", "ExitCode"]

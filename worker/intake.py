@@ -27,8 +27,15 @@ from worker.ledger import Job, JobState, Ledger
 from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.outcomes import Lifecycle
 from worker.plugins import ModelIdentity
-from worker.ports import BlobStore, JobSource, ReceivedMessage, S3Location
-from worker.settings import SQS_MAX_DELAY_S, SQS_MAX_MESSAGES_PER_RECEIVE, Settings
+from worker.ports import (
+    SQS_MAX_DELAY_S,
+    SQS_MAX_MESSAGES_PER_RECEIVE,
+    BlobStore,
+    JobSource,
+    ReceivedMessage,
+    S3Location,
+)
+from worker.settings import Settings
 
 log = structlog.get_logger()
 

@@ -18,7 +18,7 @@ import structlog
 
 from worker.ledger import Job, JobState, Ledger
 from worker.ports import RENEWAL_FAILED, JobSource
-from worker.supervisor import Progress
+from worker.progress import Progress
 
 log = structlog.get_logger()
 

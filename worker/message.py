@@ -8,9 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from worker.ports import S3Location
+from worker.ports import JOB_ID_PATTERN, S3Location
 
-JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/.*$"
 
 S3Uri = Annotated[str, Field(pattern=S3_URI_PATTERN)]

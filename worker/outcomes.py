@@ -23,10 +23,10 @@ import structlog
 from worker.checkpoints import Checkpoints
 from worker.ledger import Job, Ledger
 from worker.metrics import Metrics
-from worker.ports import JobSource
+from worker.ports import SQS_MAX_ENTRIES_PER_BATCH_CALL, JobSource
+from worker.progress import Progress
 from worker.retry import Backoff
-from worker.settings import MAX_RETRY_DELAY_S, SQS_MAX_ENTRIES_PER_BATCH_CALL
-from worker.supervisor import Progress
+from worker.settings import MAX_RETRY_DELAY_S
 
 log = structlog.get_logger()
 

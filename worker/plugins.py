@@ -11,9 +11,10 @@ import functools
 import hashlib
 import importlib
 import json
+import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -23,7 +24,6 @@ import orjson
 import structlog
 import torch
 
-from worker.arrays import array_layouts, check_field_name
 from worker.engine import ItemError, StageFunction, bisection_sizes, isolate_failures
 from worker.spec import DecodePlacement, PipelineSpec
 
@@ -99,6 +99,30 @@ JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 RECORD_FIELDS = frozenset({"index", "input", "model", "error"})
 
 log = structlog.get_logger()
+
+# It names a file under the job's output, where names starting "checkpoint-" are the
+# checkpoints' (`worker.checkpoints`), removed once the job is finished.
+_FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
+
+
+def check_field_name(field: object) -> str:
+    """The array field's name, if it can name its file; ValueError if not."""
+    if not isinstance(field, str) or not _FIELD_NAME.match(field):
+        raise ValueError(
+            f"the array field {field!r} cannot name a file: use letters, digits, _ and -, "
+            "not starting checkpoint-"
+        )
+    return field
+
+
+ArrayLayout = tuple[np.dtype[Any], tuple[int, ...]]
+ArrayLayouts = Mapping[str, ArrayLayout]
+
+
+def array_layouts(
+    arrays: Mapping[str, np.ndarray],
+) -> dict[str, ArrayLayout]:
+    return {field: (array.dtype, array.shape) for field, array in arrays.items()}
 
 
 # An item's value on its way to the model, with its job's params, which the

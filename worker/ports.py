@@ -9,6 +9,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
+# SQS quotas (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/quotas-messages.html)
+SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
+SQS_MAX_RECEIVE_WAIT_S = 20
+SQS_MAX_MESSAGES_PER_RECEIVE = 10
+SQS_MAX_ENTRIES_PER_BATCH_CALL = 10
+SQS_MAX_DELAY_S = 15 * 60
+# What a name that reaches a file path (a job id, a message id naming a job) may be.
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<key>.*)$")
 
 

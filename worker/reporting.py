@@ -16,7 +16,7 @@ from worker.engine import Item
 from worker.ledger import FEEDABLE, Job, Ledger, StageTiming
 from worker.metrics import Metrics
 from worker.ports import BlobStore
-from worker.supervisor import Progress
+from worker.progress import Progress
 from worker.timeline import Timeline
 
 log = structlog.get_logger()

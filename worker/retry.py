@@ -38,6 +38,7 @@ class Backoff:
 
 # An AWS call: 10 tries wait about 8 s on average, 17 s at most.
 CALL_BACKOFF = Backoff(base_s=0.05, cap_s=5.0)
+DEFAULT_AWS_MAX_ATTEMPTS = 10  # tries per AWS call (--aws-max-attempts)
 
 
 def call_with_retries(

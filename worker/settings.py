@@ -15,15 +15,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from worker.ports import (
+    SQS_MAX_DELAY_S,
+    SQS_MAX_MESSAGES_PER_RECEIVE,
+    SQS_MAX_RECEIVE_WAIT_S,
+    SQS_MAX_VISIBILITY_TIMEOUT_S,
+)
+from worker.retry import DEFAULT_AWS_MAX_ATTEMPTS
 from worker.spec import DecodePlacement, ModelStep, PipelineSpec, devices
 
-# SQS quotas (https://docs.aws.amazon.com/AWSSimpleQueueService/latest/SQSDeveloperGuide/quotas-messages.html)
-SQS_MAX_VISIBILITY_TIMEOUT_S = 12 * 60 * 60
-SQS_MAX_RECEIVE_WAIT_S = 20
-SQS_MAX_MESSAGES_PER_RECEIVE = 10
-SQS_MAX_ENTRIES_PER_BATCH_CALL = 10
-SQS_MAX_DELAY_S = 15 * 60
-DEFAULT_AWS_MAX_ATTEMPTS = 10
 DEFAULT_METRICS_PORT = 8000
 MAX_RETRY_DELAY_S = SQS_MAX_DELAY_S
 # Shutdown's last steps (release what is held, stop the stage processes, drop scale-in
