@@ -59,9 +59,9 @@ from bench.run import (
 from stages.model import Classifier
 from stages.preprocess import ImagePreprocessor
 from stages.synthetic import LABELS, draw_shape
+from worker.adapters.fakes import InMemoryBlobStore
 from worker.demo import read_output
-from worker.fakes import InMemoryBlobStore
-from worker.joblog import configure_daemon_logging
+from worker.jobs.joblog import configure_daemon_logging
 from worker.plugins import decode_or_defer, inference_setup, load_device_decoder, load_preprocessor
 
 PHOTO_SIZE = (500, 375)

@@ -39,11 +39,11 @@ from bench.fetch_clients import CLIENTS
 from stages.model import default_classifier
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon
 from worker.demo import LOCAL_AWS_ENV, Stack, create_stack, local_moto_server, upload_samples
 from worker.engine import BatchGatherer, TensorArena
-from worker.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.joblog import configure_daemon_logging
+from worker.jobs.joblog import configure_daemon_logging
 from worker.plugins import (
     inference_devices,
     inference_setup,
@@ -52,7 +52,7 @@ from worker.plugins import (
 )
 from worker.ports import ObjectReader, ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
-from worker.timeline import Timeline
+from worker.telemetry.timeline import Timeline
 
 # A batch costs a fixed floor (kernel launches: small batches are launch-bound on a GPU)
 # plus a per-image share: 44 ms for 3 images, 120 ms for 64 (530 images/s), which two CPU

@@ -16,9 +16,9 @@ import pytest
 from moto import mock_aws
 
 from tests.conftest import Aws
-from worker.aws import S3BlobStore, SqsJobSource, _received
+from worker.adapters.aws import S3BlobStore, SqsJobSource, _received
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
-from worker.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.ports import ABSENT, S3Location
 
 

@@ -18,10 +18,10 @@ import torch
 from stages.postprocess import embedding
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
-from worker import arrays, results
-from worker.arrays import ArrayFiles, ArraySpool
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
-from worker.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.jobs import arrays, results
+from worker.jobs.arrays import ArrayFiles, ArraySpool
 from worker.plugins import encoded_fields
 from worker.ports import S3Location
 from worker.retry import Backoff
@@ -153,7 +153,7 @@ def test_an_array_field_that_cannot_name_its_file_is_refused_where_it_is_made() 
 KILLED_WITH_ARRAYS = """
 import os, signal, sys
 from pathlib import Path
-from worker.arrays import ArraySpool
+from worker.jobs.arrays import ArraySpool
 spool = ArraySpool(Path(sys.argv[1]))
 spool.open()
 (spool.directory / "job#1").mkdir()

@@ -19,18 +19,18 @@ from structlog.testing import capture_logs
 from stages.synthetic import samples
 from tests.conftest import REPO, also_on_gpu, needs_gpu
 from tests.faults import BREAK_MODEL_FILE
-from worker import intake, results
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.engine import StageSetupTimeout
 from worker.errors import TransientError
-from worker.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.ledger import Job
+from worker.jobs import intake, results
+from worker.jobs.ledger import Job
+from worker.jobs.reporting import ProgressReporter
 from worker.plugins import PluginError
 from worker.ports import ReceivedMessage, S3Location
-from worker.reporting import ProgressReporter
 from worker.retry import Backoff
 from worker.settings import Settings
-from worker.timeline import Timeline
+from worker.telemetry.timeline import Timeline
 
 
 class CountingSource(InMemoryJobSource):

@@ -17,8 +17,13 @@ import pytest
 from cfnlint.decode import decode
 
 from tests.conftest import REPO, Aws, run_daemon
-from worker.checkpoints import CANCEL_MARKER, CHECKPOINT_PREFIX, FINAL_OUTPUTS, SUPERSEDED_PREFIX
 from worker.demo import upload_samples
+from worker.jobs.checkpoints import (
+    CANCEL_MARKER,
+    CHECKPOINT_PREFIX,
+    FINAL_OUTPUTS,
+    SUPERSEDED_PREFIX,
+)
 
 TEMPLATE = REPO / "infra" / "worker.yaml"
 DOCKERFILE = REPO / "Dockerfile"

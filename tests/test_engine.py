@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 from tests import stagefns
 from worker import engine
-from worker.channel import Channel, Closed
 from worker.engine import (
     Item,
     ItemError,
@@ -31,6 +30,7 @@ from worker.engine import (
     _ChildProcess,
     isolate_failures,
 )
+from worker.engine.channel import Channel, Closed
 
 
 class RecordingObserver:

@@ -21,7 +21,7 @@ from tests.conftest import Aws, DaemonProcess, run_daemon
 from tests.faultproxy import FaultProxy, Request
 from tests.faults import MAGENTA
 from worker.demo import Stack, upload_samples
-from worker.results import FINISH_ATTEMPTS
+from worker.jobs.results import FINISH_ATTEMPTS
 
 pytestmark = pytest.mark.e2e
 

@@ -19,8 +19,8 @@ from tests.fakeaws import FakeImds
 from tests.faultproxy import Fault, FaultProxy
 from tests.test_daemon import _images, _output, _send
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
-from worker import aws as aws_adapters
-from worker.aws import (
+from worker.adapters import aws as aws_adapters
+from worker.adapters.aws import (
     REBALANCE_RECOMMENDATION_PATH,
     SPOT_INSTANCE_ACTION_PATH,
     TARGET_LIFECYCLE_STATE_PATH,
@@ -28,10 +28,10 @@ from worker.aws import (
     ImdsNotices,
     PlatformUnavailable,
 )
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
+from worker.daemon.interruptions import InterruptionWatch
 from worker.demo import upload_samples
-from worker.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.interruptions import InterruptionWatch
 from worker.ports import Notice, NoticeKind
 from worker.settings import Settings
 

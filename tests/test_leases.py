@@ -6,12 +6,12 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.fakes import InMemoryJobSource
-from worker.joblog import JobLog
-from worker.leases import LeaseKeeper
-from worker.ledger import Job, Ledger
-from worker.message import parse_job_message
-from worker.progress import Progress
+from worker.adapters.fakes import InMemoryJobSource
+from worker.jobs.joblog import JobLog
+from worker.jobs.leases import LeaseKeeper
+from worker.jobs.ledger import Job, Ledger
+from worker.jobs.message import parse_job_message
+from worker.telemetry.progress import Progress
 
 
 class ManualClock:

@@ -16,10 +16,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from worker.channel import Closed
-from worker.joblog import JobLog, local_log_path
-from worker.ledger import TRANSITIONS, IllegalTransition, Job, JobState, Ledger, Result
-from worker.message import parse_job_message
+from worker.engine.channel import Closed
+from worker.jobs.joblog import JobLog, local_log_path
+from worker.jobs.ledger import TRANSITIONS, IllegalTransition, Job, JobState, Ledger, Result
+from worker.jobs.message import parse_job_message
 from worker.ports import ReceivedMessage
 
 DONE = Result(b'{"label": "a"}\n', failed=False)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.message import PoisonMessage, parse_job_message, parse_manifest
+from worker.jobs.message import PoisonMessage, parse_job_message, parse_manifest
 
 NO_LIMIT: frozenset[str] = frozenset()
 

@@ -6,10 +6,10 @@ import threading
 import time
 
 from tests.test_leases import ManualClock
-from worker.fakes import RecordingGuard
-from worker.ledger import Job, Ledger
+from worker.adapters.fakes import RecordingGuard
+from worker.daemon.protection import RETRY_AFTER_FAILURE_S, ProtectionKeeper
+from worker.jobs.ledger import Job, Ledger
 from worker.ports import ReceivedMessage
-from worker.protection import RETRY_AFTER_FAILURE_S, ProtectionKeeper
 
 
 def _hold(ledger: Ledger, key: str) -> Job:

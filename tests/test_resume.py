@@ -21,11 +21,11 @@ from tests.faultproxy import Fault, FaultProxy
 from tests.test_daemon import _images, _output, _run, _send
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
 from tests.test_interruptions import _run_while, _settings, _wait_until
-from worker.checkpoints import CANCEL_MARKER, CHECKPOINT_PREFIX
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.demo import upload_samples
-from worker.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.intake import WAITED_FOR_THE_REPLACED
+from worker.jobs.checkpoints import CANCEL_MARKER, CHECKPOINT_PREFIX
+from worker.jobs.intake import WAITED_FOR_THE_REPLACED
 from worker.ports import S3Location
 
 

@@ -14,7 +14,7 @@ from botocore.exceptions import FlexibleChecksumError, IncompleteReadError
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
-from worker import aws
+from worker.adapters import aws
 from worker.engine import ItemError
 from worker.errors import AccessDenied, MissingObject, TransientError
 from worker.ports import S3Location

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from worker.host import BREAKAGES_FILE, Breakages
-from worker.ledger import Ledger
-from worker.metrics import Metrics
+from worker.daemon.host import BREAKAGES_FILE, Breakages
+from worker.daemon.shutdown import ExitCode, Shutdown
+from worker.jobs.ledger import Ledger
 from worker.ports import Notice, NoticeKind, ReceivedMessage
-from worker.shutdown import ExitCode, Shutdown
+from worker.telemetry.metrics import Metrics
 
 
 def _holding_one_job() -> Shutdown:

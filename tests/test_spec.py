@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from tests.conftest import REPO
 from worker.plugins import ModelIdentity, PluginError, load_fan_out, pipeline_identity
+from worker.plugins.spec import FanOutStep, ModelStep, PipelineSpec
 from worker.settings import Settings
-from worker.spec import FanOutStep, ModelStep, PipelineSpec
 
 BOARDS = REPO / "stages" / "boards.toml"
 QUEUE = "https://sqs/q"

@@ -7,9 +7,9 @@ import threading
 import time
 
 from tests.test_leases import ManualClock
-from worker.channel import Closed
-from worker.progress import Progress
-from worker.supervisor import Supervisor
+from worker.daemon.supervisor import Supervisor
+from worker.engine.channel import Closed
+from worker.telemetry.progress import Progress
 
 
 def _supervisor(busy: bool, progress: Progress) -> tuple[Supervisor, list[str], threading.Event]:

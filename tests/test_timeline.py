@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from worker.timeline import LABEL_WIDTH, LANE_HEIGHT, PLOT_WIDTH, Interval, Timeline
+from worker.telemetry.timeline import LABEL_WIDTH, LANE_HEIGHT, PLOT_WIDTH, Interval, Timeline
 
 
 def _timeline(*intervals: tuple[str, str, float, float]) -> Timeline:

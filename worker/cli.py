@@ -18,11 +18,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from worker import aws
-from worker.checkpoints import CANCEL_MARKER
+from worker.adapters import aws
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
-from worker.joblog import configure_daemon_logging
-from worker.message import JobMessage
+from worker.jobs.checkpoints import CANCEL_MARKER
+from worker.jobs.joblog import configure_daemon_logging
+from worker.jobs.message import JobMessage
 from worker.plugins import PluginError
 from worker.ports import S3Location
 from worker.settings import DEFAULT_METRICS_PORT, add_settings_flags, settings_from_flags

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import boto3
 
 from stages.synthetic import samples
-from worker import aws
+from worker.adapters import aws
 from worker.ports import S3Location
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def _enqueue_demo_jobs(
 
 def _run_daemon(stack: Stack, out_dir: Path) -> int:
     from worker.daemon import Daemon
-    from worker.joblog import configure_daemon_logging
+    from worker.jobs.joblog import configure_daemon_logging
     from worker.settings import Settings
 
     settings = Settings(

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from worker.plugins.spec import DecodePlacement, ModelStep, PipelineSpec, devices
 from worker.ports import (
     SQS_MAX_DELAY_S,
     SQS_MAX_MESSAGES_PER_RECEIVE,
@@ -22,7 +23,6 @@ from worker.ports import (
     SQS_MAX_VISIBILITY_TIMEOUT_S,
 )
 from worker.retry import DEFAULT_AWS_MAX_ATTEMPTS
-from worker.spec import DecodePlacement, ModelStep, PipelineSpec, devices
 
 DEFAULT_METRICS_PORT = 8000
 MAX_RETRY_DELAY_S = SQS_MAX_DELAY_S

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from worker.checkpoints import Checkpoints
-from worker.ledger import Job, Ledger
-from worker.metrics import Metrics
+from worker.jobs.checkpoints import Checkpoints
+from worker.jobs.ledger import Job, Ledger
 from worker.ports import SQS_MAX_ENTRIES_PER_BATCH_CALL, JobSource
-from worker.progress import Progress
 from worker.retry import Backoff
 from worker.settings import MAX_RETRY_DELAY_S
+from worker.telemetry.metrics import Metrics
+from worker.telemetry.progress import Progress
 
 log = structlog.get_logger()
 

@@ -19,9 +19,9 @@ from enum import StrEnum
 
 import structlog
 
-from worker.ledger import Ledger
-from worker.metrics import Metrics
+from worker.jobs.ledger import Ledger
 from worker.ports import Notice, NoticeKind
+from worker.telemetry.metrics import Metrics
 
 log = structlog.get_logger()
 

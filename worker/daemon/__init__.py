@@ -33,8 +33,11 @@ from concurrent.futures import Future
 import structlog
 
 from worker import __version__
-from worker.arrays import ARRAYS_DIR, ArraySpool
-from worker.checkpoints import Checkpointer, Checkpoints
+from worker.daemon.host import Breakages, take_out_of_service
+from worker.daemon.interruptions import InterruptionWatch
+from worker.daemon.protection import ProtectionKeeper
+from worker.daemon.shutdown import ExitCode, Shutdown
+from worker.daemon.supervisor import Supervisor
 from worker.engine import (
     PIPELINED_BATCHES,
     PIPELINED_PREPARING,
@@ -46,13 +49,14 @@ from worker.engine import (
     ThreadStage,
     bisection_sizes,
 )
-from worker.host import Breakages, take_out_of_service
-from worker.intake import Feeder, Intake
-from worker.interruptions import InterruptionWatch
-from worker.leases import LeaseKeeper
-from worker.ledger import Ledger
-from worker.metrics import Metrics, serving
-from worker.outcomes import Lifecycle, Outcomes
+from worker.jobs.arrays import ARRAYS_DIR, ArraySpool
+from worker.jobs.checkpoints import Checkpointer, Checkpoints
+from worker.jobs.intake import Feeder, Intake
+from worker.jobs.leases import LeaseKeeper
+from worker.jobs.ledger import Ledger
+from worker.jobs.outcomes import Lifecycle, Outcomes
+from worker.jobs.reporting import JobObserver, ProgressReporter
+from worker.jobs.results import Finisher, Regrouper
 from worker.plugins import (
     ModelIdentity,
     PluginError,
@@ -68,6 +72,7 @@ from worker.plugins import (
     pipeline_identity,
     preprocess_setup,
 )
+from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
 from worker.ports import (
     BlobStore,
     JobSource,
@@ -77,15 +82,10 @@ from worker.ports import (
     S3Location,
     ScaleInGuard,
 )
-from worker.progress import Progress
-from worker.protection import ProtectionKeeper
-from worker.reporting import JobObserver, ProgressReporter
-from worker.results import Finisher, Regrouper
 from worker.settings import Settings
-from worker.shutdown import ExitCode, Shutdown
-from worker.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
-from worker.supervisor import Supervisor
-from worker.timeline import Timeline, TimelineWriter
+from worker.telemetry.metrics import Metrics, serving
+from worker.telemetry.progress import Progress
+from worker.telemetry.timeline import Timeline, TimelineWriter
 
 __all__ = ["Daemon", "ExitCode"]
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import structlog
 
-from worker.ledger import Job, JobState, Ledger
+from worker.jobs.ledger import Job, JobState, Ledger
 from worker.ports import RENEWAL_FAILED, JobSource
-from worker.progress import Progress
+from worker.telemetry.progress import Progress
 
 log = structlog.get_logger()
 

@@ -25,7 +25,7 @@ import structlog
 import torch
 
 from worker.engine import ItemError, StageFunction, bisection_sizes, isolate_failures
-from worker.spec import DecodePlacement, PipelineSpec
+from worker.plugins.spec import DecodePlacement, PipelineSpec
 
 POSTPROCESS_STAGE = "postprocess"  # what an item error of the postprocessor names
 PREPROCESS_STAGE = "preprocess"  # ... and of the preprocessor, wherever it ran
@@ -101,7 +101,7 @@ RECORD_FIELDS = frozenset({"index", "input", "model", "error"})
 log = structlog.get_logger()
 
 # It names a file under the job's output, where names starting "checkpoint-" are the
-# checkpoints' (`worker.checkpoints`), removed once the job is finished.
+# checkpoints' (`worker.jobs.checkpoints`), removed once the job is finished.
 _FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
 
 
@@ -151,7 +151,7 @@ Encoded = bytes | tuple[bytes, dict[str, np.ndarray]]
 def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, Any]) -> Encoded:
     """The postprocessor's fields for one model output, JSON-encoded as the members that
     follow `input` in the item's results.jsonl line (`,"label":"cat",...`); those whose
-    value is an array (numpy or torch, not a scalar) apart, as arrays (`worker.arrays`)."""
+    value is an array (numpy or torch, not a scalar) apart, as arrays (`worker.jobs.arrays`)."""
     fields = postprocess(output, params)
     if not isinstance(fields, dict):
         raise TypeError(f"the postprocessor returned a {type(fields).__name__}, not a dict")

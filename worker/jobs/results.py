@@ -13,12 +13,12 @@ from typing import Any
 
 import structlog
 
-from worker.channel import Channel
-from worker.checkpoints import Checkpoints
 from worker.engine import Item, ItemError, Pipeline
+from worker.engine.channel import Channel
 from worker.errors import PreconditionFailed
-from worker.ledger import Job, JobState, Result
-from worker.outcomes import Lifecycle
+from worker.jobs.checkpoints import Checkpoints
+from worker.jobs.ledger import Job, JobState, Result
+from worker.jobs.outcomes import Lifecycle
 from worker.plugins import (
     POSTPROCESS_STAGE,
     Postprocessor,

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import structlog
 
-from worker.channel import Closed
-from worker.progress import Progress
+from worker.engine.channel import Closed
+from worker.telemetry.progress import Progress
 
 log = structlog.get_logger()
 

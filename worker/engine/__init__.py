@@ -51,7 +51,7 @@ import structlog
 import torch
 import torch.multiprocessing as torch_mp
 
-from worker.channel import Channel, Closed
+from worker.engine.channel import Channel, Closed
 from worker.errors import TransientError, WorkerFault
 
 ArenaMode = Literal["write", "read", "fan-out"] | None

@@ -18,14 +18,14 @@ from typing import NamedTuple
 
 import structlog
 
-from worker.arrays import ArrayFiles, ArraySpool
-from worker.checkpoints import Checkpoints, Prior
 from worker.engine import Item, Pipeline
 from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
-from worker.joblog import JobLog, local_log_path
-from worker.ledger import Job, JobState, Ledger
-from worker.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
-from worker.outcomes import Lifecycle
+from worker.jobs.arrays import ArrayFiles, ArraySpool
+from worker.jobs.checkpoints import Checkpoints, Prior
+from worker.jobs.joblog import JobLog, local_log_path
+from worker.jobs.ledger import Job, JobState, Ledger
+from worker.jobs.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
+from worker.jobs.outcomes import Lifecycle
 from worker.plugins import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import structlog
 
-from worker.metrics import Metrics
 from worker.ports import ScaleInGuard
+from worker.telemetry.metrics import Metrics
 
 log = structlog.get_logger()
 

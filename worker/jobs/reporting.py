@@ -11,13 +11,13 @@ from typing import Any
 
 import structlog
 
-from worker.checkpoints import Checkpoints, Halt
 from worker.engine import Item
-from worker.ledger import FEEDABLE, Job, Ledger, StageTiming
-from worker.metrics import Metrics
+from worker.jobs.checkpoints import Checkpoints, Halt
+from worker.jobs.ledger import FEEDABLE, Job, Ledger, StageTiming
 from worker.ports import BlobStore
-from worker.progress import Progress
-from worker.timeline import Timeline
+from worker.telemetry.metrics import Metrics
+from worker.telemetry.progress import Progress
+from worker.telemetry.timeline import Timeline
 
 log = structlog.get_logger()
 

@@ -44,10 +44,10 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
-from worker.arrays import ArrayFiles
-from worker.channel import Closed
-from worker.joblog import JobLog
-from worker.message import JobMessage
+from worker.engine.channel import Closed
+from worker.jobs.arrays import ArrayFiles
+from worker.jobs.joblog import JobLog
+from worker.jobs.message import JobMessage
 from worker.ports import ReceivedMessage
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class StageTiming:
 
 @dataclass
 class CheckpointState:
-    """How far this delivery has checkpointed its job (`worker.checkpoints`)."""
+    """How far this delivery has checkpointed its job (`worker.jobs.checkpoints`)."""
 
     parts: int = 0
     log_mark: int = 0  # job log lines saved so far

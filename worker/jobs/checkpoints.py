@@ -3,7 +3,7 @@ the next.
 
     output/
       results.jsonl, job.log, job.json       the finished job; job.json, written last, says so
-      <field>.npy                            its array outputs, if any (`worker.arrays`)
+      <field>.npy                            its array outputs, if any (`worker.jobs.arrays`)
       cancel                                 a request to cancel the job (`worker cancel`)
       checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
       checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
-from worker.arrays import ARRAY_FILE_SUFFIX
 from worker.errors import MissingObject
-from worker.ledger import Job, JobState, Ledger, Result
-from worker.message import JobMessage
+from worker.jobs.arrays import ARRAY_FILE_SUFFIX
+from worker.jobs.ledger import Job, JobState, Ledger, Result
+from worker.jobs.message import JobMessage
 from worker.ports import BlobStore
 
 if TYPE_CHECKING:

@@ -1,0 +1,2 @@
+"""What the daemon says about itself: metrics, the stage timeline, the clock of
+progress."""
