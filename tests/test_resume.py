@@ -461,7 +461,7 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
     `enqueue --wait` shows it. A job cancelled before it is received is acked unread.
     `--job-id` is refused for an output another job is writing."""
     stack = aws.stack()
-    uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 24 s of work
+    uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 48 s of work
     running, queued = _out(stack, "running"), _out(stack, "queued")
     with following(aws, stack.queue_url, "running", running, *uris) as follower:
         # Few inputs fetched ahead of the slow model: those inside still run after a cancel.
@@ -472,7 +472,7 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
                 *_slow_model(1),
                 *("--progress-interval-seconds", "0.5", "--fetch-concurrency", "2", "--drain"),
             ),
-            env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.4"},
+            env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.8"},
         )
         daemon.wait_for("job_received")
         _cancel(aws, queued)
