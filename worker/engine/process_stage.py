@@ -1,0 +1,526 @@
+"""A stage run in child processes: its driver threads, one per child, which pipeline
+requests, recover from a lost child, isolate the items at fault and tell a broken
+worker from bad items.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import signal
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from worker.engine.arena import TensorArena
+from worker.engine.channel import Channel, Closed
+from worker.engine.child_handle import (
+    ChildProcess,
+    WorkerDied,
+    WorkerFailedProbe,
+    WorkerLost,
+    host_oom_kills,
+)
+from worker.engine.items import (
+    Item,
+    ItemError,
+    Part,
+    PrepareStep,
+    StageObserver,
+    StageSetup,
+    StageSetupError,
+    apply_outcomes,
+    half_of,
+)
+from worker.engine.stage import Stage, live_items
+from worker.engine.wire import ArenaMode, KnownGood, Prepared, Reply, WireTask
+from worker.errors import WorkerFault
+
+log = structlog.get_logger()
+
+
+# An item whose child died or hung while holding it gets this many tries before it is
+# blamed, so one input that kills or hangs its worker cannot loop forever.
+MAX_ITEM_ATTEMPTS = 3
+
+
+PIPELINED_BATCHES = 2
+
+
+# A stage that prepares (fetches) keeps more requests in each child, which starts
+# preparing each as it arrives: a slow read then holds up the replies behind it, not the
+# fetching of the requests after it.
+PIPELINED_PREPARING = 4
+
+
+WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
+
+
+# After an out-of-memory error, batches stay at the size that fitted for this long:
+# retrying the full size at once would only run out of memory again.
+OOM_COOLDOWN_S = 300.0
+
+
+# A stage that has never prepared an input (fetched it) stops once requests of this many
+# jobs in a row failed every item (`_judged`, untold).
+UNTOLD_JOBS_BEFORE_FAULT = 3
+
+
+class ProcessStage(Stage):
+    """Runs a function made by `setup()` in `workers` child processes.
+
+    `setup` runs once per child (load the model there, once); it must be picklable
+    (a module-level function or a `functools.partial` of one). A sequence of set-ups is
+    one per child, a fixed number (one per GPU, say). A set-up returns the function,
+    or a `StageFunction` with the function and its probe. The function's form depends
+    on the arenas the stage `reads` and `writes`:
+
+    - neither: `fn(values) -> outputs`
+    - writes: `fn(value, out) -> output`, per item, writing into `out`, the item's
+      arena slot, in place (decode an image straight into shared memory).
+    - reads: `fn(batch, values) -> outputs`, where `batch` stacks the items' arena
+      slots; the slots are given back once the call returns, unless `keeps_slots`
+      (a fan-out after it still reads them).
+    - both, a fan-out: `fn(read, value, outs) -> abouts`, per item, given its slot of
+      the arena it reads, writing up to `max_parts` parts into the slots `outs` of the
+      arena it writes and saying what each is about; the item goes on as its parts,
+      each an item of its own, and one with no parts goes straight to the pipeline's
+      output, with the value `[]`.
+
+    With `prepare`, the set-up's `StageFunction.prepare` turns each value into what the
+    function takes, in the child, before it runs (`PrepareStep`). `imports` are modules
+    its set-up imports: imported once for every child, not by each as it starts.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        setup: StageSetup | Sequence[StageSetup],
+        *,
+        workers: int = 1,
+        max_workers: int | None = None,
+        batch_size: int = 1,
+        max_batch_wait_ms: float = 0,
+        timeout_s: float | None = None,
+        reads: TensorArena | None = None,
+        writes: TensorArena | None = None,
+        keeps_slots: bool = False,
+        max_parts: int = 1,
+        prepare: PrepareStep | None = None,
+        imports: Sequence[str] = (),
+        setup_timeout_s: float = 300,
+        oom_cooldown_s: float = OOM_COOLDOWN_S,
+    ):
+        setups = list(setup) if isinstance(setup, Sequence) else None
+        if setups is not None:
+            if max_workers or workers != 1:
+                raise ValueError(f"stage {name}: one set-up per worker fixes their number")
+            workers = len(setups)
+        super().__init__(name, workers, batch_size, max_batch_wait_ms)
+        self.max_workers = max(workers, max_workers or workers)
+        self._setups = setups
+        self._setup = setup
+        self.timeout_s = timeout_s
+        self.reads, self.writes = reads, writes
+        self.mode: ArenaMode = (
+            ("fan-out" if writes else "read") if reads else ("write" if writes else None)
+        )
+        self.keeps_slots = keeps_slots
+        self.max_parts = max_parts
+        self.prepare = prepare
+        self.imports = imports
+        self.pipelined = PIPELINED_PREPARING if prepare else PIPELINED_BATCHES
+        self.setup_timeout_s = setup_timeout_s
+        self.oom_cooldown_s = oom_cooldown_s
+        self._children: list[ChildProcess] = []
+        self._numbers = itertools.count(workers)  # of children added later
+        self._busy_s = 0.0  # the children's time on requests, all together
+        self._oom_kills = host_oom_kills()
+        self._known_good = KnownGood()
+        self._prepare_name = prepare.name if prepare else None
+        # The jobs of the latest requests whose every item failed to prepare, untold.
+        self._untold: set[str] = set()
+        self._lock = threading.Lock()  # the above; drivers and the scaler share them
+
+    def start(
+        self,
+        inbox: Channel[Item],
+        outbox: Channel[Item],
+        observer: StageObserver,
+        finished: Channel[Item],
+    ) -> None:
+        super().start(inbox, outbox, observer, finished)
+        self._children = [ChildProcess(self, number) for number in range(self.workers)]
+        # Children start in parallel: each imports torch and may load a model.
+        try:
+            with ThreadPoolExecutor(self.workers) as pool:
+                list(pool.map(ChildProcess.start, self._children))
+        except BaseException:
+            self.stop()
+            raise
+        for child in self._children:
+            self._spawn_thread(functools.partial(self._serve_child, child), str(child.number))
+
+    def alive(self) -> bool:
+        return super().alive() and all(child.alive() for child in self._children)
+
+    def setup_of(self, number: int) -> StageSetup:
+        """The set-up of the child with this number."""
+        if self._setups is not None:
+            return self._setups[number]
+        assert callable(self._setup)
+        return self._setup
+
+    def worker_count(self) -> int:
+        with self._lock:
+            return sum(not child.retiring.is_set() for child in self._children)
+
+    def busy_s(self) -> float:
+        """How long the children have spent on requests since the stage started."""
+        with self._lock:
+            return self._busy_s
+
+    def grow(self) -> bool:
+        """Start one more child (up to `max_workers`); False if there is no room or it
+        could not start."""
+        if self.worker_count() >= self.max_workers or self.stopping.is_set():
+            return False
+        child = ChildProcess(self, next(self._numbers))
+        try:
+            child.start()
+        except (StageSetupError, Closed) as error:
+            log.warning("stage_worker_not_added", stage=self.name, error=str(error))
+            return False
+        with self._lock:  # `stop` sets `stopping`, then takes the children it stops
+            added = not self.stopping.is_set()
+            if added:
+                self._children.append(child)
+        if not added:
+            child.stop(graceful=False)
+            return False
+        self._spawn_thread(functools.partial(self._serve_child, child), str(child.number))
+        return True
+
+    def shrink(self) -> bool:
+        """Have one child (down to `workers`) finish what it holds and stop."""
+        with self._lock:
+            serving = [child for child in self._children if not child.retiring.is_set()]
+            if len(serving) <= self.workers:
+                return False
+            serving[-1].retiring.set()
+        self._inbox.wake()
+        return True
+
+    def about(self) -> Mapping[str, Any]:
+        """What the set-up of its first child reported (`StageFunction.about`)."""
+        return self._children[0].about if self._children else {}
+
+    def _serve_child(self, child: ChildProcess) -> None:
+        """Feed `child` batches until the inbox closes.
+
+        While the child works on one batch, the next already waits in its pipe
+        (`pipelined` in all), so it goes from batch to batch without waiting for this
+        thread to file results and gather the next batch: the GPU never idles on the
+        host's bookkeeping. A batch is queued ahead only when a full one is waiting;
+        otherwise the next is gathered once the child is free, and is fuller for it.
+        """
+        in_flight: deque[list[Item]] = deque()  # batches sent, oldest first
+        while True:
+            if not in_flight:
+                if child.retiring.is_set():
+                    self._retire(child)
+                    return
+                self._dispatch(child, in_flight, self._next_batch(child.retiring.is_set), [])
+                continue
+            ahead = self._batch_ahead() if len(in_flight) < self.pipelined else None
+            if ahead is None:
+                self._complete_oldest(child, in_flight)
+            else:
+                self._dispatch(child, in_flight, *ahead)
+
+    def _batch_ahead(self) -> tuple[list[Item], list[int]] | None:
+        """A full batch, and its slots, to send ahead of replies this driver has yet to
+        collect, if both are there now (else None): it never waits with replies unread.
+        Another driver may take the batch it saw waiting before it takes it."""
+        batch_size = self.current_batch_size()
+        if len(self._inbox) < batch_size:
+            return None
+        reserved = self._reserve_ahead(batch_size)
+        if reserved is None:
+            return None
+        items = self._inbox.take_now(batch_size)
+        if items is None:
+            self._give_back(reserved)
+            return None
+        return items, reserved
+
+    def _retire(self, child: ChildProcess) -> None:
+        """Stop a child that `shrink` chose, with this, its driver thread."""
+        with self._lock:
+            self._children.remove(child)
+            self._threads.remove(threading.current_thread())
+        child.stop()
+
+    def stop(self) -> None:
+        """Stop the children (killing those that do not stop within `STOP_GRACE_S`),
+        then their driver threads, which the children's exit unblocks."""
+        self.stopping.set()
+        with self._lock:
+            children = list(self._children)
+        with ThreadPoolExecutor(max(1, len(children))) as pool:
+            list(pool.map(ChildProcess.stop, children))
+        super().stop()
+
+    def _reserve_ahead(self, batch_size: int) -> list[int] | None:
+        """Slots for a request sent ahead of replies this driver has yet to collect, if
+        they are free now (else None). Waiting for them could wait for ever: the items
+        of those replies hold slots that only this driver, collecting them, hands on."""
+        if self.mode != "write":
+            return []
+        assert self.writes is not None
+        return self.writes.try_acquire(batch_size)
+
+    def _dispatch(
+        self,
+        child: ChildProcess,
+        in_flight: deque[list[Item]],
+        items: list[Item],
+        reserved: list[int],
+    ) -> None:
+        live = live_items(items)
+        if not live:
+            self._give_back(reserved)
+            self._forward(items)
+            return
+        in_flight.append(items)
+        try:
+            child.send(self._request(live, reserved))
+        except WorkerLost as lost:
+            self._recover(child, in_flight, lost)
+
+    def _complete_oldest(self, child: ChildProcess, in_flight: deque[list[Item]]) -> None:
+        live = live_items(in_flight[0])
+        try:
+            reply = self._reply(child, live)
+        except WorkerLost as lost:
+            self._recover(child, in_flight, lost)
+            return
+        items = in_flight.popleft()
+        self._file_reply(live, reply)
+        self._forward(items)
+
+    def _reply(self, child: ChildProcess, live: list[Item]) -> Reply:
+        """The child's reply to the request of `live`; first, with a prepare step, its
+        word that they are prepared, which the step's timeout waits for."""
+        if self.prepare is not None:
+            try:
+                prepared: Prepared = child.receive(self.prepare.timeout_s)
+            except WorkerLost as lost:
+                lost.preparing = True
+                raise
+            self._observer.stage_ran(self.prepare.name, live, prepared.duration_s, ())
+        reply: Reply = child.receive(self.timeout_s)
+        if reply.fault is not None:
+            raise WorkerFailedProbe(f"{child.name} failed its probe: {reply.fault}")
+        return reply
+
+    def arenas(self) -> list[TensorArena]:
+        return [arena for arena in (self.reads, self.writes) if arena is not None]
+
+    def _request(self, live: list[Item], reserved: Sequence[int] = ()) -> list[WireTask]:
+        """What the child is sent: each item's slot, value and the slots for its parts
+        (plain tuples: pickle writes those in C, a named tuple through Python code);
+        a writing stage gives them slots first, `reserved` ones or else as they come
+        free (waiting while none is)."""
+        spare = list(reserved)
+        for item in live:
+            if self.mode == "write" and item.slot is None:
+                assert self.writes is not None
+                item.slot = spare.pop() if spare else self.writes.acquire()
+            elif self.mode == "fan-out" and not item.part_slots:
+                assert self.writes is not None
+                item.part_slots = tuple(self.writes.acquire() for _ in range(self.max_parts))
+        self._give_back(spare)
+        return [(item.slot, item.value, item.part_slots) for item in live]
+
+    def _give_back(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            assert self.writes is not None
+            self.writes.release(slot)
+
+    def _file_reply(self, live: list[Item], reply: Reply) -> None:
+        with self._lock:
+            self._busy_s += reply.duration_s
+        if reply.fitting_batch_size is not None:
+            self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
+        self._learn_from(live, reply)
+        apply_outcomes(live, reply.outcomes)
+        self._observer.stage_ran(self.name, live, reply.duration_s, reply.events)
+
+    def _forward(self, items: list[Item]) -> None:
+        """Hand the batch on, giving back the arena slots a reading stage is done with.
+        An item's tries are this stage's: the next stage gives it as many again."""
+        for item in items:
+            item.attempts = 0
+            if self.reads is not None and not self.keeps_slots and item.slot is not None:
+                self.reads.release(item.slot)
+                item.slot = None
+            if self.mode == "fan-out":
+                self._fan_out(item)
+            else:
+                self._outbox.put(item)
+
+    def _fan_out(self, item: Item) -> None:
+        """Hand the item on as its parts, each in one of the slots taken for them."""
+        assert self.writes is not None
+        abouts: list[Any] = [] if item.error is not None else item.value
+        slots, item.part_slots = item.part_slots, ()
+        for slot in slots[len(abouts) :]:
+            self.writes.release(slot)
+        if item.error is not None:
+            self._outbox.put(item)
+        elif not abouts:
+            item.value = []
+            self._finished.put(item)
+        else:
+            whole = next(WHOLES)
+            for number, (about, slot) in enumerate(zip(abouts, slots, strict=False)):
+                part = Part(whole, number, len(abouts), about)
+                self._outbox.put(Item(item.job, item.index, about, slot=slot, part=part))
+
+    def _recover(self, child: ChildProcess, in_flight: deque[list[Item]], lost: WorkerLost) -> None:
+        """Replace the child, then redo what it held. Only the oldest batch was being
+        worked on when it was lost: it is retried (`_retry`); the batches queued behind
+        it are sent again."""
+        batches = list(in_flight)
+        in_flight.clear()
+        held = [item for items in batches for item in live_items(items)]
+        self._restart(child, held, lost, working_on=live_items(batches[0]))
+        self._retry(child, live_items(batches[0]), lost)
+        for items in batches[1:]:
+            self._run(child, live_items(items))
+        for items in batches:
+            self._forward(items)
+
+    def _restart(
+        self,
+        child: ChildProcess,
+        items: list[Item],
+        lost: WorkerLost,
+        working_on: list[Item] | None = None,
+    ) -> None:
+        """Replace a lost child that held `items`; one that cannot be replaced breaks the
+        stage, naming the jobs of the items it was `working_on` (all it held if not
+        given), not those of requests queued behind them."""
+        if self.stopping.is_set():
+            raise Closed
+        if isinstance(lost, WorkerDied):
+            lost.out_of_memory = self._oom_killed(lost)
+        self._observer.worker_lost(self.name, items, str(lost))
+        try:
+            child.restart()
+        except StageSetupError as error:
+            self._break(error, items if working_on is None else working_on)
+
+    def known_good(self) -> KnownGood:
+        """What a new child is told its stage handled well (`KnownGood`)."""
+        with self._lock:
+            return self._known_good.copy()
+
+    def _learn_from(self, live: list[Item], reply: Reply) -> None:
+        """Keep an item the reply shows handled well as the stage's known good, before
+        its value is replaced by its outcome; and stop the stage once requests of more
+        than one job, in a row, failed their prepare step with nothing prepared before
+        (credentials that never worked), rather than fail every job's items."""
+        outcomes = list(zip(live, reply.outcomes, strict=True))
+        prepared = [
+            item
+            for item, outcome in outcomes
+            if not (isinstance(outcome, ItemError) and outcome.stage == self._prepare_name)
+        ]
+        ran_well = [item for item, outcome in outcomes if not isinstance(outcome, ItemError)]
+        with self._lock:
+            if prepared and self.prepare is not None:
+                self._known_good.remember(prepared[0].value)
+                self._untold.clear()
+            if reply.untold:
+                self._untold |= {item.job for item in live}
+            untold = frozenset(self._untold)
+        if self.mode == "fan-out" and ran_well and self._known_good.fan_out_stale():
+            assert self.reads is not None and ran_well[0].slot is not None
+            image = self.reads.tensor[ran_well[0].slot].clone()
+            with self._lock:
+                self._known_good.cut(image, ran_well[0].value)
+        if len(untold) >= UNTOLD_JOBS_BEFORE_FAULT:
+            fault = (
+                f"every input of requests of {len(untold)} jobs in a row failed to prepare, "
+                f"and none was ever prepared: {reply.outcomes[0].message}"
+            )
+            self._observer.stage_broken(self.name, WorkerFault(fault), untold)
+            raise Closed
+
+    def _oom_killed(self, died: WorkerDied) -> bool:
+        """Whether the kernel's OOM killer killed the child: it died of SIGKILL, and the
+        host's count of such kills rose since this stage last looked."""
+        kills = host_oom_kills()
+        with self._lock:
+            rose = kills > self._oom_kills
+            self._oom_kills = kills
+        return died.exit_code == -signal.SIGKILL and rose
+
+    def _break(self, error: BaseException, items: Sequence[Item]) -> None:
+        """The stage cannot go on: report it, naming the jobs of the `items` it failed
+        on, and end this driver thread."""
+        self._observer.stage_broken(self.name, error, frozenset(item.job for item in items))
+        raise Closed from error
+
+    def _run(self, child: ChildProcess, live: list[Item], after: WorkerLost | None = None) -> None:
+        """Run `live` on its own and wait for it (retries only); `after` is why the
+        previous try was lost."""
+        try:
+            child.send(self._request(live))
+            reply = self._reply(child, live)
+        except WorkerLost as lost:
+            if isinstance(lost, WorkerFailedProbe) and isinstance(after, WorkerFailedProbe):
+                self._break(WorkerFault(f"a fresh worker failed the same way: {lost}"), live)
+            self._restart(child, live, lost)
+            self._retry(child, live, lost)
+            return
+        self._file_reply(live, reply)
+
+    def _retry(self, child: ChildProcess, live: list[Item], lost: WorkerLost) -> None:
+        """Items the child was working on when it was lost. After a failed probe the
+        whole batch goes to the fresh child; after a death or a hang, halves of the
+        batch, or one item again while it has tries left."""
+        if isinstance(lost, WorkerFailedProbe):
+            self._run(child, live, after=lost)
+            return
+        if len(live) > 1:
+            middle = half_of(len(live))
+            self._run(child, live[:middle])
+            self._run(child, live[middle:])
+            return
+        item = live[0]
+        item.attempts += 1
+        if item.attempts < MAX_ITEM_ATTEMPTS:
+            self._run(child, live)
+            return
+        fault = child.probe(self.timeout_s)
+        if fault is not None:
+            self._break(WorkerFault(f"{lost}, and a fresh worker failed its probe: {fault}"), live)
+        if lost.out_of_memory:  # on every try, alone, and a fresh child passes its probe
+            message = (
+                f"{lost}: killed by the kernel's OOM killer on each try with only this "
+                "input: it needs more memory than this host gives it"
+            )
+            item.error = ItemError(type(lost).__name__, message, self.name)
+        elif lost.preparing:
+            assert self.prepare is not None
+            message = f"{lost} while it prepared the item"
+            item.error = ItemError(type(lost).__name__, message, self.prepare.name, transient=True)
+        else:
+            item.error = ItemError(type(lost).__name__, str(lost), self.name)

@@ -1,0 +1,104 @@
+"""What crosses the pipe between a process stage's driver and its child: the plan a child
+is started with, requests, replies, and the probe's request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from worker.engine.items import PrepareStep, StageSetup
+
+ArenaMode = Literal["write", "read", "fan-out"] | None
+
+
+PROBE = "probe"  # the request that asks a child to run its stage's probe
+
+
+# The prepare step's probe: the latest values that passed it (from different requests);
+# it blames the worker only when at least two are known and all fail, so one input its
+# owner deleted since cannot.
+KNOWN_GOOD_VALUES = 3
+
+
+KNOWN_GOOD_REFRESH_S = 60.0  # a fan-out's known-good image is copied at most this often
+
+
+@dataclass(frozen=True)
+class ChildPlan:
+    """What a child process is told about its stage (pickled across)."""
+
+    stage: str
+    setup: StageSetup
+    mode: ArenaMode
+    prepare: PrepareStep | None
+    prepare_threads: int
+    max_parts: int
+    known_good: KnownGood  # what the stage's children handled well so far
+
+
+class Task(NamedTuple):
+    """One item of a request to a child."""
+
+    slot: int | None
+    value: Any
+    part_slots: tuple[int, ...]
+
+
+WireTask = tuple[int | None, Any, tuple[int, ...]]  # a `Task` as it crosses the pipe
+
+
+class Prepared(NamedTuple):
+    """A child's word that it has prepared a request and now runs it."""
+
+    duration_s: float
+
+
+class Reply(NamedTuple):
+    """A child's answer to one request."""
+
+    outcomes: list[Any]
+    events: list[dict[str, Any]]
+    fitting_batch_size: int | None  # after an out-of-memory error, the size that fitted
+    duration_s: float
+    fault: str | None  # every item failed, and so did the probe: why the probe failed
+    # Every item failed its prepare step, and nothing was prepared before to tell a
+    # worker's fault from the inputs' (their errors are made transient).
+    untold: bool = False
+
+
+@dataclass
+class KnownGood:
+    """Input a stage handled well: the probe of a step that has none of its own. The
+    latest values its prepare step prepared (a fetch probed by fetching them again), and
+    for a fan-out a copy of an image it cut into parts, with what it was told of it."""
+
+    unprepared: list[Any] = field(default_factory=list)  # the latest first
+    fan_out: tuple[torch.Tensor, Any] | None = None
+    fan_out_at: float = -math.inf  # monotonic
+
+    def remember(self, value: Any) -> None:
+        if value not in self.unprepared:
+            self.unprepared = [value, *self.unprepared][:KNOWN_GOOD_VALUES]
+
+    def fan_out_stale(self) -> bool:
+        return time.monotonic() - self.fan_out_at > KNOWN_GOOD_REFRESH_S
+
+    def cut(self, image: torch.Tensor, found: Any) -> None:
+        self.fan_out, self.fan_out_at = (image, found), time.monotonic()
+
+    def copy(self) -> KnownGood:
+        return replace(self, unprepared=list(self.unprepared))
+
+
+class Received(NamedTuple):
+    """A request as a child's reader took it: its items' preparations under way."""
+
+    request: Any
+    preparations: list[Future[Any]] | None
+    started: float
