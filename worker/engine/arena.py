@@ -9,13 +9,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import structlog
 import torch
 
 from worker.engine.channel import Channel
-
-log = structlog.get_logger()
-
 
 # Where torch puts shared tensors on Linux (shm_open).
 SHARED_MEMORY_DIR = Path("/dev/shm")
