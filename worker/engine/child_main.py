@@ -59,12 +59,12 @@ def child_main(
         conn.send(("setup_failed", traceback.format_exc()))
         return
     known_good = plan.known_good.copy()
-    probe = stage_fn.probe
-    if probe is None and plan.mode == "fan-out":
+    if stage_fn.probe is None and plan.mode == "fan-out":
         assert writes is not None
         probe = functools.partial(
             _fan_out_probe, stage_fn.run, known_good, writes.shape[1:], plan.max_parts
         )
+        stage_fn = replace(stage_fn, probe=probe)
     gatherer = BatchGatherer(reads) if plan.mode == "read" and reads is not None else None
     threads = ThreadPoolExecutor(plan.prepare_threads) if stage_fn.prepare else None
     requests: queue.SimpleQueue[Received] = queue.SimpleQueue()
@@ -90,7 +90,7 @@ def child_main(
             return
         values = None
         if request == PROBE:
-            answer: Any = _probe(probe)
+            answer: Any = _probe(stage_fn.probe)
         else:
             logs.events.clear()
             failed: dict[int, ItemError] = {}
@@ -104,7 +104,7 @@ def child_main(
                 if not send(Prepared(time.perf_counter() - started)):
                     return
             answer = _run_request(
-                replace(stage_fn, probe=probe),
+                stage_fn,
                 plan,
                 (reads, writes),
                 gatherer,
@@ -269,9 +269,8 @@ def _judged(
     two or more fail, all of them, the worker is at fault. With fewer to tell by (or a
     failure for now: throttled), nobody can tell: the errors are made transient, and
     `untold` when nothing was ever prepared."""
-    succeeded = [value for position, value in enumerate(unprepared) if position not in failed]
-    if succeeded:
-        known_good.remember(succeeded[0])
+    if len(failed) < len(unprepared):
+        known_good.remember(next(v for p, v in enumerate(unprepared) if p not in failed))
         return _Judged(failed, None, False)
     if not failed or any(error.transient for error in failed.values()):
         return _Judged(failed, None, False)

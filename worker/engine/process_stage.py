@@ -141,7 +141,6 @@ class ProcessStage(Stage):
         self._busy_s = 0.0  # the children's time on requests, all together
         self._oom_kills = host_oom_kills()
         self._known_good = KnownGood()
-        self._prepare_name = prepare.name if prepare else None
         # The jobs of the latest requests whose every item failed to prepare, untold.
         self._untold: set[str] = set()
         self._lock = threading.Lock()  # the above; drivers and the scaler share them
@@ -433,28 +432,32 @@ class ProcessStage(Stage):
 
     def _learn_from(self, live: list[Item], reply: Reply) -> None:
         """Keep an item the reply shows handled well as the stage's known good, before
-        its value is replaced by its outcome; and stop the stage once requests of more
-        than one job, in a row, failed their prepare step with nothing prepared before
+        its value is replaced by its outcome (`KnownGood`): for a prepare step, and for
+        a fan-out, which have no probe of their own."""
+        if self.prepare is not None:
+            self._learn_prepared(live, reply, self.prepare.name)
+        if self.mode == "fan-out" and self._known_good.fan_out_stale():
+            self._learn_cut(live, reply)
+
+    def _learn_prepared(self, live: list[Item], reply: Reply, step: str) -> None:
+        """Keep the first item that passed the prepare step; and stop the stage once
+        requests of several jobs in a row failed it with nothing ever prepared
         (credentials that never worked), rather than fail every job's items."""
-        outcomes = list(zip(live, reply.outcomes, strict=True))
-        prepared = [
-            item
-            for item, outcome in outcomes
-            if not (isinstance(outcome, ItemError) and outcome.stage == self._prepare_name)
-        ]
-        ran_well = [item for item, outcome in outcomes if not isinstance(outcome, ItemError)]
+        prepared = next(
+            (
+                item
+                for item, outcome in zip(live, reply.outcomes, strict=True)
+                if not (isinstance(outcome, ItemError) and outcome.stage == step)
+            ),
+            None,
+        )
         with self._lock:
-            if prepared and self.prepare is not None:
-                self._known_good.remember(prepared[0].value)
+            if prepared is not None:
+                self._known_good.remember(prepared.value)
                 self._untold.clear()
             if reply.untold:
                 self._untold |= {item.job for item in live}
             untold = frozenset(self._untold)
-        if self.mode == "fan-out" and ran_well and self._known_good.fan_out_stale():
-            assert self.reads is not None and ran_well[0].slot is not None
-            image = self.reads.tensor[ran_well[0].slot].clone()
-            with self._lock:
-                self._known_good.cut(image, ran_well[0].value)
         if len(untold) >= UNTOLD_JOBS_BEFORE_FAULT:
             fault = (
                 f"every input of requests of {len(untold)} jobs in a row failed to prepare, "
@@ -462,6 +465,23 @@ class ProcessStage(Stage):
             )
             self._observer.stage_broken(self.name, WorkerFault(fault), untold)
             raise Closed
+
+    def _learn_cut(self, live: list[Item], reply: Reply) -> None:
+        """Keep a copy of the first image the fan-out cut up, with what it was told."""
+        cut = next(
+            (
+                item
+                for item, outcome in zip(live, reply.outcomes, strict=True)
+                if not isinstance(outcome, ItemError)
+            ),
+            None,
+        )
+        if cut is None:
+            return
+        assert self.reads is not None and cut.slot is not None
+        image = self.reads.tensor[cut.slot].clone()
+        with self._lock:
+            self._known_good.cut(image, cut.value)
 
     def _oom_killed(self, died: WorkerDied) -> bool:
         """Whether the kernel's OOM killer killed the child: it died of SIGKILL, and the

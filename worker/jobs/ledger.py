@@ -362,7 +362,8 @@ class Ledger:
             self._inside[key] -= 1
             if self._inside[key] <= 0:
                 del self._inside[key]
-            self._changed.notify_all()
+            if self._suspects:  # only a suspect waits for the others' items to be back
+                self._changed.notify_all()
 
     def retry_item(self, job: Job, index: int, delay_s: float) -> None:
         """Feed a running job's item again after `delay_s`: its input could not be read
