@@ -30,7 +30,7 @@ def _cpu_s() -> float:
 def boto3_gets(endpoint: str, bucket: str, keys: list[str]) -> Callable[[], list[bytes]]:
     """The daemon's own adapter (`S3BlobStore`), on threads as a preprocessing process
     fetches a request."""
-    from worker.adapters.aws import S3BlobStore, s3_client
+    from worker.adapters.aws.s3 import S3BlobStore, s3_client
     from worker.ports import S3Location
 
     store = S3BlobStore(s3_client(FETCH_CONCURRENCY))

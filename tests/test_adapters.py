@@ -16,7 +16,8 @@ import pytest
 from moto import mock_aws
 
 from tests.conftest import Aws
-from worker.adapters.aws import S3BlobStore, SqsJobSource, _received
+from worker.adapters.aws.s3 import S3BlobStore
+from worker.adapters.aws.sqs import SqsJobSource, _received
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.ports import ABSENT, S3Location

@@ -19,15 +19,14 @@ from tests.fakeaws import FakeImds
 from tests.faultproxy import Fault, FaultProxy
 from tests.test_daemon import _images, _output, _send
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
-from worker.adapters import aws as aws_adapters
-from worker.adapters.aws import (
+from worker.adapters.aws.imds import (
     REBALANCE_RECOMMENDATION_PATH,
     SPOT_INSTANCE_ACTION_PATH,
     TARGET_LIFECYCLE_STATE_PATH,
     Imds,
     ImdsNotices,
-    PlatformUnavailable,
 )
+from worker.adapters.aws.platform import PlatformUnavailable, interruption_notices
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.daemon.interruptions import InterruptionWatch
@@ -141,13 +140,13 @@ def test_notices_that_cannot_work_are_refused_at_start(
     fake, url = imds
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
     monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", url)
-    assert isinstance(aws_adapters.interruption_notices("auto", None, None, 1), ImdsNotices)
+    assert isinstance(interruption_notices("auto", None, None, 1), ImdsNotices)
     del fake.paths["/latest/meta-data/instance-id"]
-    assert aws_adapters.interruption_notices("auto", None, None, 1) is None
+    assert interruption_notices("auto", None, None, 1) is None
     with pytest.raises(PlatformUnavailable, match="instance metadata"):
-        aws_adapters.interruption_notices("imds", None, None, 1)
+        interruption_notices("imds", None, None, 1)
     with pytest.raises(PlatformUnavailable, match="lifecycle-hook-name"):
-        aws_adapters.interruption_notices("auto", "drain-hook", None, 1)
+        interruption_notices("auto", "drain-hook", None, 1)
     with pytest.raises(ValueError, match="lifecycle_hook_name needs interruption_notices"):
         Settings(queue_url="q", lifecycle_hook_name="drain-hook", interruption_notices="off")
 

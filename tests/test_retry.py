@@ -14,10 +14,12 @@ from botocore.exceptions import FlexibleChecksumError, IncompleteReadError
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
-from worker.adapters import aws
+from worker.adapters.aws import calls
+from worker.adapters.aws.s3 import S3BlobStore
+from worker.adapters.aws.sqs import SqsJobSource
 from worker.engine import ItemError
 from worker.errors import AccessDenied, MissingObject, TransientError
-from worker.ports import S3Location
+from worker.ports import RENEWAL_FAILED, S3Location
 from worker.retry import Backoff, call_with_retries
 
 WHERE = S3Location("bkt", "a.jpg")
@@ -81,12 +83,12 @@ def _raise(error: Exception) -> Any:
 
 
 @pytest.fixture
-def s3() -> Iterator[tuple[aws.S3BlobStore, Stubber]]:
+def s3() -> Iterator[tuple[S3BlobStore, Stubber]]:
     client = boto3.session.Session(
         aws_access_key_id="t", aws_secret_access_key="t", region_name="us-east-1"
-    ).client("s3", config=aws._config())
+    ).client("s3", config=calls.client_config())
     with Stubber(client) as stubber:
-        yield aws.S3BlobStore(client, attempts=3), stubber
+        yield S3BlobStore(client, attempts=3), stubber
 
 
 def _error(stubber: Stubber, code: str, status: int) -> None:
@@ -98,10 +100,10 @@ def _body(data: bytes) -> StreamingBody:
 
 
 def test_throttling_is_retried_within_the_call(
-    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
+    s3: tuple[S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """503 SlowDown twice, then the object: the caller sees only the object."""
-    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    monkeypatch.setattr(calls, "call_with_retries", _without_sleeping(calls.call_with_retries))
     blobs, stubber = s3
     _error(stubber, "SlowDown", 503)
     _error(stubber, "InternalError", 500)
@@ -111,11 +113,11 @@ def test_throttling_is_retried_within_the_call(
 
 
 def test_a_throttled_call_that_never_succeeds_is_transient(
-    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
+    s3: tuple[S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once its budget is spent the error is a `TransientError`: the job is retried
     later, the input is not blamed."""
-    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    monkeypatch.setattr(calls, "call_with_retries", _without_sleeping(calls.call_with_retries))
     blobs, stubber = s3
     for _ in range(3):
         _error(stubber, "SlowDown", 503)
@@ -128,11 +130,11 @@ def test_a_throttled_call_that_never_succeeds_is_transient(
     [("InvalidAccessKeyId", 403), ("SignatureDoesNotMatch", 403), ("RequestTimeTooSkewed", 403)],
 )
 def test_the_workers_credentials_or_clock_are_not_the_inputs_fault(
-    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch, code: str, status: int
+    s3: tuple[S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch, code: str, status: int
 ) -> None:
     """A refusal that names the worker's credentials or clock, not the object, is
     transient: the job is retried later rather than its inputs failed."""
-    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    monkeypatch.setattr(calls, "call_with_retries", _without_sleeping(calls.call_with_retries))
     blobs, stubber = s3
     for _ in range(3):
         _error(stubber, code, status)
@@ -150,7 +152,7 @@ def test_the_workers_credentials_or_clock_are_not_the_inputs_fault(
     ],
 )
 def test_permanent_errors_are_raised_at_once_as_what_they_are(
-    s3: tuple[aws.S3BlobStore, Stubber], code: str, status: int, raised: type[Exception]
+    s3: tuple[S3BlobStore, Stubber], code: str, status: int, raised: type[Exception]
 ) -> None:
     """A missing or refused object is not retried: it is that input's error."""
     blobs, stubber = s3
@@ -162,11 +164,11 @@ def test_permanent_errors_are_raised_at_once_as_what_they_are(
 
 
 def test_a_short_read_of_the_body_is_retried(
-    s3: tuple[aws.S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
+    s3: tuple[S3BlobStore, Stubber], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A body cut short of its Content-Length is as transient as a failed request: the
     whole GET is tried again."""
-    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    monkeypatch.setattr(calls, "call_with_retries", _without_sleeping(calls.call_with_retries))
     blobs, stubber = s3
     stubber.add_response(
         "get_object", {"Body": StreamingBody(io.BytesIO(b"jp"), 4), "ContentLength": 4}
@@ -174,7 +176,7 @@ def test_a_short_read_of_the_body_is_retried(
     stubber.add_response("get_object", {"Body": _body(b"jpeg"), "ContentLength": 4})
     assert blobs.get(WHERE) == b"jpeg"
     assert isinstance(
-        aws.classify(IncompleteReadError(actual_bytes=2, expected_bytes=4)), TransientError
+        calls.classify(IncompleteReadError(actual_bytes=2, expected_bytes=4)), TransientError
     )
 
 
@@ -191,11 +193,11 @@ def test_every_chunk_of_a_renewal_is_tried_and_none_outlives_the_lease(
     """Fifteen leases, two calls: the first fails past its retries, and the second is
     still made; each lease of the first is reported failed, not raised. With no time
     left nothing is tried and every lease is reported failed at once."""
-    monkeypatch.setattr(aws, "call_with_retries", _without_sleeping(aws.call_with_retries))
+    monkeypatch.setattr(calls, "call_with_retries", _without_sleeping(calls.call_with_retries))
     client = boto3.session.Session(
         aws_access_key_id="t", aws_secret_access_key="t", region_name="us-east-1"
-    ).client("sqs", config=aws._config())
-    source = aws.SqsJobSource(client, "https://sqs.us-east-1.amazonaws.com/1/q", None, attempts=2)
+    ).client("sqs", config=calls.client_config())
+    source = SqsJobSource(client, "https://sqs.us-east-1.amazonaws.com/1/q", None, attempts=2)
     handles = [f"handle-{number}" for number in range(15)]
     with Stubber(client) as stubber:
         for _ in range(2):
@@ -212,11 +214,11 @@ def test_every_chunk_of_a_renewal_is_tried_and_none_outlives_the_lease(
         failures = source.extend(handles, 120, within_s=120)
         stubber.assert_no_pending_responses()
     assert failures == {
-        **dict.fromkeys(handles[:10], aws.RENEWAL_FAILED),
+        **dict.fromkeys(handles[:10], RENEWAL_FAILED),
         "handle-14": "ReceiptHandleIsInvalid",
     }
     with Stubber(client) as stubber:  # no response queued: a call would fail the test
-        assert source.extend(handles, 120, within_s=0) == dict.fromkeys(handles, aws.RENEWAL_FAILED)
+        assert source.extend(handles, 120, within_s=0) == dict.fromkeys(handles, RENEWAL_FAILED)
 
 
 def test_a_checksum_mismatch_and_a_full_host_memory_are_not_the_inputs_fault() -> None:
@@ -224,6 +226,6 @@ def test_a_checksum_mismatch_and_a_full_host_memory_are_not_the_inputs_fault() -
     MemoryError on one input is the host's memory, as a GPU out-of-memory is the
     device's: the input is fed again, never failed for it."""
     mismatch = FlexibleChecksumError(error_msg="Expected checksum x did not match y")
-    assert isinstance(aws.classify(mismatch), TransientError)
+    assert isinstance(calls.classify(mismatch), TransientError)
     assert ItemError.from_exception(MemoryError(), "preprocess").transient
     assert not ItemError.from_exception(ValueError("corrupt"), "preprocess").transient

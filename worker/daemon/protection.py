@@ -4,7 +4,7 @@ Protection is a lease on the machine, as visibility is a lease on a message: on 
 first job arrives, renewed while busy where it expires by itself (ECS), and off only
 after the pipeline has been empty for the idle grace, so a trickle of jobs does not flap
 the API. A failing call is logged and retried; it never stops the daemon. The guards
-that make the calls are adapters in `worker/adapters/aws.py`.
+that make the calls are adapters in `worker/adapters/aws/`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,240 @@
+"""S3: objects as a `BlobStore`, and reads from another process (`RemoteReader`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import boto3
+import structlog
+
+from worker.adapters.aws.calls import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Retrying, client_config
+from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
+from worker.ports import ABSENT, ObjectReader, RemoteReader, S3Location
+from worker.retry import CALL_BACKOFF, DEFAULT_AWS_MAX_ATTEMPTS
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef, ObjectIdentifierTypeDef
+
+log = structlog.get_logger()
+
+# A file bigger than this is uploaded in parts of this size (S3 takes 5 MiB to 5 GiB).
+MULTIPART_PART_BYTES = 64 * 2**20
+S3_MAX_KEYS_PER_DELETE = 1000
+STREAM_CHUNK_BYTES = 64 * 1024  # a streamed object's pieces (`chunks`)
+
+
+def s3_client(max_pool_connections: int) -> S3Client:
+    """An S3 client with room for `max_pool_connections` concurrent requests."""
+    return boto3.session.Session().client("s3", config=client_config(max_pool_connections))
+
+
+def _conditions(expect: str | None) -> dict[str, Any]:
+    """A write's condition: `ABSENT` if the object must not exist, else its ETag."""
+    if expect is None:
+        return {}
+    return {"IfNoneMatch": "*"} if expect == ABSENT else {"IfMatch": expect}
+
+
+class S3BlobStore(Retrying):
+    """Objects in S3."""
+
+    def __init__(
+        self,
+        client: S3Client,
+        attempts: int = DEFAULT_AWS_MAX_ATTEMPTS,
+        *,
+        client_from_environment: bool = False,
+        part_bytes: int = MULTIPART_PART_BYTES,
+    ):
+        super().__init__(attempts)
+        self._client = client
+        self._client_from_environment = client_from_environment
+        self._part_bytes = part_bytes
+
+    @classmethod
+    def from_environment(cls, connections: int, attempts: int) -> S3BlobStore:
+        """A store whose client follows boto3's usual configuration, as the client that
+        another process makes for itself will (`remote_reader`)."""
+        return cls(s3_client(connections), attempts, client_from_environment=True)
+
+    def remote_reader(self) -> RemoteReader | None:
+        """Reads with a client of the reading process's own, made from the environment as
+        this store's was; None for a store given some other client (a test's)."""
+        if not self._client_from_environment:
+            return None
+        attempts = self._attempts
+        backoffs_s = sum(CALL_BACKOFF.bound_s(retry) for retry in range(attempts - 1))
+        return RemoteReader(
+            functools.partial(open_s3_reader, attempts),
+            longest_s=attempts * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S) + backoffs_s,
+            imports=(__name__,),
+        )
+
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+        def read() -> bytes:
+            # Inside the retried call: a reset or a short read mid-body is as transient
+            # as a failed request (botocore checks the length read against the size
+            # S3 gave when the body is read whole).
+            body, size = self._opened(location, max_bytes)
+            with contextlib.closing(body):
+                if max_bytes is None or size is not None:
+                    return body.read()  # type: ignore[no-any-return]
+                data: bytes = body.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise ObjectTooLarge(None, max_bytes)
+            return data
+
+        return self._call(read)
+
+    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+        # The request is retried; a reset mid-body is the caller's (transient) error.
+        body, _ = self._call(lambda: self._opened(location, max_bytes))
+        with contextlib.closing(body):
+            read = 0
+            for chunk in body.iter_chunks(STREAM_CHUNK_BYTES):
+                read += len(chunk)
+                if read > max_bytes:
+                    raise ObjectTooLarge(None, max_bytes)
+                yield chunk
+
+    def _opened(self, location: S3Location, max_bytes: int | None) -> tuple[Any, int | None]:
+        """The object's body, unread, and its size if S3 gave it; `ObjectTooLarge` if
+        that is over `max_bytes` (the body's connection is closed, not drained)."""
+        reply = self._client.get_object(Bucket=location.bucket, Key=location.key)
+        body, size = reply["Body"], reply.get("ContentLength")
+        if max_bytes is not None and size is not None and size > max_bytes:
+            body.close()
+            raise ObjectTooLarge(size, max_bytes)
+        return body, size
+
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
+        def write() -> str:
+            reply = self._client.put_object(
+                Bucket=location.bucket,
+                Key=location.key,
+                Body=data,
+                ContentType=content_type,
+                **_conditions(expect),
+            )
+            return reply["ETag"]
+
+        ours = f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+        return self._written(location, expect, ours, write)
+
+    def put_file(
+        self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
+    ) -> str:
+        """`put` of a local file: one that fits in a part is one write; a bigger one is a
+        multipart upload, read a part at a time, which appears (on `expect`'s condition)
+        only when it is completed, and is aborted if it is not."""
+        if path.stat().st_size <= self._part_bytes:
+            return self.put(location, path.read_bytes(), content_type, expect=expect)
+        bucket, key = location.bucket, location.key
+        upload = self._call(
+            lambda: self._client.create_multipart_upload(
+                Bucket=bucket, Key=key, ContentType=content_type
+            )
+        )
+        upload_id = upload["UploadId"]
+        try:
+            parts: list[CompletedPartTypeDef] = []
+            digests = []
+            with path.open("rb") as file:
+                while chunk := file.read(self._part_bytes):
+                    part = functools.partial(
+                        self._client.upload_part,
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=len(parts) + 1,
+                        Body=chunk,
+                    )
+                    parts.append({"PartNumber": len(parts) + 1, "ETag": self._call(part)["ETag"]})
+                    digests.append(hashlib.md5(chunk, usedforsecurity=False).digest())
+
+            def complete() -> str:
+                reply = self._client.complete_multipart_upload(
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **_conditions(expect),
+                )
+                return reply["ETag"]
+
+            joined = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
+            return self._written(location, expect, f'"{joined}-{len(parts)}"', complete)
+        except BaseException:
+            try:
+                self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception as error:  # the bucket's lifecycle rule cleans up after it
+                log.warning("multipart_abort_failed", location=str(location), error=repr(error))
+            raise
+
+    def _written(
+        self, location: S3Location, expect: str | None, ours: str, write: Callable[[], str]
+    ) -> str:
+        """The new ETag that `write` (on `expect`'s condition) returns."""
+        try:
+            return self._call(write)
+        except MissingObject as missing:
+            if expect is None:
+                raise
+            raise PreconditionFailed(f"{location} was removed: {missing}") from missing
+        except PreconditionFailed:
+            # A try whose answer was lost (a timeout, a reset) may have written it: then
+            # the retry fails its condition against our own write. Same bytes, no fence.
+            if self._etag(location) != ours:
+                raise
+            return ours
+
+    def _etag(self, location: S3Location) -> str | None:
+        try:
+            reply = self._call(
+                lambda: self._client.head_object(Bucket=location.bucket, Key=location.key)
+            )
+        except MissingObject:
+            return None
+        return reply["ETag"]
+
+    def objects_under(self, prefix: S3Location) -> dict[str, str]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=prefix.bucket, Prefix=prefix.key, Delimiter="/"
+        )
+        listed: dict[str, str] = {}
+        for page in self._call(lambda: tuple(pages)):
+            for entry in page.get("Contents", []):
+                listed[entry["Key"][len(prefix.key) :]] = entry["ETag"]
+        return listed
+
+    def delete(self, locations: list[S3Location]) -> None:
+        for bucket in {location.bucket for location in locations}:
+            keys: list[ObjectIdentifierTypeDef] = [
+                {"Key": loc.key} for loc in locations if loc.bucket == bucket
+            ]
+            for start in range(0, len(keys), S3_MAX_KEYS_PER_DELETE):
+                chunk = keys[start : start + S3_MAX_KEYS_PER_DELETE]
+                reply = self._call(
+                    functools.partial(
+                        self._client.delete_objects,
+                        Bucket=bucket,
+                        Delete={"Objects": chunk, "Quiet": True},
+                    )
+                )
+                if reply.get("Errors"):
+                    failed = reply["Errors"][0]
+                    raise RuntimeError(f"{len(reply['Errors'])} not deleted, first: {failed}")
+
+
+def open_s3_reader(attempts: int, connections: int) -> ObjectReader:
+    """`S3BlobStore.get` with a client of this process's own, for `connections` reads at
+    once (`RemoteReader.open`)."""
+    return S3BlobStore(s3_client(connections), attempts).get
