@@ -62,7 +62,9 @@ from stages.synthetic import LABELS, draw_shape
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.demo import read_output
 from worker.jobs.joblog import configure_daemon_logging
-from worker.plugins import decode_or_defer, inference_setup, load_device_decoder, load_preprocessor
+from worker.plugins.device_decoding import decode_or_defer
+from worker.plugins.loading import load_device_decoder, load_preprocessor
+from worker.plugins.setups import inference_setup
 
 PHOTO_SIZE = (500, 375)
 PHOTOS = 64  # distinct photos, reused under many keys

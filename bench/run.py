@@ -44,12 +44,8 @@ from worker.daemon import Daemon
 from worker.demo import LOCAL_AWS_ENV, Stack, create_stack, local_moto_server, upload_samples
 from worker.engine import BatchGatherer, TensorArena
 from worker.jobs.joblog import configure_daemon_logging
-from worker.plugins import (
-    inference_devices,
-    inference_setup,
-    load_preprocessor,
-    resolve_device,
-)
+from worker.plugins.loading import inference_devices, load_preprocessor, resolve_device
+from worker.plugins.setups import inference_setup
 from worker.ports import ObjectReader, ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
 from worker.telemetry.timeline import Timeline

@@ -22,7 +22,7 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.jobs import arrays, results
 from worker.jobs.arrays import ArrayFiles, ArraySpool
-from worker.plugins import encoded_fields
+from worker.plugins.encoding import encoded_fields
 from worker.ports import S3Location
 from worker.retry import Backoff
 from worker.settings import Settings

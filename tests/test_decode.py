@@ -26,15 +26,10 @@ from stages.synthetic import LABELS, samples
 from tests.conftest import also_on_gpu
 from tests.faults import StandInDeviceDecoder, broken_scan, reencoded, standin_device_decoder
 from worker.engine import ItemError
-from worker.plugins import (
-    PluginError,
-    Undecoded,
-    decode_or_defer,
-    decodes_on_device,
-    inference_setup,
-    load_device_decoder,
-    preprocess_setup,
-)
+from worker.plugins import PluginError, Undecoded
+from worker.plugins.device_decoding import decode_or_defer, decodes_on_device
+from worker.plugins.loading import load_device_decoder
+from worker.plugins.setups import inference_setup, preprocess_setup
 
 SHAPE = default_preprocessor.output_shape
 STANDIN = "tests.faults:standin_device_decoder"

@@ -20,16 +20,11 @@ from stages.synthetic import LABELS, samples
 from tests.conftest import also_on_gpu
 from tests.stagefns import SizeRecorder
 from worker.engine import ItemError, bisection_sizes
-from worker.plugins import (
-    PluginError,
-    encoded_fields,
-    identify,
-    inference_setup,
-    load_model,
-    load_postprocessor,
-    load_preprocessor,
-    preprocess_setup,
-)
+from worker.plugins import PluginError
+from worker.plugins.encoding import encoded_fields
+from worker.plugins.identity import identify
+from worker.plugins.loading import load_model, load_postprocessor, load_preprocessor
+from worker.plugins.setups import inference_setup, preprocess_setup
 
 SHAPE = default_preprocessor.output_shape
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from tests.conftest import REPO
 from worker.cli import build_parser
-from worker.plugins import inference_devices
+from worker.plugins.loading import inference_devices
 from worker.settings import Settings, settings_from_flags
 
 

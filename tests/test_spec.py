@@ -8,7 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from tests.conftest import REPO
-from worker.plugins import ModelIdentity, PluginError, load_fan_out, pipeline_identity
+from worker.plugins import PluginError
+from worker.plugins.identity import ModelIdentity, pipeline_identity
+from worker.plugins.loading import load_fan_out
 from worker.plugins.spec import FanOutStep, ModelStep, PipelineSpec
 from worker.settings import Settings
 

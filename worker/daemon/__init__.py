@@ -57,21 +57,17 @@ from worker.jobs.ledger import Ledger
 from worker.jobs.outcomes import Lifecycle, Outcomes
 from worker.jobs.reporting import JobObserver, ProgressReporter
 from worker.jobs.results import Finisher, Regrouper
-from worker.plugins import (
-    ModelIdentity,
-    PluginError,
-    chain_postprocess_fault,
-    decodes_on_device,
-    fan_out_setup,
+from worker.plugins import PluginError, on_payload
+from worker.plugins.device_decoding import decodes_on_device
+from worker.plugins.encoding import chain_postprocess_fault
+from worker.plugins.identity import ModelIdentity, pipeline_identity
+from worker.plugins.loading import (
     inference_devices,
-    inference_setup,
     load_fan_out,
     load_postprocessor,
     load_preprocessor,
-    on_payload,
-    pipeline_identity,
-    preprocess_setup,
 )
+from worker.plugins.setups import fan_out_setup, inference_setup, preprocess_setup
 from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
 from worker.ports import (
     BlobStore,

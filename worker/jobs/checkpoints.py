@@ -38,7 +38,7 @@ from worker.jobs.message import JobMessage
 from worker.ports import BlobStore
 
 if TYPE_CHECKING:
-    from worker.plugins import ModelIdentity
+    from worker.plugins.identity import ModelIdentity
 
 log = structlog.get_logger()
 

@@ -26,7 +26,7 @@ from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.ledger import Job, JobState, Ledger
 from worker.jobs.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.jobs.outcomes import Lifecycle
-from worker.plugins import ModelIdentity
+from worker.plugins.identity import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,
     SQS_MAX_MESSAGES_PER_RECEIVE,

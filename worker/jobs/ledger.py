@@ -51,7 +51,7 @@ from worker.jobs.message import JobMessage
 from worker.ports import ReceivedMessage
 
 if TYPE_CHECKING:
-    from worker.plugins import ModelIdentity
+    from worker.plugins.identity import ModelIdentity
 
 
 class JobState(StrEnum):

@@ -19,13 +19,8 @@ from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.ledger import Job, JobState, Result
 from worker.jobs.outcomes import Lifecycle
-from worker.plugins import (
-    POSTPROCESS_STAGE,
-    Postprocessor,
-    chain_postprocess_fault,
-    encode_json,
-    postprocessed,
-)
+from worker.plugins import POSTPROCESS_STAGE, Postprocessor
+from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
 

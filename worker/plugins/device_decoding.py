@@ -1,0 +1,148 @@
+"""Decoding inputs on the model's device (`--decode gpu`): whether to, deferring the
+inputs in the preprocessing processes, and decoding them in the model's process."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from worker.engine import ItemError, isolate_failures
+from worker.plugins import PREPROCESS_STAGE, DecodesOnDevice, PluginError, Undecoded
+from worker.plugins.loading import load_device_decoder, load_preprocessor, no_device_decoding
+from worker.plugins.spec import DecodePlacement
+
+log = structlog.get_logger()
+
+
+def decodes_on_device(
+    placement: DecodePlacement, preprocess: str, devices: Sequence[str], chained: bool
+) -> tuple[bool, str]:
+    """Whether inputs are decoded on the model's device (`--decode`), and why. `gpu`
+    insists, and a pipeline that cannot (a preprocessor without device decoding, no
+    torchvision, a chain whose fan-out reads the decoded image from shared memory) is
+    refused at start; `auto` decodes on the device when every one is a GPU and nothing
+    stands in the way, on the CPU otherwise, and says which."""
+    if placement == "cpu":
+        return False, "--decode cpu"
+    if placement == "auto" and not all(device.startswith("cuda") for device in devices):
+        return False, "the model does not run on a GPU"
+    obstacle = _device_decoding_obstacle(preprocess, chained)
+    if placement == "gpu":
+        if obstacle is not None:
+            raise PluginError(f"--decode gpu: {obstacle}; use --decode cpu or auto")
+        return True, "--decode gpu"
+    return obstacle is None, obstacle or "every model device is a GPU"
+
+
+def _device_decoding_obstacle(preprocess: str, chained: bool) -> str | None:
+    """Why inputs cannot be decoded on the model's device, or None."""
+    if chained:
+        return "a chain's fan-out reads each decoded image from shared memory"
+    preprocessor = load_preprocessor(preprocess)
+    if not isinstance(preprocessor, DecodesOnDevice):
+        return no_device_decoding(preprocess)
+    return preprocessor.device_decoding_unavailable()
+
+
+def decode_or_defer(preprocessor: DecodesOnDevice, data: bytes, out: torch.Tensor) -> Any:
+    """Decode `data` into `out`; or, if the device decodes it and it fits, copy its bytes
+    there for the model's process (`Undecoded`). A larger file is decoded here: the
+    slot, the size of one decoded input, is all the room an input has on its way."""
+    slot = out.view(-1)
+    if len(data) <= slot.numel() and preprocessor.device_decodable(data):
+        slot.numpy()[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return Undecoded(len(data))
+    return preprocessor(data, out)
+
+
+def decode_undecoded(
+    preprocessor: DecodesOnDevice,
+    device: torch.device,
+    batch: torch.Tensor,
+    values: Sequence[Any],
+    on_device: torch.Tensor,
+) -> dict[int, ItemError]:
+    """Decode the rows of `batch` whose slots hold undecoded bytes into `on_device`,
+    together on the device. A call that raises is bisected down to the inputs it fails
+    on; those are decoded on the CPU here, by the same preprocessor; an input neither
+    can decode is that item's error, as if it had failed in the preprocessing process,
+    and its row is zeroed (the model's probe input) so the batch's others still run.
+    Returns those errors by position."""
+    undecoded = [
+        (position, batch[position].view(-1)[: value[0].length])
+        for position, value in enumerate(values)
+        if isinstance(value, tuple) and isinstance(value[0], Undecoded)
+    ]
+    if not undecoded:
+        return {}
+    encoded = [data for _, data in undecoded]
+    images = isolate_failures(
+        lambda chosen: _decoded_on_device(preprocessor, [encoded[c] for c in chosen], device),
+        len(encoded),
+        PREPROCESS_STAGE,
+    )
+    failed = {}
+    rejected = 0
+    for (position, data), on_gpu in zip(undecoded, images, strict=True):
+        image = on_gpu
+        if isinstance(on_gpu, ItemError):
+            rejected += 1
+            image = _decoded_on_cpu(preprocessor, data)
+        if isinstance(image, ItemError):
+            failed[position] = image
+            on_device[position].zero_()
+        else:
+            on_device[position].copy_(image)
+    if rejected:
+        log.warning("decoded_on_cpu", inputs=rejected, of=len(undecoded))
+    return failed
+
+
+def _decoded_on_device(
+    preprocessor: DecodesOnDevice, encoded: list[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """`decode_on_device`, refusing an image of another shape than the preprocessor's
+    (it would be broadcast into the batch's row, not fail)."""
+    images = preprocessor.decode_on_device(encoded, device)
+    shape = tuple(preprocessor.output_shape)
+    misfits = [tuple(image.shape) for image in images if tuple(image.shape) != shape]
+    if misfits:
+        raise ValueError(f"decode_on_device made images of {misfits[0]}, not {shape}")
+    return images
+
+
+def _decoded_on_cpu(preprocessor: DecodesOnDevice, data: torch.Tensor) -> torch.Tensor | ItemError:
+    scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
+    try:
+        preprocessor(data.numpy().tobytes(), scratch)
+    except Exception as error:
+        return ItemError.from_exception(error, PREPROCESS_STAGE)
+    return scratch
+
+
+def device_decoder(
+    reference: str, device: torch.device
+) -> Callable[[torch.Tensor, Sequence[Any], torch.Tensor], dict[int, ItemError]]:
+    """`decode_undecoded` with the preprocessor named, once it has decoded its samples
+    on the device: a decoder that cannot (no nvJPEG, a broken binding) stops the start
+    rather than sending every input to the CPU fallback unseen."""
+    preprocessor = load_device_decoder(reference)
+    samples = [
+        torch.frombuffer(bytearray(sample), dtype=torch.uint8)
+        for sample in getattr(preprocessor, "samples", ())
+        if preprocessor.device_decodable(sample)
+    ]
+    try:
+        if samples:
+            _decoded_on_device(preprocessor, samples, device)
+    except Exception as error:
+        raise PluginError(
+            f"{reference} cannot decode its own samples on {device} ({type(error).__name__}: "
+            f"{error}); use --decode cpu"
+        ) from error
+    return functools.partial(decode_undecoded, preprocessor, device)
