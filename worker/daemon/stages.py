@@ -1,0 +1,201 @@
+"""The pipeline's shape: which stages, in which order, on which processes and arenas.
+
+The one place that knows it. A new stage is a `ThreadStage` or `ProcessStage` added to
+`build_pipeline`'s list, with its set-up function (run once in each of its processes) in
+`worker.plugins.setups` if it loads the user's code; the engine runs whatever list it is
+given, and the jobs' loops see only the pipeline's ends.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from worker.engine import (
+    PIPELINED_BATCHES,
+    PIPELINED_PREPARING,
+    Pipeline,
+    PrepareStep,
+    ProcessStage,
+    StageObserver,
+    TensorArena,
+    ThreadStage,
+    bisection_sizes,
+)
+from worker.plugins import on_payload
+from worker.plugins.device_decoding import decodes_on_device
+from worker.plugins.loading import inference_devices, load_fan_out, load_preprocessor
+from worker.plugins.setups import fan_out_setup, inference_setup, preprocess_setup
+from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
+from worker.ports import BlobStore, ObjectReader, RemoteReader, S3Location
+from worker.settings import Settings
+
+log = structlog.get_logger()
+
+
+def build_pipeline(
+    spec: PipelineSpec, settings: Settings, blobs: BlobStore, observer: StageObserver
+) -> Pipeline:
+    """fetch and preprocess (processes) -> a model (a process per device), or a model ->
+    a fan-out (processes) -> a model; fetch on threads here where the store cannot be
+    read from another process."""
+    decode_ceiling = settings.preprocess_workers_ceiling
+    images = load_preprocessor(spec.preprocess).output_shape
+    first, *rest = spec.models
+    names = spec.model_stage_names()
+    fan_out = spec.fan_out
+    # Enough decoded images, for each process of the model that reads them, for the
+    # batch being inferred and the next two being assembled, and two in the hands of
+    # each worker that writes or (a fan-out) still reads them; and for the inputs that
+    # the floor's preprocessing processes fetch ahead, several requests each.
+    image_arena = TensorArena(
+        images,
+        3 * first.batch_size * len(_devices(first, settings))
+        + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0))
+        + PIPELINED_PREPARING * settings.fetch_concurrency,
+    )
+    reader = _remote_reader(settings, blobs)
+    log.info("inputs_fetched_in", where="preprocess" if reader else "threads")
+    on_device, why = decodes_on_device(
+        settings.decode, spec.preprocess, _devices(first, settings), chained=bool(fan_out)
+    )
+    log.info("inputs_decoded_in", where="inference" if on_device else "preprocess", why=why)
+    per_process = settings.fetched_per_process
+    max_input_bytes = settings.max_input_bytes
+    stages: list[ThreadStage | ProcessStage] = []
+    if reader is None:
+        fetch = on_payload(lambda uri: blobs.get(S3Location.parse(uri), max_input_bytes))
+        stages.append(
+            ThreadStage(
+                "fetch",
+                lambda values: [fetch(value) for value in values],
+                workers=settings.fetch_concurrency,
+            )
+        )
+    stages += [
+        ProcessStage(
+            "preprocess",
+            functools.partial(
+                preprocess_setup,
+                spec.preprocess,
+                functools.partial(open_fetch, reader.open, per_process, max_input_bytes)
+                if reader
+                else None,
+                defer_to_device=on_device,
+            ),
+            workers=settings.preprocess_workers,
+            max_workers=decode_ceiling,
+            batch_size=per_process,
+            timeout_s=settings.preprocess_timeout_seconds,
+            setup_timeout_s=settings.setup_timeout_seconds,
+            writes=image_arena,
+            prepare=PrepareStep("fetch", reader.longest_s) if reader else None,
+            imports=reader.imports if reader else (),
+        ),
+        _model_stage(
+            names[0],
+            first,
+            settings,
+            images,
+            image_arena,
+            keeps_slots=bool(fan_out),
+            postprocess=None if fan_out else spec.postprocess,
+            decoder=spec.preprocess if on_device else None,
+        ),
+    ]
+    if fan_out:
+        (second,) = rest
+        parts = load_fan_out(fan_out.fan_out).output_shape
+        part_arena = TensorArena(
+            parts,
+            3 * second.batch_size * len(_devices(second, settings))
+            + PIPELINED_BATCHES * fan_out.workers * fan_out.max_parts,
+        )
+        stages += [
+            ProcessStage(
+                FAN_OUT_STAGE,
+                functools.partial(fan_out_setup, fan_out.fan_out),
+                workers=fan_out.workers,
+                timeout_s=settings.preprocess_timeout_seconds,
+                setup_timeout_s=settings.setup_timeout_seconds,
+                reads=image_arena,
+                writes=part_arena,
+                max_parts=fan_out.max_parts,
+            ),
+            _model_stage(names[1], second, settings, parts, part_arena),
+        ]
+    return Pipeline(stages, observer=observer)
+
+
+def _remote_reader(settings: Settings, blobs: BlobStore) -> RemoteReader | None:
+    """How the preprocessing processes read inputs (`Settings.fetch_in`), or None if
+    they are fetched on threads here."""
+    if settings.fetch_in == "threads":
+        return None
+    reader = blobs.remote_reader()
+    if reader is None and settings.fetch_in == "preprocess":
+        raise ValueError(
+            "fetch_in=preprocess: this blob store lives only in this process, so the "
+            "preprocessing processes cannot read it; use fetch_in=threads (or auto)"
+        )
+    return reader
+
+
+def open_fetch(
+    open_reader: Callable[[int], ObjectReader], connections: int, max_bytes: int
+) -> Callable[[str], bytes]:
+    """A preprocessing process's fetcher of an input's bytes by its URI, with a reader
+    of its own for `connections` reads at once; an input over `max_bytes` is not read."""
+    get = open_reader(connections)
+    return lambda uri: get(S3Location.parse(uri), max_bytes)
+
+
+def _model_stage(
+    name: str,
+    step: ModelStep,
+    settings: Settings,
+    item_shape: Sequence[int],
+    arena: TensorArena,
+    *,
+    keeps_slots: bool = False,
+    postprocess: str | None = None,
+    decoder: str | None = None,
+) -> ProcessStage:
+    """One model's stage: a process per device, each loading and warming up the model
+    (and the postprocessor, if the model's outputs are the results; and the
+    preprocessor, if it decodes inputs on the device)."""
+    return ProcessStage(
+        name,
+        [
+            functools.partial(
+                inference_setup,
+                step.model,
+                device,
+                tuple(item_shape),
+                batch_size=step.batch_size,
+                precision=step.precision or settings.precision,
+                channels_last=settings.channels_last
+                if step.channels_last is None
+                else step.channels_last,
+                model_name=step.name,
+                model_version=step.version,
+                postprocess=postprocess,
+                decoder=decoder,
+            )
+            for device in _devices(step, settings)
+        ],
+        batch_size=step.batch_size,
+        max_batch_wait_ms=settings.max_batch_wait_ms,
+        timeout_s=settings.inference_timeout_seconds,
+        # The warm-up runs a batch at each size bisection falls back to.
+        setup_timeout_s=settings.setup_timeout_seconds
+        + len(bisection_sizes(step.batch_size)) * settings.inference_timeout_seconds,
+        reads=arena,
+        keeps_slots=keeps_slots,
+    )
+
+
+def _devices(step: ModelStep, settings: Settings) -> list[str]:
+    return inference_devices(step.device or settings.device)

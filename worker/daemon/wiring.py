@@ -1,0 +1,311 @@
+"""The daemon: wires the job lifecycle's units together, runs them, and stops them.
+
+    intake         receive (when there is room) -> lease in the ledger -> admit or settle
+    feeder         held jobs' items, in turn -> pipeline
+    pipeline       fetch and preprocess (processes) -> inference (one per device), or a
+                   chain: -> inference-1 -> fan-out (processes) -> inference-2
+    regrouper      each result -> its job in the ledger -> complete? -> finisher
+    finisher       results.jsonl, job.log, job.json (last) -> ack
+    lease keeper   renews every held message's lease while work progresses
+    progress       each in-flight job's progress.json and local log file; cancellations
+    checkpointer   each running job's finished results, in parts, for a later delivery
+    protection     scale-in protection on while jobs are held
+    interruptions  spot, scale-in and rebalance notices from instance metadata
+    watchdog       a daemon that holds work and moves none of it is broken
+
+Every loop runs under one `Supervisor`; the main thread starts them, waits for a reason
+to stop (a signal, an interruption notice, a drained queue, a broken worker) and shuts
+down within a hard deadline. What happens to a job when something fails is the table in
+docs/DESIGN.md ("Job lifecycle"), one method per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import structlog
+
+from worker import __version__
+from worker.daemon.host import Breakages, take_out_of_service
+from worker.daemon.interruptions import InterruptionWatch
+from worker.daemon.protection import ProtectionKeeper
+from worker.daemon.shutdown import ExitCode, Shutdown
+from worker.daemon.stages import build_pipeline
+from worker.daemon.supervisor import Supervisor
+from worker.jobs.arrays import ARRAYS_DIR, ArraySpool
+from worker.jobs.checkpoints import Checkpointer, Checkpoints
+from worker.jobs.intake import Feeder, Intake
+from worker.jobs.leases import LeaseKeeper
+from worker.jobs.ledger import Ledger
+from worker.jobs.outcomes import Lifecycle, Outcomes
+from worker.jobs.reporting import JobObserver, ProgressReporter
+from worker.jobs.results import Finisher, Regrouper
+from worker.plugins import PluginError
+from worker.plugins.encoding import chain_postprocess_fault
+from worker.plugins.identity import ModelIdentity, pipeline_identity
+from worker.plugins.loading import load_postprocessor
+from worker.ports import BlobStore, JobSource, NoticeSource, ScaleInGuard
+from worker.settings import Settings
+from worker.telemetry.metrics import Metrics, serving
+from worker.telemetry.progress import Progress
+from worker.telemetry.timeline import Timeline, TimelineWriter
+
+log = structlog.get_logger()
+
+# A live daemon's timeline: how often it is written, and how many stage calls it keeps
+# (about 100 bytes each).
+TIMELINE_EVERY_S = 60.0
+TIMELINE_KEEP = 100_000
+# A healthy daemon moves something at least every batch, or replaces a hung worker.
+STALL_MARGIN_S = 60.0
+WATCHDOG_INTERVAL_S = 5.0
+
+
+class Daemon:
+    """One worker daemon: a job source, a blob store and a pipeline built from settings."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        source: JobSource,
+        blobs: BlobStore,
+        *,
+        guard: ScaleInGuard | None = None,
+        notices: NoticeSource | None = None,
+        notify: Sequence[Callable[[str], None]] = (),
+        timeline: Timeline | None = None,
+    ):
+        self._settings = settings
+        self.shutdown_tail_s = settings.shutdown_tail_s()
+        settings.log_dir.mkdir(parents=True, exist_ok=True)
+        self._ledger = ledger = Ledger()
+        self._metrics = metrics = Metrics()
+        stall_after_s = (
+            max(settings.inference_timeout_seconds, settings.preprocess_timeout_seconds)
+            + settings.receive_wait_seconds
+            + STALL_MARGIN_S
+        )
+        progress = Progress(stall_after_s)
+        checkpoints = Checkpoints(blobs, ledger)
+        self._outcomes = Outcomes(
+            ledger,
+            source,
+            metrics,
+            progress,
+            retry_delay_s=settings.retry_delay_seconds,
+            checkpoints=checkpoints,
+            lease_s=settings.visibility_timeout_seconds,
+        )
+        lifecycle = Lifecycle(ledger, self._outcomes, metrics, progress)
+        self._shutdown = shutdown = Shutdown(
+            ledger, metrics, settings.grace_seconds, settings.interruption_margin_seconds
+        )
+        self._timeline_writer = None
+        if settings.timeline_dir:
+            timeline = timeline or Timeline(keep=TIMELINE_KEEP)
+            self._timeline_writer = TimelineWriter(
+                timeline, settings.timeline_dir, TIMELINE_EVERY_S
+            )
+        self._spec = spec = settings.pipeline_spec()
+        observer = JobObserver(
+            ledger,
+            metrics,
+            progress,
+            timeline,
+            shutdown.broken,
+            batching_stages=spec.model_stage_names(),
+        )
+        self._pipeline = build_pipeline(spec, settings, blobs, observer)
+        worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
+        self._finisher = finisher = Finisher(
+            blobs, checkpoints, lifecycle, worker_info, notify, capacity=settings.max_jobs
+        )
+        self._checkpointer = Checkpointer(
+            ledger, checkpoints, settings.checkpoint_items, settings.checkpoint_seconds
+        )
+        self._leases = LeaseKeeper(
+            ledger,
+            source,
+            settings.visibility_timeout_seconds,
+            settings.heartbeat_interval_seconds,
+            max_lease_s=settings.max_lease_seconds,
+            on_ceiling=self._outcomes.lease_ceiling_reached,
+            progress=progress,
+            on_renewed=metrics.leases_renewed,
+        )
+        self._reporter = ProgressReporter(
+            ledger,
+            blobs,
+            checkpoints,
+            settings.progress_interval_seconds,
+            cancel=finisher.cancel,
+            superseded=self._outcomes.superseded,
+        )
+        self._protection = (
+            ProtectionKeeper(ledger, guard, settings.idle_grace_seconds, metrics.protection_called)
+            if guard
+            else None
+        )
+        self._interruptions = (
+            InterruptionWatch(notices, settings.notice_poll_seconds, shutdown.interrupted)
+            if notices
+            else None
+        )
+        self._arrays = ArraySpool(settings.log_dir / ARRAYS_DIR)
+        self._guard = guard
+        self._breakages = Breakages(settings.log_dir, settings.host_breakages_limit)
+        # Loaded here too so that a wrong reference stops the daemon before it starts.
+        # A single model's postprocessor runs in its process; a chain's parts come
+        # together only here, so its postprocessor runs here.
+        postprocess = load_postprocessor(spec.postprocess)
+        fault = chain_postprocess_fault(postprocess) if spec.fan_out else None
+        if fault is not None:
+            raise PluginError(
+                f"{spec.postprocess} fails on an input with no parts and no params ({fault}); "
+                "the daemon runs that whenever it fails an input, to tell a broken worker "
+                "from bad inputs"
+            )
+        self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
+        intake = Intake(
+            settings,
+            source,
+            blobs,
+            lifecycle,
+            shutdown.stopping,
+            model=self._model,
+            checkpoints=checkpoints,
+            finish=finisher.submit,
+            on_drained=shutdown.drained,
+            arrays=self._arrays,
+        )
+        self._units: dict[str, Callable[[], object]] = {
+            "intake": intake.run,
+            "feeder": Feeder(ledger, self._pipeline).run,
+            "regrouper": Regrouper(
+                self._pipeline,
+                lifecycle,
+                finisher,
+                postprocess if spec.fan_out else None,
+                shutdown.broken,
+            ).run,
+            **{f"finisher-{n}": finisher.run for n in range(settings.fetch_concurrency)},
+            "lease-keeper": self._leases.run,
+            "progress": self._reporter.run,
+            "checkpointer": self._checkpointer.run,
+        }
+        if self._protection:
+            self._units["protection"] = self._protection.run
+        if self._interruptions:
+            self._units["interruptions"] = self._interruptions.run
+        if self._timeline_writer:
+            self._units["timeline"] = self._timeline_writer.run
+        self._supervisor = Supervisor(
+            shutdown.broken, progress, lambda: len(ledger) > 0, shutdown.requested
+        )
+        metrics.follow(
+            jobs_held=lambda: len(ledger),
+            queue_depths=self._pipeline.queue_depths,
+            worker_counts=self._pipeline.worker_counts,
+        )
+
+    def run(self) -> ExitCode:
+        """Serve until drained (with `drain`), signalled, interrupted or broken; then
+        shut down within `shutdown_tail_s` more than the time held jobs are given."""
+        log.info("daemon_starting", settings=self._settings.model_dump(mode="json"))
+        if self._breakages.too_many():  # restarted on a host that is to be replaced
+            take_out_of_service(self._breakages, self._guard, self._metrics)
+            return ExitCode.BROKEN
+        with contextlib.ExitStack() as running:
+            running.enter_context(self._shutdown.signal_handlers())
+            if self._settings.metrics_port:
+                running.enter_context(
+                    serving(self._settings.metrics_port, self._metrics, self.health_problem)
+                )
+            self._arrays.open()
+            running.callback(self._arrays.close)
+            self._pipeline.start()
+            self._model_ready()
+            if self._interruptions:  # a restarted daemon takes no work on a doomed machine
+                self._interruptions.check()
+            for name, unit in self._units.items():
+                self._supervisor.spawn(name, unit)
+            self._supervisor.start_watching(WATCHDOG_INTERVAL_S)
+            log.info("daemon_started")
+            reason = self._shutdown.wait()
+            self._shutdown.let_held_jobs_finish()
+            self._close_within_tail()
+        if self._shutdown.broken_cause is not None:
+            self._breakages.note(self._shutdown.broken_cause)
+            if self._breakages.too_many():
+                take_out_of_service(self._breakages, self._guard, self._metrics)
+        log.info("daemon_stopped", reason=reason.value, exit_code=reason.code)
+        return reason
+
+    def health_problem(self) -> str | None:
+        """Why the daemon is not serving (starting, broken, a stage down, stalled), or None."""
+        if self._shutdown.broken_cause is not None:
+            return f"broken: {self._shutdown.broken_cause}"
+        if not self._model.done():
+            return "starting: the pipeline is being set up and the model warmed up"
+        dead = self._pipeline.dead_stages()
+        if dead:
+            return f"stage worker down: {', '.join(dead)}"
+        return self._supervisor.stall()
+
+    def _model_ready(self) -> None:
+        """Take the models' identities from their stages, set up and warmed up."""
+        spec = self._spec
+        models = []
+        for name in spec.model_stage_names():
+            about = self._pipeline.about(name)
+            models.append(ModelIdentity(**about["model"]))
+            log.info("model_ready", **about["model"], warm_up=about["warm_up"])
+            # From the model's process, where its postprocessor runs (not a chain's).
+            self._arrays.layouts = about.get("arrays")
+        identity = pipeline_identity(spec, models)
+        self._metrics.model.info(identity.labels())
+        if identity.steps:
+            log.info("pipeline_ready", **identity.labels())
+        self._model.set_result(identity)
+
+    def stop(self) -> None:
+        """Shut down as on SIGTERM (for a daemon embedded in another program)."""
+        self._shutdown.request(ExitCode.SIGNALLED)
+
+    def _close_within_tail(self) -> None:
+        deadline = time.monotonic() + self.shutdown_tail_s
+        closing = threading.Thread(target=self._close, name="shutdown", daemon=True)
+        closing.start()
+        closing.join(self.shutdown_tail_s)
+        # Meanwhile a long poll still under way may have brought messages: the intake
+        # releases them once it sees the ledger closed.
+        self._supervisor.join("intake", max(0.0, deadline - time.monotonic()))
+        if closing.is_alive():
+            log.error("shutdown_deadline_passed", tail_s=self.shutdown_tail_s)
+
+    def _close(self) -> None:
+        self._ledger.close()
+        if self._interruptions:
+            self._interruptions.stop()
+        if self._protection:  # first: protection of an instance never expires by itself
+            self._protection.stop()
+            self._supervisor.join("protection", self.shutdown_tail_s)
+            self._protection.unprotect()
+        self._checkpointer.stop()
+        shutdown = self._shutdown
+        handed_back = self._outcomes.release_all(
+            shutdown.release_reason(), breakage=shutdown.broken_cause, suspects=shutdown.suspects
+        )
+        shutdown.handed_back(handed_back)
+        self._finisher.close()
+        self._pipeline.close()
+        self._leases.stop()
+        self._reporter.stop()
+        if self._timeline_writer:
+            self._timeline_writer.stop()
