@@ -32,6 +32,7 @@ from worker.engine import (
 )
 from worker.engine.channel import Channel, Closed
 from worker.engine.child_handle import ChildProcess
+from worker.engine.wire import ChildPlan, KnownGood
 
 
 class RecordingObserver:
@@ -525,7 +526,8 @@ def test_a_stopped_childs_writer_ends_before_its_pipe_is_closed(
     monkeypatch.setattr(
         child_handle, "write_requests", lambda conn, requests: write_requests(conn, Late(requests))
     )
-    child = ChildProcess(ProcessStage("echo", stagefns.faulty_runner), 0)
+    plan = ChildPlan("echo", stagefns.faulty_runner, None, None, 1, 0, KnownGood(), None, None)
+    child = ChildProcess("echo-0", lambda: plan, None, threading.Event())
     child.start()
     writer = next(t for t in threading.enumerate() if t.name == "echo-0-writer")
     child.send([(None, "x", ())])

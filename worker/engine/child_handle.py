@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 import torch.multiprocessing as torch_mp
@@ -18,10 +18,7 @@ from worker.engine.channel import Closed
 from worker.engine.child_main import child_main
 from worker.engine.items import StageSetupError, StageSetupTimeout
 from worker.engine.stage import STOP_GRACE_S
-from worker.engine.wire import PROBE, ChildPlan
-
-if TYPE_CHECKING:
-    from worker.engine.process_stage import ProcessStage
+from worker.engine.wire import PROBE, ChildPlan, Ready
 
 log = structlog.get_logger()
 
@@ -80,16 +77,25 @@ class WorkerFailedProbe(WorkerLost):
 
 class ChildProcess:
     """One child of a `ProcessStage` and the pipe that feeds it: used by its driver
-    thread, and stopped by `ProcessStage.stop` from another.
+    thread, and stopped by `ProcessStage.stop` from another. Each start asks `plan` for
+    what the child is told (what its stage has learned changes between starts); one
+    that races its stage's `stopping` is stopped again at once.
 
     Requests are written by a thread of their own: a request larger than the pipe holds
     waits for the child to read it, and a child that hangs never does. The driver must
     still be free to wait for the reply with its timeout, and see the hang."""
 
-    def __init__(self, stage: ProcessStage, number: int):
-        self._stage = stage
-        self.number = number
-        self.name = f"{stage.name}-{number}"
+    def __init__(
+        self,
+        name: str,
+        plan: Callable[[], ChildPlan],
+        setup_timeout_s: float | None,
+        stopping: threading.Event,
+    ):
+        self.name = name
+        self._plan = plan
+        self._setup_timeout_s = setup_timeout_s
+        self._stopping = stopping
         self.retiring = threading.Event()  # set by `ProcessStage.shrink`
         self._process: Any = None
         self._conn: Connection | None = None
@@ -105,7 +111,7 @@ class ChildProcess:
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 self._spawn()
-                if self._stage.stopping.is_set():  # a restart that raced the stage's stop
+                if self._stopping.is_set():  # a restart that raced the stage's stop
                     self.stop(graceful=False)
                     raise Closed
                 return
@@ -123,24 +129,10 @@ class ChildProcess:
         parent_conn, child_conn = context.Pipe()
         # Never written to: the child sees it close when this process dies, however it dies.
         lifeline_reader, self._lifeline = context.Pipe(duplex=False)
-        stage = self._stage
+        plan = self._plan()
         process = context.Process(
             target=child_main,
-            args=(
-                child_conn,
-                lifeline_reader,
-                ChildPlan(
-                    stage.name,
-                    stage.setup_of(self.number),
-                    stage.mode,
-                    stage.prepare,
-                    stage.batch_size,
-                    stage.max_parts,
-                    stage.known_good(),
-                ),
-                stage.reads.tensor if stage.reads else None,
-                stage.writes.tensor if stage.writes else None,
-            ),
+            args=(child_conn, lifeline_reader, plan),
             name=self.name,
             daemon=True,
         )
@@ -149,11 +141,11 @@ class ChildProcess:
         child_conn.close()
         lifeline_reader.close()
         self._conn = parent_conn
-        status, detail = self.receive(self._stage.setup_timeout_s)
-        if status != "ready":
+        ready = self.receive(self._setup_timeout_s)
+        if not isinstance(ready, Ready):  # `SetupFailed`, with the traceback
             self.stop(graceful=False)
-            raise StageSetupError(f"{self.name} set-up failed:\n{detail}")
-        pid, self.about = detail
+            raise StageSetupError(f"{self.name} set-up failed:\n{ready.traceback}")
+        self.about = ready.about
         self._requests = queue.SimpleQueue()
         self._writer = threading.Thread(
             target=write_requests,
@@ -163,7 +155,7 @@ class ChildProcess:
         )
         self._writer.start()
         self._ready = True
-        log.info("stage_worker_started", stage=self._stage.name, worker=self.name, pid=pid)
+        log.info("stage_worker_started", stage=plan.stage, worker=self.name, pid=ready.pid)
 
     def alive(self) -> bool:
         """Set up and running: False from a crash until its replacement is ready."""
@@ -227,7 +219,7 @@ class ChildProcess:
         # either way it ends. It must end before the pipe is closed: a new pipe (the
         # replacement's) may get the same descriptor numbers, and a late write of the
         # old writer would land there (the fresh child read None and exited 0; the
-        # daemon read None where it waited for "ready").
+        # daemon read None where it waited for `Ready`).
         if self._writer is not None:
             self._writer.join(STOP_GRACE_S)
             if self._writer.is_alive():

@@ -29,19 +29,23 @@ from worker.engine.items import (
     StageSetupError,
     isolate_failures,
 )
-from worker.engine.wire import PROBE, ChildPlan, KnownGood, Prepared, Received, Reply, Task
+from worker.engine.wire import (
+    PROBE,
+    ChildPlan,
+    KnownGood,
+    Prepared,
+    Ready,
+    Received,
+    Reply,
+    SetupFailed,
+    Task,
+)
 from worker.errors import TransientError
 
 log = structlog.get_logger()
 
 
-def child_main(
-    conn: Connection,
-    lifeline: Connection,
-    plan: ChildPlan,
-    reads: torch.Tensor | None,
-    writes: torch.Tensor | None,
-) -> None:
+def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
     """A stage's child process: set up once, then answer requests until told to stop."""
     # The daemon decides when children stop; a Ctrl-C or a SIGTERM sent to the whole
     # process group must not kill them mid-batch. If the daemon itself dies (SIGKILL),
@@ -56,16 +60,16 @@ def child_main(
         if plan.prepare is not None and stage_fn.prepare is None:
             raise StageSetupError(f"the set-up gave no function for {plan.prepare.name}")
     except BaseException:
-        conn.send(("setup_failed", traceback.format_exc()))
+        conn.send(SetupFailed(traceback.format_exc()))
         return
     known_good = plan.known_good.copy()
     if stage_fn.probe is None and plan.mode == "fan-out":
-        assert writes is not None
+        assert plan.writes is not None
         probe = functools.partial(
-            _fan_out_probe, stage_fn.run, known_good, writes.shape[1:], plan.max_parts
+            _fan_out_probe, stage_fn.run, known_good, plan.writes.shape[1:], plan.max_parts
         )
         stage_fn = replace(stage_fn, probe=probe)
-    gatherer = BatchGatherer(reads) if plan.mode == "read" and reads is not None else None
+    gatherer = BatchGatherer(plan.reads) if plan.mode == "read" and plan.reads is not None else None
     threads = ThreadPoolExecutor(plan.prepare_threads) if stage_fn.prepare else None
     requests: queue.SimpleQueue[Received] = queue.SimpleQueue()
     finishing = ThreadPoolExecutor(1, "finish") if stage_fn.finish else None
@@ -80,7 +84,7 @@ def child_main(
         )
         return True
 
-    conn.send(("ready", (os.getpid(), stage_fn.about)))
+    conn.send(Ready(os.getpid(), stage_fn.about))
     threading.Thread(
         target=_read_requests, args=(conn, requests, stage_fn.prepare, threads), daemon=True
     ).start()
@@ -106,7 +110,6 @@ def child_main(
             answer = _run_request(
                 stage_fn,
                 plan,
-                (reads, writes),
                 gatherer,
                 request,
                 failed=failed,
@@ -192,7 +195,6 @@ def _read_requests(
 def _run_request(
     stage_fn: StageFunction,
     plan: ChildPlan,
-    arenas: tuple[torch.Tensor | None, torch.Tensor | None],
     gatherer: BatchGatherer | None,
     request: list[Task],
     *,
@@ -203,13 +205,12 @@ def _run_request(
     run fails, run the probe too. A fan-out keeps an item it cut up as its known good."""
     started = time.perf_counter()
     runnable = [task for position, task in enumerate(request) if position not in failed]
-    ran, fitting_batch_size = _serve_request(stage_fn.run, plan, arenas, gatherer, runnable)
+    ran, fitting_batch_size = _serve_request(stage_fn.run, plan, gatherer, runnable)
     if plan.mode == "fan-out" and known_good.fan_out_stale():
-        reads = arenas[0]
-        assert reads is not None
+        assert plan.reads is not None
         for task, outcome in zip(runnable, ran, strict=True):
             if not isinstance(outcome, ItemError):
-                known_good.cut(reads[task.slot].clone(), task.value)
+                known_good.cut(plan.reads[task.slot].clone(), task.value)
                 break
     fault = _fault_if_all_failed(ran, stage_fn.probe)
     duration_s = time.perf_counter() - started
@@ -352,12 +353,11 @@ def _exit_when_closed(lifeline: Connection) -> None:
 def _serve_request(
     fn: Callable[..., Any],
     plan: ChildPlan,
-    arenas: tuple[torch.Tensor | None, torch.Tensor | None],
     gatherer: BatchGatherer | None,
     request: list[Task],
 ) -> tuple[list[Any], int | None]:
     """Every item's outcome, and after an out-of-memory error the largest size that fitted."""
-    reads, writes = arenas
+    reads, writes = plan.reads, plan.writes
     slots: list[Any] = [task.slot for task in request]  # set for every item in arena modes
     values = [task.value for task in request]
     out_of_memory = False

@@ -37,7 +37,7 @@ from worker.engine.items import (
     half_of,
 )
 from worker.engine.stage import Stage, live_items
-from worker.engine.wire import ArenaMode, KnownGood, Prepared, Reply, WireTask
+from worker.engine.wire import ArenaMode, ChildPlan, KnownGood, Prepared, Reply, WireTask
 from worker.errors import WorkerFault
 
 log = structlog.get_logger()
@@ -153,7 +153,7 @@ class ProcessStage(Stage):
         finished: Channel[Item],
     ) -> None:
         super().start(inbox, outbox, observer, finished)
-        self._children = [ChildProcess(self, number) for number in range(self.workers)]
+        self._children = [self._child(number) for number in range(self.workers)]
         # Children start in parallel: each imports torch and may load a model.
         try:
             with ThreadPoolExecutor(self.workers) as pool:
@@ -161,18 +161,38 @@ class ProcessStage(Stage):
         except BaseException:
             self.stop()
             raise
-        for child in self._children:
-            self._spawn_thread(functools.partial(self._serve_child, child), str(child.number))
+        for number, child in enumerate(self._children):
+            self._spawn_thread(functools.partial(self._serve_child, child), str(number))
 
     def alive(self) -> bool:
         return super().alive() and all(child.alive() for child in self._children)
 
-    def setup_of(self, number: int) -> StageSetup:
-        """The set-up of the child with this number."""
+    def _child(self, number: int) -> ChildProcess:
+        return ChildProcess(
+            f"{self.name}-{number}",
+            functools.partial(self._plan, number),
+            self.setup_timeout_s,
+            self.stopping,
+        )
+
+    def _plan(self, number: int) -> ChildPlan:
+        """What the child with this number is told when it starts."""
         if self._setups is not None:
-            return self._setups[number]
-        assert callable(self._setup)
-        return self._setup
+            setup = self._setups[number]
+        else:
+            assert callable(self._setup)
+            setup = self._setup
+        return ChildPlan(
+            self.name,
+            setup,
+            self.mode,
+            self.prepare,
+            self.batch_size,
+            self.max_parts,
+            self._known_good_now(),
+            self.reads.tensor if self.reads else None,
+            self.writes.tensor if self.writes else None,
+        )
 
     def worker_count(self) -> int:
         with self._lock:
@@ -188,7 +208,8 @@ class ProcessStage(Stage):
         could not start."""
         if self.worker_count() >= self.max_workers or self.stopping.is_set():
             return False
-        child = ChildProcess(self, next(self._numbers))
+        number = next(self._numbers)
+        child = self._child(number)
         try:
             child.start()
         except (StageSetupError, Closed) as error:
@@ -201,7 +222,7 @@ class ProcessStage(Stage):
         if not added:
             child.stop(graceful=False)
             return False
-        self._spawn_thread(functools.partial(self._serve_child, child), str(child.number))
+        self._spawn_thread(functools.partial(self._serve_child, child), str(number))
         return True
 
     def shrink(self) -> bool:
@@ -425,7 +446,7 @@ class ProcessStage(Stage):
         except StageSetupError as error:
             self._break(error, items if working_on is None else working_on)
 
-    def known_good(self) -> KnownGood:
+    def _known_good_now(self) -> KnownGood:
         """What a new child is told its stage handled well (`KnownGood`)."""
         with self._lock:
             return self._known_good.copy()

@@ -1,11 +1,13 @@
-"""What crosses the pipe between a process stage's driver and its child: the plan a child
-is started with, requests, replies, and the probe's request.
+"""Everything that crosses between a process stage's driver and its child, as named
+types: the plan a child is started with, its word that it is set up (or why not),
+requests and the probe's request, its word that it prepared a request, and replies.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
@@ -31,7 +33,8 @@ KNOWN_GOOD_REFRESH_S = 60.0  # a fan-out's known-good image is copied at most th
 
 @dataclass(frozen=True)
 class ChildPlan:
-    """What a child process is told about its stage (pickled across)."""
+    """What a child process is told about its stage (pickled across; the arenas'
+    tensors as handles to the same shared memory)."""
 
     stage: str
     setup: StageSetup
@@ -40,6 +43,21 @@ class ChildPlan:
     prepare_threads: int
     max_parts: int
     known_good: KnownGood  # what the stage's children handled well so far
+    reads: torch.Tensor | None  # the arena its inputs are in
+    writes: torch.Tensor | None  # the arena it writes its outputs to
+
+
+class Ready(NamedTuple):
+    """A child's word that its set-up is done: its pid, and what the set-up reports."""
+
+    pid: int
+    about: Mapping[str, Any]
+
+
+class SetupFailed(NamedTuple):
+    """A child's word that its set-up raised, with the traceback."""
+
+    traceback: str
 
 
 class Task(NamedTuple):
