@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import signal
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -23,7 +22,6 @@ from worker.engine.child_handle import (
     WorkerDied,
     WorkerFailedProbe,
     WorkerLost,
-    host_oom_kills,
 )
 from worker.engine.items import (
     Item,
@@ -36,8 +34,9 @@ from worker.engine.items import (
     apply_outcomes,
     half_of,
 )
+from worker.engine.lessons import StageLessons
 from worker.engine.stage import Stage, live_items
-from worker.engine.wire import ArenaMode, ChildPlan, KnownGood, Prepared, Reply, WireTask
+from worker.engine.wire import ArenaMode, ChildPlan, Prepared, Reply, WireTask
 from worker.errors import WorkerFault
 
 log = structlog.get_logger()
@@ -63,11 +62,6 @@ WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 # After an out-of-memory error, batches stay at the size that fitted for this long:
 # retrying the full size at once would only run out of memory again.
 OOM_COOLDOWN_S = 300.0
-
-
-# A stage that has never prepared an input (fetched it) stops once requests of this many
-# jobs in a row failed every item (`_judged`, untold).
-UNTOLD_JOBS_BEFORE_FAULT = 3
 
 
 class ProcessStage(Stage):
@@ -139,10 +133,7 @@ class ProcessStage(Stage):
         self._children: list[ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
-        self._oom_kills = host_oom_kills()
-        self._known_good = KnownGood()
-        # The jobs of the latest requests whose every item failed to prepare, untold.
-        self._untold: set[str] = set()
+        self._lessons = StageLessons(prepare, reads if self.mode == "fan-out" else None)
         self._lock = threading.Lock()  # the above; drivers and the scaler share them
 
     def start(
@@ -189,7 +180,7 @@ class ProcessStage(Stage):
             self.prepare,
             self.batch_size,
             self.max_parts,
-            self._known_good_now(),
+            self._lessons.known_good(),
             self.reads.tensor if self.reads else None,
             self.writes.tensor if self.writes else None,
         )
@@ -377,7 +368,14 @@ class ProcessStage(Stage):
             self._busy_s += reply.duration_s
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
-        self._learn_from(live, reply)
+        untold = self._lessons.learn(live, reply)
+        if untold:
+            fault = (
+                f"every input of requests of {len(untold)} jobs in a row failed to prepare, "
+                f"and none was ever prepared: {reply.outcomes[0].message}"
+            )
+            self._observer.stage_broken(self.name, WorkerFault(fault), untold)
+            raise Closed
         apply_outcomes(live, reply.outcomes)
         self._observer.stage_ran(self.name, live, reply.duration_s, reply.events)
 
@@ -439,79 +437,12 @@ class ProcessStage(Stage):
         if self.stopping.is_set():
             raise Closed
         if isinstance(lost, WorkerDied):
-            lost.out_of_memory = self._oom_killed(lost)
+            lost.out_of_memory = self._lessons.oom_killed(lost)
         self._observer.worker_lost(self.name, items, str(lost))
         try:
             child.restart()
         except StageSetupError as error:
             self._break(error, items if working_on is None else working_on)
-
-    def _known_good_now(self) -> KnownGood:
-        """What a new child is told its stage handled well (`KnownGood`)."""
-        with self._lock:
-            return self._known_good.copy()
-
-    def _learn_from(self, live: list[Item], reply: Reply) -> None:
-        """Keep an item the reply shows handled well as the stage's known good, before
-        its value is replaced by its outcome (`KnownGood`): for a prepare step, and for
-        a fan-out, which have no probe of their own."""
-        if self.prepare is not None:
-            self._learn_prepared(live, reply, self.prepare.name)
-        if self.mode == "fan-out" and self._known_good.fan_out_stale():
-            self._learn_cut(live, reply)
-
-    def _learn_prepared(self, live: list[Item], reply: Reply, step: str) -> None:
-        """Keep the first item that passed the prepare step; and stop the stage once
-        requests of several jobs in a row failed it with nothing ever prepared
-        (credentials that never worked), rather than fail every job's items."""
-        prepared = next(
-            (
-                item
-                for item, outcome in zip(live, reply.outcomes, strict=True)
-                if not (isinstance(outcome, ItemError) and outcome.stage == step)
-            ),
-            None,
-        )
-        with self._lock:
-            if prepared is not None:
-                self._known_good.remember(prepared.value)
-                self._untold.clear()
-            if reply.untold:
-                self._untold |= {item.job for item in live}
-            untold = frozenset(self._untold)
-        if len(untold) >= UNTOLD_JOBS_BEFORE_FAULT:
-            fault = (
-                f"every input of requests of {len(untold)} jobs in a row failed to prepare, "
-                f"and none was ever prepared: {reply.outcomes[0].message}"
-            )
-            self._observer.stage_broken(self.name, WorkerFault(fault), untold)
-            raise Closed
-
-    def _learn_cut(self, live: list[Item], reply: Reply) -> None:
-        """Keep a copy of the first image the fan-out cut up, with what it was told."""
-        cut = next(
-            (
-                item
-                for item, outcome in zip(live, reply.outcomes, strict=True)
-                if not isinstance(outcome, ItemError)
-            ),
-            None,
-        )
-        if cut is None:
-            return
-        assert self.reads is not None and cut.slot is not None
-        image = self.reads.tensor[cut.slot].clone()
-        with self._lock:
-            self._known_good.cut(image, cut.value)
-
-    def _oom_killed(self, died: WorkerDied) -> bool:
-        """Whether the kernel's OOM killer killed the child: it died of SIGKILL, and the
-        host's count of such kills rose since this stage last looked."""
-        kills = host_oom_kills()
-        with self._lock:
-            rose = kills > self._oom_kills
-            self._oom_kills = kills
-        return died.exit_code == -signal.SIGKILL and rose
 
     def _break(self, error: BaseException, items: Sequence[Item]) -> None:
         """The stage cannot go on: report it, naming the jobs of the `items` it failed
