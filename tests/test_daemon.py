@@ -24,7 +24,7 @@ from worker.daemon import Daemon, ExitCode
 from worker.engine import StageSetupTimeout
 from worker.errors import TransientError
 from worker.jobs import intake, results
-from worker.jobs.ledger import Job
+from worker.jobs.job import Job
 from worker.jobs.reporting import ProgressReporter
 from worker.plugins import PluginError
 from worker.ports import ReceivedMessage, S3Location

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from worker.adapters.fakes import InMemoryJobSource
+from worker.jobs.job import Job
 from worker.jobs.joblog import JobLog
 from worker.jobs.leases import LeaseKeeper
-from worker.jobs.ledger import Job, Ledger
+from worker.jobs.ledger import Ledger
 from worker.jobs.message import parse_job_message
 from worker.telemetry.progress import Progress
 

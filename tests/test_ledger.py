@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from worker.engine.channel import Closed
+from worker.jobs.job import TRANSITIONS, Job, JobState, Result
 from worker.jobs.joblog import JobLog, local_log_path
-from worker.jobs.ledger import TRANSITIONS, IllegalTransition, Job, JobState, Ledger, Result
+from worker.jobs.ledger import IllegalTransition, Ledger
 from worker.jobs.message import parse_job_message
 from worker.ports import ReceivedMessage
 

@@ -8,7 +8,8 @@ import time
 from tests.test_leases import ManualClock
 from worker.adapters.fakes import RecordingGuard
 from worker.daemon.protection import RETRY_AFTER_FAILURE_S, ProtectionKeeper
-from worker.jobs.ledger import Job, Ledger
+from worker.jobs.job import Job
+from worker.jobs.ledger import Ledger
 from worker.ports import ReceivedMessage
 
 

@@ -33,7 +33,8 @@ import structlog
 
 from worker.errors import MissingObject
 from worker.jobs.arrays import ARRAY_FILE_SUFFIX
-from worker.jobs.ledger import Job, JobState, Ledger, Result
+from worker.jobs.job import Job, JobState, Result
+from worker.jobs.ledger import Ledger
 from worker.jobs.message import JobMessage
 from worker.ports import BlobStore
 

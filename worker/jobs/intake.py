@@ -22,8 +22,9 @@ from worker.engine import Item, Pipeline
 from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
 from worker.jobs.arrays import ArrayFiles, ArraySpool
 from worker.jobs.checkpoints import Checkpoints, Prior
+from worker.jobs.job import Job, JobState
 from worker.jobs.joblog import JobLog, local_log_path
-from worker.jobs.ledger import Job, JobState, Ledger
+from worker.jobs.ledger import Ledger
 from worker.jobs.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
 from worker.jobs.outcomes import Lifecycle
 from worker.plugins.identity import ModelIdentity

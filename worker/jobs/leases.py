@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import structlog
 
-from worker.jobs.ledger import Job, JobState, Ledger
+from worker.jobs.job import Job, JobState
+from worker.jobs.ledger import Ledger
 from worker.ports import RENEWAL_FAILED, JobSource
 from worker.telemetry.progress import Progress
 

@@ -1,29 +1,14 @@
 """The ledger: the one record of every job this daemon holds, and each job's lifecycle.
 
-A job's life is a small state machine. Every part of the daemon asks the ledger for a
-transition instead of flipping flags, one method per transition:
+A job's life is a small state machine (`JobState`, `TRANSITIONS`; docs/jobs.md draws
+it, and a test holds that drawing to this table). Every part of the daemon asks the
+ledger for a transition instead of flipping flags, one method per transition. A settled
+job stays in the ledger until its SQS call has returned (`forget`), so the daemon is not
+idle, nor `--drain` done, while a release is still on its way.
 
-    RECEIVED --admit--> ADMITTED --next_item--> RUNNING --record (last)--> FINISHING --ack--> ACKED
-       |                   |                       |                           |
-       |                   +--------cancel, or everything resumed------------->|
-       |                   +-----------------------+----------release----------+--> RELEASED
-       +--release--> RELEASED
-       +--dead_letter--> DEAD_LETTERED
-       +--ack--> ACKED (done already: an earlier delivery wrote its job.json)
-
-- received: leased from the moment it is received (the lease keeper renews every job
-  that is not settled), not yet validated;
-- admitted: valid, its inputs known (a manifest read), waiting for the feeder;
-- running: its items are being fed into the pipeline or are inside it (an input that
-  could not be read for now is fed again, `retry_item`);
-- finishing: every item's result is in (or the job was cancelled); its outputs are
-  being written;
-- a suspect (a job that was in the failing work of a worker that broke) is fed apart:
-  once nothing else is inside the pipeline, and nothing else until its last item is
-  back, so that if it breaks this worker too, no other job is in the failing work;
-- acked, released, dead-lettered: settled. A settled job stays in the ledger until its
-  SQS call has returned (`forget`), so the daemon is not idle, nor `--drain` done, while
-  a release is still on its way.
+A suspect (a job that was in the failing work of a worker that broke) is fed apart:
+once nothing else is inside the pipeline, and nothing else until its last item is back,
+so that if it breaks this worker too, no other job is in the failing work.
 
 Settling is a race that one caller wins (the finisher's ack against shutdown's release,
 say): the others get None. Any move the table does not allow is a bug, and raises
@@ -39,165 +24,19 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
 
 from worker.engine.channel import Closed
-from worker.jobs.arrays import ArrayFiles
+from worker.jobs.job import FEEDABLE, TRANSITIONS, Job, JobState, Result
 from worker.jobs.joblog import JobLog
 from worker.jobs.message import JobMessage
 from worker.ports import ReceivedMessage
 
-if TYPE_CHECKING:
-    from worker.plugins.identity import ModelIdentity
-
-
-class JobState(StrEnum):
-    RECEIVED = "received"
-    ADMITTED = "admitted"
-    RUNNING = "running"
-    FINISHING = "finishing"
-    ACKED = "acked"
-    RELEASED = "released"
-    DEAD_LETTERED = "dead_lettered"
-    SUPERSEDED = "superseded"
-
-
-TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.RECEIVED: frozenset(
-        {JobState.ADMITTED, JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED}
-    ),
-    JobState.ADMITTED: frozenset(
-        {JobState.RUNNING, JobState.FINISHING, JobState.RELEASED, JobState.SUPERSEDED}
-    ),
-    JobState.RUNNING: frozenset({JobState.FINISHING, JobState.RELEASED, JobState.SUPERSEDED}),
-    JobState.FINISHING: frozenset({JobState.ACKED, JobState.RELEASED}),
-}
-
-
-class Result(NamedTuple):
-    """One item's line of results.jsonl (its newline included), whether it records the
-    item's error, and whether it refers to rows of the job's array files, which are not
-    checkpointed (a later delivery computes such an item again)."""
-
-    line: bytes
-    failed: bool
-    has_arrays: bool = False
-
-
 NOTHING_RESUMED: Mapping[int, Result] = MappingProxyType({})
-SETTLED = frozenset(
-    {JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED, JobState.SUPERSEDED}
-)
-FEEDABLE = frozenset({JobState.ADMITTED, JobState.RUNNING})
 
 
 class IllegalTransition(RuntimeError):
     """A move the lifecycle does not allow: a bug in the daemon, not a fault outside it."""
-
-
-class JobStatus(StrEnum):
-    SUCCEEDED = "succeeded"
-    PARTIAL = "partial"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-@dataclass
-class StageTiming:
-    """How long one stage spent on one job's items."""
-
-    calls: int = 0
-    items: int = 0
-    busy_s: float = 0.0
-
-    def add(self, items: int, duration_s: float) -> None:
-        self.calls += 1
-        self.items += items
-        self.busy_s += duration_s
-
-
-@dataclass
-class CheckpointState:
-    """How far this delivery has checkpointed its job (`worker.jobs.checkpoints`)."""
-
-    parts: int = 0
-    log_mark: int = 0  # job log lines saved so far
-    saved_at: float = field(default_factory=time.monotonic)  # the last part, or admission
-    leftovers: bool = False  # earlier deliveries' checkpoint objects are under the output
-    removed: bool = False  # the job is done and its checkpoints gone: save no more
-    lock: threading.Lock = field(default_factory=threading.Lock)  # saving or removing
-
-
-@dataclass(eq=False)
-class Job:
-    """One message held by this daemon, from its receive until it is settled."""
-
-    key: str  # unique per delivery: a redelivered message is a new job here
-    message: ReceivedMessage
-    state: JobState = JobState.RECEIVED
-    receipt_handle: str = ""
-    received_at: float = field(default_factory=time.time)
-    lease_lost: bool = False
-    # Known once admitted:
-    job_id: str = ""
-    spec: JobMessage | None = None
-    inputs: list[str] = field(default_factory=list)
-    log: JobLog | None = None
-    results: list[Result | None] = field(default_factory=list)
-    arrays: ArrayFiles | None = None  # its array outputs, from admission
-    fed: int = 0  # the feed's place in `inputs`
-    unfed: int = 0  # items not fed yet
-    item_retries: dict[int, int] = field(default_factory=dict)  # fed again, by index
-    release_delay_s: int = 0  # once released: how long it is to stay hidden
-    succeeded: int = 0
-    failed: int = 0
-    resumed: int = 0  # results an earlier delivery checkpointed
-    uncheckpointed: int = 0  # results with arrays, which no checkpoint keeps
-    cancelled: bool = False
-    unsaved: list[int] = field(default_factory=list)  # results not yet checkpointed
-    model: ModelIdentity | None = None  # the model it runs on, part of its request
-    request_digest: str = ""
-    output_etags: dict[str, str] = field(default_factory=dict)  # as seen at admission
-    checkpoint: CheckpointState = field(default_factory=CheckpointState)
-    progress_reported: int = 0
-    timings: dict[str, StageTiming] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.receipt_handle = self.receipt_handle or self.message.receipt_handle
-        self.job_id = self.job_id or self.message.job_message_id
-
-    @property
-    def attempt(self) -> int:
-        return self.message.attempt
-
-    @property
-    def suspect(self) -> bool:
-        """Whether it was in the failing work of a worker that broke: it is run apart."""
-        return self.message.broke_workers > 0
-
-    @property
-    def settled(self) -> bool:
-        return self.state in SETTLED
-
-    @property
-    def finished_items(self) -> int:
-        return self.succeeded + self.failed
-
-    @property
-    def outstanding_items(self) -> int:
-        """Items admitted and not yet back from the pipeline."""
-        return len(self.inputs) - self.finished_items
-
-    @property
-    def status(self) -> JobStatus:
-        if self.cancelled:
-            return JobStatus.CANCELLED
-        if self.failed == 0:
-            return JobStatus.SUCCEEDED
-        return JobStatus.FAILED if self.succeeded == 0 else JobStatus.PARTIAL
 
 
 class Ledger:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import structlog
 
 from worker.jobs.checkpoints import Checkpoints
-from worker.jobs.ledger import Job, Ledger
+from worker.jobs.job import Job
+from worker.jobs.ledger import Ledger
 from worker.ports import SQS_MAX_ENTRIES_PER_BATCH_CALL, JobSource
 from worker.retry import Backoff
 from worker.settings import MAX_RETRY_DELAY_S

@@ -13,7 +13,8 @@ import structlog
 
 from worker.engine import Item
 from worker.jobs.checkpoints import Checkpoints, Halt
-from worker.jobs.ledger import FEEDABLE, Job, Ledger, StageTiming
+from worker.jobs.job import FEEDABLE, Job, StageTiming
+from worker.jobs.ledger import Ledger
 from worker.ports import BlobStore
 from worker.telemetry.metrics import Metrics
 from worker.telemetry.progress import Progress

@@ -17,7 +17,7 @@ from worker.engine import Item, ItemError, Pipeline
 from worker.engine.channel import Channel
 from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
-from worker.jobs.ledger import Job, JobState, Result
+from worker.jobs.job import Job, JobState, Result
 from worker.jobs.outcomes import Lifecycle
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
