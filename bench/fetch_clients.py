@@ -1,7 +1,7 @@
 """S3 clients side by side (issue 12): the CPU one process spends per GET of a small
 object, and GETs per second, `FETCH_CONCURRENCY` at a time against a local endpoint.
 
-Run by `bench.run.fetch_clients`, one process per client, so each reading is that
+Run by `bench.processes.fetch_clients`, one process per client, so each reading is that
 client's alone (not the moto server's, which runs in the bench's process):
 
     python -m bench.fetch_clients boto3|obstore ENDPOINT BUCKET PREFIX COUNT SIZE

@@ -46,16 +46,9 @@ from PIL import Image
 from structlog.testing import capture_logs
 from torch import nn
 
-from bench.run import (
-    MOTO_UPLOADS,
-    NOOP_MODEL,
-    OVERLAP_JOB_SIZE,
-    _run_daemon,
-    draining_daemon,
-    host_ceiling,
-    moto_stack,
-    overlap,
-)
+from bench.harness import NOOP_MODEL, run_daemon
+from bench.processes import MOTO_UPLOADS, draining_daemon, moto_stack
+from bench.run import OVERLAP_JOB_SIZE, host_ceiling, overlap
 from stages.model import Classifier
 from stages.preprocess import ImagePreprocessor
 from stages.synthetic import LABELS, draw_shape
@@ -118,7 +111,7 @@ def decode_speedup(
     for placement in ("cpu", "gpu"):
         blobs = InMemoryBlobStore(work_dir / f"decode-{placement}")  # read where decoded
         with capture_logs() as logs:
-            daemon = _run_daemon(
+            daemon = run_daemon(
                 jobs,
                 blobs,
                 work_dir,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench.gpu import decode_speedup, gpu_overlap, moto_end_to_end
-from bench.run import array_output, exited_process_cpu_s, fetch_clients, host_ceiling
+from bench.processes import exited_process_cpu_s, fetch_clients
+from bench.run import array_output, host_ceiling
 from tests.conftest import REPO
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.ports import S3Location
@@ -122,7 +123,7 @@ def test_the_gpu_figures_compare_runs_that_decoded_where_they_were_asked(tmp_pat
     assert report["gpu_decode_fallback_jobs"] == 0
     assert report["decode_cpu_images_per_s"] > 0 and report["decode_gpu_images_per_s"] > 0
     out = tmp_path / "out"
-    modelled = {"device": "cpu", "model": "bench.run:device_model", "preprocess": photo_decoder}
+    modelled = {"device": "cpu", "model": "bench.harness:device_model", "preprocess": photo_decoder}
     figures = gpu_overlap(tmp_path, 200, out, **modelled)
     assert figures["gpu_overlap"] > 0 and 0 < figures["gpu_busy_fraction"] <= 1
     assert figures["gpu_two_processes_ratio"] > 0

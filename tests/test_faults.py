@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from bench.run import peak_rss, tree_rss_mb
+from bench.processes import peak_rss, tree_rss_mb
 from stages.synthetic import samples
 from tests.conftest import Aws, DaemonProcess, run_daemon
 from tests.faultproxy import FaultProxy, Request
