@@ -138,7 +138,7 @@ def test_every_file_and_link_a_page_names_exists(page: Path) -> None:
         linked = (page.parent / target).resolve() if target else page
         if not linked.exists() or (anchor and anchor not in _anchors(linked)):
             missing.append(link)
-    assert not missing
+    assert not missing, missing
 
 
 @each_page
@@ -168,7 +168,8 @@ def test_every_command_flag_and_reference_a_page_names_exists(page: Path) -> Non
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", named))
     assert flags <= _flags(), sorted(flags - _flags())
 
-    assert not _unresolved([t for t in _backticked(text) if REFERENCE.fullmatch(t)])
+    unresolved = _unresolved([t for t in _backticked(text) if REFERENCE.fullmatch(t)])
+    assert not unresolved, unresolved
 
 
 def test_the_lifecycle_is_written_once_and_is_the_ledgers() -> None:
@@ -200,7 +201,7 @@ def test_the_failure_table_names_real_states_code_and_tests() -> None:
         assert named and deciders and (provers or proven_by == NOT_PROVEN_YET), fault
         assert all(REFERENCE.fullmatch(r) for r in deciders), deciders
         outcomes, references, tests = outcomes | named, references + deciders, tests | provers
-    assert not _unresolved(references)
+    assert not _unresolved(references), _unresolved(references)
     assert tests <= _defined_tests(), sorted(tests - _defined_tests())
     states = {str(state) for state in JobState}
     assert outcomes <= states | OUTCOMES_BESIDES_STATES, outcomes - states
