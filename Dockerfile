@@ -1,4 +1,4 @@
-# The worker daemon on a GPU host. Build and run (see README, "Deploying"):
+# The worker daemon on a GPU host. Build and run (see docs/operating.md, "Deploying"):
 #   docker build -t sqs-batch-worker .
 #   docker run --gpus all -e WORKER_QUEUE_URL=... sqs-batch-worker
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04

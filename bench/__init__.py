@@ -1,1 +1,1 @@
-"""Benchmarks: `python -m worker bench` (see bench/run.py and the README)."""
+"""Benchmarks: `python -m worker bench` (see bench/run.py and docs/performance.md)."""

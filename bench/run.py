@@ -200,7 +200,7 @@ def overhead(work_dir: Path, messages: int, runs: int) -> dict[str, float]:
 def host_ceiling(
     work_dir: Path, items: int, blobs: InMemoryBlobStore | None = None
 ) -> dict[str, float]:
-    """The control plane alone (docs/DESIGN.md, section 5): a null model, a preprocess
+    """The control plane alone (docs/performance.md, `host_ceiling_items_per_s`): a null model, a preprocess
     that decodes nothing and in-process fakes, so what is left is what the daemon itself
     moves per second; and the CPU its main process (this one) spends per item. The
     preprocessing processes read the inputs from files, as they would from S3."""
@@ -318,7 +318,7 @@ def packing(work_dir: Path, small_jobs: int, runs: int) -> dict[str, float]:
     return {"batch_fill": statistics.median(fills), "packing_speedup": statistics.median(ratios)}
 
 
-HANDOFF_SHAPE = (BATCH_SIZE, 3, 224, 224)  # 9.6 MB of uint8, as in DESIGN.md's figures
+HANDOFF_SHAPE = (BATCH_SIZE, 3, 224, 224)  # 9.6 MB of uint8, as in docs/DESIGN.md's hand-off figures
 
 
 def _arena_producer(arena: torch.Tensor, conn: Any, batches: int) -> None:

@@ -39,7 +39,7 @@ PIPELINE_REPLACES = frozenset(
 
 
 class Settings(BaseSettings):
-    """Everything the daemon can be told; see the README for a longer word on each."""
+    """Everything the daemon can be told; docs/settings.md lists them, made from this class."""
 
     model_config = SettingsConfigDict(env_prefix="WORKER_", frozen=True, extra="forbid")
 
@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     pipeline: Annotated[PipelineSpec | None, NoDecode] = Field(
         default=None,
         description="A TOML file declaring a chain of models (a detector, a fan-out into "
-        "crops, a classifier; see the README): it takes the place of --model, "
+        "crops, a classifier; see docs/models.md): it takes the place of --model, "
         "--model-name, --model-version, --preprocess, --postprocess and --batch-size.",
     )
     device: str = Field(

@@ -16,7 +16,7 @@
 Every loop runs under one `Supervisor`; the main thread starts them, waits for a reason
 to stop (a signal, an interruption notice, a drained queue, a broken worker) and shuts
 down within a hard deadline. What happens to a job when something fails is the table in
-docs/DESIGN.md ("Job lifecycle"), one method per row.
+docs/failures.md; its lifecycle, a ledger method per move, is in docs/jobs.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class PoisonMessage(Exception):
 
 
 class JobMessage(BaseModel):
-    """The SQS body of a job (docs/DESIGN.md section 2)."""
+    """The SQS body of a job (docs/jobs.md, "The job message")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -1,5 +1,5 @@
 """Every way a job leaves this daemon: acked, released (now or later), handed over,
-dead-lettered.
+superseded (deleted, a continuation running it), dead-lettered.
 
 Each one moves the job's state in the ledger first (which stops its lease renewals, and
 which only one caller can win), then makes the SQS call, then forgets the job. None of
