@@ -228,7 +228,7 @@ def _embed(
         receive_wait_seconds=0,
         log_dir=log_dir,
         metrics_port=0,
-        model="tests.stagefns:pixel_embedder",
+        model="tests.support.stagefns:pixel_embedder",
         postprocess="stages.postprocess:embedding",
         batch_size=4,
     )

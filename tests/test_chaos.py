@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Aws, DaemonProcess
-from tests.faultproxy import Fault, FaultProxy
-from tests.faults import BREAK_MODEL_FILE
+from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.faults import BREAK_MODEL_FILE
 from tests.test_faults import StartDaemon, _args, _out, _put, _send_jobs
 from tests.test_lifecycle import _input_get
 from worker.demo import upload_samples
@@ -134,7 +134,7 @@ def test_random_faults_never_change_a_jobs_outcome(
             stack,
             tmp_path,
             "--model",
-            "tests.faults:breakable_classifier",
+            "tests.support.faults:breakable_classifier",
             "--batch-size",
             "2",
             "--visibility-timeout-seconds",

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 
 from stages.synthetic import samples
 from tests.conftest import REPO, also_on_gpu, needs_gpu
-from tests.faults import BREAK_MODEL_FILE
+from tests.support.faults import BREAK_MODEL_FILE
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.engine import StageSetupTimeout
@@ -300,7 +300,7 @@ def test_a_lost_lease_is_not_renewed_or_acked_with_the_stale_handle(tmp_path: Pa
         source,
         blobs,
         tmp_path,
-        model="tests.slow_model:factory",
+        model="tests.support.slow_model:factory",
         visibility_timeout_seconds=1,
         heartbeat_interval_seconds=0.2,
     )
@@ -356,7 +356,7 @@ def test_a_small_job_is_not_stuck_behind_a_big_one_received_with_it(tmp_path: Pa
         source,
         blobs,
         tmp_path,
-        model="tests.slow_model:tenth_of_a_second",
+        model="tests.support.slow_model:tenth_of_a_second",
         batch_size=4,
         visibility_timeout_seconds=2,
         heartbeat_interval_seconds=0.5,
@@ -517,7 +517,7 @@ def test_a_loop_that_raises_stops_the_daemon_and_gives_its_jobs_back(
         receive_wait_seconds=0,
         log_dir=tmp_path,
         metrics_port=0,
-        model="tests.slow_model:five_seconds",
+        model="tests.support.slow_model:five_seconds",
         progress_interval_seconds=0.5,
     )
     daemon = Daemon(settings, source, blobs)
@@ -549,7 +549,7 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, dev
     source, blobs = TimedSource(), InMemoryBlobStore()
     _send(source, "one", _images(blobs, 1))
     settings = _draining(
-        tmp_path, model="tests.slow_model:slow_to_warm_up", batch_size=4, device=device
+        tmp_path, model="tests.support.slow_model:slow_to_warm_up", batch_size=4, device=device
     )
     daemon = Daemon(settings, source, blobs)
     health_while_starting = []
@@ -573,7 +573,7 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, dev
     assert health_while_starting[0] is not None
     assert health_while_starting[0].startswith("starting")
     summary = _output(blobs, "one", "job.json")
-    assert summary["model"]["name"] == "tests.slow_model:slow_to_warm_up"
+    assert summary["model"]["name"] == "tests.support.slow_model:slow_to_warm_up"
     batches = [e for e in _output(blobs, "one", "job.log").splitlines() if '"batch_done"' in e]
     assert len(batches) == 1 and '"batch_items": 1' in batches[0]  # a lone image's batch too
 
@@ -587,7 +587,7 @@ def test_the_set_up_limit_is_a_setting_and_the_warm_up_adds_to_it(tmp_path: Path
     _send(source, "one", _images(blobs, 1))
     warming = _draining(
         tmp_path,
-        model="tests.slow_model:slow_to_warm_up",
+        model="tests.support.slow_model:slow_to_warm_up",
         batch_size=32,  # warm-up batches of 32, 16, 8, 4 and 2 images: 1 s each
         setup_timeout_seconds=4,
         inference_timeout_seconds=5,
@@ -595,7 +595,7 @@ def test_the_set_up_limit_is_a_setting_and_the_warm_up_adds_to_it(tmp_path: Path
     assert Daemon(warming, source, blobs).run() is ExitCode.DRAINED
     loading = _draining(
         tmp_path,
-        model="tests.slow_model:slow_to_load",
+        model="tests.support.slow_model:slow_to_load",
         setup_timeout_seconds=4,
         inference_timeout_seconds=0.25,  # 7 warm-up batch sizes: 5.75 s in all
     )
@@ -615,7 +615,7 @@ def test_one_inference_process_per_device_each_fed_while_free(tmp_path: Path, de
         _send(source, f"part-{number}", uris[number * 12 : number * 12 + 12])
     timeline = Timeline()
     settings = _draining(
-        tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=4, device=devices
+        tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=4, device=devices
     )
     assert Daemon(settings, source, blobs, timeline=timeline).run() is ExitCode.DRAINED
     batches = Counter(interval.worker for interval in timeline.intervals("inference"))
@@ -641,14 +641,17 @@ def test_a_batch_that_does_not_fit_on_the_gpu_is_split_and_the_batch_size_lowere
     tmp_path: Path,
 ) -> None:
     """A model that really runs out of GPU memory on batches over 8 images
-    (`tests.faults:memory_hungry_classifier`): the warm-up notes the sizes that do not
-    fit, the first batch of 32 is bisected down to what fits, the batch size is lowered,
-    and every image gets the default model's answer."""
+    (`tests.support.faults:memory_hungry_classifier`): the warm-up notes the sizes that
+    do not fit, the first batch of 32 is bisected down to what fits, the batch size is
+    lowered, and every image gets the default model's answer."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     uris = _images(blobs, 40)
     _send(source, "big", uris)
     settings = _draining(
-        tmp_path, model="tests.faults:memory_hungry_classifier", batch_size=32, device="cuda"
+        tmp_path,
+        model="tests.support.faults:memory_hungry_classifier",
+        batch_size=32,
+        device="cuda",
     )
     with capture_logs() as logs:
         assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
@@ -675,7 +678,9 @@ def test_a_chains_postprocessor_that_fails_known_good_input_breaks_the_worker(
     monkeypatch.setenv(BREAK_MODEL_FILE, str(marker))
     chain = tmp_path / "chain.toml"
     boards = (REPO / "stages" / "boards.toml").read_text()
-    chain.write_text(boards.replace("stages.boards:objects", "tests.faults:breakable_objects"))
+    chain.write_text(
+        boards.replace("stages.boards:objects", "tests.support.faults:breakable_objects")
+    )
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     _send(source, "boards", _images(blobs, 2))
     settings = Settings(queue_url="q", log_dir=tmp_path / "logs", pipeline=str(chain))

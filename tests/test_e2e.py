@@ -14,7 +14,7 @@ from PIL import Image
 
 from stages.synthetic import LABELS, boards
 from tests.conftest import REPO, Aws, also_on_gpu, enqueue_command, following, run_daemon
-from tests.faults import broken_scan, reencoded
+from tests.support.faults import broken_scan, reencoded
 from worker.demo import Stack, upload_samples
 
 pytestmark = pytest.mark.e2e
@@ -167,7 +167,7 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
                 "--batch-size",
                 "1",
                 "--model",
-                "tests.slow_model:factory",
+                "tests.support.slow_model:factory",
                 "--progress-interval-seconds",
                 "0.5",
             ),
@@ -283,7 +283,7 @@ def test_an_embedding_job_leaves_its_array_file_in_s3(aws: Aws, tmp_path: Path) 
     ("decoder", "fallbacks"),
     also_on_gpu(
         # The stand-in refuses the progressive JPEG, as some decoders do; nvJPEG takes it.
-        (("tests.faults:standin_device_decoder", "auto"), 1),
+        (("tests.support.faults:standin_device_decoder", "auto"), 1),
         (("stages.preprocess:default_preprocessor", "cuda"), 0),
     ),
 )
@@ -291,12 +291,12 @@ def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
     aws: Aws, tmp_path: Path, decoder: tuple[str, str], fallbacks: int
 ) -> None:
     """`--decode gpu` with nvJPEG on a GPU, and everywhere with a stand-in for it
-    (`tests.faults:standin_device_decoder`): the sample JPEGs are decoded in the model's
-    process and labelled as on the CPU; PNGs, a CMYK JPEG, a truncated one and one with
-    a broken scan header (nvJPEG would picture the last two) in the preprocessing
-    processes, the bad ones failing there, as ever, each that input's error alone; a
-    progressive JPEG is labelled right wherever it is decoded, and the job's log says
-    how many the device sent back to the CPU."""
+    (`tests.support.faults:standin_device_decoder`): the sample JPEGs are decoded in the
+    model's process and labelled as on the CPU; PNGs, a CMYK JPEG, a truncated one and
+    one with a broken scan header (nvJPEG would picture the last two) in the
+    preprocessing processes, the bad ones failing there, as ever, each that input's
+    error alone; a progressive JPEG is labelled right wherever it is decoded, and the
+    job's log says how many the device sent back to the CPU."""
     preprocess, device = decoder
     stack = aws.stack()
     labels = upload_samples(aws.s3, stack.bucket, 40, seed=9)

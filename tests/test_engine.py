@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import stagefns
+from tests.support import stagefns
 from worker import engine
 from worker.engine import (
     Item,

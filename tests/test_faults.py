@@ -18,8 +18,8 @@ from PIL import Image
 from bench.run import peak_rss, tree_rss_mb
 from stages.synthetic import samples
 from tests.conftest import Aws, DaemonProcess, run_daemon
-from tests.faultproxy import FaultProxy, Request
-from tests.faults import MAGENTA
+from tests.support.faultproxy import FaultProxy, Request
+from tests.support.faults import MAGENTA
 from worker.demo import Stack, upload_samples
 from worker.jobs.results import FINISH_ATTEMPTS
 
@@ -44,7 +44,7 @@ def _args(stack: Stack, log_dir: Path, *more: str) -> list[str]:
 
 def _slow_model(batch_size: int) -> list[str]:
     """Flags for the model that sleeps SLOW_MODEL_SECONDS_PER_BATCH per batch."""
-    return ["--model", "tests.slow_model:factory", "--batch-size", str(batch_size)]
+    return ["--model", "tests.support.slow_model:factory", "--batch-size", str(batch_size)]
 
 
 def _send_jobs(aws: Aws, stack: Stack, jobs: dict[str, list[str]]) -> None:
@@ -237,9 +237,9 @@ def test_bad_inputs_and_poison_messages_fail_alone(
             tmp_path,
             "--drain",
             "--preprocess",
-            "tests.faults:faulty_preprocessor",
+            "tests.support.faults:faulty_preprocessor",
             "--model",
-            "tests.faults:fragile_classifier",
+            "tests.support.faults:fragile_classifier",
             "--preprocess-timeout-seconds",
             "2",
             "--allowed-buckets",

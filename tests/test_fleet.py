@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Aws
-from tests.fakeaws import FakeEcsAgent, FakeImds
-from tests.faultproxy import FaultProxy
+from tests.support.fakeaws import FakeEcsAgent, FakeImds
+from tests.support.faultproxy import FaultProxy
 from tests.test_faults import (
     StartDaemon,
     _args,

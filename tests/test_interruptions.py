@@ -15,8 +15,8 @@ from urllib.parse import parse_qs
 import pytest
 
 from tests.conftest import Aws
-from tests.fakeaws import FakeImds
-from tests.faultproxy import Fault, FaultProxy
+from tests.support.fakeaws import FakeImds
+from tests.support.faultproxy import Fault, FaultProxy
 from tests.test_daemon import _images, _output, _send
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
 from worker.adapters import aws as aws_adapters
@@ -196,7 +196,7 @@ def _settings(tmp_path: Path, **fields: object) -> Settings:
         receive_wait_seconds=0,
         log_dir=tmp_path,
         metrics_port=0,
-        model="tests.slow_model:tenth_of_a_second",
+        model="tests.support.slow_model:tenth_of_a_second",
         batch_size=1,
         notice_poll_seconds=0.05,
         **fields,  # type: ignore[arg-type]

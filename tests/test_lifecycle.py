@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 from tests.conftest import Aws, DaemonProcess
-from tests.fakeaws import FakeImds
-from tests.faultproxy import Fault, FaultProxy, Request
-from tests.faults import BREAK_MODEL_FILE, MAGENTA
+from tests.support.fakeaws import FakeImds
+from tests.support.faultproxy import Fault, FaultProxy, Request
+from tests.support.faults import BREAK_MODEL_FILE, MAGENTA
 from tests.test_faults import (
     StartDaemon,
     _args,
@@ -58,7 +58,7 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
                 stack,
                 tmp_path,
                 "--model",
-                "tests.faults:breakable_classifier",
+                "tests.support.faults:breakable_classifier",
                 "--batch-size",
                 "2",
                 "--max-jobs",
@@ -248,7 +248,7 @@ def test_an_input_that_breaks_workers_is_dead_lettered_alone_and_its_host_taken_
     _send_jobs(aws, stack, {**jobs, "culprit": [uris[16], magenta, uris[17]]})
 
     def run(log_dir: Path, *more: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        args = ["--drain", "--model", "tests.faults:poisonable_classifier", *more]
+        args = ["--drain", "--model", "tests.support.faults:poisonable_classifier", *more]
         daemon = start_daemon(_args(stack, log_dir, "--batch-size", "4", *args), env=env)
         daemon.wait(120)
         return daemon

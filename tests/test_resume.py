@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import REPO, Aws, following, run_daemon
-from tests.faultproxy import Fault, FaultProxy
+from tests.support.faultproxy import Fault, FaultProxy
 from tests.test_daemon import _images, _output, _run, _send
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
 from tests.test_interruptions import _run_while, _settings, _wait_until
@@ -86,7 +86,7 @@ def test_an_interrupted_job_resumes_from_its_checkpoint_and_ends_as_if_uninterru
     assert (continuation.receive_count, continuation.earlier_attempts) == (1, 1)
     read_first = blobs.inputs_read(uris)
 
-    _run(source, blobs, tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=1)
+    _run(source, blobs, tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=1)
     summary = _output(blobs, "long", "job.json")
     read_again = blobs.inputs_read(uris) - read_first
     assert summary["resumed"] >= 10 and read_again == 40 - summary["resumed"]
@@ -101,7 +101,7 @@ def test_an_interrupted_job_resumes_from_its_checkpoint_and_ends_as_if_uninterru
     assert [event["attempt"] for event in received] == [1, 3]
 
     _send(source, "whole", uris)
-    _run(source, blobs, tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=4)
+    _run(source, blobs, tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=4)
     whole = blobs.objects["s3://bkt/out/whole/results.jsonl"]
     assert blobs.objects["s3://bkt/out/long/results.jsonl"] == whole
 
@@ -172,7 +172,7 @@ def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> 
     _send(source, "stuck", uris)
     daemon = Daemon(
         _settings(tmp_path, grace_seconds=0).model_copy(
-            update={"model": "tests.slow_model:five_seconds"}
+            update={"model": "tests.support.slow_model:five_seconds"}
         ),
         source,
         blobs,
@@ -533,7 +533,7 @@ def test_a_job_that_reaches_the_lease_ceiling_moving_forward_is_handed_over(
             source,
             blobs,
             tmp_path,
-            model="tests.slow_model:tenth_of_a_second",
+            model="tests.support.slow_model:tenth_of_a_second",
             batch_size=1,
             visibility_timeout_seconds=1,
             heartbeat_interval_seconds=0.2,

@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
-from tests.fakeaws import serve_http
+from tests.support.fakeaws import serve_http
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
 

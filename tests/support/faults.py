@@ -1,8 +1,8 @@
 """Plug-ins that fail on purpose, for fault tests of the daemon as a subprocess.
 
-Loaded by `--preprocess tests.faults:faulty_preprocessor`, `--model
-tests.faults:fragile_classifier` and the like; every other input gets the default
-pipeline.
+Loaded by `--preprocess tests.support.faults:faulty_preprocessor`, `--model
+tests.support.faults:fragile_classifier` and the like; every other input gets the
+default pipeline.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from stages.boards import objects
 from stages.model import default_classifier
 from stages.preprocess import ImagePreprocessor, default_preprocessor
-from tests.stagefns import inject_fault
+from tests.support.stagefns import inject_fault
 
 FAULT_PREFIX = b"FAULT:"
 FRAGILE_MAX_BATCH = 8
