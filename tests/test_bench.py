@@ -11,7 +11,7 @@ import pytest
 
 from bench.gpu import decode_speedup, gpu_overlap, moto_end_to_end
 from bench.run import array_output, exited_process_cpu_s, fetch_clients, host_ceiling
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.ports import S3Location
 

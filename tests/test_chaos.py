@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Aws, DaemonProcess
+from tests.support.aws import Aws
+from tests.support.daemons import DaemonProcess
 from tests.support.faultproxy import Fault, FaultProxy
 from tests.support.faults import BREAK_MODEL_FILE
 from tests.test_faults import StartDaemon, _args, _out, _put, _send_jobs

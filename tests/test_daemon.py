@@ -17,8 +17,9 @@ import structlog
 from structlog.testing import capture_logs
 
 from stages.synthetic import samples
-from tests.conftest import REPO, also_on_gpu, needs_gpu
 from tests.support.faults import BREAK_MODEL_FILE
+from tests.support.markers import also_on_gpu, needs_gpu
+from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.engine import StageSetupTimeout

@@ -23,13 +23,13 @@ from structlog.testing import capture_logs
 from stages.postprocess import top_k
 from stages.preprocess import JPEG_END, JPEG_MAGIC, ImagePreprocessor, default_preprocessor
 from stages.synthetic import LABELS, samples
-from tests.conftest import also_on_gpu
 from tests.support.faults import (
     StandInDeviceDecoder,
     broken_scan,
     reencoded,
     standin_device_decoder,
 )
+from tests.support.markers import also_on_gpu
 from worker.engine import ItemError
 from worker.plugins import (
     PluginError,

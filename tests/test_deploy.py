@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 from cfnlint.decode import decode
 
-from tests.conftest import REPO, Aws, run_daemon
+from tests.support.aws import Aws
+from tests.support.daemons import run_daemon
+from tests.support.paths import REPO
 from worker.demo import upload_samples
 from worker.jobs.checkpoints import (
     CANCEL_MARKER,

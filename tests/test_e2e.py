@@ -13,8 +13,12 @@ import pytest
 from PIL import Image
 
 from stages.synthetic import LABELS, boards
-from tests.conftest import REPO, Aws, also_on_gpu, enqueue_command, following, run_daemon
+from tests.support.aws import Aws
+from tests.support.daemons import run_daemon
 from tests.support.faults import broken_scan, reencoded
+from tests.support.jobs import enqueue_command, following
+from tests.support.markers import also_on_gpu
+from tests.support.paths import REPO
 from worker.demo import Stack, upload_samples
 
 pytestmark = pytest.mark.e2e

@@ -17,7 +17,8 @@ from PIL import Image
 
 from bench.run import peak_rss, tree_rss_mb
 from stages.synthetic import samples
-from tests.conftest import Aws, DaemonProcess, run_daemon
+from tests.support.aws import Aws
+from tests.support.daemons import DaemonProcess, run_daemon
 from tests.support.faultproxy import FaultProxy, Request
 from tests.support.faults import MAGENTA
 from worker.demo import Stack, upload_samples

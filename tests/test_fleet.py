@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Aws
+from tests.support.aws import Aws
 from tests.support.fakeaws import FakeEcsAgent, FakeImds
 from tests.support.faultproxy import FaultProxy
 from tests.test_faults import (

@@ -14,7 +14,7 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from tests.conftest import Aws
+from tests.support.aws import Aws
 from tests.support.fakeaws import FakeImds
 from tests.support.faultproxy import Fault, FaultProxy
 from tests.test_daemon import _images, _output, _send

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.conftest import Aws, DaemonProcess
+from tests.support.aws import Aws
+from tests.support.daemons import DaemonProcess
 from tests.support.fakeaws import FakeImds
 from tests.support.faultproxy import Fault, FaultProxy, Request
 from tests.support.faults import BREAK_MODEL_FILE, MAGENTA

@@ -17,7 +17,7 @@ from stages.model import default_classifier
 from stages.postprocess import top_k
 from stages.preprocess import default_preprocessor
 from stages.synthetic import LABELS, samples
-from tests.conftest import also_on_gpu
+from tests.support.markers import also_on_gpu
 from tests.support.stagefns import SizeRecorder
 from worker.engine import ItemError, bisection_sizes
 from worker.plugins import (

@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from tests.conftest import REPO, Aws, following, run_daemon
+from tests.support.aws import Aws
+from tests.support.daemons import run_daemon
 from tests.support.faultproxy import Fault, FaultProxy
+from tests.support.jobs import following
+from tests.support.paths import REPO
 from tests.test_daemon import _images, _output, _run, _send
 from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
 from tests.test_interruptions import _run_while, _settings, _wait_until

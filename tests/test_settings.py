@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from worker.cli import build_parser
 from worker.plugins import inference_devices
 from worker.settings import Settings, settings_from_flags

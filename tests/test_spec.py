@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from worker.plugins import ModelIdentity, PluginError, load_fan_out, pipeline_identity
 from worker.plugins.spec import FanOutStep, ModelStep, PipelineSpec
 from worker.settings import Settings
