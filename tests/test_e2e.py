@@ -14,7 +14,7 @@ from PIL import Image
 
 from stages.synthetic import LABELS, boards
 from tests.support.aws import Aws
-from tests.support.daemons import run_daemon
+from tests.support.daemons import daemon_args, run_daemon
 from tests.support.faults import broken_scan, reencoded
 from tests.support.jobs import enqueue_command, following
 from tests.support.markers import also_on_gpu
@@ -25,17 +25,9 @@ pytestmark = pytest.mark.e2e
 
 
 def _drain_args(stack: Stack, log_dir: Path, *more: str) -> list[str]:
-    """`run` flags for a daemon that empties the stack's queue and exits."""
-    return [
-        "--queue-url",
-        stack.queue_url,
-        "--drain",
-        "--receive-wait-seconds",
-        "1",
-        "--log-dir",
-        str(log_dir),
-        *more,
-    ]
+    """`run` flags for a daemon that empties the stack's queue and exits (no dead-letter
+    queue unless `more` names one)."""
+    return daemon_args(stack, log_dir, "--drain", *more, dlq=False)
 
 
 def _last_modified(aws: Aws, output: str, name: str) -> Any:

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support import stagefns
+from tests.support.timing import wait_until
 from worker import engine
 from worker.engine import (
     Item,
@@ -483,7 +484,7 @@ def test_a_finish_step_that_fails_known_good_input_is_a_broken_worker(tmp_path: 
         marker.touch()
         for index in range(2):
             pipeline.submit(Item("k", index, index))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert [broken.startswith("WorkerFault") for broken in observer.broken] == [True]
     assert "libpostprocess.so" in observer.broken[0]
 
@@ -619,12 +620,13 @@ def test_a_stage_grows_while_the_next_one_waits_and_shrinks_back_once_idle() -> 
         feeder.join()
         assert ("preprocess", 3) in observer.workers
         # A shrink counts at once; the scaler reports it to the observer just after.
-        _wait_until(
+        wait_until(
             lambda: (
                 pipeline.worker_counts()["preprocess"] == 1
                 and observer.workers[-1] == ("preprocess", 1)
             ),
             timeout_s=20,
+            every_s=0.05,
         )
         assert pipeline.worker_counts() == {"preprocess": 1, "inference": 1}
         assert pipeline.dead_stages() == []
@@ -689,13 +691,6 @@ def test_setup_failure_is_reported_at_start() -> None:
         pipeline.start()
 
 
-def _wait_until(condition: Any, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_stage_failing_known_good_input_is_broken_and_no_item_is_blamed(
     tmp_path: Path,
 ) -> None:
@@ -716,7 +711,7 @@ def test_a_stage_failing_known_good_input_is_broken_and_no_item_is_blamed(
         marker.touch()
         for index in range(4):
             pipeline.submit(Item("k", index, index))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert [broken.startswith("WorkerFault") for broken in observer.broken] == [True]
     assert observer.suspects == [frozenset({"k"})]
     assert "a fresh worker failed the same way" in observer.broken[0]
@@ -746,7 +741,7 @@ def test_an_item_that_kills_every_worker_is_blamed_only_if_the_probe_passes() ->
     stages = [ProcessStage("preprocess", stagefns.doomed_writer, writes=TensorArena((2,), slots=4))]
     with Pipeline(stages, observer) as pipeline:
         pipeline.submit(Item("j", 0, 0))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert "WorkerFault" in observer.broken[0] and "failed its probe" in observer.broken[0]
 
 
@@ -795,7 +790,7 @@ def test_a_stage_thread_that_raises_reports_the_stage_broken() -> None:
     observer = Exploding()
     with Pipeline([ThreadStage("fetch", lambda values: values)], observer) as pipeline:
         pipeline.submit(Item("j", 0, 0))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert observer.broken == ["RuntimeError: bookkeeping bug"]
 
 
@@ -880,7 +875,7 @@ def test_a_fetch_that_fails_inputs_fetched_before_too_is_a_broken_worker(
         marker.touch()
         for index in range(4):
             pipeline.submit(Item("k", index, f"v{index}"))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert observer.broken[0].startswith("WorkerFault"), observer.broken
     assert "inputs that passed fetch before fail too: PermissionError" in observer.broken[0]
     assert observer.suspects == [frozenset({"k"})]
@@ -903,7 +898,7 @@ def test_a_fetch_step_that_never_fetched_an_input_blames_none_and_stops_on_a_thi
         assert all("no input passed fetch before" in r.error.message for r in untold if r.error)
         assert observer.broken == []
         pipeline.submit(Item("l", 0, "v0"))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert "none was ever prepared" in observer.broken[0]
     assert observer.suspects == [frozenset({"j", "k", "l"})]
 
@@ -937,7 +932,7 @@ def test_a_fan_out_that_fails_an_image_it_cut_up_before_is_a_broken_worker(
         assert all(r.error is None for r in cut)
         marker.touch()
         pipeline.submit(Item("k", 0, 5))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert observer.broken[0].startswith("WorkerFault"), observer.broken
     assert "the fan-out's process is broken" in observer.broken[0]
     assert observer.suspects == [frozenset({"k"})]

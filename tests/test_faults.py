@@ -4,12 +4,10 @@ the `start_daemon` fixture or `run_daemon`, that no process of the daemon outliv
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,71 +16,25 @@ from PIL import Image
 from bench.run import peak_rss, tree_rss_mb
 from stages.synthetic import samples
 from tests.support.aws import Aws
-from tests.support.daemons import DaemonProcess, run_daemon
+from tests.support.daemons import (
+    StartDaemon,
+    daemon_args,
+    run_daemon,
+    slow_model_flags,
+)
 from tests.support.faultproxy import FaultProxy, Request
-from tests.support.faults import MAGENTA
-from worker.demo import Stack, upload_samples
+from tests.support.faults import MAGENTA, png_bytes
+from tests.support.jobs import assert_complete, job_output, send_jobs, upload
+from worker.demo import upload_samples
 from worker.jobs.results import FINISH_ATTEMPTS
 
 pytestmark = pytest.mark.e2e
-
-StartDaemon = Callable[..., DaemonProcess]
-
-
-def _args(stack: Stack, log_dir: Path, *more: str) -> list[str]:
-    return [
-        "--queue-url",
-        stack.queue_url,
-        "--dlq-url",
-        stack.dlq_url,
-        "--receive-wait-seconds",
-        "1",
-        "--log-dir",
-        str(log_dir),
-        *more,
-    ]
-
-
-def _slow_model(batch_size: int) -> list[str]:
-    """Flags for the model that sleeps SLOW_MODEL_SECONDS_PER_BATCH per batch."""
-    return ["--model", "tests.support.slow_model:factory", "--batch-size", str(batch_size)]
-
-
-def _send_jobs(aws: Aws, stack: Stack, jobs: dict[str, list[str]]) -> None:
-    for job_id, inputs in jobs.items():
-        aws.send(
-            stack.queue_url, {"job_id": job_id, "inputs": inputs, "output": _out(stack, job_id)}
-        )
-
-
-def _out(stack: Stack, job_id: str) -> str:
-    return f"s3://{stack.bucket}/out/{job_id}/"
 
 
 def _local_log(log_dir: Path, job_id: str) -> Path:
     """The job's log on this machine (named by its id and its output)."""
     [path] = log_dir.glob(f"{job_id}.*.log")
     return path
-
-
-def _put(aws: Aws, stack: Stack, key: str, data: bytes) -> str:
-    aws.s3.put_object(Bucket=stack.bucket, Key=key, Body=data)
-    return f"s3://{stack.bucket}/{key}"
-
-
-def _png(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _assert_complete(aws: Aws, stack: Stack, job_id: str, inputs: list[str]) -> None:
-    """One results line per input, in order, a log, and job.json: the job ran once."""
-    output = _out(stack, job_id)
-    assert {"job.json", "job.log", "results.jsonl"} <= set(aws.names(output))
-    assert [r["input"] for r in aws.results(output)] == inputs
-    assert [r["index"] for r in aws.results(output)] == list(range(len(inputs)))
-    assert aws.summary(output)["status"] == "succeeded"
 
 
 def test_forged_continuation_attributes_poison_their_own_message_alone(
@@ -99,15 +51,15 @@ def test_forged_continuation_attributes_poison_their_own_message_alone(
     victim = aws.sqs.send_message(
         QueueUrl=stack.queue_url,
         MessageBody=json.dumps(
-            {"job_id": "good-0", "inputs": jobs["good-0"], "output": _out(stack, "good-0")}
+            {"job_id": "good-0", "inputs": jobs["good-0"], "output": job_output(stack, "good-0")}
         ),
     )["MessageId"]
-    _send_jobs(aws, stack, {job_id: jobs[job_id] for job_id in ("good-1", "good-2")})
+    send_jobs(aws, stack, {job_id: jobs[job_id] for job_id in ("good-1", "good-2")})
 
     def forge(name: str, attribute: str, value: str, **body: str) -> None:
         aws.sqs.send_message(
             QueueUrl=stack.queue_url,
-            MessageBody=json.dumps({**body, "inputs": uris[:1], "output": _out(stack, name)}),
+            MessageBody=json.dumps({**body, "inputs": uris[:1], "output": job_output(stack, name)}),
             MessageAttributes={attribute: {"DataType": "String", "StringValue": value}},
         )
 
@@ -117,11 +69,11 @@ def test_forged_continuation_attributes_poison_their_own_message_alone(
     forge("hijack", "worker.handed-over-from", victim, job_id="hijack")
 
     log_dir = tmp_path / "logs"
-    run = run_daemon(aws, _args(stack, log_dir, "--drain"))
+    run = run_daemon(aws, daemon_args(stack, log_dir, "--drain"))
     assert run.returncode == 0, run.stderr[-3000:]
     for job_id in ("good-0", "good-1", "good-2"):
-        _assert_complete(aws, stack, job_id, jobs[job_id])
-    _assert_complete(aws, stack, "hijack", uris[:1])
+        assert_complete(aws, stack, job_id, jobs[job_id])
+    assert_complete(aws, stack, "hijack", uris[:1])
     reasons = sorted(
         message["MessageAttributes"]["reason"]["StringValue"]
         for message in aws.dead_letters(stack.dlq_url)
@@ -147,14 +99,14 @@ def test_a_huge_input_and_a_huge_manifest_leave_the_daemons_memory_alone(
     much as the smaller of the two."""
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 12, seed=4))
-    huge_input = _put(aws, stack, "huge/input.bin", bytes(300 * 2**20))
+    huge_input = upload(aws, stack, "huge/input.bin", bytes(300 * 2**20))
     line = f"{uris[0]}\n".encode()
-    huge_manifest = _put(aws, stack, "huge/manifest.txt", line * (120 * 2**20 // len(line)))
+    huge_manifest = upload(aws, stack, "huge/manifest.txt", line * (120 * 2**20 // len(line)))
     jobs = {"first": uris[:6], "second": uris[6:]}
-    _send_jobs(aws, stack, {**jobs, "with-huge": [uris[0], huge_input, uris[1]]})
-    aws.send(stack.queue_url, {"manifest": huge_manifest, "output": _out(stack, "long")})
+    send_jobs(aws, stack, {**jobs, "with-huge": [uris[0], huge_input, uris[1]]})
+    aws.send(stack.queue_url, {"manifest": huge_manifest, "output": job_output(stack, "long")})
 
-    daemon = start_daemon(_args(stack, tmp_path, "--drain"))
+    daemon = start_daemon(daemon_args(stack, tmp_path, "--drain"))
     daemon.wait_for("daemon_started")
     started_mb = tree_rss_mb(daemon.pid)
     with peak_rss(daemon.pid, every_s=0.05) as peak_mb:
@@ -164,8 +116,8 @@ def test_a_huge_input_and_a_huge_manifest_leave_the_daemons_memory_alone(
     assert grew_mb < 100, (started_mb, peak_mb)
 
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
-    huge = aws.results(_out(stack, "with-huge"))
+        assert_complete(aws, stack, job_id, inputs)
+    huge = aws.results(job_output(stack, "with-huge"))
     assert huge[1]["error"] == {
         "type": "ObjectTooLarge",
         "message": f"too large: {300 * 2**20} bytes, limit {64 * 2**20}",
@@ -189,15 +141,15 @@ def test_bad_inputs_and_poison_messages_fail_alone(
     good = list(labels)
     jpeg = next(data for _, data in samples(20, seed=9) if data[:2] == b"\xff\xd8")
     bad = {
-        name: _put(aws, stack, f"bad/{name}", data)
+        name: upload(aws, stack, f"bad/{name}", data)
         for name, data in {
             "garbage": b"definitely not an image",
             "truncated": jpeg[: len(jpeg) // 3],
-            "bomb": _png(Image.new("L", (30_000, 30_000))),
+            "bomb": png_bytes(Image.new("L", (30_000, 30_000))),
             "hang": b"FAULT:hang",
             "segfault": b"FAULT:segfault",
             "sigkill": b"FAULT:sigkill",
-            "magenta": _png(Image.new("RGB", (64, 64), MAGENTA)),
+            "magenta": png_bytes(Image.new("RGB", (64, 64), MAGENTA)),
         }.items()
     }
     missing = f"s3://{stack.bucket}/bad/missing"
@@ -214,11 +166,11 @@ def test_bad_inputs_and_poison_messages_fail_alone(
         9: "ValueError",
     }
     jobs = {f"good-{n}": good[3 + n * 11 : 14 + n * 11] for n in range(5)}
-    _send_jobs(aws, stack, {"mixed": mixed, **jobs, "killer": [bad["sigkill"]]})
+    send_jobs(aws, stack, {"mixed": mixed, **jobs, "killer": [bad["sigkill"]]})
 
-    empty = _put(aws, stack, "manifests/empty.txt", b"\n")
-    too_long = _put(aws, stack, "manifests/long.txt", "\n".join([good[0]] * 61).encode())
-    output = _out(stack, "poison")
+    empty = upload(aws, stack, "manifests/empty.txt", b"\n")
+    too_long = upload(aws, stack, "manifests/long.txt", "\n".join([good[0]] * 61).encode())
+    output = job_output(stack, "poison")
     poison: list[str | dict[str, object]] = [
         "{not json",
         {"inputs": [good[0]], "output": output, "colour": "red"},
@@ -233,7 +185,7 @@ def test_bad_inputs_and_poison_messages_fail_alone(
         aws.send(stack.queue_url, body)
 
     daemon = start_daemon(
-        _args(
+        daemon_args(
             stack,
             tmp_path,
             "--drain",
@@ -253,33 +205,37 @@ def test_bad_inputs_and_poison_messages_fail_alone(
     broken = daemon.events("worker_broken") + daemon.events("stage_thread_failed")
     assert exit_code == 0, (broken, daemon.stderr[-3000:])
 
-    results = aws.results(_out(stack, "mixed"))
+    results = aws.results(job_output(stack, "mixed"))
     assert [r["input"] for r in results] == mixed
     errors = {r["index"]: r["error"]["type"] for r in results if "error" in r}
     assert set(errors) == set(expected_errors)
     assert all(errors[i] == kind for i, kind in expected_errors.items() if kind), errors
-    summary = aws.summary(_out(stack, "mixed"))
+    summary = aws.summary(job_output(stack, "mixed"))
     assert (summary["status"], summary["succeeded"], summary["failed"]) == ("partial", 3, 8)
-    events = aws.log_events(_out(stack, "mixed"))
+    events = aws.log_events(job_output(stack, "mixed"))
     assert sum(e["event"] == "item_failed" for e in events) == 8
     lost = [e["reason"] for e in events if e["event"] == "worker_lost"]
     assert any("exited with code -9" in r for r in lost), lost  # SIGKILL
     assert any("exited with code -11" in r for r in lost), lost  # SIGSEGV
     assert any("gave no answer" in r for r in lost), lost  # the hang
 
-    killer = aws.summary(_out(stack, "killer"))
+    killer = aws.summary(job_output(stack, "killer"))
     assert (killer["status"], killer["failed"]) == ("failed", 1)
-    assert aws.results(_out(stack, "killer"))[0]["error"]["type"] == "WorkerDied"
+    assert aws.results(job_output(stack, "killer"))[0]["error"]["type"] == "WorkerDied"
 
     correct = 0
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
-        correct += sum(r["label"] == labels[r["input"]] for r in aws.results(_out(stack, job_id)))
+        assert_complete(aws, stack, job_id, inputs)
+        correct += sum(
+            r["label"] == labels[r["input"]] for r in aws.results(job_output(stack, job_id))
+        )
     assert correct / sum(map(len, jobs.values())) >= 0.95
 
     # Batches over 8 ran out of memory: split, and the batch size lowered; no item lost.
     assert daemon.events("batch_size_lowered")[0]["batch_size"] <= 8
-    all_events = [e["event"] for job in ["mixed", *jobs] for e in aws.log_events(_out(stack, job))]
+    all_events = [
+        e["event"] for job in ["mixed", *jobs] for e in aws.log_events(job_output(stack, job))
+    ]
     assert "out_of_memory" in all_events
 
     # Preprocessing workers were replaced; the model was loaded once, never again.
@@ -302,9 +258,9 @@ def test_killed_inference_process_is_restarted_and_its_batch_retried(
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 48, seed=4))
     jobs = {f"job-{n}": uris[n * 8 : n * 8 + 8] for n in range(6)}
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     daemon = start_daemon(
-        _args(stack, tmp_path, "--drain", *_slow_model(4)),
+        daemon_args(stack, tmp_path, "--drain", *slow_model_flags(4)),
         env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.3").env,
     )
     [inference] = [
@@ -316,12 +272,12 @@ def test_killed_inference_process_is_restarted_and_its_batch_retried(
     assert daemon.wait(120) == 0, daemon.stderr[-3000:]
 
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
+        assert_complete(aws, stack, job_id, inputs)
     [lost] = daemon.events("worker_lost")
     assert lost["stage"] == "inference" and "exited with code -9" in lost["reason"]
     started = [e for e in daemon.events("stage_worker_started") if e["stage"] == "inference"]
     assert len(started) == 2 and started[1]["pid"] != inference["pid"]
-    logged = [e for job in jobs for e in aws.log_events(_out(stack, job))]
+    logged = [e for job in jobs for e in aws.log_events(job_output(stack, job))]
     assert any(e["event"] == "worker_lost" and e["stage"] == "inference" for e in logged)
     assert aws.queue_depth(stack.queue_url) == (0, 0)
 
@@ -337,7 +293,7 @@ def test_transient_errors_are_retried_and_an_unuploadable_job_goes_to_the_dlq(
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 20, seed=6))
     jobs = {f"flaky-{n}": uris[n * 5 : n * 5 + 5] for n in range(4)}
-    _send_jobs(aws, stack, {**jobs, "doomed": uris[:2]})
+    send_jobs(aws, stack, {**jobs, "doomed": uris[:2]})
 
     proxy = FaultProxy(aws.endpoint)  # the first fault that matches a request applies
     proxy.fail("doomed_upload", _doomed_upload, times=None)
@@ -347,7 +303,7 @@ def test_transient_errors_are_retried_and_an_unuploadable_job_goes_to_the_dlq(
     with proxy.serving() as proxy_url:
         run = run_daemon(
             aws.with_endpoint(proxy_url),
-            _args(
+            daemon_args(
                 stack,
                 tmp_path,
                 "--drain",
@@ -365,9 +321,9 @@ def test_transient_errors_are_retried_and_an_unuploadable_job_goes_to_the_dlq(
     assert proxy.injected["doomed_upload"] == 3 * FINISH_ATTEMPTS * 3
     assert proxy.injected["receive"] == 2
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
-        assert aws.summary(_out(stack, job_id))["attempt"] == 1
-    assert "job.json" not in aws.names(_out(stack, "doomed"))
+        assert_complete(aws, stack, job_id, inputs)
+        assert aws.summary(job_output(stack, job_id))["attempt"] == 1
+    assert "job.json" not in aws.names(job_output(stack, "doomed"))
     [dead] = aws.dead_letters(stack.dlq_url)
     assert json.loads(dead["Body"])["job_id"] == "doomed"
     local_log = _local_log(tmp_path, "doomed").read_text()
@@ -387,13 +343,13 @@ def test_sigterm_finishes_or_releases_everything_within_the_grace_period(
     stack = aws.stack(visibility_timeout_s=60)
     uris = list(upload_samples(aws.s3, stack.bucket, 24, seed=8))
     jobs = {f"job-{n}": uris[n * 4 : n * 4 + 4] for n in range(6)}
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     grace_s = 3
     daemon = start_daemon(
-        _args(
+        daemon_args(
             stack,
             tmp_path,
-            *_slow_model(2),
+            *slow_model_flags(2),
             "--grace-seconds",
             str(grace_s),
             "--visibility-timeout-seconds",
@@ -408,9 +364,9 @@ def test_sigterm_finishes_or_releases_everything_within_the_grace_period(
     assert daemon.wait(60) == 0, daemon.stderr[-3000:]
     assert time.monotonic() - signalled < grace_s + 10
 
-    done = {job for job in jobs if "job.json" in aws.names(_out(stack, job))}
+    done = {job for job in jobs if "job.json" in aws.names(job_output(stack, job))}
     for job in set(jobs) - done:
-        assert "results.jsonl" not in aws.names(_out(stack, job))
+        assert "results.jsonl" not in aws.names(job_output(stack, job))
     # A job whose job.json was being written as the grace ran out can be both complete
     # and handed back: its next delivery finds it done and acks it.
     released = {e["job_id"] for e in daemon.events("job_released")}
@@ -426,9 +382,9 @@ def test_second_signal_cuts_the_grace_period_short(
     the jobs at once and exits 0."""
     stack = aws.stack(visibility_timeout_s=60)
     uris = list(upload_samples(aws.s3, stack.bucket, 8, seed=9))
-    _send_jobs(aws, stack, {"a": uris[:4], "b": uris[4:]})
+    send_jobs(aws, stack, {"a": uris[:4], "b": uris[4:]})
     daemon = start_daemon(
-        _args(stack, tmp_path, *_slow_model(1)),
+        daemon_args(stack, tmp_path, *slow_model_flags(1)),
         env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="2.0").env,
     )
     daemon.wait_for("job_received", 2)
@@ -453,30 +409,30 @@ def test_sigkill_of_the_daemon_loses_nothing(
     stack = aws.stack(visibility_timeout_s=12)
     uris = list(upload_samples(aws.s3, stack.bucket, 180, seed=10))
     jobs = {f"job-{n:02d}": uris[n * 6 : n * 6 + 6] for n in range(30)}
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     lease = ["--visibility-timeout-seconds", "12", "--heartbeat-interval-seconds", "3"]
-    model = _slow_model(4)
+    model = slow_model_flags(4)
     env = aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.1").env
-    first = start_daemon(_args(stack, tmp_path, *lease, *model), env=env)
+    first = start_daemon(daemon_args(stack, tmp_path, *lease, *model), env=env)
     first.wait_for("job_finished", 5)
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     assert first.close() == []  # its children noticed and exited
     assert aws.queue_depth(stack.queue_url)[1] > 0  # the dead daemon's leases
 
-    second = start_daemon(_args(stack, tmp_path, "--drain", *lease, *model), env=env)
+    second = start_daemon(daemon_args(stack, tmp_path, "--drain", *lease, *model), env=env)
     assert second.wait(120) == 0, second.stderr[-3000:]
 
     attempts = []
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
-        assert set(aws.names(_out(stack, job_id))) <= {
+        assert_complete(aws, stack, job_id, inputs)
+        assert set(aws.names(job_output(stack, job_id))) <= {
             "job.json",
             "job.log",
             "results.jsonl",
             "progress.json",
         }
-        attempts.append(aws.summary(_out(stack, job_id))["attempt"])
+        attempts.append(aws.summary(job_output(stack, job_id))["attempt"])
     assert max(attempts) >= 2  # the kill did interrupt jobs in flight
     assert aws.queue_depth(stack.queue_url) == (0, 0)
     assert aws.dead_letters(stack.dlq_url) == []
@@ -490,14 +446,14 @@ def test_job_reaching_the_lease_ceiling_is_released_with_a_reason(aws: Aws, tmp_
     `tests/test_resume.py`.)"""
     stack = aws.stack(visibility_timeout_s=2)
     uris = list(upload_samples(aws.s3, stack.bucket, 1, seed=12))
-    _send_jobs(aws, stack, {"endless": uris})
+    send_jobs(aws, stack, {"endless": uris})
     run = run_daemon(
         aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="6"),
-        _args(
+        daemon_args(
             stack,
             tmp_path,
             "--drain",
-            *_slow_model(1),
+            *slow_model_flags(1),
             "--visibility-timeout-seconds",
             "2",
             "--heartbeat-interval-seconds",
@@ -512,5 +468,5 @@ def test_job_reaching_the_lease_ceiling_is_released_with_a_reason(aws: Aws, tmp_
     assert _local_log(tmp_path, "endless").read_text().count('"lease_ceiling_reached"') == 3
     [dead] = aws.dead_letters(stack.dlq_url)
     assert json.loads(dead["Body"])["job_id"] == "endless"
-    assert "job.json" not in aws.names(_out(stack, "endless"))
+    assert "job.json" not in aws.names(job_output(stack, "endless"))
     assert aws.queue_depth(stack.queue_url) == (0, 0)

@@ -5,20 +5,20 @@ service over HTTP; the daemon as a subprocess against a moto server, and in-proc
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs
 
 import pytest
 
-from tests.support.aws import Aws
-from tests.support.fakeaws import FakeImds
+from tests.support.aws import Aws, ec2_env
+from tests.support.daemons import StartDaemon, daemon_args, slow_model_flags
+from tests.support.fakeaws import FakeImds, metadata_time
 from tests.support.faultproxy import Fault, FaultProxy
-from tests.test_daemon import _images, _output, _send
-from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
+from tests.support.in_process import job_file, run_while, sample_images, send_job, serving_settings
+from tests.support.jobs import job_output, send_jobs
+from tests.support.timing import wait_until
 from worker.adapters import aws as aws_adapters
 from worker.adapters.aws import (
     REBALANCE_RECOMMENDATION_PATH,
@@ -42,11 +42,6 @@ COMPLETE_LIFECYCLE_ACTION_ANSWER = (
 )
 
 
-def _iso(epoch_s: float) -> str:
-    """A time as instance metadata writes it: 2026-11-23T12:00:00Z."""
-    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 @pytest.fixture
 def imds() -> Iterator[tuple[FakeImds, str]]:
     fake = FakeImds("i-0123456789abcdef0", "workers")
@@ -62,7 +57,9 @@ def test_metadata_notices_are_read_with_one_token(imds: tuple[FakeImds, str]) ->
     completed: list[bool] = []
     notices = ImdsNotices(Imds(url), lambda: completed.append(True))
     assert notices.poll() is None
-    fake.paths[REBALANCE_RECOMMENDATION_PATH] = json.dumps({"noticeTime": _iso(time.time())})
+    fake.paths[REBALANCE_RECOMMENDATION_PATH] = json.dumps(
+        {"noticeTime": metadata_time(time.time())}
+    )
     assert notices.poll() == Notice(NoticeKind.REBALANCE, "rebalance-recommendation")
     fake.paths[TARGET_LIFECYCLE_STATE_PATH] = "Terminated"
     scale_in = notices.poll()
@@ -72,7 +69,7 @@ def test_metadata_notices_are_read_with_one_token(imds: tuple[FakeImds, str]) ->
     scale_in.acknowledge()
     assert completed == [True]
     goes_at = int(time.time()) + 120
-    action = {"action": "terminate", "time": _iso(goes_at)}
+    action = {"action": "terminate", "time": metadata_time(goes_at)}
     fake.paths[SPOT_INSTANCE_ACTION_PATH] = json.dumps(action)
     assert notices.poll() == Notice(NoticeKind.TERMINATION, "spot-interruption", goes_at)
     assert fake.token_requests == 1
@@ -162,47 +159,6 @@ class SettableNotices:
         return self.notice
 
 
-def _run_while(daemon: Daemon, drive: Callable[[], None]) -> ExitCode:
-    """Run the daemon on this thread (its signal handlers need the main one) while
-    `drive` acts on it from another; a failure of `drive` stops the daemon and is raised."""
-    failures: list[BaseException] = []
-
-    def guarded() -> None:
-        try:
-            drive()
-        except BaseException as failure:
-            failures.append(failure)
-            daemon.stop()
-
-    thread = threading.Thread(target=guarded, daemon=True)
-    thread.start()
-    reason = daemon.run()
-    thread.join(30)
-    if failures:
-        raise failures[0]
-    return reason
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
-def _settings(tmp_path: Path, **fields: object) -> Settings:
-    return Settings(
-        queue_url="q",
-        receive_wait_seconds=0,
-        log_dir=tmp_path,
-        metrics_port=0,
-        model="tests.support.slow_model:tenth_of_a_second",
-        batch_size=1,
-        notice_poll_seconds=0.05,
-        **fields,  # type: ignore[arg-type]
-    )
-
-
 def test_a_rebalance_recommendation_stops_intake_and_finishes_what_is_held(
     tmp_path: Path,
 ) -> None:
@@ -210,23 +166,23 @@ def test_a_rebalance_recommendation_stops_intake_and_finishes_what_is_held(
     no message is received after the notice, and the daemon keeps serving until it is
     told to stop."""
     source, blobs, notices = InMemoryJobSource(), InMemoryBlobStore(), SettableNotices()
-    uris = _images(blobs, 10)
-    _send(source, "held", uris)
-    daemon = Daemon(_settings(tmp_path), source, blobs, notices=notices)
+    uris = sample_images(blobs, 10)
+    send_job(source, "held", uris)
+    daemon = Daemon(serving_settings(tmp_path), source, blobs, notices=notices)
 
     def drive() -> None:
-        _wait_until(lambda: source.counts().in_flight == 1)
+        wait_until(lambda: source.counts().in_flight == 1)
         notices.notice = Notice(NoticeKind.REBALANCE, "rebalance-recommendation")
-        _wait_until(lambda: "s3://bkt/out/held/job.json" in blobs.objects)
-        _send(source, "late", uris[:1])
+        wait_until(lambda: "s3://bkt/out/held/job.json" in blobs.objects)
+        send_job(source, "late", uris[:1])
         receives = source.receive_calls
         time.sleep(1.0)
         assert source.receive_calls == receives and source.counts().visible == 1
         daemon.stop()
 
     # Signalled, not drained or broken: it was still serving when told to stop.
-    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
-    assert _output(blobs, "held", "job.json")["status"] == "succeeded"
+    assert run_while(daemon, drive) is ExitCode.SIGNALLED
+    assert job_file(blobs, "held", "job.json")["status"] == "succeeded"
     assert source.counts().visible == 1
 
 
@@ -234,9 +190,9 @@ def test_a_daemon_started_under_a_standing_notice_takes_no_work(tmp_path: Path) 
     """The container restarted after a spot notice: the notice is read before the first
     receive, so no job is taken (and handed back, spending a delivery); it exits at once."""
     source, blobs, notices = InMemoryJobSource(), InMemoryBlobStore(), SettableNotices()
-    _send(source, "queued", _images(blobs, 1))
+    send_job(source, "queued", sample_images(blobs, 1))
     notices.notice = Notice(NoticeKind.TERMINATION, "spot-interruption", time.time() + 100)
-    daemon = Daemon(_settings(tmp_path), source, blobs, notices=notices)
+    daemon = Daemon(serving_settings(tmp_path), source, blobs, notices=notices)
     assert daemon.run() is ExitCode.INTERRUPTED
     assert source.receive_calls == 0 and source.counts().visible == 1
 
@@ -245,9 +201,9 @@ def test_a_spot_notice_during_a_shutdown_brings_its_end_forward(tmp_path: Path) 
     """SIGTERM with a 60 s grace, then a spot notice with 2 s left: the daemon does not
     wait out the grace (nor the 15 s the job needs); it hands the job back."""
     source, blobs, notices = InMemoryJobSource(), InMemoryBlobStore(), SettableNotices()
-    _send(source, "long", _images(blobs, 150))
+    send_job(source, "long", sample_images(blobs, 150))
     daemon = Daemon(
-        _settings(tmp_path, grace_seconds=60, interruption_margin_seconds=1),
+        serving_settings(tmp_path, grace_seconds=60, interruption_margin_seconds=1),
         source,
         blobs,
         notices=notices,
@@ -255,25 +211,16 @@ def test_a_spot_notice_during_a_shutdown_brings_its_end_forward(tmp_path: Path) 
     goes_at: list[float] = []
 
     def drive() -> None:
-        _wait_until(lambda: source.counts().in_flight == 1)
+        wait_until(lambda: source.counts().in_flight == 1)
         daemon.stop()
         time.sleep(0.5)
         goes_at.append(time.time() + 2)
         notices.notice = Notice(NoticeKind.TERMINATION, "spot-interruption", goes_at[0])
 
-    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
+    assert run_while(daemon, drive) is ExitCode.SIGNALLED
     assert time.time() < goes_at[0] + 6  # handed back at 1 s before, then the exit
     assert "s3://bkt/out/long/job.json" not in blobs.objects
     assert source.counts().visible == 1
-
-
-def _on_ec2(aws: Aws, imds_url: str, **more: str) -> dict[str, str]:
-    return {
-        **aws.env,
-        "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds_url,
-        "AWS_EC2_METADATA_DISABLED": "false",
-        **more,
-    }
 
 
 @pytest.mark.e2e
@@ -288,14 +235,14 @@ def test_a_spot_notice_finishes_what_can_finish_and_hands_back_the_rest(
     group = f"{stack.bucket}-workers"
     instance_id = aws.auto_scaling_group(group)
     uris = list(upload_samples(aws.s3, stack.bucket, 72, seed=17))
-    _send_jobs(aws, stack, {"short": uris[:2], "long": uris[2:]})
+    send_jobs(aws, stack, {"short": uris[:2], "long": uris[2:]})
     fake = FakeImds(instance_id, group)
     with fake.serving() as imds_url:
         daemon = start_daemon(
-            _args(
+            daemon_args(
                 stack,
                 tmp_path,
-                *_slow_model(1),
+                *slow_model_flags(1),
                 "--notice-poll-seconds",
                 "0.5",
                 "--interruption-margin-seconds",
@@ -305,23 +252,23 @@ def test_a_spot_notice_finishes_what_can_finish_and_hands_back_the_rest(
                 "--visibility-timeout-seconds",
                 "60",
             ),
-            env=_on_ec2(aws, imds_url, SLOW_MODEL_SECONDS_PER_BATCH="0.25"),
+            env=ec2_env(aws, imds_url, SLOW_MODEL_SECONDS_PER_BATCH="0.25"),
         )
         daemon.wait_for("job_received", 2)
         daemon.wait_for("scale_in_protection_set")
         # The long job needs 70 x 0.25 s; the short one at most the batches fed before
         # it, ahead of it in the stages' queues: about 5 s. It has about 10.
         goes_at = int(time.time()) + 16
-        action = {"action": "terminate", "time": _iso(goes_at)}
+        action = {"action": "terminate", "time": metadata_time(goes_at)}
         fake.paths[SPOT_INSTANCE_ACTION_PATH] = json.dumps(action)
         [notice] = daemon.wait_for("interruption_notice")
         time.sleep(1.5)  # a receive under way when it came is over
-        _send_jobs(aws, stack, {"late": uris[:1]})
+        send_jobs(aws, stack, {"late": uris[:1]})
         assert daemon.wait(30) == 0, daemon.stderr[-3000:]
         assert time.time() < goes_at
     assert (notice["kind"], notice["cause"]) == ("termination", "spot-interruption")
-    assert aws.summary(_out(stack, "short"))["status"] == "succeeded"
-    assert "job.json" not in aws.names(_out(stack, "long"))
+    assert aws.summary(job_output(stack, "short"))["status"] == "succeeded"
+    assert "job.json" not in aws.names(job_output(stack, "long"))
     [released] = daemon.events("job_released")
     assert (released["job_id"], released["reason"]) == ("long", "interrupted: spot-interruption")
     [handled] = daemon.events("interruption_handled")
@@ -343,7 +290,7 @@ def test_a_lifecycle_hook_termination_finishes_the_job_then_completes_the_action
     group = f"{stack.bucket}-workers"
     instance_id = aws.auto_scaling_group(group)
     uris = list(upload_samples(aws.s3, stack.bucket, 4, seed=18))
-    _send_jobs(aws, stack, {"held": uris})
+    send_jobs(aws, stack, {"held": uris})
     proxy, fake = FaultProxy(aws.endpoint), FakeImds(instance_id, group)
     # moto has no CompleteLifecycleAction: the proxy answers it as Auto Scaling would.
     proxy.add(
@@ -357,21 +304,21 @@ def test_a_lifecycle_hook_termination_finishes_the_job_then_completes_the_action
     )
     with proxy.serving() as proxy_url, fake.serving() as imds_url:
         daemon = start_daemon(
-            _args(
+            daemon_args(
                 stack,
                 tmp_path,
-                *_slow_model(1),
+                *slow_model_flags(1),
                 "--notice-poll-seconds",
                 "0.5",
                 "--lifecycle-hook-name",
                 "drain-hook",
             ),
-            env=_on_ec2(aws.with_endpoint(proxy_url), imds_url, SLOW_MODEL_SECONDS_PER_BATCH="0.5"),
+            env=ec2_env(aws.with_endpoint(proxy_url), imds_url, SLOW_MODEL_SECONDS_PER_BATCH="0.5"),
         )
         daemon.wait_for("job_received")
         fake.paths[TARGET_LIFECYCLE_STATE_PATH] = "Terminated"
         assert daemon.wait(60) == 0, daemon.stderr[-3000:]
-    assert aws.summary(_out(stack, "held"))["status"] == "succeeded"
+    assert aws.summary(job_output(stack, "held"))["status"] == "succeeded"
     assert not aws.protected(instance_id)
     [completion] = proxy.requests("CompleteLifecycleAction")
     parameters = {name: values[0] for name, values in parse_qs(completion.body).items()}

@@ -17,13 +17,19 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.support.aws import Aws
-from tests.support.daemons import run_daemon
+from tests.support.daemons import StartDaemon, daemon_args, run_daemon, slow_model_flags
 from tests.support.faultproxy import Fault, FaultProxy
-from tests.support.jobs import following
+from tests.support.in_process import (
+    job_file,
+    run_until_drained,
+    run_while,
+    sample_images,
+    send_job,
+    serving_settings,
+)
+from tests.support.jobs import following, job_output, send_jobs
 from tests.support.paths import REPO
-from tests.test_daemon import _images, _output, _run, _send
-from tests.test_faults import StartDaemon, _args, _out, _send_jobs, _slow_model
-from tests.test_interruptions import _run_while, _settings, _wait_until
+from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.demo import upload_samples
@@ -74,23 +80,25 @@ def test_an_interrupted_job_resumes_from_its_checkpoint_and_ends_as_if_uninterru
     holds both deliveries' lines, job.json counts the attempt and the resumed items, and
     the parts are gone."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 40)
-    _send(source, "long", uris)
-    first = Daemon(_settings(tmp_path, checkpoint_items=5, grace_seconds=0), source, blobs)
+    uris = sample_images(blobs, 40)
+    send_job(source, "long", uris)
+    first = Daemon(serving_settings(tmp_path, checkpoint_items=5, grace_seconds=0), source, blobs)
 
     def drive() -> None:
-        _wait_until(lambda: len(_parts(blobs, "long")) >= 4)  # 2 parts of 5 (and 2 logs)
+        wait_until(lambda: len(_parts(blobs, "long")) >= 4)  # 2 parts of 5 (and 2 logs)
         first.stop()
 
-    assert _run_while(first, drive) is ExitCode.SIGNALLED
+    assert run_while(first, drive) is ExitCode.SIGNALLED
     assert "job.json" not in blobs.names("long") and len(source) == 1
     # Handed over as a continuation: a fresh message, which knows the attempt before it.
     [continuation] = source.receive(1, 0, 0)
     assert (continuation.receive_count, continuation.earlier_attempts) == (1, 1)
     read_first = blobs.inputs_read(uris)
 
-    _run(source, blobs, tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=1)
-    summary = _output(blobs, "long", "job.json")
+    run_until_drained(
+        source, blobs, tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=1
+    )
+    summary = job_file(blobs, "long", "job.json")
     read_again = blobs.inputs_read(uris) - read_first
     assert summary["resumed"] >= 10 and read_again == 40 - summary["resumed"]
     # Deliveries: the first, the test's look at the continuation, the one that finished.
@@ -98,13 +106,15 @@ def test_an_interrupted_job_resumes_from_its_checkpoint_and_ends_as_if_uninterru
     assert _parts(blobs, "long") == []
     received = [
         json.loads(line)
-        for line in _output(blobs, "long", "job.log").splitlines()
+        for line in job_file(blobs, "long", "job.log").splitlines()
         if '"job_received"' in line
     ]
     assert [event["attempt"] for event in received] == [1, 3]
 
-    _send(source, "whole", uris)
-    _run(source, blobs, tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=4)
+    send_job(source, "whole", uris)
+    run_until_drained(
+        source, blobs, tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=4
+    )
     whole = blobs.objects["s3://bkt/out/whole/results.jsonl"]
     assert blobs.objects["s3://bkt/out/long/results.jsonl"] == whole
 
@@ -114,23 +124,23 @@ def test_a_job_already_done_is_acked_without_running_it_again(tmp_path: Path) ->
     reads no input and leaves job.json as it was; the same output with other inputs is
     a new job, and runs."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 6)
-    _send(source, "once", uris[:3])
-    _run(source, blobs, tmp_path)
+    uris = sample_images(blobs, 6)
+    send_job(source, "once", uris[:3])
+    run_until_drained(source, blobs, tmp_path)
     summary = blobs.objects["s3://bkt/out/once/job.json"]
     read = blobs.inputs_read(uris)
 
-    _send(source, "once", uris[:3])
+    send_job(source, "once", uris[:3])
     with capture_logs() as logs:
-        _run(source, blobs, tmp_path)
+        run_until_drained(source, blobs, tmp_path)
     assert [entry["job_id"] for entry in logs if entry["event"] == "job_already_done"] == ["once"]
     assert blobs.inputs_read(uris) == read and len(source) == 0
     assert blobs.objects["s3://bkt/out/once/job.json"] == summary
 
-    _send(source, "once", uris[3:])
-    _run(source, blobs, tmp_path)
+    send_job(source, "once", uris[3:])
+    run_until_drained(source, blobs, tmp_path)
     assert blobs.inputs_read(uris) == read + 3
-    assert [r["input"] for r in _output(blobs, "once", "results.jsonl")] == uris[3:]
+    assert [r["input"] for r in job_file(blobs, "once", "results.jsonl")] == uris[3:]
 
     source.send(
         json.dumps(
@@ -142,9 +152,9 @@ def test_a_job_already_done_is_acked_without_running_it_again(tmp_path: Path) ->
             }
         )
     )
-    _run(source, blobs, tmp_path)  # other params: another request
+    run_until_drained(source, blobs, tmp_path)  # other params: another request
     assert blobs.inputs_read(uris) == read + 6
-    assert len(_output(blobs, "once", "results.jsonl")[0]["topk"]) == 1
+    assert len(job_file(blobs, "once", "results.jsonl")[0]["topk"]) == 1
 
 
 def test_outputs_left_mixed_by_two_deliveries_are_redone_whole(tmp_path: Path) -> None:
@@ -152,16 +162,16 @@ def test_outputs_left_mixed_by_two_deliveries_are_redone_whole(tmp_path: Path) -
     another delivery's results.jsonl has landed since (two deliveries raced, each fenced
     on one file), the job does not count as done, and the next delivery redoes it."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 3)
-    _send(source, "mixed", uris)
-    _run(source, blobs, tmp_path)
+    uris = sample_images(blobs, 3)
+    send_job(source, "mixed", uris)
+    run_until_drained(source, blobs, tmp_path)
     blobs.objects["s3://bkt/out/mixed/results.jsonl"] = b'{"index": 0, "from": "elsewhere"}\n'
-    _send(source, "mixed", uris)
+    send_job(source, "mixed", uris)
     with capture_logs() as logs:
-        _run(source, blobs, tmp_path)
+        run_until_drained(source, blobs, tmp_path)
     assert not [entry for entry in logs if entry["event"] == "job_already_done"]
-    assert [r["input"] for r in _output(blobs, "mixed", "results.jsonl")] == uris
-    recorded = _output(blobs, "mixed", "job.json")["outputs"]
+    assert [r["input"] for r in job_file(blobs, "mixed", "results.jsonl")] == uris
+    recorded = job_file(blobs, "mixed", "job.json")["outputs"]
     listed = blobs.objects_under(S3Location.parse("s3://bkt/out/mixed/"))
     assert recorded == {name: listed[name] for name in ("results.jsonl", "job.log")}
 
@@ -171,10 +181,10 @@ def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> 
     stops (a health check failing while it runs): its job is released, not handed over,
     so its receive counts and a job that can never move reaches the DLQ."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 2)
-    _send(source, "stuck", uris)
+    uris = sample_images(blobs, 2)
+    send_job(source, "stuck", uris)
     daemon = Daemon(
-        _settings(tmp_path, grace_seconds=0).model_copy(
+        serving_settings(tmp_path, grace_seconds=0).model_copy(
             update={"model": "tests.support.slow_model:five_seconds"}
         ),
         source,
@@ -182,10 +192,10 @@ def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> 
     )
 
     def drive() -> None:
-        _wait_until(lambda: blobs.inputs_read(uris) >= 1)
+        wait_until(lambda: blobs.inputs_read(uris) >= 1)
         daemon.stop()
 
-    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
+    assert run_while(daemon, drive) is ExitCode.SIGNALLED
     [again] = source.receive(1, 0, 30)
     assert (again.receive_count, again.earlier_attempts) == (2, 0)
 
@@ -196,9 +206,9 @@ def test_an_array_job_stopped_part_way_is_released_and_counts(tmp_path: Path) ->
     forward: it is released, not handed over, and a job whose arrays can never be
     finished within a delivery reaches the DLQ instead of going round forever."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 12)
-    _send(source, "arrays", uris)
-    settings = _settings(
+    uris = sample_images(blobs, 12)
+    send_job(source, "arrays", uris)
+    settings = serving_settings(
         tmp_path,
         grace_seconds=0,
         postprocess="stages.postprocess:embedding",
@@ -208,10 +218,10 @@ def test_an_array_job_stopped_part_way_is_released_and_counts(tmp_path: Path) ->
     progress = "s3://bkt/out/arrays/progress.json"
 
     def drive() -> None:
-        _wait_until(lambda: json.loads(blobs.objects.get(progress, b"{}")).get("finished", 0) >= 3)
+        wait_until(lambda: json.loads(blobs.objects.get(progress, b"{}")).get("finished", 0) >= 3)
         daemon.stop()
 
-    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
+    assert run_while(daemon, drive) is ExitCode.SIGNALLED
     [again] = source.receive(1, 0, 30)
     assert (again.receive_count, again.earlier_attempts) == (2, 0)
 
@@ -223,9 +233,11 @@ def test_a_delivery_beaten_to_its_outputs_is_fenced_off_and_overwrites_nothing(
     job's outputs while this one runs: this one's conditional write fails, it logs
     `job_fenced` and writes nothing more; its message, given back, is then found done."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 2)
-    _send(source, "other", uris)
-    _run(source, blobs, tmp_path)  # "other" is what the newer delivery will have written
+    uris = sample_images(blobs, 2)
+    send_job(source, "other", uris)
+    run_until_drained(
+        source, blobs, tmp_path
+    )  # "other" is what the newer delivery will have written
     theirs = {
         name: blobs.objects[f"s3://bkt/out/other/{name}"]
         for name in ("results.jsonl", "job.log", "job.json")
@@ -236,9 +248,9 @@ def test_a_delivery_beaten_to_its_outputs_is_fenced_off_and_overwrites_nothing(
             blobs.objects[f"s3://bkt/out/raced/{name}"] = data
 
     blobs.before_put["s3://bkt/out/raced/results.jsonl"] = newer_delivery_writes
-    _send(source, "raced", uris)
+    send_job(source, "raced", uris)
     with capture_logs() as logs:
-        _run(source, blobs, tmp_path)
+        run_until_drained(source, blobs, tmp_path)
     assert [entry["job_id"] for entry in logs if entry["event"] == "job_fenced"] == ["raced"]
     assert [entry["job_id"] for entry in logs if entry["event"] == "job_already_done"] == ["raced"]
     for name, data in theirs.items():
@@ -248,38 +260,38 @@ def test_a_delivery_beaten_to_its_outputs_is_fenced_off_and_overwrites_nothing(
 
 def test_a_job_cancelled_while_queued_is_acked_without_work(tmp_path: Path) -> None:
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 5)
+    uris = sample_images(blobs, 5)
     blobs.objects[f"s3://bkt/out/queued/{CANCEL_MARKER}"] = b"{}"
-    _send(source, "queued", uris)
-    _run(source, blobs, tmp_path)
-    summary = _output(blobs, "queued", "job.json")
+    send_job(source, "queued", uris)
+    run_until_drained(source, blobs, tmp_path)
+    summary = job_file(blobs, "queued", "job.json")
     assert (summary["status"], summary["items"], summary["succeeded"]) == ("cancelled", 5, 0)
     assert blobs.objects["s3://bkt/out/queued/results.jsonl"] == b""
     assert blobs.inputs_read(uris) == 0 and len(source) == 0
 
-    _send(source, "queued", uris)  # sent again while the cancel stands: cancelled again
-    _run(source, blobs, tmp_path)
+    send_job(source, "queued", uris)  # sent again while the cancel stands: cancelled again
+    run_until_drained(source, blobs, tmp_path)
     assert blobs.inputs_read(uris) == 0 and len(source) == 0
     del blobs.objects[f"s3://bkt/out/queued/{CANCEL_MARKER}"]
-    _send(source, "queued", uris)  # the cancel withdrawn: it runs
-    _run(source, blobs, tmp_path)
-    assert _output(blobs, "queued", "job.json")["status"] == "succeeded"
+    send_job(source, "queued", uris)  # the cancel withdrawn: it runs
+    run_until_drained(source, blobs, tmp_path)
+    assert job_file(blobs, "queued", "job.json")["status"] == "succeeded"
 
 
 def test_a_cancel_that_names_a_job_id_is_for_that_job_alone(tmp_path: Path) -> None:
     """`worker cancel --job-id`: a `cancel` naming another job is no cancel for this one
     (it runs, and the daemon logs it); one naming it is."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 3)
+    uris = sample_images(blobs, 3)
     for job_id, meant_for in (("other", "someone-else"), ("named", "named")):
         blobs.objects[f"s3://bkt/out/{job_id}/{CANCEL_MARKER}"] = json.dumps(
             {"job_id": meant_for}
         ).encode()
-        _send(source, job_id, uris)
+        send_job(source, job_id, uris)
     with capture_logs() as logs:
-        _run(source, blobs, tmp_path)
-    assert _output(blobs, "other", "job.json")["status"] == "succeeded"
-    assert _output(blobs, "named", "job.json")["status"] == "cancelled"
+        run_until_drained(source, blobs, tmp_path)
+    assert job_file(blobs, "other", "job.json")["status"] == "succeeded"
+    assert job_file(blobs, "named", "job.json")["status"] == "cancelled"
     ignored = [e for e in logs if e["event"] == "cancel_for_another_job"]
     assert ignored and ignored[0]["cancel_job_id"] == "someone-else"
 
@@ -288,26 +300,26 @@ def test_a_running_job_is_cancelled_within_one_progress_interval(tmp_path: Path)
     """The job stops being fed; job.json says `cancelled` with what was finished, those
     results are in results.jsonl in input order, and the message is deleted."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 60)
-    _send(source, "running", uris)
+    uris = sample_images(blobs, 60)
+    send_job(source, "running", uris)
     # Few inputs fetched ahead of the model, so the cancel lands before all are read.
-    settings = _settings(tmp_path, progress_interval_seconds=0.2, fetch_concurrency=2)
+    settings = serving_settings(tmp_path, progress_interval_seconds=0.2, fetch_concurrency=2)
     daemon = Daemon(settings, source, blobs)
     asked_at: list[float] = []
 
     def drive() -> None:
-        _wait_until(lambda: blobs.inputs_read(uris) >= 5)
+        wait_until(lambda: blobs.inputs_read(uris) >= 5)
         blobs.objects[f"s3://bkt/out/running/{CANCEL_MARKER}"] = b"{}"
         asked_at.append(time.monotonic())
-        _wait_until(lambda: "s3://bkt/out/running/job.json" in blobs.objects)
+        wait_until(lambda: "s3://bkt/out/running/job.json" in blobs.objects)
         asked_at.append(time.monotonic())
-        _wait_until(lambda: len(source) == 0)
+        wait_until(lambda: len(source) == 0)
         daemon.stop()
 
-    assert _run_while(daemon, drive) is ExitCode.SIGNALLED
+    assert run_while(daemon, drive) is ExitCode.SIGNALLED
     assert asked_at[1] - asked_at[0] < 1.5  # one 0.2 s interval, and the writes
-    summary = _output(blobs, "running", "job.json")
-    results = _output(blobs, "running", "results.jsonl")
+    summary = job_file(blobs, "running", "job.json")
+    results = job_file(blobs, "running", "results.jsonl")
     assert summary["status"] == "cancelled" and 0 < summary["succeeded"] < 60
     assert len(results) == summary["succeeded"]
     assert [r["index"] for r in results] == sorted(r["index"] for r in results)
@@ -329,8 +341,8 @@ def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
     inputs not done, nothing is dead-lettered, and no checkpoint is left."""
     stack = aws.stack(max_receive_count=1)
     uris = list(upload_samples(aws.s3, stack.bucket, 40, seed=21))
-    _send_jobs(aws, stack, {"long": uris})
-    args = _args(stack, tmp_path, *_slow_model(1), "--grace-seconds", "0")
+    send_jobs(aws, stack, {"long": uris})
+    args = daemon_args(stack, tmp_path, *slow_model_flags(1), "--grace-seconds", "0")
     first, again = FaultProxy(aws.endpoint), FaultProxy(aws.endpoint)
     with first.serving() as first_url:
         daemon = start_daemon(
@@ -340,7 +352,7 @@ def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
         time.sleep(2.5)
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(30) == 0, daemon.stderr[-3000:]
-    output = _out(stack, "long")
+    output = job_output(stack, "long")
     assert "job.json" not in aws.names(output)
     assert any(name.startswith(CHECKPOINT_PREFIX) for name in aws.names(output))
     with again.serving() as again_url:
@@ -370,26 +382,28 @@ def test_a_continuation_runs_alone_when_its_sender_died_before_deleting_the_old_
     deliveries at the same time."""
     stack = aws.stack(visibility_timeout_s=3)
     uris = list(upload_samples(aws.s3, stack.bucket, 40, seed=24))
-    _send_jobs(aws, stack, {"split": uris})
+    send_jobs(aws, stack, {"split": uris})
     common = ["--visibility-timeout-seconds", "3", "--heartbeat-interval-seconds", "1"]
     proxy = FaultProxy(aws.endpoint)
     held = Fault("held_delete", lambda r: r.action == "DeleteMessage", kind="reset", delay_s=5)
     proxy.add(held)
     with proxy.serving() as proxy_url:
         first = start_daemon(
-            _args(stack, tmp_path / "first", *_slow_model(1), *common, "--grace-seconds", "0"),
+            daemon_args(
+                stack, tmp_path / "first", *slow_model_flags(1), *common, "--grace-seconds", "0"
+            ),
             env={**aws.with_endpoint(proxy_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.1"},
         )
         first.wait_for("job_received")
         time.sleep(1.5)
         first.send_signal(signal.SIGTERM)
-        _wait_until(lambda: proxy.requests("SendMessage") and proxy.requests("DeleteMessage"))
+        wait_until(lambda: proxy.requests("SendMessage") and proxy.requests("DeleteMessage"))
         first.send_signal(signal.SIGKILL)
         first.wait(10)
     gate = tmp_path / "old-message-acked"
     second = start_daemon(
         [
-            *_args(stack, tmp_path / "second", *_slow_model(4), *common),
+            *daemon_args(stack, tmp_path / "second", *slow_model_flags(4), *common),
             "--drain",
             "--progress-interval-seconds",
             "0.5",
@@ -410,10 +424,10 @@ def test_a_continuation_runs_alone_when_its_sender_died_before_deleting_the_old_
     received = {event["message_id"]: event["timestamp"] for event in second.events("job_received")}
     if old["message_id"] in received:
         assert received[done["message_id"]] > old["timestamp"]
-    summary = aws.summary(_out(stack, "split"))
+    summary = aws.summary(job_output(stack, "split"))
     waited = len(second.events("job_deferred"))  # a delivery of its own, counted
     assert (summary["status"], summary["attempt"]) == ("succeeded", 2 + waited)
-    assert [r["input"] for r in aws.results(_out(stack, "split"))] == uris
+    assert [r["input"] for r in aws.results(job_output(stack, "split"))] == uris
     assert aws.queue_depth(stack.queue_url) == (0, 0)
 
 
@@ -427,7 +441,7 @@ def test_a_daemon_that_lost_its_lease_is_fenced_off_by_the_newer_delivery(
     (If-None-Match): it logs `job_fenced`, and the outputs stay the second daemon's."""
     stack = aws.stack(visibility_timeout_s=2)
     uris = list(upload_samples(aws.s3, stack.bucket, 4, seed=22))
-    _send_jobs(aws, stack, {"raced": uris})
+    send_jobs(aws, stack, {"raced": uris})
     proxy = FaultProxy(aws.endpoint)
     proxy.fail("renewals", lambda request: request.action == "ChangeMessageVisibilityBatch", None)
     common = ["--visibility-timeout-seconds", "2", "--heartbeat-interval-seconds", "0.5"]
@@ -435,7 +449,7 @@ def test_a_daemon_that_lost_its_lease_is_fenced_off_by_the_newer_delivery(
     with proxy.serving() as proxy_url:
         slow = start_daemon(
             # One job at most: it does not take the message back when it reappears.
-            _args(stack, tmp_path / "slow", *_slow_model(4), *common, "--max-jobs", "1"),
+            daemon_args(stack, tmp_path / "slow", *slow_model_flags(4), *common, "--max-jobs", "1"),
             env={
                 **aws.with_endpoint(proxy_url).env,
                 "SLOW_MODEL_SECONDS_PER_BATCH": "0.5",
@@ -443,16 +457,16 @@ def test_a_daemon_that_lost_its_lease_is_fenced_off_by_the_newer_delivery(
             },
         )
         slow.wait_for("job_received")
-        fast = run_daemon(aws, [*_args(stack, tmp_path / "fast", *common), "--drain"])
+        fast = run_daemon(aws, [*daemon_args(stack, tmp_path / "fast", *common), "--drain"])
         assert fast.returncode == 0, fast.stderr[-3000:]
         gate.touch()
         [fenced] = slow.wait_for("job_fenced", timeout_s=60)
         slow.send_signal(signal.SIGTERM)
         assert slow.wait(30) == 0, slow.stderr[-3000:]
     assert fenced["job_id"] == "raced"
-    summary = aws.summary(_out(stack, "raced"))
+    summary = aws.summary(job_output(stack, "raced"))
     assert summary["worker"]["pid"] != slow.pid and summary["attempt"] == 2
-    assert [r["input"] for r in aws.results(_out(stack, "raced"))] == uris
+    assert [r["input"] for r in aws.results(job_output(stack, "raced"))] == uris
 
 
 @pytest.mark.e2e
@@ -465,21 +479,21 @@ def test_worker_cancel_stops_a_running_job_and_a_queued_one(
     `--job-id` is refused for an output another job is writing."""
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 60, seed=23))  # 48 s of work
-    running, queued = _out(stack, "running"), _out(stack, "queued")
+    running, queued = job_output(stack, "running"), job_output(stack, "queued")
     with following(aws, stack.queue_url, "running", running, *uris) as follower:
         # Few inputs fetched ahead of the slow model: those inside still run after a cancel.
         daemon = start_daemon(
-            _args(
+            daemon_args(
                 stack,
                 tmp_path,
-                *_slow_model(1),
+                *slow_model_flags(1),
                 *("--progress-interval-seconds", "0.5", "--fetch-concurrency", "2", "--drain"),
             ),
             env={**aws.env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.8"},
         )
         daemon.wait_for("job_received")
         _cancel(aws, queued)
-        _send_jobs(aws, stack, {"queued": uris})
+        send_jobs(aws, stack, {"queued": uris})
         _wait_for_progress(aws, running)
         wrong_job = _cancel(aws, running, "--job-id", "queued", check=False)
         assert wrong_job.returncode == 1 and "job running's output" in wrong_job.stderr
@@ -529,10 +543,10 @@ def test_a_job_that_reaches_the_lease_ceiling_moving_forward_is_handed_over(
     fetch threads: items of a handed-over delivery already inside the stages still run,
     and with a 5 s lease they would eat much of the next delivery's time.)"""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = _images(blobs, 60)
-    _send(source, "endless", uris)
+    uris = sample_images(blobs, 60)
+    send_job(source, "endless", uris)
     with capture_logs() as logs:
-        _run(
+        run_until_drained(
             source,
             blobs,
             tmp_path,
@@ -544,7 +558,7 @@ def test_a_job_that_reaches_the_lease_ceiling_moving_forward_is_handed_over(
             fetch_concurrency=2,
             progress_interval_seconds=0.5,
         )
-    summary = _output(blobs, "endless", "job.json")
+    summary = job_file(blobs, "endless", "job.json")
     # Each continuation comes within the 1 s lease (and 5 s of clock skew) of the
     # delivery it replaces, so it waits once before it runs (`Intake._handed_over`).
     handed_over = [entry["reason"] for entry in logs if entry["event"] == "job_released"]

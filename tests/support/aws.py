@@ -111,3 +111,14 @@ class Aws:
             int(attributes["ApproximateNumberOfMessages"]),
             int(attributes["ApproximateNumberOfMessagesNotVisible"]),
         )
+
+
+def ec2_env(aws: Aws, imds_url: str, **more: str) -> dict[str, str]:
+    """The environment of a daemon on an EC2 instance whose metadata service (a
+    `FakeImds`) is at `imds_url`, with `more`."""
+    return {
+        **aws.env,
+        "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds_url,
+        "AWS_EC2_METADATA_DISABLED": "false",
+        **more,
+    }

@@ -7,10 +7,13 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import Any
 
 from tests.support.aws import Aws
 from tests.support.paths import REPO
+from worker.demo import Stack
 
 ORPHAN_GRACE_S = 10.0
 
@@ -148,3 +152,40 @@ def run_daemon(aws: Aws, args: list[str], timeout_s: float = 240) -> DaemonRun:
         leftovers = daemon.close()
     assert not leftovers, f"processes left behind: {leftovers}"
     return DaemonRun(returncode, daemon.stdout, daemon.stderr)
+
+
+def daemon_args(stack: Stack, log_dir: Path, *more: str, dlq: bool = True) -> list[str]:
+    """`run` flags for a daemon on the stack's queue (and its dead-letter queue, unless
+    not `dlq`), receiving with a 1 s wait and keeping its logs in `log_dir`; then `more`."""
+    dead_letters = ["--dlq-url", stack.dlq_url] if dlq else []
+    return [
+        "--queue-url",
+        stack.queue_url,
+        *dead_letters,
+        "--receive-wait-seconds",
+        "1",
+        "--log-dir",
+        str(log_dir),
+        *more,
+    ]
+
+
+def slow_model_flags(batch_size: int) -> list[str]:
+    """Flags for the model that sleeps SLOW_MODEL_SECONDS_PER_BATCH per batch."""
+    return ["--model", "tests.support.slow_model:factory", "--batch-size", str(batch_size)]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (for `--metrics-port`, or a closed endpoint)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def http_get(url: str) -> tuple[int, str]:
+    """(status, body) of a GET, an error status included."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()

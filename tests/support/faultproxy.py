@@ -174,3 +174,8 @@ class FaultProxy:
 
         with serve_http(Handler) as url:
             yield url
+
+
+def input_download(request: Request) -> bool:
+    """A download of an input `worker.demo.upload_samples` put under images/."""
+    return request.method == "GET" and "/images/" in request.path

@@ -199,6 +199,14 @@ def reencoded(data: bytes, **options: Any) -> bytes:
     return buffer.getvalue()
 
 
+def png_bytes(image: Image.Image) -> bytes:
+    """`image` saved as a PNG (an all-magenta one; a huge blank one, a decompression
+    bomb that is small to send)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def breakable_objects(parts: Any, params: dict[str, Any]) -> dict[str, Any]:
     """The shape boards' postprocessor, until the file named by $BREAK_MODEL_FILE
     exists: from then on it fails every input, its known-good one too."""

@@ -1,4 +1,6 @@
-"""Sending jobs as a user does, with `python -m worker enqueue`, and following them."""
+"""Jobs for a stack on the moto server: inputs uploaded, jobs sent (straight to the
+queue, or as a user does with `python -m worker enqueue`, and followed), and what a
+finished job left under its output."""
 
 from __future__ import annotations
 
@@ -10,6 +12,35 @@ from collections.abc import Iterator
 
 from tests.support.aws import Aws
 from tests.support.paths import REPO
+from worker.demo import Stack
+
+
+def job_output(stack: Stack, job_id: str) -> str:
+    return f"s3://{stack.bucket}/out/{job_id}/"
+
+
+def send_jobs(aws: Aws, stack: Stack, jobs: dict[str, list[str]]) -> None:
+    """Each job (id: its inputs) sent to the stack's queue, its output `job_output`."""
+    for job_id, inputs in jobs.items():
+        aws.send(
+            stack.queue_url,
+            {"job_id": job_id, "inputs": inputs, "output": job_output(stack, job_id)},
+        )
+
+
+def upload(aws: Aws, stack: Stack, key: str, data: bytes) -> str:
+    """`data` stored under `key` in the stack's bucket; its URI."""
+    aws.s3.put_object(Bucket=stack.bucket, Key=key, Body=data)
+    return f"s3://{stack.bucket}/{key}"
+
+
+def assert_complete(aws: Aws, stack: Stack, job_id: str, inputs: list[str]) -> None:
+    """One results line per input, in order, a log, and job.json: the job ran once."""
+    output = job_output(stack, job_id)
+    assert {"job.json", "job.log", "results.jsonl"} <= set(aws.names(output))
+    assert [r["input"] for r in aws.results(output)] == inputs
+    assert [r["index"] for r in aws.results(output)] == list(range(len(inputs)))
+    assert aws.summary(output)["status"] == "succeeded"
 
 
 def enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> list[str]:
