@@ -1,4 +1,10 @@
-"""The daemon in-process against the in-memory fakes: routing, bad inputs, demand."""
+"""The daemon in-process against the in-memory fakes. Bad inputs and poison messages
+fail alone; intake pulls on demand, within --max-jobs, and feeds the jobs it holds in
+turn; failed receives, downloads, uploads, dead-letter sends and releases are tried
+again or given back, never blamed on an input; finished jobs are announced; a lost
+lease is neither renewed nor acked; a loop that raises, or a chain's postprocessor
+that fails known-good input, stops the daemon. At start: the model is warmed up before
+the first receive, within the set-up limits, one inference process per device."""
 
 from __future__ import annotations
 

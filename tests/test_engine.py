@@ -1,4 +1,9 @@
-"""The pipeline engine: batching, error isolation, crash recovery, overlap."""
+"""The pipeline engine, which knows nothing of jobs or AWS: channels and batches; items
+routed through thread and process stages and shared-memory arenas; a failing item
+isolated by bisection; a child process that dies, hangs or runs out of memory
+replaced, and its items retried or failed alone; a stage that fails known-good input
+broken, with no item blamed; prepare, finish and fan-out steps; stages that grow and
+shrink; and the stages overlapping in time."""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""End to end: the daemon as a subprocess against a moto server over HTTP."""
+"""Jobs that go as they should, end to end (the daemon as a subprocess against a moto
+server over HTTP): one-input, fifty-input and manifest jobs with a poison message
+beside them, a job longer than four visibility timeouts followed by `enqueue --wait`,
+a chain of models, an embedding job with its array file, and JPEGs decoded on the
+model's device. Each job's outputs are checked whole: one result line per input, in
+input order, with the right answers, and its log and summary."""
 
 from __future__ import annotations
 

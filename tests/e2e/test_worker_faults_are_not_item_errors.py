@@ -1,6 +1,9 @@
 """Worker faults never become the user's failure: the daemon as a subprocess against a
 moto server, with faults injected from outside (a model that breaks, S3 throttling and
-resets through a proxy, hanging SQS calls, a refusing dead-letter queue)."""
+resets through a proxy, S3 and SQS calls that hang at shutdown, a refusing dead-letter
+queue, an input that breaks every worker it reaches). No job is written `failed` for
+them: the work goes back to the queue; only a job whose items keep breaking workers
+is dead-lettered, and a host where workers keep breaking is taken out of service."""
 
 from __future__ import annotations
 
