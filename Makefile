@@ -45,7 +45,7 @@ test-gpu: $(VENV)/installed
 # (about 2 minutes a seed on 2 cores). `make test` plays one seed for 20 s.
 chaos: $(VENV)/installed
 	CHAOS_SEEDS=$${CHAOS_SEEDS:-1,2,4,5,6} CHAOS_SECONDS=$${CHAOS_SECONDS:-90} \
-		$(PY) -m pytest tests/test_chaos.py
+		$(PY) -m pytest tests/e2e/test_random_fault_schedules.py
 
 # Not part of `make test`: minutes of CPU on purpose. Writes bench-out/report.json,
 # timeline.json (Chrome trace) and timeline.png.

@@ -200,10 +200,11 @@ def overhead(work_dir: Path, messages: int, runs: int) -> dict[str, float]:
 def host_ceiling(
     work_dir: Path, items: int, blobs: InMemoryBlobStore | None = None
 ) -> dict[str, float]:
-    """The control plane alone (docs/performance.md, `host_ceiling_items_per_s`): a null model, a preprocess
-    that decodes nothing and in-process fakes, so what is left is what the daemon itself
-    moves per second; and the CPU its main process (this one) spends per item. The
-    preprocessing processes read the inputs from files, as they would from S3."""
+    """The control plane alone (docs/performance.md, `host_ceiling_items_per_s`): a null
+    model, a preprocess that decodes nothing and in-process fakes, so what is left is
+    what the daemon itself moves per second; and the CPU its main process (this one)
+    spends per item. The preprocessing processes read the inputs from files, as they
+    would from S3."""
     blobs = blobs if blobs is not None else InMemoryBlobStore(work_dir / "objects")
     daemon = run_daemon(
         [HOST_JOB_SIZE] * (items // HOST_JOB_SIZE),
@@ -318,7 +319,8 @@ def packing(work_dir: Path, small_jobs: int, runs: int) -> dict[str, float]:
     return {"batch_fill": statistics.median(fills), "packing_speedup": statistics.median(ratios)}
 
 
-HANDOFF_SHAPE = (BATCH_SIZE, 3, 224, 224)  # 9.6 MB of uint8, as in docs/DESIGN.md's hand-off figures
+# 9.6 MB of uint8, as in docs/DESIGN.md's hand-off figures.
+HANDOFF_SHAPE = (BATCH_SIZE, 3, 224, 224)
 
 
 def _arena_producer(arena: torch.Tensor, conn: Any, batches: int) -> None:

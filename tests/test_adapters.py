@@ -15,7 +15,7 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from tests.conftest import Aws
+from tests.support.aws import Aws
 from worker.adapters.aws.s3 import S3BlobStore
 from worker.adapters.aws.sqs import SqsJobSource, _received
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource

@@ -18,14 +18,13 @@ import torch
 from stages.postprocess import embedding
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
+from tests.support.in_process import run_until_drained
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
 from worker.jobs import arrays, results
 from worker.jobs.arrays import ArrayFiles, ArraySpool
 from worker.plugins.encoding import encoded_fields
 from worker.ports import S3Location
 from worker.retry import Backoff
-from worker.settings import Settings
 
 
 def test_array_fields_are_kept_apart_from_the_json_ones() -> None:
@@ -222,14 +221,11 @@ def _embed(
 ) -> None:
     """Run job `emb` of `inputs` through an embedding model until the queue is drained."""
     source.send(json.dumps({"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"}))
-    settings = Settings(
-        queue_url="q",
-        drain=True,
-        receive_wait_seconds=0,
-        log_dir=log_dir,
-        metrics_port=0,
-        model="tests.stagefns:pixel_embedder",
+    run_until_drained(
+        source,
+        blobs,
+        log_dir,
+        model="tests.support.stagefns:pixel_embedder",
         postprocess="stages.postprocess:embedding",
         batch_size=4,
     )
-    assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED

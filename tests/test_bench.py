@@ -12,7 +12,7 @@ import pytest
 from bench.gpu import decode_speedup, gpu_overlap, moto_end_to_end
 from bench.processes import exited_process_cpu_s, fetch_clients
 from bench.run import array_output, host_ceiling
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.ports import S3Location
 
@@ -25,7 +25,12 @@ def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
     bench = subprocess.run(
         [
             *(sys.executable, "-m", "worker", "bench", "--out", str(tmp_path)),
-            *("--model", "tests.slow_model:tenth_of_a_second_on_any_batch", "--batch-size", "16"),
+            *(
+                "--model",
+                "tests.support.slow_model:tenth_of_a_second_on_any_batch",
+                "--batch-size",
+                "16",
+            ),
             *("--images", "300", "--device", "cpu"),
         ],
         check=False,
@@ -36,7 +41,7 @@ def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
     )
     assert bench.returncode == 0, bench.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["model"] == "tests.slow_model:tenth_of_a_second_on_any_batch"
+    assert report["model"] == "tests.support.slow_model:tenth_of_a_second_on_any_batch"
     assert (report["images"], report["batch_size"]) == (300, 16)
     assert 130 <= report["model_only_images_per_s"] <= 161
     assert 0.3 <= report["overlap_ratio"] <= 1.01
@@ -118,7 +123,7 @@ def test_the_gpu_figures_compare_runs_that_decoded_where_they_were_asked(tmp_pat
     runs in bfloat16 and channels-last on photos decoded there, with one inference
     process and with two, and draws their timelines; the end-to-end figure runs the
     daemon against moto and draws its own."""
-    photo_decoder = "tests.faults:standin_photo_decoder"
+    photo_decoder = "tests.support.faults:standin_photo_decoder"
     report = decode_speedup(tmp_path, 200, device="cpu", preprocess=photo_decoder)
     assert report["gpu_decode_fallback_jobs"] == 0
     assert report["decode_cpu_images_per_s"] > 0 and report["decode_gpu_images_per_s"] > 0

@@ -1,8 +1,13 @@
-"""The daemon in-process against the in-memory fakes: routing, bad inputs, demand."""
+"""The daemon in-process against the in-memory fakes. Bad inputs and poison messages
+fail alone; intake pulls on demand, within --max-jobs, and feeds the jobs it holds in
+turn; failed receives, downloads, uploads, dead-letter sends and releases are tried
+again or given back, never blamed on an input; finished jobs are announced; a lost
+lease is neither renewed nor acked; a loop that raises, or a chain's postprocessor
+that fails known-good input, stops the daemon. At start: the model is warmed up before
+the first receive, within the set-up limits, one inference process per device."""
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import threading
@@ -14,11 +19,20 @@ from typing import Any
 
 import pytest
 import structlog
+from PIL import Image
 from structlog.testing import capture_logs
 
 from stages.synthetic import samples
-from tests.conftest import REPO, also_on_gpu, needs_gpu
-from tests.faults import BREAK_MODEL_FILE
+from tests.support.faults import BREAK_MODEL_FILE, png_bytes
+from tests.support.in_process import (
+    draining_settings,
+    job_file,
+    run_until_drained,
+    sample_images,
+    send_job,
+)
+from tests.support.markers import also_on_gpu, needs_gpu
+from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.engine import StageSetupTimeout
@@ -56,48 +70,15 @@ class CountingSource(InMemoryJobSource):
         self.out -= 1
 
 
-def _images(blobs: InMemoryBlobStore, count: int) -> list[str]:
-    uris = []
-    for number, (_, data) in enumerate(samples(count, seed=5)):
-        uri = f"s3://bkt/img/{number}"
-        blobs.objects[uri] = data
-        uris.append(uri)
-    return uris
-
-
-def _draining(tmp_path: Path, **fields: Any) -> Settings:
-    return Settings(
-        queue_url="q",
-        drain=True,
-        receive_wait_seconds=0,
-        log_dir=tmp_path,
-        metrics_port=0,
-        **fields,
-    )
-
-
-def _run(
-    source: InMemoryJobSource, blobs: InMemoryBlobStore, tmp_path: Path, **fields: Any
-) -> None:
-    assert Daemon(_draining(tmp_path, **fields), source, blobs).run() is ExitCode.DRAINED
-
-
-def _output(blobs: InMemoryBlobStore, job_id: str, name: str) -> Any:
-    data = blobs.objects[f"s3://bkt/out/{job_id}/{name}"]
-    if name == "results.jsonl":
-        return [json.loads(line) for line in data.splitlines()]
-    return json.loads(data) if name == "job.json" else data.decode()
-
-
 def test_bad_inputs_fail_alone_and_the_job_is_partial(tmp_path: Path) -> None:
     """A corrupt file, a truncated JPEG, a missing key and a decompression bomb each get
     an error record; the other items of the job and other jobs are untouched."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    good = _images(blobs, 4)
+    good = sample_images(blobs, 4)
     jpeg = next(data for _, data in samples(10, seed=9) if data[:2] == b"\xff\xd8")
     blobs.objects["s3://bkt/bad/garbage"] = b"definitely not an image"
     blobs.objects["s3://bkt/bad/truncated"] = jpeg[: len(jpeg) // 3]
-    blobs.objects["s3://bkt/bad/bomb"] = _png_header_claiming(30_000, 30_000)
+    blobs.objects["s3://bkt/bad/bomb"] = png_bytes(Image.new("L", (30_000, 30_000)))
     inputs = [
         good[0],
         "s3://bkt/bad/garbage",
@@ -111,19 +92,19 @@ def test_bad_inputs_fail_alone_and_the_job_is_partial(tmp_path: Path) -> None:
     source.send(
         json.dumps({"job_id": "clean", "inputs": [good[3]], "output": "s3://bkt/out/clean/"})
     )
-    _run(source, blobs, tmp_path)
+    run_until_drained(source, blobs, tmp_path)
 
-    results = _output(blobs, "mixed", "results.jsonl")
+    results = job_file(blobs, "mixed", "results.jsonl")
     assert [r["input"] for r in results] == inputs
     failed = {r["index"]: r["error"] for r in results if "error" in r}
     assert set(failed) == {1, 3, 4, 5}
     assert failed[3]["type"] == "MissingObject"
     assert failed[5]["type"] == "ImageTooLarge"
     assert all("label" in r for r in results if r["index"] in {0, 2, 6})
-    summary = _output(blobs, "mixed", "job.json")
+    summary = job_file(blobs, "mixed", "job.json")
     assert (summary["status"], summary["succeeded"], summary["failed"]) == ("partial", 3, 4)
-    assert _output(blobs, "clean", "job.json")["status"] == "succeeded"
-    assert _output(blobs, "mixed", "job.log").count('"item_failed"') == 4
+    assert job_file(blobs, "clean", "job.json")["status"] == "succeeded"
+    assert job_file(blobs, "mixed", "job.log").count('"item_failed"') == 4
     assert len(source) == 0
 
 
@@ -132,15 +113,15 @@ def test_objects_over_their_byte_limits_are_not_read(tmp_path: Path) -> None:
     limit; a manifest over --max-manifest-bytes makes its message poison, with the
     reason; the other inputs and jobs are untouched."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    good = _images(blobs, 2)
+    good = sample_images(blobs, 2)
     limit = max(len(blobs.objects[uri]) for uri in good)
     blobs.objects["s3://bkt/big"] = bytes(limit + 1)
     blobs.objects["s3://bkt/list.txt"] = "\n".join(good * 200).encode()
     inputs = [good[0], "s3://bkt/big", good[1]]
     source.send(json.dumps({"job_id": "sizes", "inputs": inputs, "output": "s3://bkt/out/sizes/"}))
     source.send(json.dumps({"manifest": "s3://bkt/list.txt", "output": "s3://bkt/out/long/"}))
-    _run(source, blobs, tmp_path, max_input_bytes=limit, max_manifest_bytes=1000)
-    results = _output(blobs, "sizes", "results.jsonl")
+    run_until_drained(source, blobs, tmp_path, max_input_bytes=limit, max_manifest_bytes=1000)
+    results = job_file(blobs, "sizes", "results.jsonl")
     assert results[1]["error"] == {
         "type": "ObjectTooLarge",
         "message": f"too large: {limit + 1} bytes, limit {limit}",
@@ -151,18 +132,10 @@ def test_objects_over_their_byte_limits_are_not_read(tmp_path: Path) -> None:
     assert reason == f"manifest s3://bkt/list.txt is too large: {manifest_bytes} bytes, limit 1000"
 
 
-def _png_header_claiming(width: int, height: int) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.new("L", (width, height)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def test_poison_messages_are_dead_lettered_and_the_daemon_goes_on(tmp_path: Path) -> None:
     """Broken messages go to the DLQ with a reason; good jobs around them still finish."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    good = _images(blobs, 1)
+    good = sample_images(blobs, 1)
     blobs.objects["s3://bkt/empty.txt"] = b"\n"
     source.send("{not json")
     source.send(
@@ -172,7 +145,7 @@ def test_poison_messages_are_dead_lettered_and_the_daemon_goes_on(tmp_path: Path
     source.send(json.dumps({"manifest": "s3://bkt/none.txt", "output": "s3://bkt/out/x/"}))
     source.send(json.dumps({"inputs": good, "output": "s3://elsewhere/out/x/"}))
     source.send(json.dumps({"job_id": "fine", "inputs": good, "output": "s3://bkt/out/fine/"}))
-    _run(source, blobs, tmp_path, allowed_buckets=frozenset({"bkt"}))
+    run_until_drained(source, blobs, tmp_path, allowed_buckets=frozenset({"bkt"}))
     reasons = sorted(reason for _, reason in source.dead_letters)
     assert len(reasons) == 5
     assert any("not UTF-8 JSON" in r for r in reasons)
@@ -180,7 +153,7 @@ def test_poison_messages_are_dead_lettered_and_the_daemon_goes_on(tmp_path: Path
     assert any("no inputs" in r for r in reasons)
     assert any("does not exist" in r for r in reasons)
     assert any("not allowed: elsewhere" in r for r in reasons)
-    assert _output(blobs, "fine", "job.json")["status"] == "succeeded"
+    assert job_file(blobs, "fine", "job.json")["status"] == "succeeded"
     assert len(source) == 0
 
 
@@ -188,18 +161,18 @@ def test_pulls_on_demand_and_never_holds_more_than_max_jobs(tmp_path: Path) -> N
     """With 40 one-item jobs queued, the daemon never holds more than max_jobs messages
     and never asks for more than it has room for; results are packed across jobs."""
     source, blobs = CountingSource(), InMemoryBlobStore()
-    uris = _images(blobs, 40)
+    uris = sample_images(blobs, 40)
     for number, uri in enumerate(uris):
         source.send(
             json.dumps(
                 {"job_id": f"j{number}", "inputs": [uri], "output": f"s3://bkt/out/j{number}/"}
             )
         )
-    _run(source, blobs, tmp_path, max_jobs=5, batch_size=4, prefetch_batches=1)
+    run_until_drained(source, blobs, tmp_path, max_jobs=5, batch_size=4, prefetch_batches=1)
     assert 0 < source.most_out <= 5
     assert max(source.asked) <= 5
     for number, uri in enumerate(uris):
-        [result] = _output(blobs, f"j{number}", "results.jsonl")
+        [result] = job_file(blobs, f"j{number}", "results.jsonl")
         assert result["input"] == uri
     assert len(source) == 0
 
@@ -224,21 +197,21 @@ def test_failed_receive_is_not_an_empty_queue(tmp_path: Path) -> None:
     """In drain mode a receive that fails backs off and tries again instead of exiting
     as if the queue were empty."""
     source, blobs = FlakySource(), InMemoryBlobStore()
-    [uri] = _images(blobs, 1)
+    [uri] = sample_images(blobs, 1)
     source.send(
         json.dumps(
             {"job_id": "after-outage", "inputs": [uri], "output": "s3://bkt/out/after-outage/"}
         )
     )
-    _run(source, blobs, tmp_path)
-    assert _output(blobs, "after-outage", "job.json")["status"] == "succeeded"
+    run_until_drained(source, blobs, tmp_path)
+    assert job_file(blobs, "after-outage", "job.json")["status"] == "succeeded"
 
 
 def test_finished_jobs_are_announced_on_the_notify_queue(tmp_path: Path) -> None:
     """With a notification target, each finished job's summary (its job.json) is sent
     once it is complete; a failing target is logged and does not hold the job back."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    uris = _images(blobs, 2)
+    uris = sample_images(blobs, 2)
     for job_id, uri in zip(["first", "second"], uris, strict=True):
         source.send(
             json.dumps({"job_id": job_id, "inputs": [uri], "output": f"s3://bkt/out/{job_id}/"})
@@ -256,8 +229,8 @@ def test_finished_jobs_are_announced_on_the_notify_queue(tmp_path: Path) -> None
     )
     assert Daemon(settings, source, blobs, notify=[notify]).run() is ExitCode.DRAINED
     [announced] = sent
-    assert announced == _output(blobs, announced["job_id"], "job.json")
-    assert {_output(blobs, job, "job.json")["status"] for job in ["first", "second"]} == {
+    assert announced == job_file(blobs, announced["job_id"], "job.json")
+    assert {job_file(blobs, job, "job.json")["status"] for job in ["first", "second"]} == {
         "succeeded"
     }
     assert len(source) == 0
@@ -294,20 +267,20 @@ def test_a_lost_lease_is_not_renewed_or_acked_with_the_stale_handle(tmp_path: Pa
     is never used again; when the message comes back, its new delivery finds the job
     done and acks it without running it again."""
     source, blobs = StolenLeaseSource(), InMemoryBlobStore()
-    [uri] = _images(blobs, 1)
+    [uri] = sample_images(blobs, 1)
     source.send(json.dumps({"job_id": "stolen", "inputs": [uri], "output": "s3://bkt/out/s/"}))
-    _run(
+    run_until_drained(
         source,
         blobs,
         tmp_path,
-        model="tests.slow_model:factory",
+        model="tests.support.slow_model:factory",
         visibility_timeout_seconds=1,
         heartbeat_interval_seconds=0.2,
     )
     [stale] = source.stolen_handles
     assert stale not in source.acked and len(source.acked) == 1
     assert len(source) == 0
-    assert _output(blobs, "s", "job.json")["attempt"] == 1  # the third delivery ran nothing
+    assert job_file(blobs, "s", "job.json")["attempt"] == 1  # the third delivery ran nothing
 
 
 class RecordingBlobs(InMemoryBlobStore):
@@ -338,33 +311,27 @@ class RecordingBlobs(InMemoryBlobStore):
         return super().put(location, data, content_type, expect=expect)
 
 
-def _send(source: InMemoryJobSource, job_id: str, inputs: list[str]) -> None:
-    source.send(
-        json.dumps({"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/"})
-    )
-
-
 def test_a_small_job_is_not_stuck_behind_a_big_one_received_with_it(tmp_path: Path) -> None:
     """One receive brings a 40-item job and then a one-item job: the small one is fed
     in turn with the big one and finishes first, and neither message is ever seen
     again while held (both were leased from their receive)."""
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    uris = _images(blobs, 41)
-    _send(source, "big", uris[:40])
-    _send(source, "small", uris[40:])
-    _run(
+    uris = sample_images(blobs, 41)
+    send_job(source, "big", uris[:40])
+    send_job(source, "small", uris[40:])
+    run_until_drained(
         source,
         blobs,
         tmp_path,
-        model="tests.slow_model:tenth_of_a_second",
+        model="tests.support.slow_model:tenth_of_a_second",
         batch_size=4,
         visibility_timeout_seconds=2,
         heartbeat_interval_seconds=0.5,
     )
     summaries = [uri for uri in blobs.written if uri.endswith("job.json")]
     assert summaries == ["s3://bkt/out/small/job.json", "s3://bkt/out/big/job.json"]
-    assert _output(blobs, "big", "job.json")["attempt"] == 1
-    assert _output(blobs, "small", "job.json")["attempt"] == 1
+    assert job_file(blobs, "big", "job.json")["attempt"] == 1
+    assert job_file(blobs, "small", "job.json")["attempt"] == 1
 
 
 def test_a_throttled_input_is_fed_again_and_never_failed(
@@ -376,19 +343,19 @@ def test_a_throttled_input_is_fed_again_and_never_failed(
     Neither job is ever finished with the throttling in its results."""
     monkeypatch.setattr(results, "INPUT_BACKOFF", Backoff(base_s=0.01, cap_s=0.01))
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    uris = _images(blobs, 4)
+    uris = sample_images(blobs, 4)
     slow_down = TransientError("SlowDown: reduce your request rate")
     blobs.failing_gets[uris[1]] = [slow_down] * (results.INPUT_RETRIES - 1)
     blobs.failing_gets[uris[3]] = [slow_down] * results.INPUT_RETRIES
-    _send(source, "flaky", uris[:2])
-    _send(source, "unreachable", uris[2:])
+    send_job(source, "flaky", uris[:2])
+    send_job(source, "unreachable", uris[2:])
     with capture_logs() as logs:
-        _run(source, blobs, tmp_path, retry_delay_seconds=0)
+        run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
     for job_id, attempt in (("flaky", 1), ("unreachable", 2)):
-        summary = _output(blobs, job_id, "job.json")
+        summary = job_file(blobs, job_id, "job.json")
         assert (summary["status"], summary["attempt"]) == ("succeeded", attempt)
-        assert all("error" not in r for r in _output(blobs, job_id, "results.jsonl"))
-    assert _output(blobs, "flaky", "job.log").count('"input_retried"') == results.INPUT_RETRIES - 1
+        assert all("error" not in r for r in job_file(blobs, job_id, "results.jsonl"))
+    assert job_file(blobs, "flaky", "job.log").count('"input_retried"') == results.INPUT_RETRIES - 1
     [released] = [e for e in logs if e["event"] == "job_released"]
     assert (released["job_id"], released["reason"]) == (
         "unreachable",
@@ -403,15 +370,15 @@ def test_a_failed_upload_keeps_the_lease_and_is_tried_again(
     uploads that keep failing release the job, which its next delivery finishes."""
     monkeypatch.setattr(results, "FINISH_BACKOFF", Backoff(base_s=0.01, cap_s=0.01))
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    [uri] = _images(blobs, 1)
+    [uri] = sample_images(blobs, 1)
     blobs.failing_puts["results.jsonl"] = results.FINISH_ATTEMPTS - 1
-    _send(source, "patient", [uri])
-    _run(source, blobs, tmp_path, retry_delay_seconds=0)
-    assert _output(blobs, "patient", "job.json")["attempt"] == 1
+    send_job(source, "patient", [uri])
+    run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
+    assert job_file(blobs, "patient", "job.json")["attempt"] == 1
     blobs.failing_puts["results.jsonl"] = results.FINISH_ATTEMPTS
-    _send(source, "released", [uri])
-    _run(source, blobs, tmp_path, retry_delay_seconds=0)
-    assert _output(blobs, "released", "job.json")["attempt"] == 2
+    send_job(source, "released", [uri])
+    run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
+    assert job_file(blobs, "released", "job.json")["attempt"] == 2
     assert len(source) == 0
 
 
@@ -441,10 +408,10 @@ def test_failing_dead_letter_and_release_calls_never_stop_the_daemon(tmp_path: P
     later delivery); a release that fails leaves the message to its visibility timeout.
     Neither stops the daemon, and a good job beside them finishes."""
     source, blobs = RefusingSource(), RecordingBlobs()
-    [uri] = _images(blobs, 1)
+    [uri] = sample_images(blobs, 1)
     source.send("{not json")
-    _send(source, "good", [uri])
-    _run(
+    send_job(source, "good", [uri])
+    run_until_drained(
         source,
         blobs,
         tmp_path,
@@ -457,7 +424,7 @@ def test_failing_dead_letter_and_release_calls_never_stop_the_daemon(tmp_path: P
         "line 1 column 2 (char 1)"
     ]
     assert source.release_failures == 0
-    assert _output(blobs, "good", "job.json")["status"] == "succeeded"
+    assert job_file(blobs, "good", "job.json")["status"] == "succeeded"
     assert len(source) == 0
 
 
@@ -467,11 +434,11 @@ def test_drain_waits_for_messages_another_worker_holds(tmp_path: Path) -> None:
     job when the message comes back. Meanwhile its receives, which do not wait
     (receive_wait_seconds 0), come a pause apart, not back to back."""
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    [uri] = _images(blobs, 1)
-    _send(source, "stranded", [uri])
+    [uri] = sample_images(blobs, 1)
+    send_job(source, "stranded", [uri])
     assert len(source.receive(1, 0, 2)) == 1  # a worker that then died
-    _run(source, blobs, tmp_path)
-    assert _output(blobs, "stranded", "job.json")["attempt"] == 2
+    run_until_drained(source, blobs, tmp_path)
+    assert job_file(blobs, "stranded", "job.json")["attempt"] == 2
     assert len(source) == 0
     assert source.receive_calls <= 2 / intake.SHORT_POLL_PAUSE_S + 10  # thousands if spun
 
@@ -483,7 +450,7 @@ def test_a_release_goes_through_when_the_local_log_cannot_be_written(
     is gone): the release still happens, and the job is done on its next delivery."""
     monkeypatch.setattr(results, "INPUT_BACKOFF", Backoff(base_s=0.01, cap_s=0.01))
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    [uri] = _images(blobs, 1)
+    [uri] = sample_images(blobs, 1)
     log_dir = tmp_path / "logs"
 
     def break_log_dir() -> None:
@@ -493,9 +460,9 @@ def test_a_release_goes_through_when_the_local_log_cannot_be_written(
 
     blobs.failing_gets[uri] = [TransientError("connection reset (test)")] * results.INPUT_RETRIES
     blobs.before_failing_get = break_log_dir
-    _send(source, "logless", [uri])
-    _run(source, blobs, log_dir, retry_delay_seconds=0)
-    assert _output(blobs, "logless", "job.json")["attempt"] == 2
+    send_job(source, "logless", [uri])
+    run_until_drained(source, blobs, log_dir, retry_delay_seconds=0)
+    assert job_file(blobs, "logless", "job.json")["attempt"] == 2
     assert len(source) == 0
 
 
@@ -510,14 +477,14 @@ def test_a_loop_that_raises_stops_the_daemon_and_gives_its_jobs_back(
 
     monkeypatch.setattr(ProgressReporter, "_report", crash)
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    [uri] = _images(blobs, 1)
-    _send(source, "held", [uri])
+    [uri] = sample_images(blobs, 1)
+    send_job(source, "held", [uri])
     settings = Settings(
         queue_url="q",
         receive_wait_seconds=0,
         log_dir=tmp_path,
         metrics_port=0,
-        model="tests.slow_model:five_seconds",
+        model="tests.support.slow_model:five_seconds",
         progress_interval_seconds=0.5,
     )
     daemon = Daemon(settings, source, blobs)
@@ -547,9 +514,9 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, dev
     starting. The model takes a second for any batch of more than one item, which only
     the warm-up sends."""
     source, blobs = TimedSource(), InMemoryBlobStore()
-    _send(source, "one", _images(blobs, 1))
-    settings = _draining(
-        tmp_path, model="tests.slow_model:slow_to_warm_up", batch_size=4, device=device
+    send_job(source, "one", sample_images(blobs, 1))
+    settings = draining_settings(
+        tmp_path, model="tests.support.slow_model:slow_to_warm_up", batch_size=4, device=device
     )
     daemon = Daemon(settings, source, blobs)
     health_while_starting = []
@@ -572,9 +539,9 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, dev
     assert source.first_receive_at is not None and source.first_receive_at > ready["timestamp"]
     assert health_while_starting[0] is not None
     assert health_while_starting[0].startswith("starting")
-    summary = _output(blobs, "one", "job.json")
-    assert summary["model"]["name"] == "tests.slow_model:slow_to_warm_up"
-    batches = [e for e in _output(blobs, "one", "job.log").splitlines() if '"batch_done"' in e]
+    summary = job_file(blobs, "one", "job.json")
+    assert summary["model"]["name"] == "tests.support.slow_model:slow_to_warm_up"
+    batches = [e for e in job_file(blobs, "one", "job.log").splitlines() if '"batch_done"' in e]
     assert len(batches) == 1 and '"batch_items": 1' in batches[0]  # a lone image's batch too
 
 
@@ -584,18 +551,18 @@ def test_the_set_up_limit_is_a_setting_and_the_warm_up_adds_to_it(tmp_path: Path
     5 s starts within a 4 s set-up limit, and a model that takes 6 s to load does not
     start within 4 s and seven warm-up sizes of 0.25 s."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    _send(source, "one", _images(blobs, 1))
-    warming = _draining(
+    send_job(source, "one", sample_images(blobs, 1))
+    warming = draining_settings(
         tmp_path,
-        model="tests.slow_model:slow_to_warm_up",
+        model="tests.support.slow_model:slow_to_warm_up",
         batch_size=32,  # warm-up batches of 32, 16, 8, 4 and 2 images: 1 s each
         setup_timeout_seconds=4,
         inference_timeout_seconds=5,
     )
     assert Daemon(warming, source, blobs).run() is ExitCode.DRAINED
-    loading = _draining(
+    loading = draining_settings(
         tmp_path,
-        model="tests.slow_model:slow_to_load",
+        model="tests.support.slow_model:slow_to_load",
         setup_timeout_seconds=4,
         inference_timeout_seconds=0.25,  # 7 warm-up batch sizes: 5.75 s in all
     )
@@ -610,19 +577,19 @@ def test_one_inference_process_per_device_each_fed_while_free(tmp_path: Path, de
     and every job's results are in input order. 0.1 s a batch of 4: 48 images keep both
     busy."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    uris = _images(blobs, 48)
+    uris = sample_images(blobs, 48)
     for number in range(4):
-        _send(source, f"part-{number}", uris[number * 12 : number * 12 + 12])
+        send_job(source, f"part-{number}", uris[number * 12 : number * 12 + 12])
     timeline = Timeline()
-    settings = _draining(
-        tmp_path, model="tests.slow_model:tenth_of_a_second", batch_size=4, device=devices
+    settings = draining_settings(
+        tmp_path, model="tests.support.slow_model:tenth_of_a_second", batch_size=4, device=devices
     )
     assert Daemon(settings, source, blobs, timeline=timeline).run() is ExitCode.DRAINED
     batches = Counter(interval.worker for interval in timeline.intervals("inference"))
     assert set(batches) == {"inference-0", "inference-1"}
     assert sum(i.items for i in timeline.intervals("inference")) == 48
     for number in range(4):
-        results = _output(blobs, f"part-{number}", "results.jsonl")
+        results = job_file(blobs, f"part-{number}", "results.jsonl")
         assert [r["input"] for r in results] == uris[number * 12 : number * 12 + 12]
 
 
@@ -632,7 +599,11 @@ def test_fetching_in_the_preprocessing_processes_needs_a_store_they_can_read(
     """The in-memory store lives in this process only: asking for fetches elsewhere is
     refused at start, not quietly done on threads here."""
     with pytest.raises(ValueError, match="fetch_in=preprocess: this blob store lives only"):
-        Daemon(_draining(tmp_path, fetch_in="preprocess"), InMemoryJobSource(), InMemoryBlobStore())
+        Daemon(
+            draining_settings(tmp_path, fetch_in="preprocess"),
+            InMemoryJobSource(),
+            InMemoryBlobStore(),
+        )
 
 
 @pytest.mark.gpu
@@ -641,14 +612,17 @@ def test_a_batch_that_does_not_fit_on_the_gpu_is_split_and_the_batch_size_lowere
     tmp_path: Path,
 ) -> None:
     """A model that really runs out of GPU memory on batches over 8 images
-    (`tests.faults:memory_hungry_classifier`): the warm-up notes the sizes that do not
-    fit, the first batch of 32 is bisected down to what fits, the batch size is lowered,
-    and every image gets the default model's answer."""
+    (`tests.support.faults:memory_hungry_classifier`): the warm-up notes the sizes that
+    do not fit, the first batch of 32 is bisected down to what fits, the batch size is
+    lowered, and every image gets the default model's answer."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    uris = _images(blobs, 40)
-    _send(source, "big", uris)
-    settings = _draining(
-        tmp_path, model="tests.faults:memory_hungry_classifier", batch_size=32, device="cuda"
+    uris = sample_images(blobs, 40)
+    send_job(source, "big", uris)
+    settings = draining_settings(
+        tmp_path,
+        model="tests.support.faults:memory_hungry_classifier",
+        batch_size=32,
+        device="cuda",
     )
     with capture_logs() as logs:
         assert Daemon(settings, source, blobs).run() is ExitCode.DRAINED
@@ -656,11 +630,11 @@ def test_a_batch_that_does_not_fit_on_the_gpu_is_split_and_the_batch_size_lowere
     assert ready["warm_up"]["out_of_memory"] == [32, 16]
     lowered = [event["batch_size"] for event in logs if event["event"] == "batch_size_lowered"]
     assert lowered and max(lowered) <= 8
-    results = _output(blobs, "big", "results.jsonl")
+    results = job_file(blobs, "big", "results.jsonl")
     assert [r["input"] for r in results] == uris
     truth = dict(zip(uris, (label for label, _ in samples(40, seed=5)), strict=True))
     assert sum(r["label"] == truth[r["input"]] for r in results) >= 38
-    events = _output(blobs, "big", "job.log")
+    events = job_file(blobs, "big", "job.log")
     assert '"out_of_memory"' in events
 
 
@@ -675,9 +649,11 @@ def test_a_chains_postprocessor_that_fails_known_good_input_breaks_the_worker(
     monkeypatch.setenv(BREAK_MODEL_FILE, str(marker))
     chain = tmp_path / "chain.toml"
     boards = (REPO / "stages" / "boards.toml").read_text()
-    chain.write_text(boards.replace("stages.boards:objects", "tests.faults:breakable_objects"))
+    chain.write_text(
+        boards.replace("stages.boards:objects", "tests.support.faults:breakable_objects")
+    )
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    _send(source, "boards", _images(blobs, 2))
+    send_job(source, "boards", sample_images(blobs, 2))
     settings = Settings(queue_url="q", log_dir=tmp_path / "logs", pipeline=str(chain))
     marker.touch()
     with pytest.raises(PluginError, match="fails on an input with no parts and no params"):

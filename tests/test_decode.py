@@ -1,10 +1,10 @@
 """Decoding JPEGs on the model's device (`--decode gpu`), with a per-input fallback.
 
-Without a GPU, `tests.faults:standin_device_decoder` stands in for nvJPEG (Pillow
-decodes the whole file, the default preprocessor's device code resizes it), so what is
-checked is everything around the decoder: which inputs are left undecoded, the batch,
-the bisection, the CPU fallback, each input's own error, and the choice of where to
-decode. On a GPU (`make test-gpu`) the decoder tests run with nvJPEG too.
+Without a GPU, `tests.support.faults:standin_device_decoder` stands in for nvJPEG
+(Pillow decodes the whole file, the default preprocessor's device code resizes it), so
+what is checked is everything around the decoder: which inputs are left undecoded, the
+batch, the bisection, the CPU fallback, each input's own error, and the choice of where
+to decode. On a GPU (`make test-gpu`) the decoder tests run with nvJPEG too.
 """
 
 from __future__ import annotations
@@ -23,8 +23,13 @@ from structlog.testing import capture_logs
 from stages.postprocess import top_k
 from stages.preprocess import JPEG_END, JPEG_MAGIC, ImagePreprocessor, default_preprocessor
 from stages.synthetic import LABELS, samples
-from tests.conftest import also_on_gpu
-from tests.faults import StandInDeviceDecoder, broken_scan, reencoded, standin_device_decoder
+from tests.support.faults import (
+    StandInDeviceDecoder,
+    broken_scan,
+    reencoded,
+    standin_device_decoder,
+)
+from tests.support.markers import also_on_gpu
 from worker.engine import ItemError
 from worker.plugins import PluginError, Undecoded
 from worker.plugins.device_decoding import decode_or_defer, decodes_on_device
@@ -32,7 +37,7 @@ from worker.plugins.loading import load_device_decoder
 from worker.plugins.setups import inference_setup, preprocess_setup
 
 SHAPE = default_preprocessor.output_shape
-STANDIN = "tests.faults:standin_device_decoder"
+STANDIN = "tests.support.faults:standin_device_decoder"
 DEFAULT = "stages.preprocess:default_preprocessor"
 CPU = torch.device("cpu")
 TORCHVISION_ABSENT = pytest.mark.skipif(
@@ -201,7 +206,7 @@ def test_a_device_decoder_that_fails_its_samples_does_not_start() -> None:
             decoder="tests.test_decode:misfit_decoder",
         )
     with pytest.raises(PluginError, match="does not decode on a device"):
-        preprocess_setup("tests.faults:faulty_preprocessor", defer_to_device=True)
+        preprocess_setup("tests.support.faults:faulty_preprocessor", defer_to_device=True)
 
 
 @pytest.mark.parametrize(
@@ -212,7 +217,13 @@ def test_a_device_decoder_that_fails_its_samples_does_not_start() -> None:
         ("auto", STANDIN, ["cuda:0", "cuda:1"], False, (True, "every model device is a GPU")),
         ("auto", STANDIN, ["cuda:0", "cpu"], False, (False, "does not run on a GPU")),
         ("auto", STANDIN, ["cuda:0"], True, (False, "fan-out reads each decoded image")),
-        ("auto", "tests.faults:faulty_preprocessor", ["cuda:0"], False, (False, "no decode_on")),
+        (
+            "auto",
+            "tests.support.faults:faulty_preprocessor",
+            ["cuda:0"],
+            False,
+            (False, "no decode_on"),
+        ),
         pytest.param(
             "auto", DEFAULT, ["cuda:0"], False, (False, "torchvision"), marks=TORCHVISION_ABSENT
         ),
@@ -231,7 +242,7 @@ def test_where_inputs_are_decoded_is_decided_at_start(
     ("preprocess", "chained", "obstacle"),
     [
         pytest.param(DEFAULT, False, "torchvision", marks=TORCHVISION_ABSENT),
-        ("tests.faults:faulty_preprocessor", False, "does not decode on a device"),
+        ("tests.support.faults:faulty_preprocessor", False, "does not decode on a device"),
         (STANDIN, True, "fan-out"),
     ],
 )

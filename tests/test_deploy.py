@@ -1,7 +1,8 @@
 """Deployment artefacts: the container (hadolint and its key lines) and the
-CloudFormation stack (cfn-lint, and deployed into moto with a daemon draining its
-queue), both checked by checkov. The image itself cannot be built here: there is no
-Docker engine."""
+CloudFormation stack (cfn-lint, and what its resources grant and scale on), both
+checked by checkov. The image itself cannot be built here: there is no Docker engine.
+(The stack deployed into moto, with a daemon draining its queue:
+tests/e2e/test_deploy.py.)"""
 
 from __future__ import annotations
 
@@ -13,11 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 from cfnlint.decode import decode
 
-from tests.conftest import REPO, Aws, run_daemon
-from worker.demo import upload_samples
+from tests.support.paths import REPO, TEMPLATE
 from worker.jobs.checkpoints import (
     CANCEL_MARKER,
     CHECKPOINT_PREFIX,
@@ -25,7 +24,6 @@ from worker.jobs.checkpoints import (
     SUPERSEDED_PREFIX,
 )
 
-TEMPLATE = REPO / "infra" / "worker.yaml"
 DOCKERFILE = REPO / "Dockerfile"
 # checkov pins boto3, botocore, packaging and networkx to older releases than the
 # project's, so it has a virtual environment of its own inside the project's.
@@ -197,7 +195,7 @@ def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runb
     """Backlog per worker stays defined at 0 workers, jobs waiting with none start one,
     a job waiting too long adds one; ECS tasks go through a capacity provider that
     grows the group and protects busy instances; Spot is an option with capacity
-    rebalancing; every operator alarm has a runbook in the README."""
+    rebalancing; every operator alarm has a runbook in docs/operating.md."""
     template, problems = decode(str(TEMPLATE))
     assert not problems and template is not None
     resources, parameters = template["Resources"], template["Parameters"]
@@ -232,101 +230,8 @@ def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runb
     distribution = group["MixedInstancesPolicy"]["InstancesDistribution"]
     assert distribution["OnDemandPercentageAboveBaseCapacity"] == {"Fn::If": ["OnSpot", 0, 100]}
 
-    readme = (REPO / "README.md").read_text()
-    runbooks = readme[readme.index("### Alarms") :]
+    operating = (REPO / "docs" / "operating.md").read_text()
+    runbooks = operating[operating.index("## Alarms") :]
     for alarm in ("DeadLetters", "OldestJobTooOld", "NoProgress", "WorkersUnhealthy"):
         assert resources[alarm]["Type"] == "AWS::CloudWatch::Alarm"
         assert f"**{alarm}**" in runbooks
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("platform", ["ec2", "ecs"])
-def test_stack_deploys_into_moto_and_a_daemon_drains_its_queue(
-    aws: Aws, tmp_path: Path, platform: str
-) -> None:
-    """The stack creates an encrypted queue with a redrive policy, the bucket, the topic
-    of finished jobs and the worker group; a daemon given the stack's outputs drains a
-    job from it and announces it on the topic and on a notification queue. (moto skips
-    the target-tracking policies and the bucket's access block: the template test and
-    cfn-lint check those.)"""
-    ec2 = aws.client("ec2")
-    cloudformation = aws.client("cloudformation")
-    name = f"fleet-{platform}-{tmp_path.name[-12:].replace('_', '-')}".rstrip("-")
-    cloudformation.create_stack(
-        StackName=name,
-        TemplateBody=TEMPLATE.read_text(),
-        Parameters=[
-            {"ParameterKey": "Platform", "ParameterValue": platform},
-            {"ParameterKey": "ImageUri", "ParameterValue": "example.com/sqs-batch-worker:1"},
-            {
-                "ParameterKey": "AmiId",
-                "ParameterValue": ec2.describe_images()["Images"][0]["ImageId"],
-            },
-            {
-                "ParameterKey": "Subnets",
-                "ParameterValue": ec2.describe_subnets()["Subnets"][0]["SubnetId"],
-            },
-        ],
-        Capabilities=["CAPABILITY_IAM"],
-    )
-    [stack] = cloudformation.describe_stacks(StackName=name)["Stacks"]
-    assert stack["StackStatus"] == "CREATE_COMPLETE"
-    outputs = {o["OutputKey"]: o["OutputValue"] for o in stack["Outputs"]}
-    queue_url, dlq_url, bucket = (
-        outputs["QueueUrl"],
-        outputs["DeadLetterQueueUrl"],
-        outputs["BucketName"],
-    )
-
-    attributes = aws.sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["All"])[
-        "Attributes"
-    ]
-    assert json.loads(attributes["RedrivePolicy"])["maxReceiveCount"] == 3
-    assert attributes["SqsManagedSseEnabled"] == "true"
-    assert aws.client("autoscaling").describe_auto_scaling_groups(
-        AutoScalingGroupNames=[outputs["AutoScalingGroupName"]]
-    )["AutoScalingGroups"]
-
-    sns = aws.client("sns")
-    subscriber_url = aws.sqs.create_queue(QueueName=f"{name}-subscriber")["QueueUrl"]
-    subscriber_arn = aws.sqs.get_queue_attributes(
-        QueueUrl=subscriber_url, AttributeNames=["QueueArn"]
-    )["Attributes"]["QueueArn"]
-    sns.subscribe(
-        TopicArn=outputs["JobsFinishedTopicArn"],
-        Protocol="sqs",
-        Endpoint=subscriber_arn,
-        Attributes={"RawMessageDelivery": "true"},
-    )
-    notify_url = aws.sqs.create_queue(QueueName=f"{name}-notices")["QueueUrl"]
-
-    uris = list(upload_samples(aws.s3, bucket, 3, seed=18))
-    output = f"s3://{bucket}/results/deployed/"
-    aws.send(queue_url, {"job_id": "deployed", "inputs": uris, "output": output})
-    run = run_daemon(
-        aws,
-        [
-            "--queue-url",
-            queue_url,
-            "--dlq-url",
-            dlq_url,
-            "--allowed-buckets",
-            bucket,
-            "--drain",
-            "--receive-wait-seconds",
-            "1",
-            "--log-dir",
-            str(tmp_path),
-            "--notify-topic-arn",
-            outputs["JobsFinishedTopicArn"],
-            "--notify-queue-url",
-            notify_url,
-        ],
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = aws.summary(output)
-    assert summary["status"] == "succeeded"
-    for announced_on in (subscriber_url, notify_url):
-        [notice] = aws.sqs.receive_message(QueueUrl=announced_on)["Messages"]
-        assert json.loads(notice["Body"]) == summary
-    assert aws.queue_depth(queue_url) == (0, 0)

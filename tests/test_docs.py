@@ -22,12 +22,13 @@ import pytest
 from pydantic.fields import FieldInfo
 
 from bench.gpu import build_parser as gpu_bench_parser
+from tests.support.paths import REPO
 from worker.cli import build_parser
 from worker.demo import DEMO_SMALL_JOB_IMAGES, DEMO_SMALL_JOBS, LOCAL_AWS_ENV
-from worker.jobs.ledger import TRANSITIONS, JobState, Ledger
+from worker.jobs.job import TRANSITIONS, JobState
+from worker.jobs.ledger import Ledger
 from worker.settings import Settings
 
-REPO = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SETTINGS_PAGE = REPO / "docs" / "settings.md"
 # Paths the pages name that a run creates, not the repository.

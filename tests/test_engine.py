@@ -1,4 +1,9 @@
-"""The pipeline engine: batching, error isolation, crash recovery, overlap."""
+"""The pipeline engine, which knows nothing of jobs or AWS: channels and batches; items
+routed through thread and process stages and shared-memory arenas; a failing item
+isolated by bisection; a child process that dies, hangs or runs out of memory
+replaced, and its items retried or failed alone; a stage that fails known-good input
+broken, with no item blamed; prepare, finish and fan-out steps; stages that grow and
+shrink; and the stages overlapping in time."""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import stagefns
+from tests.support import stagefns
+from tests.support.timing import wait_until
 from worker import engine
 from worker.engine import (
     Item,
@@ -484,7 +490,7 @@ def test_a_finish_step_that_fails_known_good_input_is_a_broken_worker(tmp_path: 
         marker.touch()
         for index in range(2):
             pipeline.submit(Item("k", index, index))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert [broken.startswith("WorkerFault") for broken in observer.broken] == [True]
     assert "libpostprocess.so" in observer.broken[0]
 
@@ -621,12 +627,13 @@ def test_a_stage_grows_while_the_next_one_waits_and_shrinks_back_once_idle() -> 
         feeder.join()
         assert ("preprocess", 3) in observer.workers
         # A shrink counts at once; the scaler reports it to the observer just after.
-        _wait_until(
+        wait_until(
             lambda: (
                 pipeline.worker_counts()["preprocess"] == 1
                 and observer.workers[-1] == ("preprocess", 1)
             ),
             timeout_s=20,
+            every_s=0.05,
         )
         assert pipeline.worker_counts() == {"preprocess": 1, "inference": 1}
         assert pipeline.dead_stages() == []
@@ -691,13 +698,6 @@ def test_setup_failure_is_reported_at_start() -> None:
         pipeline.start()
 
 
-def _wait_until(condition: Any, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_stage_failing_known_good_input_is_broken_and_no_item_is_blamed(
     tmp_path: Path,
 ) -> None:
@@ -718,7 +718,7 @@ def test_a_stage_failing_known_good_input_is_broken_and_no_item_is_blamed(
         marker.touch()
         for index in range(4):
             pipeline.submit(Item("k", index, index))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert [broken.startswith("WorkerFault") for broken in observer.broken] == [True]
     assert observer.suspects == [frozenset({"k"})]
     assert "a fresh worker failed the same way" in observer.broken[0]
@@ -748,7 +748,7 @@ def test_an_item_that_kills_every_worker_is_blamed_only_if_the_probe_passes() ->
     stages = [ProcessStage("preprocess", stagefns.doomed_writer, writes=TensorArena((2,), slots=4))]
     with Pipeline(stages, observer) as pipeline:
         pipeline.submit(Item("j", 0, 0))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert "WorkerFault" in observer.broken[0] and "failed its probe" in observer.broken[0]
 
 
@@ -797,7 +797,7 @@ def test_a_stage_thread_that_raises_reports_the_stage_broken() -> None:
     observer = Exploding()
     with Pipeline([ThreadStage("fetch", lambda values: values)], observer) as pipeline:
         pipeline.submit(Item("j", 0, 0))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert observer.broken == ["RuntimeError: bookkeeping bug"]
 
 
@@ -882,7 +882,7 @@ def test_a_fetch_that_fails_inputs_fetched_before_too_is_a_broken_worker(
         marker.touch()
         for index in range(4):
             pipeline.submit(Item("k", index, f"v{index}"))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert observer.broken[0].startswith("WorkerFault"), observer.broken
     assert "inputs that passed fetch before fail too: PermissionError" in observer.broken[0]
     assert observer.suspects == [frozenset({"k"})]
@@ -905,7 +905,7 @@ def test_a_fetch_step_that_never_fetched_an_input_blames_none_and_stops_on_a_thi
         assert all("no input passed fetch before" in r.error.message for r in untold if r.error)
         assert observer.broken == []
         pipeline.submit(Item("l", 0, "v0"))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert "none was ever prepared" in observer.broken[0]
     assert observer.suspects == [frozenset({"j", "k", "l"})]
 
@@ -939,7 +939,7 @@ def test_a_fan_out_that_fails_an_image_it_cut_up_before_is_a_broken_worker(
         assert all(r.error is None for r in cut)
         marker.touch()
         pipeline.submit(Item("k", 0, 5))
-        _wait_until(lambda: observer.broken)
+        wait_until(lambda: observer.broken, every_s=0.05)
     assert observer.broken[0].startswith("WorkerFault"), observer.broken
     assert "the fan-out's process is broken" in observer.broken[0]
     assert observer.suspects == [frozenset({"k"})]

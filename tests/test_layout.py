@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 KERNEL = {"errors", "ports", "retry"}
 MAY_IMPORT = {

@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.support.timing import ManualClock
 from worker.adapters.fakes import InMemoryJobSource
 from worker.jobs.job import Job
 from worker.jobs.joblog import JobLog
@@ -13,14 +14,6 @@ from worker.jobs.leases import LeaseKeeper
 from worker.jobs.ledger import Ledger
 from worker.jobs.message import parse_job_message
 from worker.telemetry.progress import Progress
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _admit(ledger: Ledger, source: InMemoryJobSource, tmp_path: Path) -> Job:

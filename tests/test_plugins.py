@@ -17,8 +17,8 @@ from stages.model import default_classifier
 from stages.postprocess import top_k
 from stages.preprocess import default_preprocessor
 from stages.synthetic import LABELS, samples
-from tests.conftest import also_on_gpu
-from tests.stagefns import SizeRecorder
+from tests.support.markers import also_on_gpu
+from tests.support.stagefns import SizeRecorder
 from worker.engine import ItemError, bisection_sizes
 from worker.plugins import PluginError
 from worker.plugins.encoding import encoded_fields
@@ -105,13 +105,13 @@ def test_the_model_is_warmed_up_at_every_size_bisection_falls_back_to() -> None:
     assert bisection_sizes(1) == [1]
     SizeRecorder.sizes.clear()
     about = inference_setup(
-        "tests.stagefns:SizeRecorder", "cpu", SHAPE, batch_size=6, model_version="7"
+        "tests.support.stagefns:SizeRecorder", "cpu", SHAPE, batch_size=6, model_version="7"
     ).about
     assert SizeRecorder.sizes == [1, 6, 3, 2, 1]  # the probe, then the warm-up
     assert about["warm_up"]["batch_sizes"] == [6, 3, 2, 1]
     assert (
         about["model"]
-        == identify("tests.stagefns:SizeRecorder", SizeRecorder(), None, "7").as_dict()
+        == identify("tests.support.stagefns:SizeRecorder", SizeRecorder(), None, "7").as_dict()
     )
 
 
@@ -119,12 +119,14 @@ def test_a_warm_up_size_out_of_memory_is_noted_and_any_other_failure_stops_the_s
     """Out of memory over 8 images: the start goes on (the stage bisects and lowers its
     batch size at run time, as for any batch). A model that raises otherwise on a full
     batch of zeros does not start, and the error says to lower the batch size."""
-    about = inference_setup("tests.faults:fragile_classifier", "cpu", SHAPE, batch_size=32).about
+    about = inference_setup(
+        "tests.support.faults:fragile_classifier", "cpu", SHAPE, batch_size=32
+    ).about
     assert about["warm_up"]["out_of_memory"] == [32, 16]
     with pytest.raises(
         PluginError, match=r"batch of 2 zeros.*lower the batch size to what it takes \(--batch-size"
     ):
-        inference_setup("tests.stagefns:one_at_a_time", "cpu", SHAPE, batch_size=2)
+        inference_setup("tests.support.stagefns:one_at_a_time", "cpu", SHAPE, batch_size=2)
 
 
 @pytest.mark.parametrize("device", also_on_gpu("cpu", "cuda"))
@@ -132,10 +134,14 @@ def test_bfloat16_and_channels_last_are_applied_and_keep_the_answers(device: str
     """`--precision bfloat16 --channels-last` reach the model (probed), and the default
     model's answers stay those of float32."""
     batch = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
-    probe = inference_setup("tests.stagefns:LayoutProbe", device, (3, 8, 8))
+    probe = inference_setup("tests.support.stagefns:LayoutProbe", device, (3, 8, 8))
     assert np.stack(probe.run(batch, [None] * 2)).tolist() == [[0.0, 0.0, 0.0]] * 2
     tuned = inference_setup(
-        "tests.stagefns:LayoutProbe", device, (3, 8, 8), precision="bfloat16", channels_last=True
+        "tests.support.stagefns:LayoutProbe",
+        device,
+        (3, 8, 8),
+        precision="bfloat16",
+        channels_last=True,
     )
     assert np.stack(tuned.run(batch, [None] * 2)).tolist() == [[1.0, 1.0, 1.0]] * 2
     batch, _ = _batch(16)
@@ -168,7 +174,7 @@ def test_a_model_that_fails_on_zeros_does_not_start() -> None:
     """The model's probe is a batch of zeros, run once at start: a model that raises on
     it is broken (or cannot be told from broken), and the daemon says so at start."""
     with pytest.raises(PluginError, match="fails on a batch of zeros"):
-        inference_setup("tests.faults:broken_classifier", "cpu", SHAPE)
+        inference_setup("tests.support.faults:broken_classifier", "cpu", SHAPE)
     stage_fn = inference_setup("stages.model:default_classifier", "cpu", SHAPE)
     assert stage_fn.probe is not None
     stage_fn.probe()
@@ -181,8 +187,8 @@ def test_a_preprocessor_is_probed_with_its_samples() -> None:
     assert stage_fn.probe is not None and len(default_preprocessor.samples) == 2
     stage_fn.probe()
     with pytest.raises(PluginError, match="cannot decode its own samples"):
-        preprocess_setup("tests.faults:codecless_preprocessor")
-    assert preprocess_setup("tests.faults:faulty_preprocessor").probe is not None
+        preprocess_setup("tests.support.faults:codecless_preprocessor")
+    assert preprocess_setup("tests.support.faults:faulty_preprocessor").probe is not None
 
 
 def test_preprocessor_and_postprocessor_are_checked() -> None:
@@ -238,7 +244,7 @@ def test_a_models_answer_is_its_own_even_as_a_view_of_its_input() -> None:
     buffer the next batch is gathered into while this one is postprocessed): its rows
     are copied, so the next batch cannot change them."""
     batch, _ = _batch(3)
-    rows = inference_setup("tests.stagefns:echo_model", "cpu", SHAPE).run(batch, [None] * 3)
+    rows = inference_setup("tests.support.stagefns:echo_model", "cpu", SHAPE).run(batch, [None] * 3)
     expected = [row.copy() for row in rows]
     batch.fill_(7)
     assert all((row == before).all() for row, before in zip(rows, expected, strict=True))
@@ -253,7 +259,7 @@ def test_a_postprocessor_that_fails_on_the_answer_to_zeros_does_not_start() -> N
             "stages.model:default_classifier",
             "cpu",
             SHAPE,
-            postprocess="tests.stagefns:needs_params",
+            postprocess="tests.support.stagefns:needs_params",
         )
     stage_fn = inference_setup(
         "stages.model:default_classifier", "cpu", SHAPE, postprocess="stages.postprocess:top_k"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.test_leases import ManualClock
+from tests.support.timing import ManualClock
 from worker.adapters.fakes import RecordingGuard
 from worker.daemon.protection import RETRY_AFTER_FAILURE_S, ProtectionKeeper
 from worker.jobs.job import Job

@@ -8,7 +8,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from worker.cli import build_parser
 from worker.plugins.loading import inference_devices
 from worker.settings import Settings, settings_from_flags
@@ -73,14 +73,6 @@ def test_help_lists_every_setting_with_its_environment_variable() -> None:
     for name in Settings.model_fields:
         assert f"--{name.replace('_', '-')}" in text
         assert f"WORKER_{name.upper()}" in text
-
-
-def test_readme_documents_every_setting() -> None:
-    """The README's settings table names every flag and environment variable."""
-    readme = (REPO / "README.md").read_text()
-    for name in Settings.model_fields:
-        assert f"`--{name.replace('_', '-')}`" in readme
-        assert f"`WORKER_{name.upper()}`" in readme
 
 
 def test_fifo_queues_are_refused_at_start() -> None:

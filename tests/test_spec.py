@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 from worker.plugins import PluginError
 from worker.plugins.identity import ModelIdentity, pipeline_identity
 from worker.plugins.loading import load_fan_out

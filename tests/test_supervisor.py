@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tests.test_leases import ManualClock
+from tests.support.timing import ManualClock
 from worker.daemon.supervisor import Supervisor
 from worker.engine.channel import Closed
 from worker.telemetry.progress import Progress

@@ -1,4 +1,9 @@
-"""End to end: the daemon as a subprocess against a moto server over HTTP."""
+"""Jobs that go as they should, end to end (the daemon as a subprocess against a moto
+server over HTTP): one-input, fifty-input and manifest jobs with a poison message
+beside them, a job longer than four visibility timeouts followed by `enqueue --wait`,
+a chain of models, an embedding job with its array file, and JPEGs decoded on the
+model's device. Each job's outputs are checked whole: one result line per input, in
+input order, with the right answers, and its log and summary."""
 
 from __future__ import annotations
 
@@ -13,25 +18,21 @@ import pytest
 from PIL import Image
 
 from stages.synthetic import LABELS, boards
-from tests.conftest import REPO, Aws, also_on_gpu, enqueue_command, following, run_daemon
-from tests.faults import broken_scan, reencoded
+from tests.support.aws import Aws
+from tests.support.daemons import daemon_args, run_daemon
+from tests.support.faults import broken_scan, reencoded
+from tests.support.jobs import enqueue_command, following
+from tests.support.markers import also_on_gpu
+from tests.support.paths import REPO
 from worker.demo import Stack, upload_samples
 
 pytestmark = pytest.mark.e2e
 
 
 def _drain_args(stack: Stack, log_dir: Path, *more: str) -> list[str]:
-    """`run` flags for a daemon that empties the stack's queue and exits."""
-    return [
-        "--queue-url",
-        stack.queue_url,
-        "--drain",
-        "--receive-wait-seconds",
-        "1",
-        "--log-dir",
-        str(log_dir),
-        *more,
-    ]
+    """`run` flags for a daemon that empties the stack's queue and exits (no dead-letter
+    queue unless `more` names one)."""
+    return daemon_args(stack, log_dir, "--drain", *more, dlq=False)
 
 
 def _last_modified(aws: Aws, output: str, name: str) -> Any:
@@ -167,7 +168,7 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
                 "--batch-size",
                 "1",
                 "--model",
-                "tests.slow_model:factory",
+                "tests.support.slow_model:factory",
                 "--progress-interval-seconds",
                 "0.5",
             ),
@@ -283,7 +284,7 @@ def test_an_embedding_job_leaves_its_array_file_in_s3(aws: Aws, tmp_path: Path) 
     ("decoder", "fallbacks"),
     also_on_gpu(
         # The stand-in refuses the progressive JPEG, as some decoders do; nvJPEG takes it.
-        (("tests.faults:standin_device_decoder", "auto"), 1),
+        (("tests.support.faults:standin_device_decoder", "auto"), 1),
         (("stages.preprocess:default_preprocessor", "cuda"), 0),
     ),
 )
@@ -291,12 +292,12 @@ def test_jpegs_decoded_on_the_device_fall_back_to_the_cpu_one_input_at_a_time(
     aws: Aws, tmp_path: Path, decoder: tuple[str, str], fallbacks: int
 ) -> None:
     """`--decode gpu` with nvJPEG on a GPU, and everywhere with a stand-in for it
-    (`tests.faults:standin_device_decoder`): the sample JPEGs are decoded in the model's
-    process and labelled as on the CPU; PNGs, a CMYK JPEG, a truncated one and one with
-    a broken scan header (nvJPEG would picture the last two) in the preprocessing
-    processes, the bad ones failing there, as ever, each that input's error alone; a
-    progressive JPEG is labelled right wherever it is decoded, and the job's log says
-    how many the device sent back to the CPU."""
+    (`tests.support.faults:standin_device_decoder`): the sample JPEGs are decoded in the
+    model's process and labelled as on the CPU; PNGs, a CMYK JPEG, a truncated one and
+    one with a broken scan header (nvJPEG would picture the last two) in the
+    preprocessing processes, the bad ones failing there, as ever, each that input's
+    error alone; a progressive JPEG is labelled right wherever it is decoded, and the
+    job's log says how many the device sent back to the CPU."""
     preprocess, device = decoder
     stack = aws.stack()
     labels = upload_samples(aws.s3, stack.bucket, 40, seed=9)

@@ -1,6 +1,9 @@
 """Worker faults never become the user's failure: the daemon as a subprocess against a
 moto server, with faults injected from outside (a model that breaks, S3 throttling and
-resets through a proxy, hanging SQS calls, a refusing dead-letter queue)."""
+resets through a proxy, S3 and SQS calls that hang at shutdown, a refusing dead-letter
+queue, an input that breaks every worker it reaches). No job is written `failed` for
+them: the work goes back to the queue; only a job whose items keep breaking workers
+is dead-lettered, and a host where workers keep breaking is taken out of service."""
 
 from __future__ import annotations
 
@@ -12,29 +15,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from tests.conftest import Aws, DaemonProcess
-from tests.fakeaws import FakeImds
-from tests.faultproxy import Fault, FaultProxy, Request
-from tests.faults import BREAK_MODEL_FILE, MAGENTA
-from tests.test_faults import (
-    StartDaemon,
-    _args,
-    _assert_complete,
-    _out,
-    _png,
-    _put,
-    _send_jobs,
-)
-from tests.test_fleet import _free_port, _get
-from tests.test_interruptions import _on_ec2
+from tests.support.aws import Aws, ec2_env
+from tests.support.daemons import DaemonProcess, StartDaemon, daemon_args, free_port, http_get
+from tests.support.fakeaws import FakeImds
+from tests.support.faultproxy import Fault, FaultProxy, input_download
+from tests.support.faults import BREAK_MODEL_FILE, MAGENTA, png_bytes
+from tests.support.jobs import assert_complete, job_output, send_jobs, upload
 from worker.demo import upload_samples
 from worker.settings import MIN_SHUTDOWN_TAIL_S
 
 pytestmark = pytest.mark.e2e
-
-
-def _input_get(request: Request) -> bool:
-    return request.method == "GET" and "/images/" in request.path
 
 
 def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
@@ -47,18 +37,18 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 40, seed=31))
     jobs = {f"job-{n:02d}": uris[n * 2 : n * 2 + 2] for n in range(20)}
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     marker = tmp_path / "cuda-error"
-    port = _free_port()
+    port = free_port()
     proxy = FaultProxy(aws.endpoint)
     with proxy.serving() as proxy_url:
         env = aws.with_endpoint(proxy_url).with_env(**{BREAK_MODEL_FILE: str(marker)}).env
         daemon = start_daemon(
-            _args(
+            daemon_args(
                 stack,
                 tmp_path,
                 "--model",
-                "tests.faults:breakable_classifier",
+                "tests.support.faults:breakable_classifier",
                 "--batch-size",
                 "2",
                 "--max-jobs",
@@ -82,7 +72,7 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
         health: list[tuple[int, str]] = []
         while daemon.process.poll() is None:
             with contextlib.suppress(OSError):  # the server goes away as the daemon exits
-                health.append(_get(f"http://127.0.0.1:{port}/healthz"))
+                health.append(http_get(f"http://127.0.0.1:{port}/healthz"))
             time.sleep(0.05)
     assert daemon.wait(10) == 1, daemon.stderr[-3000:]
     [broken] = daemon.events("worker_broken")
@@ -91,9 +81,9 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
         status == 503 and "broken" in body and "illegal memory access" in body
         for status, body in health
     ), health[-3:]
-    done = {job for job in jobs if "job.json" in aws.names(_out(stack, job))}
-    assert all(aws.summary(_out(stack, job))["status"] == "succeeded" for job in done)
-    assert all("results.jsonl" not in aws.names(_out(stack, job)) for job in set(jobs) - done)
+    done = {job for job in jobs if "job.json" in aws.names(job_output(stack, job))}
+    assert all(aws.summary(job_output(stack, job))["status"] == "succeeded" for job in done)
+    assert all("results.jsonl" not in aws.names(job_output(stack, job)) for job in set(jobs) - done)
     # A job whose job.json was written just before the circuit opened may not have been
     # deleted: its next delivery acks it unread. Every other job is back in the queue.
     acked = {event["job_id"] for event in daemon.events("job_finished")}
@@ -124,13 +114,13 @@ def test_throttled_and_reset_downloads_never_reach_the_results(
     stack = aws.stack(max_receive_count=20)
     uris = list(upload_samples(aws.s3, stack.bucket, 32, seed=32))
     jobs = {f"job-{n:02d}": uris[n * 4 : n * 4 + 4] for n in range(8)}
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     proxy = FaultProxy(aws.endpoint, seed=7)
-    proxy.add(Fault("slow_down", _input_get, probability=0.6, status=503, code="SlowDown"))
-    proxy.add(Fault("reset", _input_get, probability=0.25, kind="reset"))
+    proxy.add(Fault("slow_down", input_download, probability=0.6, status=503, code="SlowDown"))
+    proxy.add(Fault("reset", input_download, probability=0.25, kind="reset"))
     with proxy.serving() as proxy_url:
         daemon = start_daemon(
-            _args(
+            daemon_args(
                 stack, tmp_path, "--drain", "--retry-delay-seconds", "1", "--aws-max-attempts", "3"
             ),
             env=aws.with_endpoint(proxy_url).env,
@@ -138,13 +128,13 @@ def test_throttled_and_reset_downloads_never_reach_the_results(
         assert daemon.wait(180) == 0, daemon.stderr[-3000:]
     assert proxy.injected["slow_down"] > 20 and proxy.injected["reset"] > 3
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
-        assert b"SlowDown" not in aws.read(_out(stack, job_id), "results.jsonl")
+        assert_complete(aws, stack, job_id, inputs)
+        assert b"SlowDown" not in aws.read(job_output(stack, job_id), "results.jsonl")
     # Some inputs stayed unreachable past a call's 3 tries and were fed again.
     assert any(
         event["event"] == "input_retried"
         for job in jobs
-        for event in aws.log_events(_out(stack, job))
+        for event in aws.log_events(job_output(stack, job))
     )
     assert aws.queue_depth(stack.queue_url) == (0, 0)
     assert aws.dead_letters(stack.dlq_url) == []
@@ -159,7 +149,7 @@ def test_shutdown_has_a_hard_deadline_when_calls_hang(
     stack = aws.stack(visibility_timeout_s=10)
     uris = list(upload_samples(aws.s3, stack.bucket, 6, seed=33))
     jobs = {f"job-{n}": uris[n * 2 : n * 2 + 2] for n in range(3)}
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     proxy = FaultProxy(aws.endpoint)
     hangs = ("PUT", "ChangeMessageVisibility", "ChangeMessageVisibilityBatch")
     proxy.add(
@@ -168,7 +158,7 @@ def test_shutdown_has_a_hard_deadline_when_calls_hang(
     grace_s = 2
     with proxy.serving() as proxy_url:
         daemon = start_daemon(
-            _args(
+            daemon_args(
                 stack,
                 tmp_path,
                 "--grace-seconds",
@@ -203,7 +193,7 @@ def test_a_refusing_dead_letter_queue_leaves_poison_to_the_redrive_policy(
     stack = aws.stack()
     [uri] = list(upload_samples(aws.s3, stack.bucket, 1, seed=34))
     aws.send(stack.queue_url, "{not json")
-    _send_jobs(aws, stack, {"good": [uri]})
+    send_jobs(aws, stack, {"good": [uri]})
     proxy = FaultProxy(aws.endpoint)
     to_dlq = stack.dlq_url.rsplit("/", 1)[-1]
     proxy.add(
@@ -216,13 +206,13 @@ def test_a_refusing_dead_letter_queue_leaves_poison_to_the_redrive_policy(
     )
     with proxy.serving() as proxy_url:
         daemon = start_daemon(
-            _args(stack, tmp_path, "--drain", "--retry-delay-seconds", "0"),
+            daemon_args(stack, tmp_path, "--drain", "--retry-delay-seconds", "0"),
             env=aws.with_endpoint(proxy_url).env,
         )
         assert daemon.wait(120) == 0, daemon.stderr[-3000:]
     assert proxy.injected["dlq_refused"] == 3  # the queue's maxReceiveCount
     assert len(daemon.events("dead_letter_failed")) == 3
-    _assert_complete(aws, stack, "good", [uri])
+    assert_complete(aws, stack, "good", [uri])
     [dead] = aws.dead_letters(stack.dlq_url)
     assert dead["Body"] == "{not json"
     assert aws.queue_depth(stack.queue_url) == (0, 0)
@@ -243,20 +233,20 @@ def test_an_input_that_breaks_workers_is_dead_lettered_alone_and_its_host_taken_
     group = f"{stack.bucket}-workers"
     instance_id = aws.auto_scaling_group(group)
     uris = list(upload_samples(aws.s3, stack.bucket, 18, seed=41))
-    magenta = _put(aws, stack, "bad/magenta.png", _png(Image.new("RGB", (64, 64), MAGENTA)))
+    magenta = upload(aws, stack, "bad/magenta.png", png_bytes(Image.new("RGB", (64, 64), MAGENTA)))
     jobs = {f"job-{n}": uris[n * 2 : n * 2 + 2] for n in range(8)}
-    _send_jobs(aws, stack, {**jobs, "culprit": [uris[16], magenta, uris[17]]})
+    send_jobs(aws, stack, {**jobs, "culprit": [uris[16], magenta, uris[17]]})
 
     def run(log_dir: Path, *more: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        args = ["--drain", "--model", "tests.faults:poisonable_classifier", *more]
-        daemon = start_daemon(_args(stack, log_dir, "--batch-size", "4", *args), env=env)
+        args = ["--drain", "--model", "tests.support.faults:poisonable_classifier", *more]
+        daemon = start_daemon(daemon_args(stack, log_dir, "--batch-size", "4", *args), env=env)
         daemon.wait(120)
         return daemon
 
     host = tmp_path / "host-a"
     fake = FakeImds(instance_id, group)
     with fake.serving() as imds_url:
-        on_ec2 = _on_ec2(aws, imds_url)
+        on_ec2 = ec2_env(aws, imds_url)
         broke = [run(host, env=on_ec2) for _ in range(3)]
         restarted = run(host, env=on_ec2)
     assert [daemon.process.returncode for daemon in broke] == [1, 1, 1]
@@ -279,5 +269,5 @@ def test_an_input_that_breaks_workers_is_dead_lettered_alone_and_its_host_taken_
     reason = dead["MessageAttributes"]["reason"]["StringValue"]
     assert "3 workers broke with its items in the work that failed" in reason, reason
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
+        assert_complete(aws, stack, job_id, inputs)
     assert aws.queue_depth(stack.queue_url) == (0, 0)

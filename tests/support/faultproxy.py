@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Literal
 from urllib.parse import parse_qs, urlsplit
 
-from tests.fakeaws import serve_http
+from tests.support.fakeaws import serve_http
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length"})
 
@@ -174,3 +174,8 @@ class FaultProxy:
 
         with serve_http(Handler) as url:
             yield url
+
+
+def input_download(request: Request) -> bool:
+    """A download of an input `worker.demo.upload_samples` put under images/."""
+    return request.method == "GET" and "/images/" in request.path

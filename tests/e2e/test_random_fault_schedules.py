@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Aws, DaemonProcess
-from tests.faultproxy import Fault, FaultProxy
-from tests.faults import BREAK_MODEL_FILE
-from tests.test_faults import StartDaemon, _args, _out, _put, _send_jobs
-from tests.test_lifecycle import _input_get
+from tests.support.aws import Aws
+from tests.support.daemons import DaemonProcess, StartDaemon, daemon_args
+from tests.support.faultproxy import Fault, FaultProxy, input_download
+from tests.support.faults import BREAK_MODEL_FILE
+from tests.support.jobs import job_output, send_jobs, upload
 from worker.demo import upload_samples
 
 pytestmark = pytest.mark.e2e
@@ -112,17 +112,17 @@ def test_random_faults_never_change_a_jobs_outcome(
     # Interruptions spend receives; a generous redrive keeps them from dead-lettering.
     stack = aws.stack(visibility_timeout_s=4, max_receive_count=50)
     good = list(upload_samples(aws.s3, stack.bucket, 40, seed=40 + seed))
-    corrupt = [_put(aws, stack, f"bad/{n}", b"not an image %d" % n) for n in range(3)]
+    corrupt = [upload(aws, stack, f"bad/{n}", b"not an image %d" % n) for n in range(3)]
     jobs = {f"job-{n:02d}": Expected(good[n * 3 : n * 3 + 3], set()) for n in range(12)}
     jobs["partial-a"] = Expected([good[36], corrupt[0], good[37]], {1})
     jobs["partial-b"] = Expected([corrupt[1], good[38], good[39]], {0})
     jobs["failed"] = Expected([corrupt[2]], {0})
-    _send_jobs(aws, stack, {job_id: expected.inputs for job_id, expected in jobs.items()})
+    send_jobs(aws, stack, {job_id: expected.inputs for job_id, expected in jobs.items()})
 
     marker = tmp_path / "cuda-error"
     proxy = FaultProxy(aws.endpoint, seed=seed)
-    proxy.add(Fault("slow_down", _input_get, probability=0.3, status=503, code="SlowDown"))
-    proxy.add(Fault("reset", _input_get, probability=0.05, kind="reset"))
+    proxy.add(Fault("slow_down", input_download, probability=0.3, status=503, code="SlowDown"))
+    proxy.add(Fault("reset", input_download, probability=0.05, kind="reset"))
     chaos_s = float(os.environ.get("CHAOS_SECONDS", "20"))
     with proxy.serving() as proxy_url:
         env = (
@@ -130,11 +130,11 @@ def test_random_faults_never_change_a_jobs_outcome(
             .with_env(**{BREAK_MODEL_FILE: str(marker), "SLOW_MODEL_SECONDS_PER_BATCH": "0.3"})
             .env
         )
-        args = _args(
+        args = daemon_args(
             stack,
             tmp_path,
             "--model",
-            "tests.faults:breakable_classifier",
+            "tests.support.faults:breakable_classifier",
             "--batch-size",
             "2",
             "--visibility-timeout-seconds",
@@ -162,7 +162,7 @@ def test_random_faults_never_change_a_jobs_outcome(
     assert set(fleet.exits) <= EXPECTED_EXITS, (fleet.exits, applied)
     assert proxy.injected["slow_down"] > 0
     for job_id, expected in jobs.items():
-        output = _out(stack, job_id)
+        output = job_output(stack, job_id)
         assert aws.summary(output)["status"] == expected.status, (job_id, applied)
         results = aws.results(output)
         assert [r["input"] for r in results] == expected.inputs

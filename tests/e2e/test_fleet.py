@@ -6,27 +6,18 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Aws
-from tests.fakeaws import FakeEcsAgent, FakeImds
-from tests.faultproxy import FaultProxy
-from tests.test_faults import (
-    StartDaemon,
-    _args,
-    _assert_complete,
-    _out,
-    _send_jobs,
-    _slow_model,
-)
+from tests.support.aws import Aws
+from tests.support.daemons import StartDaemon, daemon_args, free_port, http_get, slow_model_flags
+from tests.support.fakeaws import FakeEcsAgent, FakeImds
+from tests.support.faultproxy import FaultProxy
+from tests.support.jobs import assert_complete, job_output, send_jobs
 from worker.demo import upload_samples
 
 pytestmark = pytest.mark.e2e
@@ -48,16 +39,16 @@ def test_asg_protection_is_on_while_busy_and_off_when_idle_or_stopped(
             "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds_url,
             "AWS_EC2_METADATA_DISABLED": "false",
         }
-        daemon = start_daemon(_args(stack, tmp_path, "--idle-grace-seconds", "3"), env=env)
+        daemon = start_daemon(daemon_args(stack, tmp_path, "--idle-grace-seconds", "3"), env=env)
         assert daemon.wait_for("scale_in_protection")[0]["mode"] == "asg"
         assert not aws.protected(instance_id)
-        _send_jobs(aws, stack, {"a": uris[:3], "b": uris[3:]})
+        send_jobs(aws, stack, {"a": uris[:3], "b": uris[3:]})
         daemon.wait_for("job_finished", 2)
         assert aws.protected(instance_id)  # still within the idle grace
         daemon.wait_for("scale_in_protection_set", 2)
         assert not aws.protected(instance_id)
 
-        _send_jobs(aws, stack, {"c": uris[:2]})
+        send_jobs(aws, stack, {"c": uris[:2]})
         daemon.wait_for("job_finished", 3)
         assert aws.protected(instance_id)
         daemon.send_signal(signal.SIGTERM)
@@ -78,10 +69,10 @@ def test_ecs_task_protection_is_renewable_and_dropped_on_sigterm(
     agent = FakeEcsAgent()
     with agent.serving() as agent_uri:
         daemon = start_daemon(
-            _args(
+            daemon_args(
                 stack,
                 tmp_path,
-                *_slow_model(1),
+                *slow_model_flags(1),
                 "--grace-seconds",
                 "0",
                 "--idle-grace-seconds",
@@ -90,7 +81,7 @@ def test_ecs_task_protection_is_renewable_and_dropped_on_sigterm(
             env={**aws.env, "ECS_AGENT_URI": agent_uri},
         )
         assert daemon.wait_for("scale_in_protection")[0]["mode"] == "ecs"
-        _send_jobs(aws, stack, {"slow": uris})
+        send_jobs(aws, stack, {"slow": uris})
         daemon.wait_for("scale_in_protection_set")
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(60) == 0, daemon.stderr[-3000:]
@@ -110,10 +101,10 @@ def test_three_daemons_share_a_queue_and_survive_losing_one(
     stack = aws.stack(visibility_timeout_s=4)
     uris = list(upload_samples(aws.s3, stack.bucket, 180, seed=16))
     jobs = {f"job-{n:02d}": uris[n * 4 : n * 4 + 4] for n in range(45)}
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     env = aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.2").env
     args = [
-        *_slow_model(4),
+        *slow_model_flags(4),
         "--visibility-timeout-seconds",
         "4",
         "--heartbeat-interval-seconds",
@@ -121,7 +112,9 @@ def test_three_daemons_share_a_queue_and_survive_losing_one(
         "--max-jobs",
         "8",
     ]
-    daemons = [start_daemon(_args(stack, tmp_path / str(n), *args), env=env) for n in range(3)]
+    daemons = [
+        start_daemon(daemon_args(stack, tmp_path / str(n), *args), env=env) for n in range(3)
+    ]
     daemons[0].wait_for("job_finished", 2)
     daemons[0].send_signal(signal.SIGKILL)
 
@@ -129,7 +122,7 @@ def test_three_daemons_share_a_queue_and_survive_losing_one(
     # The killed daemon may have written a job's summary and died before its delete: that
     # message is still due, so the fleet is done only when the queue is empty too.
     while not (
-        all("job.json" in aws.names(_out(stack, job)) for job in jobs)
+        all("job.json" in aws.names(job_output(stack, job)) for job in jobs)
         and aws.queue_depth(stack.queue_url) == (0, 0)
     ):
         assert time.monotonic() < deadline, "jobs left undone"
@@ -139,19 +132,13 @@ def test_three_daemons_share_a_queue_and_survive_losing_one(
         assert daemon.wait(60) == 0, daemon.stderr[-3000:]
 
     for job_id, inputs in jobs.items():
-        _assert_complete(aws, stack, job_id, inputs)
+        assert_complete(aws, stack, job_id, inputs)
     # Every daemon did some of the work. (The killed one may have acked a job and died
     # before its log line, so the lines need not name every job: the outputs do.)
     finished = [{e["job_id"] for e in daemon.events("job_finished")} for daemon in daemons]
     assert all(finished), [len(f) for f in finished]
     assert aws.queue_depth(stack.queue_url) == (0, 0)
     assert aws.dead_letters(stack.dlq_url) == []
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _healthcheck(port: int) -> subprocess.CompletedProcess[str]:
@@ -165,14 +152,6 @@ def _healthcheck(port: int) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
 def test_health_follows_the_inference_process_and_metrics_count_the_jobs(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
@@ -181,12 +160,12 @@ def test_health_follows_the_inference_process_and_metrics_count_the_jobs(
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 32, seed=17))
     jobs = {f"job-{n}": uris[n * 8 : n * 8 + 8] for n in range(4)}
-    port = _free_port()
+    port = free_port()
     daemon = start_daemon(
-        _args(
+        daemon_args(
             stack,
             tmp_path,
-            *_slow_model(4),
+            *slow_model_flags(4),
             "--metrics-port",
             str(port),
         ),
@@ -194,15 +173,15 @@ def test_health_follows_the_inference_process_and_metrics_count_the_jobs(
     )
     daemon.wait_for("daemon_started")
     health = f"http://127.0.0.1:{port}/healthz"
-    assert _get(health) == (200, "ok\n")
+    assert http_get(health) == (200, "ok\n")
     [inference] = [e for e in daemon.events("stage_worker_started") if e["stage"] == "inference"]
-    _send_jobs(aws, stack, jobs)
+    send_jobs(aws, stack, jobs)
     daemon.wait_for("job_received")
     os.kill(inference["pid"], signal.SIGKILL)
     seen = []
     deadline = time.monotonic() + 60
     while (seen[-1:] != [200] or 503 not in seen) and time.monotonic() < deadline:
-        status, body = _get(health)
+        status, body = http_get(health)
         if status == 503:
             assert "inference" in body
         seen.append(status)
@@ -212,7 +191,7 @@ def test_health_follows_the_inference_process_and_metrics_count_the_jobs(
     assert (healthcheck.returncode, healthcheck.stdout) == (0, "ok\n")
 
     daemon.wait_for("job_finished", 4)
-    status, metrics = _get(f"http://127.0.0.1:{port}/metrics")
+    status, metrics = http_get(f"http://127.0.0.1:{port}/metrics")
     assert status == 200
     assert 'worker_jobs_total{outcome="succeeded"} 4.0' in metrics
     assert 'worker_items_total{outcome="succeeded"} 32.0' in metrics
@@ -228,7 +207,7 @@ def test_health_follows_the_inference_process_and_metrics_count_the_jobs(
 def test_protection_asked_for_but_unavailable_stops_the_start(aws: Aws, tmp_path: Path) -> None:
     """`--protection asg` where no instance metadata answers is a configuration error:
     exit 2 at start, naming the problem, rather than a fleet that cannot protect itself."""
-    closed_port = _free_port()
+    closed_port = free_port()
     started = subprocess.run(
         [sys.executable, "-m", "worker", "run", "--queue-url", "q", "--protection", "asg"],
         env={

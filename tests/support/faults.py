@@ -1,8 +1,8 @@
 """Plug-ins that fail on purpose, for fault tests of the daemon as a subprocess.
 
-Loaded by `--preprocess tests.faults:faulty_preprocessor`, `--model
-tests.faults:fragile_classifier` and the like; every other input gets the default
-pipeline.
+Loaded by `--preprocess tests.support.faults:faulty_preprocessor`, `--model
+tests.support.faults:fragile_classifier` and the like; every other input gets the
+default pipeline.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from stages.boards import objects
 from stages.model import default_classifier
 from stages.preprocess import ImagePreprocessor, default_preprocessor
-from tests.stagefns import inject_fault
+from tests.support.stagefns import inject_fault
 
 FAULT_PREFIX = b"FAULT:"
 FRAGILE_MAX_BATCH = 8
@@ -196,6 +196,14 @@ def reencoded(data: bytes, **options: Any) -> bytes:
     with Image.open(io.BytesIO(data)) as image:
         buffer = io.BytesIO()
         image.convert(options.pop("mode", "RGB")).save(buffer, format="JPEG", **options)
+    return buffer.getvalue()
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    """`image` saved as a PNG (an all-magenta one; a huge blank one, a decompression
+    bomb that is small to send)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
     return buffer.getvalue()
 
 

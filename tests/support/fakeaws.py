@@ -7,10 +7,16 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 IMDS_TOKEN = "fake-imds-token"
+
+
+def metadata_time(epoch_s: float) -> str:
+    """A time as instance metadata writes it: 2026-11-23T12:00:00Z."""
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @contextmanager

@@ -1,0 +1,238 @@
+"""Bad inputs and bad messages fail alone: corrupt, truncated, missing, oversized and
+decompression-bomb inputs, inputs that hang, segfault or kill their preprocessing
+process, an image the model raises on, batches that run out of memory, poison messages
+and forged continuation attributes each get their own error record or dead letter,
+and every other job is complete and right. The daemon runs as a subprocess against a
+moto server (docs/DESIGN.md section 4); every test also checks, through the
+`start_daemon` fixture or `run_daemon`, that no process of the daemon outlives it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from bench.processes import peak_rss, tree_rss_mb
+from stages.synthetic import samples
+from tests.support.aws import Aws
+from tests.support.daemons import StartDaemon, daemon_args, run_daemon
+from tests.support.faults import MAGENTA, png_bytes
+from tests.support.jobs import assert_complete, job_output, send_jobs, upload
+from worker.demo import upload_samples
+
+pytestmark = pytest.mark.e2e
+
+
+def test_forged_continuation_attributes_poison_their_own_message_alone(
+    aws: Aws, tmp_path: Path
+) -> None:
+    """Messages sent with boto3 whose continuation attributes do not parse (a count of
+    "²", a lease end of "soon", a first message id of "../../x", which would name a file
+    outside --log-dir) are each dead-lettered naming the attribute, and the valid jobs
+    received beside them run. A message naming another job's message as the one it
+    replaces, with an output of its own, neither skips nor stops that job."""
+    stack = aws.stack()
+    uris = list(upload_samples(aws.s3, stack.bucket, 6, seed=3))
+    jobs = {f"good-{number}": uris[number * 2 : number * 2 + 2] for number in range(3)}
+    victim = aws.sqs.send_message(
+        QueueUrl=stack.queue_url,
+        MessageBody=json.dumps(
+            {"job_id": "good-0", "inputs": jobs["good-0"], "output": job_output(stack, "good-0")}
+        ),
+    )["MessageId"]
+    send_jobs(aws, stack, {job_id: jobs[job_id] for job_id in ("good-1", "good-2")})
+
+    def forge(name: str, attribute: str, value: str, **body: str) -> None:
+        aws.sqs.send_message(
+            QueueUrl=stack.queue_url,
+            MessageBody=json.dumps({**body, "inputs": uris[:1], "output": job_output(stack, name)}),
+            MessageAttributes={attribute: {"DataType": "String", "StringValue": value}},
+        )
+
+    forge("count", "worker.earlier-attempts", "²", job_id="count")
+    forge("soon", "worker.replaced-lease-ends", "soon", job_id="soon")
+    forge("escape", "worker.first-message-id", "../../x")
+    forge("hijack", "worker.handed-over-from", victim, job_id="hijack")
+
+    log_dir = tmp_path / "logs"
+    run = run_daemon(aws, daemon_args(stack, log_dir, "--drain"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for job_id in ("good-0", "good-1", "good-2"):
+        assert_complete(aws, stack, job_id, jobs[job_id])
+    assert_complete(aws, stack, "hijack", uris[:1])
+    reasons = sorted(
+        message["MessageAttributes"]["reason"]["StringValue"]
+        for message in aws.dead_letters(stack.dlq_url)
+    )
+    assert len(reasons) == 3
+    for reason, attribute in zip(
+        reasons,
+        ["worker.earlier-attempts", "worker.first-message-id", "worker.replaced-lease-ends"],
+        strict=True,
+    ):
+        assert f"message attribute {attribute} is not" in reason, reasons
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["logs"]
+    assert not list(tmp_path.parent.glob("x*.log"))
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+
+
+def test_a_huge_input_and_a_huge_manifest_leave_the_daemons_memory_alone(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """A 300 MB input and a 120 MB manifest beside ordinary jobs, the default limits
+    (64 MiB each): the input is its own error and the manifest's message poison, neither
+    read, the other jobs done, and the daemon's whole process tree never grows by as
+    much as the smaller of the two."""
+    stack = aws.stack()
+    uris = list(upload_samples(aws.s3, stack.bucket, 12, seed=4))
+    huge_input = upload(aws, stack, "huge/input.bin", bytes(300 * 2**20))
+    line = f"{uris[0]}\n".encode()
+    huge_manifest = upload(aws, stack, "huge/manifest.txt", line * (120 * 2**20 // len(line)))
+    jobs = {"first": uris[:6], "second": uris[6:]}
+    send_jobs(aws, stack, {**jobs, "with-huge": [uris[0], huge_input, uris[1]]})
+    aws.send(stack.queue_url, {"manifest": huge_manifest, "output": job_output(stack, "long")})
+
+    daemon = start_daemon(daemon_args(stack, tmp_path, "--drain"))
+    daemon.wait_for("daemon_started")
+    started_mb = tree_rss_mb(daemon.pid)
+    with peak_rss(daemon.pid, every_s=0.05) as peak_mb:
+        assert daemon.wait(240) == 0, daemon.stderr[-3000:]
+    grew_mb = peak_mb[0] - started_mb
+    print(f"daemon tree: {started_mb:.0f} MB at start, peak {peak_mb[0]:.0f} MB")
+    assert grew_mb < 100, (started_mb, peak_mb)
+
+    for job_id, inputs in jobs.items():
+        assert_complete(aws, stack, job_id, inputs)
+    huge = aws.results(job_output(stack, "with-huge"))
+    assert huge[1]["error"] == {
+        "type": "ObjectTooLarge",
+        "message": f"too large: {300 * 2**20} bytes, limit {64 * 2**20}",
+    }
+    assert "label" in huge[0] and "label" in huge[2]
+    [dead] = aws.dead_letters(stack.dlq_url)
+    reason = dead["MessageAttributes"]["reason"]["StringValue"]
+    assert reason.startswith(f"manifest {huge_manifest} is too large: ")
+
+
+def test_bad_inputs_and_poison_messages_fail_alone(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """Corrupt, truncated, missing and oversized inputs, inputs that hang, segfault or
+    SIGKILL their preprocessing process, an image the model raises on, batches that run
+    out of memory, and eight kinds of poison message, all in one run: each bad item gets
+    its own error record, the killing job ends failed, every poison message is
+    dead-lettered with its reason, and every other job is complete and right."""
+    stack = aws.stack()
+    labels = upload_samples(aws.s3, stack.bucket, 58, seed=21)
+    good = list(labels)
+    jpeg = next(data for _, data in samples(20, seed=9) if data[:2] == b"\xff\xd8")
+    bad = {
+        name: upload(aws, stack, f"bad/{name}", data)
+        for name, data in {
+            "garbage": b"definitely not an image",
+            "truncated": jpeg[: len(jpeg) // 3],
+            "bomb": png_bytes(Image.new("L", (30_000, 30_000))),
+            "hang": b"FAULT:hang",
+            "segfault": b"FAULT:segfault",
+            "sigkill": b"FAULT:sigkill",
+            "magenta": png_bytes(Image.new("RGB", (64, 64), MAGENTA)),
+        }.items()
+    }
+    missing = f"s3://{stack.bucket}/bad/missing"
+    mixed = [good[0], bad["garbage"], good[1], missing, bad["truncated"], bad["bomb"]]
+    mixed += [bad["hang"], bad["segfault"], bad["sigkill"], bad["magenta"], good[2]]
+    expected_errors = {
+        1: "UnidentifiedImageError",
+        3: "MissingObject",
+        4: None,  # whatever Pillow raises for a cut-off JPEG
+        5: "ImageTooLarge",
+        6: "WorkerHung",
+        7: "WorkerDied",
+        8: "WorkerDied",
+        9: "ValueError",
+    }
+    jobs = {f"good-{n}": good[3 + n * 11 : 14 + n * 11] for n in range(5)}
+    send_jobs(aws, stack, {"mixed": mixed, **jobs, "killer": [bad["sigkill"]]})
+
+    empty = upload(aws, stack, "manifests/empty.txt", b"\n")
+    too_long = upload(aws, stack, "manifests/long.txt", "\n".join([good[0]] * 61).encode())
+    output = job_output(stack, "poison")
+    poison: list[str | dict[str, object]] = [
+        "{not json",
+        {"inputs": [good[0]], "output": output, "colour": "red"},
+        {"inputs": [good[0]], "manifest": empty, "output": output},
+        {"output": output},
+        {"job_id": "../../etc/passwd", "inputs": [good[0]], "output": output},
+        {"inputs": ["s3://someone-elses-bucket/a.png"], "output": output},
+        {"manifest": empty, "output": output},
+        {"manifest": too_long, "output": output},
+    ]
+    for body in poison:
+        aws.send(stack.queue_url, body)
+
+    daemon = start_daemon(
+        daemon_args(
+            stack,
+            tmp_path,
+            "--drain",
+            "--preprocess",
+            "tests.support.faults:faulty_preprocessor",
+            "--model",
+            "tests.support.faults:fragile_classifier",
+            "--preprocess-timeout-seconds",
+            "2",
+            "--allowed-buckets",
+            stack.bucket,
+            "--max-items-per-job",
+            "60",
+        )
+    )
+    exit_code = daemon.wait(240)
+    broken = daemon.events("worker_broken") + daemon.events("stage_thread_failed")
+    assert exit_code == 0, (broken, daemon.stderr[-3000:])
+
+    results = aws.results(job_output(stack, "mixed"))
+    assert [r["input"] for r in results] == mixed
+    errors = {r["index"]: r["error"]["type"] for r in results if "error" in r}
+    assert set(errors) == set(expected_errors)
+    assert all(errors[i] == kind for i, kind in expected_errors.items() if kind), errors
+    summary = aws.summary(job_output(stack, "mixed"))
+    assert (summary["status"], summary["succeeded"], summary["failed"]) == ("partial", 3, 8)
+    events = aws.log_events(job_output(stack, "mixed"))
+    assert sum(e["event"] == "item_failed" for e in events) == 8
+    lost = [e["reason"] for e in events if e["event"] == "worker_lost"]
+    assert any("exited with code -9" in r for r in lost), lost  # SIGKILL
+    assert any("exited with code -11" in r for r in lost), lost  # SIGSEGV
+    assert any("gave no answer" in r for r in lost), lost  # the hang
+
+    killer = aws.summary(job_output(stack, "killer"))
+    assert (killer["status"], killer["failed"]) == ("failed", 1)
+    assert aws.results(job_output(stack, "killer"))[0]["error"]["type"] == "WorkerDied"
+
+    correct = 0
+    for job_id, inputs in jobs.items():
+        assert_complete(aws, stack, job_id, inputs)
+        correct += sum(
+            r["label"] == labels[r["input"]] for r in aws.results(job_output(stack, job_id))
+        )
+    assert correct / sum(map(len, jobs.values())) >= 0.95
+
+    # Batches over 8 ran out of memory: split, and the batch size lowered; no item lost.
+    assert daemon.events("batch_size_lowered")[0]["batch_size"] <= 8
+    all_events = [
+        e["event"] for job in ["mixed", *jobs] for e in aws.log_events(job_output(stack, job))
+    ]
+    assert "out_of_memory" in all_events
+
+    # Preprocessing workers were replaced; the model was loaded once, never again.
+    started = [e["stage"] for e in daemon.events("stage_worker_started")]
+    assert started.count("inference") == 1 and started.count("preprocess") > 2
+
+    dead = aws.dead_letters(stack.dlq_url)
+    assert sorted(m["Body"] for m in dead) == sorted(
+        p if isinstance(p, str) else json.dumps(p) for p in poison
+    )
+    assert all(m["MessageAttributes"]["reason"]["StringValue"] for m in dead)
+    assert aws.queue_depth(stack.queue_url) == (0, 0)

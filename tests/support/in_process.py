@@ -1,0 +1,96 @@
+"""The daemon in the test's own process against the in-memory fakes
+(`worker.adapters.fakes`): sample images, jobs sent, settings, runs, and the files a job
+left under its output."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stages.synthetic import samples
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.daemon import Daemon, ExitCode
+from worker.settings import Settings
+
+
+def sample_images(blobs: InMemoryBlobStore, count: int) -> list[str]:
+    """`count` sample images stored at s3://bkt/img/0, 1, ...; their URIs."""
+    uris = []
+    for number, (_, data) in enumerate(samples(count, seed=5)):
+        uri = f"s3://bkt/img/{number}"
+        blobs.objects[uri] = data
+        uris.append(uri)
+    return uris
+
+
+def send_job(source: InMemoryJobSource, job_id: str, inputs: list[str]) -> None:
+    """A job whose output is s3://bkt/out/JOB_ID/."""
+    source.send(
+        json.dumps({"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/"})
+    )
+
+
+def job_file(blobs: InMemoryBlobStore, job_id: str, name: str) -> Any:
+    """A file under the job's output: results.jsonl as its lines, job.json as its
+    object, anything else as text."""
+    data = blobs.objects[f"s3://bkt/out/{job_id}/{name}"]
+    if name == "results.jsonl":
+        return [json.loads(line) for line in data.splitlines()]
+    return json.loads(data) if name == "job.json" else data.decode()
+
+
+def draining_settings(tmp_path: Path, **fields: Any) -> Settings:
+    """Settings for a daemon that empties its queue and exits."""
+    return Settings(
+        queue_url="q",
+        drain=True,
+        receive_wait_seconds=0,
+        log_dir=tmp_path,
+        metrics_port=0,
+        **fields,
+    )
+
+
+def run_until_drained(
+    source: InMemoryJobSource, blobs: InMemoryBlobStore, tmp_path: Path, **fields: Any
+) -> None:
+    assert Daemon(draining_settings(tmp_path, **fields), source, blobs).run() is ExitCode.DRAINED
+
+
+def serving_settings(tmp_path: Path, **fields: object) -> Settings:
+    """Settings for a daemon that serves until stopped: a tenth of a second a batch of
+    one item, and notices polled every 0.05 s."""
+    return Settings(
+        queue_url="q",
+        receive_wait_seconds=0,
+        log_dir=tmp_path,
+        metrics_port=0,
+        model="tests.support.slow_model:tenth_of_a_second",
+        batch_size=1,
+        notice_poll_seconds=0.05,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def run_while(daemon: Daemon, drive: Callable[[], None]) -> ExitCode:
+    """Run the daemon on this thread (its signal handlers need the main one) while
+    `drive` acts on it from another; a failure of `drive` stops the daemon and is raised."""
+    failures: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            drive()
+        except BaseException as failure:
+            failures.append(failure)
+            daemon.stop()
+
+    thread = threading.Thread(target=guarded, daemon=True)
+    thread.start()
+    reason = daemon.run()
+    thread.join(30)
+    if failures:
+        raise failures[0]
+    return reason
