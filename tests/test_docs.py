@@ -22,7 +22,7 @@ import pytest
 from pydantic.fields import FieldInfo
 
 from bench.gpu import build_parser as gpu_bench_parser
-from tests.support.paths import REPO
+from tests.support.paths import REPO, TEMPLATE
 from worker.cli import build_parser
 from worker.demo import DEMO_SMALL_JOB_IMAGES, DEMO_SMALL_JOBS, LOCAL_AWS_ENV
 from worker.jobs.job import TRANSITIONS, JobState
@@ -99,19 +99,19 @@ def _defined_tests() -> frozenset[str]:
 
 
 @functools.cache
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    """`python -m worker`'s subcommands, by name."""
+    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(commands.choices)
+
+
+@functools.cache
 def _flags() -> frozenset[str]:
     """The worker's flags, `python -m bench.gpu`'s, and `docker run`'s as the stack uses them."""
-    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    flags = {flag for sub in commands.choices.values() for flag in sub._option_string_actions}
+    flags = {flag for sub in _commands().values() for flag in sub._option_string_actions}
     flags |= set(gpu_bench_parser()._option_string_actions)
-    template = (REPO / "infra" / "worker.yaml").read_text()
-    flags |= set(re.findall(r"(?<= )(--[a-z][a-z0-9-]+)(?= )", template))
+    flags |= set(re.findall(r"(?<= )(--[a-z][a-z0-9-]+)(?= )", TEMPLATE.read_text()))
     return frozenset(flags)
-
-
-def _subcommands() -> set[str]:
-    [commands] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return set(commands.choices)
 
 
 each_page = pytest.mark.parametrize("page", PAGES, ids=_name)
@@ -156,7 +156,7 @@ def test_every_command_flag_and_reference_a_page_names_exists(page: Path) -> Non
     text = _text(page)
     targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.MULTILINE))
     assert set(re.findall(r"(?:`|^ +)make ([\w-]+)", text, re.MULTILINE)) <= targets
-    assert set(re.findall(r"python -m worker ([a-z]+)", text)) <= _subcommands()
+    assert set(re.findall(r"python -m worker ([a-z]+)", text)) <= set(_commands())
     for module in re.findall(r"python -m ([a-z_]+\.[a-z_.]+)", text):
         assert importlib.util.find_spec(module), module
 
