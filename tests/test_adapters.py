@@ -182,6 +182,50 @@ def test_a_file_bigger_than_a_part_goes_up_in_parts_on_its_condition(
         assert blobs.put_file(again, big, "application/x-npy", expect=ABSENT) == etag
 
 
+def test_compose_joins_objects_in_order_copying_what_s3_can(
+    parts: tuple[Any, Any, Any],
+) -> None:
+    """`compose` writes its sources end to end, on its condition: small ones in one
+    write; with parts, sources of a part's size are copied by S3 and the others (a
+    small one before a big one, the last) read and sent, and a retry that meets its
+    own bytes is not fenced."""
+    _, blobs, _ = parts
+    if isinstance(blobs, S3BlobStore):
+        blobs = S3BlobStore(boto3.client("s3"), part_bytes=5 * 2**20)
+    contents = [b"head\n", os.urandom(6 * 2**20), os.urandom(5 * 2**20), b"tail\n"]
+    sources = []
+    for number, data in enumerate(contents):
+        location = S3Location.parse(f"s3://bkt/parts/{number}")
+        blobs.put(location, data, "text/plain")
+        sources.append((location, len(data)))
+    small = S3Location.parse("s3://bkt/out/small")
+    blobs.compose(small, [sources[0], sources[3]], "text/plain", expect=ABSENT)
+    assert blobs.get(small) == b"head\ntail\n"
+    joined = S3Location.parse("s3://bkt/out/joined")
+    etag = blobs.compose(joined, sources, "text/plain", expect=ABSENT)
+    assert blobs.get(joined) == b"".join(contents)
+    with pytest.raises(PreconditionFailed):
+        blobs.compose(joined, sources[1:], "text/plain", expect=ABSENT)
+    if isinstance(blobs, S3BlobStore):
+        assert blobs.compose(joined, sources, "text/plain", expect=ABSENT) == etag
+        copied = blobs.compose(
+            S3Location.parse("s3://bkt/out/copied"), sources[1:], "text/plain", expect=ABSENT
+        )
+        assert copied.endswith('-3"')  # two copies, then the streamed tail
+        assert boto3.client("s3").list_multipart_uploads(Bucket="bkt").get("Uploads", []) == []
+
+
+def test_send_many_sends_every_body(parts: tuple[Any, Any, Any]) -> None:
+    """A planned job's shards go out ten to a call, every one of them."""
+    source, _, _ = parts
+    bodies = [json.dumps({"n": n}) for n in range(23)]
+    source.send_many(bodies, "tenant")
+    received = []
+    while batch := source.receive(10, 0, 30):
+        received += [message.body for message in batch]
+    assert sorted(received) == sorted(bodies)
+
+
 def test_a_continuation_carries_the_attempts_the_first_message_and_broken_workers(
     parts: tuple[Any, Any, Any],
 ) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.jobs.message import PoisonMessage, parse_job_message, parse_manifest
+from worker.jobs.message import PoisonMessage, at_most, manifest_uris, parse_job_message
 
 NO_LIMIT: frozenset[str] = frozenset()
 
@@ -77,18 +77,20 @@ def _pieces(text: bytes) -> Iterator[bytes]:
 def test_manifest_rules() -> None:
     """A manifest lists URIs, skipping blanks and comments; empty, oversized or
     malformed manifests are poison."""
-    assert parse_manifest(_pieces(b"s3://inputs/a\n\n# note\ns3://inputs/b\n"), NO_LIMIT, 10) == [
+    assert list(
+        at_most(manifest_uris(_pieces(b"s3://inputs/a\n\n# note\ns3://inputs/b\n"), NO_LIMIT), 10)
+    ) == [
         "s3://inputs/a",
         "s3://inputs/b",
     ]
     with pytest.raises(PoisonMessage, match="no inputs"):
-        parse_manifest(_pieces(b"\n# nothing\n"), NO_LIMIT, 10)
+        list(at_most(manifest_uris(_pieces(b"\n# nothing\n"), NO_LIMIT), 10))
     with pytest.raises(PoisonMessage, match="line 2"):
-        parse_manifest(_pieces(b"s3://inputs/a\nnot-a-uri\n"), NO_LIMIT, 10)
+        list(at_most(manifest_uris(_pieces(b"s3://inputs/a\nnot-a-uri\n"), NO_LIMIT), 10))
     with pytest.raises(PoisonMessage, match="line 2 is not UTF-8"):
-        parse_manifest(_pieces(b"s3://inputs/a\n\xff\n"), NO_LIMIT, 10)
+        list(at_most(manifest_uris(_pieces(b"s3://inputs/a\n\xff\n"), NO_LIMIT), 10))
     with pytest.raises(PoisonMessage, match="not allowed"):
-        parse_manifest(_pieces(b"s3://secret/a\n"), frozenset({"inputs"}), 10)
+        list(at_most(manifest_uris(_pieces(b"s3://secret/a\n"), frozenset({"inputs"})), 10))
 
 
 def test_a_manifest_over_its_item_limit_is_read_no_further() -> None:
@@ -102,7 +104,7 @@ def test_a_manifest_over_its_item_limit_is_read_no_further() -> None:
             yield f"s3://inputs/{number}\n".encode()
 
     with pytest.raises(PoisonMessage, match="more than 3 inputs, over the limit"):
-        parse_manifest(endless(), NO_LIMIT, 3)
+        list(at_most(manifest_uris(endless(), NO_LIMIT), 3))
     assert len(taken) == 4
 
 
@@ -118,12 +120,12 @@ def test_a_manifest_line_longer_than_any_uri_is_refused_as_it_is_read() -> None:
             yield b"x" * 65536
 
     with pytest.raises(PoisonMessage, match="manifest line 1 is over 2048 bytes"):
-        parse_manifest(one_line(), NO_LIMIT, 10)
+        list(at_most(manifest_uris(one_line(), NO_LIMIT), 10))
     assert pieces == [0]
     long_last = b"s3://inputs/a\n" + b"y" * 3000
     with pytest.raises(PoisonMessage, match="manifest line 2 is over 2048 bytes"):
-        parse_manifest(_pieces(long_last), NO_LIMIT, 10)
+        list(at_most(manifest_uris(_pieces(long_last), NO_LIMIT), 10))
     lines = b"".join(b"s3://inputs/%d\r\n" % number for number in range(50_000))
     started = time.perf_counter()
-    assert len(parse_manifest([lines], NO_LIMIT, 50_000)) == 50_000
+    assert len(list(at_most(manifest_uris([lines], NO_LIMIT), 50_000))) == 50_000
     assert time.perf_counter() - started < 5

@@ -140,6 +140,10 @@ class JobSource(Protocol):
         that could not end by then; returns the error code of each handle that could not
         be renewed (a call that failed is reported so, never raised)."""
 
+    def send_many(self, bodies: list[str], group: str) -> None:
+        """Send new messages (a planned job's shards), in the message group `group` (the
+        tenant a fair queue balances); raises if any could not be sent."""
+
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         """Copy a message to the dead-letter queue with `reason` (the caller then acks
         it); False if there is none."""
@@ -190,6 +194,18 @@ class BlobStore(Protocol):
         self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
     ) -> str:
         """`put` of a local file's content, which may be too big to hold in memory."""
+
+    def compose(
+        self,
+        location: S3Location,
+        sources: list[tuple[S3Location, int]],
+        content_type: str,
+        *,
+        expect: str | None = None,
+    ) -> str:
+        """Write the concatenation of `sources` (each with its size in bytes), in order,
+        as one object, on `expect`'s condition as `put`; returns its ETag. S3 copies
+        what it can on its side; the rest is streamed through this process."""
 
     def objects_under(self, prefix: S3Location) -> dict[str, str]:
         """The objects directly under `prefix` (names after it, none with a "/"), each

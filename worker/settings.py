@@ -162,10 +162,18 @@ class Settings(BaseSettings):
         "are waiting ahead of inference.",
     )
     max_items_per_job: int = Field(
-        default=100_000,
+        default=100_000_000,
         ge=1,
         description="Jobs listing more inputs (in the message or its manifest) are "
-        "rejected as poison.",
+        "rejected as poison. A job over shard-items is planned as shards, reading its "
+        "manifest as it streams: the daemon never holds more than shard-items inputs.",
+    )
+    shard_items: int = Field(
+        default=100_000,
+        ge=1,
+        description="A job with more inputs than this (or its message's 'shard_items') is "
+        "split into shards of this many, run across the fleet and merged in order: about "
+        "three minutes each at 500 images/s.",
     )
     max_input_bytes: int = Field(
         default=64 * 2**20,
@@ -175,11 +183,11 @@ class Settings(BaseSettings):
         "one input whole.",
     )
     max_manifest_bytes: int = Field(
-        default=64 * 2**20,
+        default=16 * 2**30,
         ge=1,
-        description="A manifest over this many bytes (64 MiB by default, over 500,000 "
-        "lines of 128 characters) makes its message poison, never read; manifests are "
-        "read line by line.",
+        description="A manifest over this many bytes (16 GiB by default, over 100 million "
+        "lines of 160 characters) makes its message poison, never read on; manifests are "
+        "read line by line as they stream in.",
     )
     allowed_buckets: Annotated[frozenset[str], NoDecode] = Field(
         default=frozenset(),
@@ -336,6 +344,13 @@ class Settings(BaseSettings):
         description="Write where the time goes here, every minute and at exit: "
         "timeline.json (a Chrome trace of the last 100,000 stage calls, for Perfetto) and "
         "timeline.png (one lane per stage).",
+    )
+    device_hour_price: float | None = Field(
+        default=None,
+        ge=0,
+        description="What an hour of this worker's device costs (an instance's price "
+        "divided by its GPUs, say): job.json then gives each job's 'cost' beside the "
+        "'device_s' it used across the fleet.",
     )
     notify_queue_url: str | None = Field(
         default=None,

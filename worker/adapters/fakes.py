@@ -174,6 +174,10 @@ class InMemoryJobSource:
             self._lock.notify_all()
             return failures
 
+    def send_many(self, bodies: list[str], group: str) -> None:
+        for body in bodies:
+            self.send(body)
+
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         with self._lock:
             self.dead_letters.append((message, reason))
@@ -278,6 +282,17 @@ class InMemoryBlobStore:
         self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
     ) -> str:
         return self.put(location, path.read_bytes(), content_type, expect=expect)
+
+    def compose(
+        self,
+        location: S3Location,
+        sources: list[tuple[S3Location, int]],
+        content_type: str,
+        *,
+        expect: str | None = None,
+    ) -> str:
+        data = b"".join(self.get(source, size) for source, size in sources)
+        return self.put(location, data, content_type, expect=expect)
 
     def objects_under(self, prefix: S3Location) -> dict[str, str]:
         start = str(prefix)

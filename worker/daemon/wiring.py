@@ -46,6 +46,7 @@ from worker.jobs.ledger import Ledger
 from worker.jobs.outcomes import Lifecycle, Outcomes
 from worker.jobs.reporting import JobObserver, ProgressReporter
 from worker.jobs.results import Finisher, Regrouper
+from worker.jobs.shards import Shards
 from worker.plugins import PluginError
 from worker.plugins.encoding import chain_postprocess_fault
 from worker.plugins.identity import ModelIdentity, pipeline_identity
@@ -123,8 +124,23 @@ class Daemon:
         )
         self._pipeline = build_pipeline(spec, settings, blobs, observer)
         worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
+        shards = Shards(
+            blobs,
+            source,
+            checkpoints,
+            lifecycle,
+            worker_info=worker_info,
+            device_hour_price=settings.device_hour_price,
+        )
         self._finisher = finisher = Finisher(
-            blobs, checkpoints, lifecycle, worker_info, notify, capacity=settings.max_jobs
+            blobs,
+            checkpoints,
+            shards,
+            lifecycle,
+            worker_info=worker_info,
+            notify=notify,
+            capacity=settings.max_jobs,
+            device_hour_price=settings.device_hour_price,
         )
         self._checkpointer = Checkpointer(
             ledger, checkpoints, settings.checkpoint_items, settings.checkpoint_seconds
@@ -143,9 +159,11 @@ class Daemon:
             ledger,
             blobs,
             checkpoints,
+            shards,
             settings.progress_interval_seconds,
             cancel=finisher.cancel,
             superseded=self._outcomes.superseded,
+            duplicate=self._outcomes.duplicate,
         )
         self._protection = (
             ProtectionKeeper(ledger, guard, settings.idle_grace_seconds, metrics.protection_called)
@@ -180,6 +198,7 @@ class Daemon:
             shutdown.stopping,
             model=self._model,
             checkpoints=checkpoints,
+            shards=shards,
             finish=finisher.submit,
             on_drained=shutdown.drained,
             arrays=self._arrays,

@@ -26,6 +26,7 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -55,12 +56,35 @@ COMPLETED_OUTPUTS = ("results.jsonl", "job.log")
 CHECK_EVERY_S = 1.0
 
 
-def request_digest(inputs: list[str], params: dict[str, Any], model: ModelIdentity) -> str:
+def request_digest(inputs: Iterable[str], params: dict[str, Any], model: ModelIdentity) -> str:
     """Names one request: its inputs, in order, its params and the model that answers it
     (job.json records it as `request_digest`). Another model's results are another
     request's: they are neither resumed from nor taken as done."""
-    request = json.dumps([inputs, params, model.as_dict()], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(request.encode()).hexdigest()[:REQUEST_DIGEST_CHARS]
+    digest = RequestDigest()
+    for uri in inputs:
+        digest.add(uri)
+    return digest.hexdigest(params, model.as_dict())
+
+
+class RequestDigest:
+    """`request_digest` taken as the inputs stream past (a planned job's manifest is
+    never held whole): the SHA-256 of `[inputs, params, model]` as compact JSON."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256(b"[[")
+        self._separator = b""
+
+    def add(self, uri: str) -> None:
+        self._hash.update(self._separator + json.dumps(uri).encode())
+        self._separator = b","
+
+    def hexdigest(self, params: dict[str, Any], model: dict[str, Any]) -> str:
+        """The digest of the inputs added so far, with `params` and the model's identity
+        (`ModelIdentity.as_dict`)."""
+        rest = json.dumps([params, model], sort_keys=True, separators=(",", ":"))
+        whole = self._hash.copy()
+        whole.update(b"]," + rest[1:].encode())
+        return whole.hexdigest()[:REQUEST_DIGEST_CHARS]
 
 
 @dataclass(frozen=True)
@@ -84,17 +108,20 @@ class Checkpoints:
         self._blobs = blobs
         self._ledger = ledger
 
-    def read(self, spec: JobMessage, job_id: str, inputs: list[str], model: ModelIdentity) -> Prior:
+    def read(
+        self,
+        spec: JobMessage,
+        job_id: str,
+        inputs: list[str],
+        model: ModelIdentity,
+        first_index: int = 0,
+    ) -> Prior:
         """One listing of the output prefix, then job.json, `cancel` and checkpoint parts
-        as needed."""
+        as needed. `inputs` are the job's from `first_index` on (a shard's)."""
         digest = request_digest(inputs, spec.params, model)
         listing = self._blobs.objects_under(spec.output_location(""))
         cancelled = self._cancel_stands(spec, job_id, listing)
-        summary = None
-        if "job.json" in listing:
-            written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
-            if written and _completes(written, digest, listing, cancelled):
-                summary = written
+        summary = self._completed(spec, digest, listing, cancelled)
         own_parts = sorted(name for name in listing if name.startswith(_part_prefix(digest)))
         resumed: dict[int, Result] = {}
         earlier_log = []
@@ -106,8 +133,9 @@ class Checkpoints:
             for line in data.splitlines():
                 record = _json(line, name) or {}
                 index = record.get("index")
-                if not isinstance(index, int) or not 0 <= index < len(inputs):
+                if not isinstance(index, int) or not 0 <= index - first_index < len(inputs):
                     continue
+                index -= first_index
                 if inputs[index] == record.get("input"):
                     resumed.setdefault(index, Result(line + b"\n", "error" in record))
         return Prior(
@@ -124,6 +152,19 @@ class Checkpoints:
             b"".join(earlier_log),
             any(name.startswith(CHECKPOINT_PREFIX) for name in listing),
         )
+
+    def finished(self, spec: JobMessage, job_id: str, digest: str) -> dict[str, Any] | None:
+        """The job.json under the output if it completes request `digest`."""
+        listing = self._blobs.objects_under(spec.output_location(""))
+        return self._completed(spec, digest, listing, self._cancel_stands(spec, job_id, listing))
+
+    def _completed(
+        self, spec: JobMessage, digest: str, listing: dict[str, str], cancelled: bool
+    ) -> dict[str, Any] | None:
+        if "job.json" not in listing:
+            return None
+        written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
+        return written if written and _completes(written, digest, listing, cancelled) else None
 
     def halt(self, job: Job) -> Halt | None:
         """Why a running job must stop, if it must, from one listing of its output: its
@@ -194,7 +235,8 @@ class Checkpoints:
             log.warning("superseded_mark_failed", message_id=message_id, error=repr(error))
 
     def remove(self, job: Job) -> None:
-        """Remove every checkpoint object under the job's output (its job.json is written)."""
+        """Remove every checkpoint object under the job's output (its job.json is
+        written); a shard's own parts alone (the merge removes the rest)."""
         assert job.spec is not None
         with job.checkpoint.lock:
             job.checkpoint.removed = True
@@ -202,7 +244,8 @@ class Checkpoints:
                 return
             output = job.spec.output_location("")
             listing = self._blobs.objects_under(output)
-            parts = [name for name in listing if name.startswith(CHECKPOINT_PREFIX)]
+            own = CHECKPOINT_PREFIX if job.plan is None else _part_prefix(job.request_digest)
+            parts = [name for name in listing if name.startswith(own)]
             self._blobs.delete([job.spec.output_location(name) for name in parts])
 
 

@@ -9,10 +9,11 @@ one-image job is not stuck behind a 100,000-image one received with it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -21,12 +22,20 @@ import structlog
 from worker.engine import Item, Pipeline
 from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
 from worker.jobs.arrays import ArrayFiles, ArraySpool
-from worker.jobs.checkpoints import Checkpoints, Prior
+from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest
 from worker.jobs.job import Job, JobState
 from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import JobMessage, PoisonMessage, parse_job_message, parse_manifest
+from worker.jobs.message import (
+    JobMessage,
+    PoisonMessage,
+    at_most,
+    manifest_uris,
+    parse_job_message,
+)
 from worker.jobs.outcomes import Lifecycle
+from worker.jobs.plan import Plan
+from worker.jobs.shards import Shards
 from worker.plugins.identity import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,
@@ -57,6 +66,7 @@ class _Admission(NamedTuple):
     spec: JobMessage
     inputs: list[str]
     prior: Prior
+    plan: Plan | None = None  # of a shard's job
 
 
 class Intake:
@@ -72,6 +82,7 @@ class Intake:
         *,
         model: Future[ModelIdentity],
         checkpoints: Checkpoints,
+        shards: Shards,
         finish: Callable[[Job], None],
         on_drained: Callable[[], None],
         arrays: ArraySpool,
@@ -82,6 +93,7 @@ class Intake:
         self._blobs = blobs
         self._model = model  # known once the inference stage is set up, before the first receive
         self._checkpoints = checkpoints
+        self._shards = shards
         self._finish = finish
         self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
@@ -192,13 +204,12 @@ class Intake:
                     f"that failed; the last: {job.message.breakage}"
                 )
             spec = parse_job_message(job.message.body, settings.allowed_buckets)
-            inputs = spec.inputs or self._read_manifest(spec.manifest or "")
-            if len(inputs) > settings.max_items_per_job:
-                raise PoisonMessage(
-                    f"{len(inputs)} inputs is over the limit of {settings.max_items_per_job}"
-                )
             job_id = spec.job_id or job.message.job_message_id
-            prior = self._checkpoints.read(spec, job_id, inputs, self._model.result())
+            model = self._model.result()
+            if spec.shard is not None:
+                admission = self._read_shard(job, spec, model)
+            else:
+                admission = self._read_whole(job, spec, job_id, model)
         except PoisonMessage as poison:
             self._outcomes.dead_letter(job, str(poison))
             return None
@@ -208,13 +219,82 @@ class Intake:
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
             return None
-        if prior.summary is not None:
-            log.info("job_already_done", job_id=job_id, status=prior.summary.get("status"))
+        if admission is None or self._done_already(job, admission, job_id):
+            return None
+        if self._handed_over(job, spec, admission.prior, job_id):
+            return None
+        return admission
+
+    def _done_already(self, job: Job, admission: _Admission, job_id: str) -> bool:
+        """Ack a delivery of a job whose job.json is written for this same request."""
+        summary = admission.prior.summary
+        if summary is None:
+            return False
+        log.info("job_already_done", job_id=job_id, status=summary.get("status"))
+        self._outcomes.ack(job)
+        return True
+
+    def _read_whole(
+        self, job: Job, spec: JobMessage, job_id: str, model: ModelIdentity
+    ) -> _Admission | None:
+        """A job's inputs and what earlier deliveries left; None if it is over its shard
+        size: it is then planned, and its message settled."""
+        settings = self._settings
+        shard_items = spec.shard_items or settings.shard_items
+
+        def uris() -> Iterator[str]:
+            listed = iter(spec.inputs) if spec.inputs else self._manifest(spec.manifest or "")
+            return at_most(listed, settings.max_items_per_job)
+
+        stream = uris()
+        inputs = list(itertools.islice(stream, shard_items + 1))
+        if len(inputs) <= shard_items:
+            return _Admission(spec, inputs, self._checkpoints.read(spec, job_id, inputs, model))
+        digest, count = RequestDigest(), 0
+        for uri in itertools.chain(inputs, stream):  # read through, never held whole
+            count += 1
+            digest.add(uri)
+        request = digest.hexdigest(spec.params, model.as_dict())
+        done = self._checkpoints.finished(spec, job_id, request)
+        if done is not None:
+            log.info("job_already_done", job_id=job_id, status=done.get("status"))
             self._outcomes.ack(job)
             return None
-        if self._handed_over(job, spec, prior, job_id):
+        plan = Plan(
+            job_id=job_id,
+            request_digest=request,
+            items=count,
+            shard_items=shard_items,
+            model=model.as_dict(),
+            received_at=job.received_at,
+            attempt=job.attempt,
+        )
+        self._shards.plan(job, spec, plan, uris)
+        return None
+
+    def _read_shard(self, job: Job, spec: JobMessage, model: ModelIdentity) -> _Admission | None:
+        """A shard's inputs (the part of its job's that its plan gives it) and what its
+        earlier runs left; None if it is settled instead: committed already (then the
+        job is merged, if this run was to merge it and died), or its job done."""
+        assert spec.shard is not None
+        plan = self._shards.open(spec, model.as_dict())
+        if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
+            log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
+            self._outcomes.ack(job)
             return None
-        return _Admission(spec, inputs, prior)
+        if self._shards.committed(spec, plan):
+            log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
+            self._shards.merge_if_complete(spec, plan)
+            self._outcomes.ack(job)
+            return None
+        span = plan.range(spec.shard.index)
+        inputs = list(self._manifest(spec.manifest or ""))
+        if len(inputs) != len(span):
+            raise PoisonMessage(
+                f"shard {spec.shard.index} lists {len(inputs)} inputs, not {len(span)}"
+            )
+        prior = self._checkpoints.read(spec, plan.job_id, inputs, model, span.start)
+        return _Admission(spec, inputs, prior, plan)
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:
         """Settle a delivery that is not to run: its message was handed over already
@@ -239,8 +319,10 @@ class Intake:
 
     def _admit(self, job: Job, admission: _Admission) -> None:
         """Enter the job in the ledger, resuming from earlier deliveries' checkpoints."""
-        spec, inputs, prior = admission
+        spec, inputs, prior, plan = admission
         job_id = spec.job_id or job.message.job_message_id
+        if plan is not None and spec.shard is not None:
+            job.plan, job.first_index = plan, plan.range(spec.shard.index).start
         log_dir = self._settings.log_dir
         job.model = self._model.result()
         job.request_digest, job.output_etags = prior.digest, prior.etags
@@ -275,12 +357,13 @@ class Intake:
         if job.state is JobState.FINISHING:  # cancelled, or every result resumed
             self._finish(job)
 
-    def _read_manifest(self, uri: str) -> list[str]:
+    def _manifest(self, uri: str) -> Iterator[str]:
+        """A manifest's inputs as it streams in; `PoisonMessage` if it cannot be read."""
         settings = self._settings
         chunks = self._blobs.chunks(S3Location.parse(uri), settings.max_manifest_bytes)
         try:
             with contextlib.closing(chunks):  # one refused part-way is not read on
-                return parse_manifest(chunks, settings.allowed_buckets, settings.max_items_per_job)
+                yield from manifest_uris(chunks, settings.allowed_buckets)
         except MissingObject as missing:
             raise PoisonMessage(f"manifest {uri} does not exist") from missing
         except AccessDenied as denied:

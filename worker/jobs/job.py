@@ -17,6 +17,7 @@ from worker.jobs.message import JobMessage
 from worker.ports import ReceivedMessage
 
 if TYPE_CHECKING:
+    from worker.jobs.plan import Plan
     from worker.plugins.identity import ModelIdentity
 
 
@@ -70,6 +71,15 @@ class JobStatus(StrEnum):
     PARTIAL = "partial"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+def job_status(*, cancelled: bool, succeeded: int, failed: int) -> JobStatus:
+    """How a job's items went (job.json's `status`)."""
+    if cancelled:
+        return JobStatus.CANCELLED
+    if failed == 0:
+        return JobStatus.SUCCEEDED
+    return JobStatus.FAILED if succeeded == 0 else JobStatus.PARTIAL
 
 
 @dataclass
@@ -131,6 +141,11 @@ class Job:
     checkpoint: CheckpointState = field(default_factory=CheckpointState)
     progress_reported: int = 0
     timings: dict[str, StageTiming] = field(default_factory=dict)
+    device_s: float = 0.0  # its share of the batches it was in, on the models' devices
+    # A shard of a planned job: the plan, and the job's index of its first input.
+    plan: Plan | None = None
+    first_index: int = 0
+    committed: bool = False  # its commit marker is written: a finish tried again merges only
 
     def __post_init__(self) -> None:
         self.receipt_handle = self.receipt_handle or self.message.receipt_handle
@@ -160,8 +175,4 @@ class Job:
 
     @property
     def status(self) -> JobStatus:
-        if self.cancelled:
-            return JobStatus.CANCELLED
-        if self.failed == 0:
-            return JobStatus.SUCCEEDED
-        return JobStatus.FAILED if self.succeeded == 0 else JobStatus.PARTIAL
+        return job_status(cancelled=self.cancelled, succeeded=self.succeeded, failed=self.failed)

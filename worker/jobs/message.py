@@ -13,10 +13,22 @@ from worker.ports import JOB_ID_PATTERN, S3Location
 S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/.*$"
 
 S3Uri = Annotated[str, Field(pattern=S3_URI_PATTERN)]
+# A request digest (`worker.jobs.checkpoints.request_digest`): it names a plan's files.
+DIGEST_PATTERN = r"^[0-9a-f]{16}$"
 
 
 class PoisonMessage(Exception):
     """A message that can never succeed: it goes to the dead-letter queue with this reason."""
+
+
+class ShardRef(BaseModel):
+    """Which part of a planned job a shard message runs: its number in the job's
+    plan.json, and that plan's request digest (`worker.jobs.shards`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    plan: str = Field(pattern=DIGEST_PATTERN)
 
 
 class JobMessage(BaseModel):
@@ -29,11 +41,17 @@ class JobMessage(BaseModel):
     manifest: S3Uri | None = None
     output: S3Uri
     params: dict[str, Any] = Field(default_factory=dict)
+    # A job with more inputs than this is split across the fleet (`--shard-items`).
+    shard_items: int | None = Field(default=None, ge=1)
+    # Set by the worker that planned the job, on each of its shards' messages.
+    shard: ShardRef | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> JobMessage:
         if (self.inputs is None) == (self.manifest is None):
             raise ValueError("give exactly one of 'inputs' and 'manifest'")
+        if self.shard is not None and (self.job_id is None or self.manifest is None):
+            raise ValueError("a shard names its job's 'job_id' and its inputs' 'manifest'")
         return self
 
     def output_location(self, name: str) -> S3Location:
@@ -77,13 +95,20 @@ def check_buckets(buckets: set[str], allowed_buckets: frozenset[str]) -> None:
 MAX_MANIFEST_LINE_BYTES = 2048
 
 
-def parse_manifest(
-    chunks: Iterable[bytes], allowed_buckets: frozenset[str], max_items: int
-) -> list[str]:
-    """The input URIs listed one per line (blank lines and '#' comments skipped), taken
-    as the manifest's bytes are read: it is refused at its first line past `max_items`
-    inputs, or longer than any URI can be."""
-    uris: list[str] = []
+def at_most(uris: Iterable[str], max_items: int) -> Iterator[str]:
+    """`uris`, refused (poison) at the first one past `max_items`, before it is read on."""
+    for count, uri in enumerate(uris, start=1):
+        if count > max_items:
+            raise PoisonMessage(f"more than {max_items} inputs, over the limit")
+        yield uri
+
+
+def manifest_uris(chunks: Iterable[bytes], allowed_buckets: frozenset[str]) -> Iterator[str]:
+    """The input URIs a manifest lists, one per line (blank lines and '#' comments
+    skipped), as its bytes are read; `PoisonMessage` at the first line that is not one,
+    is longer than any URI can be, or names a bucket outside the allow-list, or if it
+    lists none."""
+    listed = False
     for number, raw in enumerate(_lines(chunks), start=1):
         try:
             line = raw.decode("utf-8").strip()
@@ -91,17 +116,15 @@ def parse_manifest(
             raise PoisonMessage(f"manifest line {number} is not UTF-8: {error}") from error
         if not line or line.startswith("#"):
             continue
-        if len(uris) == max_items:
-            raise PoisonMessage(f"manifest lists more than {max_items} inputs, over the limit")
         try:
-            S3Location.parse(line)
+            bucket = S3Location.parse(line).bucket
         except ValueError as error:
             raise PoisonMessage(f"manifest line {number}: {error}") from error
-        uris.append(line)
-    if not uris:
+        check_buckets({bucket}, allowed_buckets)
+        listed = True
+        yield line
+    if not listed:
         raise PoisonMessage("manifest lists no inputs")
-    check_buckets({S3Location.parse(uri).bucket for uri in uris}, allowed_buckets)
-    return uris
 
 
 def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:

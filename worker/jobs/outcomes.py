@@ -142,14 +142,23 @@ class Outcomes:
         """The job's message was handed over, and the daemon that did so died before
         deleting it: its continuation runs the job now. Delete this one, unfinished,
         writing nothing (what it wrote meanwhile is fenced off by the outputs' etags)."""
+        self._delete_unfinished(job, "job_handed_over_already")
+
+    def duplicate(self, job: Job) -> None:
+        """The job is a shard another run has committed (or whose job is merged): delete
+        this one unfinished, and the checkpoint parts of the shard written since."""
+        self._delete_unfinished(job, "shard_committed_elsewhere")
+        try:
+            self._checkpoints.remove(job)
+        except Exception as error:  # the merge removes every checkpoint
+            log.warning("checkpoint_not_removed", job_id=job.job_id, error=repr(error))
+
+    def _delete_unfinished(self, job: Job, event: str) -> None:
         if not self._ledger.supersede(job):
             return
         self._metrics.jobs.labels("superseded").inc()
         log.info(
-            "job_handed_over_already",
-            job_id=job.job_id,
-            message_id=job.message.message_id,
-            finished=job.finished_items,
+            event, job_id=job.job_id, message_id=job.message.message_id, finished=job.finished_items
         )
         try:
             if not job.lease_lost:

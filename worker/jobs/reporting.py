@@ -7,7 +7,7 @@ import json
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -15,6 +15,7 @@ from worker.engine import Item
 from worker.jobs.checkpoints import Checkpoints, Halt
 from worker.jobs.job import FEEDABLE, Job, StageTiming
 from worker.jobs.ledger import Ledger
+from worker.jobs.shards import Shards
 from worker.ports import BlobStore
 from worker.telemetry.metrics import Metrics
 from worker.telemetry.progress import Progress
@@ -62,6 +63,8 @@ class JobObserver:
             assert job.log is not None
             with self._timings:
                 job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
+                if stage in self._batching_stages:
+                    job.device_s += duration_s * count / len(items)
             if stage in self._batching_stages:
                 job.log.info(
                     "batch_done",
@@ -92,25 +95,33 @@ class JobObserver:
 
 class ProgressReporter:
     """Every `interval_s`, publishes each in-flight job's progress.json (for `enqueue
-    --wait` and dashboards) if it changed, brings its local log file up to date, and
-    stops a job whose cancellation was asked for (its finish then writes what it has)
-    or whose message was handed over (its continuation runs it)."""
+    --wait` and dashboards) if it changed (a shard, its count in its job's), brings its
+    local log file up to date, and stops a job whose cancellation was asked for (its
+    finish then writes what it has), whose message was handed over (its continuation
+    runs it), or that is a shard another run has committed (a duplicate)."""
 
     def __init__(
         self,
         ledger: Ledger,
         blobs: BlobStore,
         checkpoints: Checkpoints,
+        shards: Shards,
         interval_s: float,
         *,
         cancel: Callable[[Job], None],
         superseded: Callable[[Job], None],
+        duplicate: Callable[[Job], None],
     ):
         self._ledger = ledger
         self._blobs = blobs
         self._checkpoints = checkpoints
+        self._shards = shards
         self._interval_s = interval_s
-        self._halts = {"cancelled": cancel, "superseded": superseded}
+        self._halts: dict[Halt | Literal["duplicate"], Callable[[Job], None]] = {
+            "cancelled": cancel,
+            "superseded": superseded,
+            "duplicate": duplicate,
+        }
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -125,8 +136,10 @@ class ProgressReporter:
     def stop(self) -> None:
         self._stopped.set()
 
-    def _halt(self, job: Job) -> Halt | None:
+    def _halt(self, job: Job) -> Halt | Literal["duplicate"] | None:
         try:
+            if job.plan is not None and self._shards.committed_elsewhere(job):
+                return "duplicate"
             return self._checkpoints.halt(job)
         except Exception as error:
             log.warning("halt_check_failed", job_id=job.job_id, error=repr(error))
@@ -140,6 +153,10 @@ class ProgressReporter:
             log.warning("job_log_not_written", job_id=job.job_id, error=repr(error))
         finished = job.finished_items
         if finished == job.progress_reported:
+            return
+        if job.plan is not None:
+            self._shards.report(job)
+            job.progress_reported = finished
             return
         progress = {
             "job_id": job.job_id,

@@ -3,11 +3,10 @@ finisher writes a complete job's outputs (job.json last) and acks it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
-import time
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.outcomes import Lifecycle
+from worker.jobs.shards import Shards
+from worker.jobs.summary import job_summary
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
@@ -111,7 +112,7 @@ class Regrouper:
             return self._failed(job, item, outcome)
         fields, has_arrays = outcome
         line = b'{"index":%d,"input":%s%s,"model":%s}\n' % (
-            item.index,
+            job.first_index + item.index,
             encode_json(job.inputs[item.index]),
             fields,
             job.model.encoded_label,
@@ -148,10 +149,10 @@ class Regrouper:
 
     def _failed(self, job: Job, item: Item, error: ItemError) -> Result:
         assert job.log is not None
-        uri = job.inputs[item.index]
+        uri, index = job.inputs[item.index], job.first_index + item.index
         error_fields = {"type": error.type, "message": error.message}
-        job.log.error("item_failed", index=item.index, input=uri, stage=error.stage, **error_fields)
-        record = {"index": item.index, "input": uri, "error": error_fields}
+        job.log.error("item_failed", index=index, input=uri, stage=error.stage, **error_fields)
+        record = {"index": index, "input": uri, "error": error_fields}
         return Result(encode_json(record) + b"\n", failed=True)
 
 
@@ -168,14 +169,18 @@ class Finisher:
         self,
         blobs: BlobStore,
         checkpoints: Checkpoints,
+        shards: Shards,
         lifecycle: Lifecycle,
+        *,
         worker_info: dict[str, Any],
         notify: Sequence[Callable[[str], None]],
-        *,
         capacity: int,
+        device_hour_price: float | None,
     ):
         self._blobs = blobs
         self._checkpoints = checkpoints
+        self._shards = shards
+        self._device_hour_price = device_hour_price
         self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
         self._metrics = lifecycle.metrics
@@ -209,9 +214,18 @@ class Finisher:
         self._queue.close()
 
     def _finish(self, job: Job) -> None:
-        """Write the outputs, `job.json` last, and ack the job."""
+        """Write the outputs, `job.json` last, and ack the job. A shard commits its
+        results instead, and whoever commits a job's last shard writes its outputs."""
         summary = self._summary(job)
-        if not self._written(job, self._outputs(job, summary), summary):
+        results = self._closing(job, summary)
+        write: Callable[[], dict[str, Any] | None]
+        if job.plan is None:
+            outputs = self._outputs(job, results)
+            write = functools.partial(self._write, job, outputs, summary)
+        else:
+            write = functools.partial(self._commit, job, summary, results)
+        done, finished = self._written(job, write)
+        if not done:
             return
         assert job.log is not None
         try:
@@ -222,34 +236,36 @@ class Finisher:
             self._checkpoints.remove(job)
         except Exception as error:  # harmless left over: the next delivery sees job.json
             log.warning("checkpoint_not_removed", job_id=job.job_id, error=repr(error))
-        if not self._outcomes.ack(job):
+        if not self._outcomes.ack(job) or finished is None:
             return
-        self._metrics.jobs.labels(summary["status"]).inc()
+        self._metrics.jobs.labels(finished["status"]).inc()
         log.info(
             "job_finished",
-            **{key: summary[key] for key in ("job_id", "status", "items", "duration_s")},
+            **{key: finished[key] for key in ("job_id", "status", "items", "duration_s")},
             message_id=job.message.message_id,
         )
-        notice = json.dumps(summary) if self._notify else ""
+        notice = json.dumps(finished) if self._notify else ""
         for notify in self._notify:
             try:
                 notify(notice)
             except Exception as error:
                 log.warning("notify_failed", job_id=job.job_id, error=repr(error))
 
-    def _written(self, job: Job, outputs: list[Output], summary: dict[str, Any]) -> bool:
-        """Write the outputs, trying again while the lease is kept; False if the job was
-        released instead (here, or by shutdown meanwhile)."""
+    def _written(
+        self, job: Job, write: Callable[[], dict[str, Any] | None]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`write` the outputs, trying again while the lease is kept: whether they were
+        written (not if the job was released instead, here or by shutdown meanwhile),
+        and the job.json written with them, if one was."""
         for attempt in range(1, FINISH_ATTEMPTS + 1):
             try:
-                self._write(job, outputs, summary)
-                return True
+                return True, write()
             except _Abandoned:
-                return False
+                return False, None
             except PreconditionFailed as error:
                 log.warning("job_fenced", job_id=job.job_id, error=str(error))
                 self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
-                return False
+                return False, None
             except Exception as error:
                 log.warning(
                     "job_upload_failed", job_id=job.job_id, attempt=attempt, error=repr(error)
@@ -257,35 +273,45 @@ class Finisher:
                 self._progress.beat()
                 if attempt == FINISH_ATTEMPTS or self._closed.wait(FINISH_BACKOFF.delay_s(attempt)):
                     self._outcomes.retry_later(job, f"upload failed: {error!r}")
-                    return False
-        return False
+                    return False, None
+        return False, None
 
-    def _outputs(self, job: Job, summary: dict[str, Any]) -> list[Output]:
-        """(name, content or the local file of it, content type) of each output before
-        job.json, in the order they are written: the array files, results.jsonl that
-        refers to them, the log."""
+    def _closing(self, job: Job, summary: dict[str, Any]) -> bytes:
+        """The job's last log lines, and its results.jsonl: the results it finished (a
+        cancelled job's are those it has)."""
         assert job.log is not None
         job.log.info(
             "job_finished", **{k: summary[k] for k in ("status", "items", "failed", "duration_s")}
         )
         job.log.info("stage_timings", **{name: vars(t) for name, t in job.timings.items()})
-        # A cancelled job's results are those it finished.
-        assert job.arrays is not None
-        results = b"".join(result.line for result in job.results if result is not None)
+        return b"".join(result.line for result in job.results if result is not None)
+
+    def _outputs(self, job: Job, results: bytes) -> list[Output]:
+        """(name, content or the local file of it, content type) of each output before
+        job.json, in the order they are written: the array files, results.jsonl that
+        refers to them, the log."""
+        assert job.log is not None and job.arrays is not None
         return [
             *((name, path, NPY_CONTENT_TYPE) for name, path in job.arrays.files().items()),
             ("results.jsonl", results, "application/x-ndjson"),
             ("job.log", job.log.lines(), "application/x-ndjson"),
         ]
 
-    def _write(self, job: Job, outputs: list[Output], summary: dict[str, Any]) -> None:
+    def _write(self, job: Job, outputs: list[Output], summary: dict[str, Any]) -> dict[str, Any]:
         """Each output on condition that it is as this delivery found it at admission (or
         as it last wrote it): a delivery that wrote first fences this one off. Then
-        job.json, naming the outputs it completes by their ETags."""
+        job.json, naming the outputs it completes by their ETags; returns that."""
         for name, data, content_type in outputs:
             self._put(job, name, data, content_type)
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         self._put(job, "job.json", json.dumps(summary).encode() + b"\n", "application/json")
+        return summary
+
+    def _commit(self, job: Job, summary: dict[str, Any], results: bytes) -> dict[str, Any] | None:
+        """A shard's commit (`Shards.commit`): the job.json written if it merged the job."""
+        if job.settled:
+            raise _Abandoned
+        return self._shards.commit(job, summary, results)
 
     def _put(self, job: Job, name: str, data: bytes | Path, content_type: str) -> None:
         assert job.spec is not None
@@ -300,23 +326,18 @@ class Finisher:
 
     def _summary(self, job: Job) -> dict[str, Any]:
         assert job.model is not None
-        finished_at = time.time()
-        return {
-            "job_id": job.job_id,
-            "status": job.status.value,
-            "items": len(job.inputs),
-            "succeeded": job.succeeded,
-            "failed": job.failed,
-            "resumed": job.resumed,
-            "request_digest": job.request_digest,
-            "model": job.model.as_dict(),
-            "received_at": _iso(job.received_at),
-            "finished_at": _iso(finished_at),
-            "duration_s": round(finished_at - job.received_at, 3),
-            "attempt": job.attempt,
-            "worker": self._worker_info,
-        }
-
-
-def _iso(epoch_s: float) -> str:
-    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds")
+        return job_summary(
+            job_id=job.job_id,
+            cancelled=job.cancelled,
+            items=len(job.inputs),
+            succeeded=job.succeeded,
+            failed=job.failed,
+            resumed=job.resumed,
+            request_digest=job.request_digest,
+            model=job.model.as_dict(),
+            received_at=job.received_at,
+            attempt=job.attempt,
+            worker=self._worker_info,
+            device_s=job.device_s,
+            device_hour_price=self._device_hour_price,
+        )

@@ -26,6 +26,10 @@ log = structlog.get_logger()
 # A file bigger than this is uploaded in parts of this size (S3 takes 5 MiB to 5 GiB).
 MULTIPART_PART_BYTES = 64 * 2**20
 S3_MAX_KEYS_PER_DELETE = 1000
+# Multipart uploads: each part but the last at least 5 MiB, at most 5 GiB, 10,000 parts.
+S3_MIN_PART_BYTES = 5 * 2**20
+S3_MAX_PART_BYTES = 5 * 2**30
+S3_MAX_PARTS = 10_000
 STREAM_CHUNK_BYTES = 64 * 1024  # a streamed object's pieces (`chunks`)
 
 
@@ -133,51 +137,96 @@ class S3BlobStore(Retrying):
         self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
     ) -> str:
         """`put` of a local file: one that fits in a part is one write; a bigger one is a
-        multipart upload, read a part at a time, which appears (on `expect`'s condition)
-        only when it is completed, and is aborted if it is not."""
+        multipart upload, read a part at a time."""
         if path.stat().st_size <= self._part_bytes:
             return self.put(location, path.read_bytes(), content_type, expect=expect)
+
+        def write(upload: _Upload) -> None:
+            with path.open("rb") as file:
+                while chunk := file.read(self._part_bytes):
+                    upload.add(chunk)
+
+        return self._multipart(location, content_type, expect, write)
+
+    def compose(
+        self,
+        location: S3Location,
+        sources: list[tuple[S3Location, int]],
+        content_type: str,
+        *,
+        expect: str | None = None,
+    ) -> str:
+        """A source big enough to be a part of its own (S3's minimum, 5 MiB, except the
+        last) that starts a part is copied by S3 (UploadPartCopy); the others are read
+        and uploaded in parts of `part_bytes`. Sources that fit in one part in all are
+        one write."""
+        if sum(size for _, size in sources) <= self._part_bytes:
+            data = b"".join(self.get(source, size) for source, size in sources)
+            return self.put(location, data, content_type, expect=expect)
+        copies_fit = len(sources) <= S3_MAX_PARTS
+
+        def write(upload: _Upload) -> None:
+            pending = bytearray()
+            for source, size in sources:
+                if copies_fit and not pending and S3_MIN_PART_BYTES <= size <= S3_MAX_PART_BYTES:
+                    upload.copy(source)
+                    continue
+                for chunk in self.chunks(source, size):
+                    pending += chunk
+                    if len(pending) >= self._part_bytes:
+                        upload.add(bytes(pending[: self._part_bytes]))
+                        del pending[: self._part_bytes]
+            if pending or not upload.parts:
+                upload.add(bytes(pending))
+
+        return self._multipart(location, content_type, expect, write)
+
+    def _multipart(
+        self,
+        location: S3Location,
+        content_type: str,
+        expect: str | None,
+        write: Callable[[_Upload], None],
+    ) -> str:
+        """A multipart upload whose parts `write` adds; it appears (on `expect`'s
+        condition) only when it is completed, and is aborted if it is not."""
         bucket, key = location.bucket, location.key
-        upload = self._call(
+        created = self._call(
             lambda: self._client.create_multipart_upload(
                 Bucket=bucket, Key=key, ContentType=content_type
             )
         )
-        upload_id = upload["UploadId"]
+        upload = _Upload(self._client, self._call, location, created["UploadId"])
+        completed = False
         try:
-            parts: list[CompletedPartTypeDef] = []
-            digests = []
-            with path.open("rb") as file:
-                while chunk := file.read(self._part_bytes):
-                    part = functools.partial(
-                        self._client.upload_part,
-                        Bucket=bucket,
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=len(parts) + 1,
-                        Body=chunk,
-                    )
-                    parts.append({"PartNumber": len(parts) + 1, "ETag": self._call(part)["ETag"]})
-                    digests.append(hashlib.md5(chunk, usedforsecurity=False).digest())
+            write(upload)
 
             def complete() -> str:
+                nonlocal completed
                 reply = self._client.complete_multipart_upload(
                     Bucket=bucket,
                     Key=key,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
+                    UploadId=upload.upload_id,
+                    MultipartUpload={"Parts": upload.parts},
                     **_conditions(expect),
                 )
+                completed = True
                 return reply["ETag"]
 
-            joined = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
-            return self._written(location, expect, f'"{joined}-{len(parts)}"', complete)
-        except BaseException:
-            try:
-                self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
-            except Exception as error:  # the bucket's lifecycle rule cleans up after it
-                log.warning("multipart_abort_failed", location=str(location), error=repr(error))
-            raise
+            return self._written(location, expect, upload.etag(), complete)
+        finally:
+            # Not completed: failed, or refused on its condition (even where the
+            # object holds these bytes already).
+            if not completed:
+                self._abort(location, upload.upload_id)
+
+    def _abort(self, location: S3Location, upload_id: str) -> None:
+        try:
+            self._client.abort_multipart_upload(
+                Bucket=location.bucket, Key=location.key, UploadId=upload_id
+            )
+        except Exception as error:  # the bucket's lifecycle rule cleans up after it
+            log.warning("multipart_abort_failed", location=str(location), error=repr(error))
 
     def _written(
         self, location: S3Location, expect: str | None, ours: str, write: Callable[[], str]
@@ -232,6 +281,56 @@ class S3BlobStore(Retrying):
                 if reply.get("Errors"):
                     failed = reply["Errors"][0]
                     raise RuntimeError(f"{len(reply['Errors'])} not deleted, first: {failed}")
+
+
+class _Upload:
+    """The parts of one multipart upload, as they are added."""
+
+    def __init__(
+        self,
+        client: S3Client,
+        call: Callable[[Callable[[], Any]], Any],
+        location: S3Location,
+        upload_id: str,
+    ):
+        self._client = client
+        self._call = call
+        self._location = location
+        self.upload_id = upload_id
+        self.parts: list[CompletedPartTypeDef] = []
+        self._digests: list[bytes] = []
+
+    def add(self, data: bytes) -> None:
+        self._added(self._call(self._part(self._client.upload_part, Body=data))["ETag"])
+
+    def copy(self, source: S3Location) -> None:
+        origin = {"Bucket": source.bucket, "Key": source.key}
+        reply = self._call(self._part(self._client.upload_part_copy, CopySource=origin))
+        self._added(reply["CopyPartResult"]["ETag"])
+
+    def _part(self, method: Callable[..., Any], **fields: Any) -> Callable[[], Any]:
+        """The call that sends the next part."""
+        return functools.partial(
+            method,
+            Bucket=self._location.bucket,
+            Key=self._location.key,
+            UploadId=self.upload_id,
+            PartNumber=len(self.parts) + 1,
+            **fields,
+        )
+
+    def _added(self, etag: str) -> None:
+        self.parts.append({"PartNumber": len(self.parts) + 1, "ETag": etag})
+        try:
+            self._digests.append(bytes.fromhex(etag.strip('"')))
+        except ValueError:  # not an MD5: the completed ETag will not be foreseen
+            self._digests.append(etag.encode())
+
+    def etag(self) -> str:
+        """The ETag S3 gives the completed upload (where part ETags are MD5s: not under
+        SSE-KMS, where a lost answer's retry is then taken as fenced)."""
+        joined = hashlib.md5(b"".join(self._digests), usedforsecurity=False).hexdigest()
+        return f'"{joined}-{len(self.parts)}"'
 
 
 def open_s3_reader(attempts: int, connections: int) -> ObjectReader:

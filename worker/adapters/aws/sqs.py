@@ -12,6 +12,7 @@ import boto3
 import structlog
 
 from worker.adapters.aws.calls import Retrying, client_config
+from worker.errors import TransientError
 from worker.ports import (
     JOB_ID_PATTERN,
     MAX_BREAKAGE_CHARS,
@@ -173,6 +174,27 @@ class SqsJobSource(Retrying):
                 failures[chunk[int(failure["Id"])]] = failure.get("Code", "Unknown")
         return failures
 
+    def send_many(self, bodies: list[str], group: str) -> None:
+        """Ten to a call; the entries a call failed are sent again under the same
+        budget, and any still failing raise."""
+        for start in range(0, len(bodies), SQS_MAX_ENTRIES_PER_BATCH_CALL):
+            chunk = dict(enumerate(bodies[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]))
+            self._call(functools.partial(self._send_batch, chunk, group))
+
+    def _send_batch(self, bodies: dict[int, str], group: str) -> None:
+        """Send the entries of `bodies` not sent yet; the sent ones leave it, and a
+        failed entry raises (a transient error: the retry sends what is left)."""
+        entries: Any = [
+            {"Id": str(n), "MessageBody": body, "MessageGroupId": group}
+            for n, body in bodies.items()
+        ]
+        reply = self._client.send_message_batch(QueueUrl=self._queue_url, Entries=entries)
+        for sent in reply.get("Successful", []):
+            del bodies[int(sent["Id"])]
+        if bodies:
+            failed = reply.get("Failed", [{}])[0]
+            raise TransientError(f"{len(bodies)} messages not sent: {failed.get('Code')}")
+
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         dlq_url = self._dlq_url
         if dlq_url is None:
@@ -220,8 +242,6 @@ def _received(message: MessageTypeDef) -> ReceivedMessage:
     return dataclasses.replace(received, **carried)
 
 
-# What a continuation's attributes may hold: a count, a message id (it names files, as a
-# job id does), an epoch time in seconds, and a cause (only ever logged and quoted).
 # What a continuation's attributes may hold: a count, a message id (it names files, as a
 # job id does), an epoch time in seconds, and a cause (only ever logged and quoted).
 ATTEMPTS_PATTERN = re.compile(r"[0-9]{1,6}")

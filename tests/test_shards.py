@@ -1,0 +1,121 @@
+"""One job across the fleet (`worker.jobs.shards`), in this process against the
+in-memory fakes: a job over its shard size is planned, its shards run and commit once,
+and whoever commits the last merges what an unsharded run writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.support.in_process import job_file, run_until_drained, sample_images
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.jobs.plan import Plan
+
+# job.json fields that differ between any two runs of a job.
+RUN_FIELDS = {"received_at", "finished_at", "duration_s", "worker", "outputs", "device_s"}
+
+
+def _send(source: InMemoryJobSource, job_id: str, inputs: list[str], **fields: Any) -> None:
+    body = {"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/", **fields}
+    source.send(json.dumps(body))
+
+
+def _names_under(blobs: InMemoryBlobStore, job_id: str) -> set[str]:
+    prefix = f"s3://bkt/out/{job_id}/"
+    return {uri.removeprefix(prefix) for uri in blobs.objects if uri.startswith(prefix)}
+
+
+def test_a_sharded_job_ends_as_its_unsharded_run_does(tmp_path: Path) -> None:
+    """23 inputs in shards of 5: five shard messages, and then the same results.jsonl
+    (lines, order) and job.json (fields, plus `shards`) as the job run whole; nothing
+    of the shards is left but plan.json."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 23)
+    inputs[7] = "s3://bkt/img/missing"  # an input's error lands in its place too
+    _send(source, "whole", inputs)
+    _send(source, "split", inputs, shard_items=5)
+    run_until_drained(source, blobs, tmp_path)
+
+    whole, split = job_file(blobs, "whole", "job.json"), job_file(blobs, "split", "job.json")
+    assert job_file(blobs, "split", "results.jsonl") == job_file(blobs, "whole", "results.jsonl")
+    assert split["shards"] == {"count": 5, "attempts": 5}
+    own = RUN_FIELDS | {"job_id"}
+    assert {key: value for key, value in split.items() if key not in own | {"shards"}} == {
+        key: value for key, value in whole.items() if key not in own
+    }
+    assert split["status"] == "partial" and split["failed"] == 1
+    assert split["device_s"] > 0
+    assert _names_under(blobs, "split") - {"progress.json"} == {
+        "results.jsonl",
+        "job.log",
+        "job.json",
+        "plan.json",
+    }
+    assert Plan.model_validate_json(blobs.objects["s3://bkt/out/split/plan.json"]).shards == 5
+    assert job_file(blobs, "split", "job.log").count('"job_received"') == 5
+    assert len(source) == 0 and not source.dead_letters
+
+
+def test_a_manifest_job_is_planned_from_its_stream(tmp_path: Path) -> None:
+    """A manifest over the shard size is planned without being held whole: each shard's
+    inputs go under the output, and the merged results list every input in order."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 12)
+    blobs.objects["s3://bkt/list.txt"] = ("\n".join(inputs) + "\n").encode()
+    source.send(
+        json.dumps(
+            {"job_id": "listed", "manifest": "s3://bkt/list.txt", "output": "s3://bkt/out/listed/"}
+        )
+    )
+    run_until_drained(source, blobs, tmp_path, shard_items=4)
+    results = job_file(blobs, "listed", "results.jsonl")
+    assert [(line["index"], line["input"]) for line in results] == list(enumerate(inputs))
+    assert job_file(blobs, "listed", "job.json")["shards"]["count"] == 3
+
+
+def test_a_cancel_stops_every_shard_and_the_job_says_cancelled(tmp_path: Path) -> None:
+    """A `cancel` under the output is seen by each shard at its admission: the job ends
+    `cancelled`, with no results, once, from the merge."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 6)
+    blobs.objects["s3://bkt/out/stopped/cancel"] = b""
+    _send(source, "stopped", inputs, shard_items=2)
+    run_until_drained(source, blobs, tmp_path)
+    summary = job_file(blobs, "stopped", "job.json")
+    assert (summary["status"], summary["succeeded"], summary["shards"]["count"]) == (
+        "cancelled",
+        0,
+        3,
+    )
+    assert job_file(blobs, "stopped", "results.jsonl") == []
+
+
+def test_forged_shard_messages_are_poison_and_change_nothing(tmp_path: Path) -> None:
+    """A shard message is checked against the plan under the output it names: with no
+    plan, another request's, a number past the plan's shards or inputs that are not the
+    plan's, it is dead-lettered, and the finished job is untouched."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    _send(source, "real", inputs, shard_items=2)
+    run_until_drained(source, blobs, tmp_path)
+    digest = job_file(blobs, "real", "job.json")["request_digest"]
+    results = blobs.objects["s3://bkt/out/real/results.jsonl"]
+    blobs.objects["s3://bkt/forged.txt"] = inputs[0].encode()
+
+    def forged(output: str, shard: dict[str, Any], manifest: str = "s3://bkt/forged.txt") -> str:
+        return json.dumps(
+            {"job_id": "real", "manifest": manifest, "output": output, "shard": shard}
+        )
+
+    source.send(forged("s3://bkt/out/nothing/", {"index": 0, "plan": digest}))
+    source.send(forged("s3://bkt/out/real/", {"index": 0, "plan": "0" * 16}))
+    source.send(forged("s3://bkt/out/real/", {"index": 9, "plan": digest}))
+    source.send(forged("s3://bkt/out/real/", {"index": 0, "plan": digest}))
+    run_until_drained(source, blobs, tmp_path)
+    reasons = sorted(reason for _, reason in source.dead_letters)
+    assert len(reasons) == 4, reasons
+    assert any("no plan.json" in reason for reason in reasons)
+    assert any("replaced by another request" in reason for reason in reasons)
+    assert sum("not a shard of the job" in reason for reason in reasons) == 2
+    assert blobs.objects["s3://bkt/out/real/results.jsonl"] == results

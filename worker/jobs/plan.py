@@ -1,0 +1,75 @@
+"""A planned job's plan.json, and the names of its shards' files under its output.
+
+    output/
+      plan.json                        the plan: written once, conditionally
+      shards/<request>/
+        <n>.inputs                     shard n's inputs, one URI per line
+        <n>.sent                       shard n's message is sent
+        <n>.<run>.jsonl, <n>.<run>.log what one run of shard n wrote (results, log)
+        <n>.commit                     the run whose results count: written once, conditionally
+
+`<request>` is the whole job's request digest, `<n>` the shard's number (six digits)
+and `<run>` one delivery of its message. Everything under `shards/<request>/` goes once
+the job's job.json is written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from worker.jobs.message import DIGEST_PATTERN, JobMessage, PoisonMessage
+from worker.ports import JOB_ID_PATTERN, S3Location
+
+PLAN = "plan.json"
+MAX_PLAN_BYTES = 64 * 1024  # a plan is a few hundred bytes; more is not one of ours
+COMMIT_SUFFIX = ".commit"
+INPUTS_SUFFIX = ".inputs"
+SENT_SUFFIX = ".sent"
+
+
+class Plan(BaseModel):
+    """How a job is split: shard n runs the job's inputs `range(n)`. Read back from S3,
+    so checked like a message: a plan that does not parse is not this worker's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str = Field(pattern=JOB_ID_PATTERN)
+    request_digest: str = Field(pattern=DIGEST_PATTERN)
+    items: int = Field(ge=1)
+    shard_items: int = Field(ge=1)
+    model: dict[str, Any]
+    received_at: float  # when the job's message was first received (the planner's clock)
+    attempt: int = Field(ge=1)  # the delivery of the job's message that planned it
+
+    @property
+    def shards(self) -> int:
+        return math.ceil(self.items / self.shard_items)
+
+    def range(self, shard: int) -> range:
+        """The job's input indexes shard `shard` runs."""
+        start = shard * self.shard_items
+        return range(start, min(start + self.shard_items, self.items))
+
+    @classmethod
+    def parse(cls, data: bytes) -> Plan:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as error:
+            raise PoisonMessage(f"{PLAN} under its output is not a plan: {error}") from error
+
+
+def shard_directory(spec: JobMessage, request_digest: str) -> S3Location:
+    return spec.output_location(f"shards/{request_digest}/")
+
+
+def shard_file(spec: JobMessage, request_digest: str, shard: int, suffix: str) -> S3Location:
+    """Where a shard's file goes (`suffix` one of the names above, with its dot)."""
+    directory = shard_directory(spec, request_digest)
+    return S3Location(directory.bucket, f"{directory.key}{shard_name(shard)}{suffix}")
+
+
+def shard_name(shard: int) -> str:
+    return f"{shard:06d}"

@@ -1,0 +1,466 @@
+"""One job across the fleet, with SQS and S3 as the only engine: no coordinator.
+
+Whoever receives a job with more inputs than its shard size plans it: the inputs go
+under its output as one file per shard, then plan.json (written once: a second planner
+finds it and uses it), then one message per shard on the same queue, each marked sent;
+the job's own message is deleted last, so a redelivery sends only the shards not yet
+sent or committed. A shard runs like any job (batched with others, leased,
+checkpointed, handed over) and commits once: its results and log under a name of its
+run's own, then a commit marker written on condition that none exists. A duplicate run
+finds the marker there, removes what it wrote and stops. Whoever commits the last shard
+sees every marker (S3 lists what is written, at once) and merges: the parts in input
+order into results.jsonl and job.log (copied by S3 where it can), then job.json, fenced
+like any job's final writes, then removes the shards' files. A merger that dies is
+replaced by its shard's redelivery, which finds its marker written and merges.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import structlog
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from worker.errors import MissingObject, PreconditionFailed, TransientError
+from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints, RequestDigest
+from worker.jobs.job import Job
+from worker.jobs.message import JobMessage, PoisonMessage
+from worker.jobs.outcomes import Lifecycle
+from worker.jobs.plan import (
+    COMMIT_SUFFIX,
+    INPUTS_SUFFIX,
+    MAX_PLAN_BYTES,
+    PLAN,
+    SENT_SUFFIX,
+    Plan,
+    shard_directory,
+    shard_file,
+    shard_name,
+)
+from worker.jobs.summary import job_summary
+from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource, S3Location
+
+log = structlog.get_logger()
+
+T = TypeVar("T")
+S3_THREADS = 16  # requests at once while planning and merging
+PROGRESS_TRIES = 3  # a progress.json write that another shard beats is tried again
+MAX_COMMIT_BYTES = 64 * 1024
+RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log)$")
+
+
+class ModelMismatch(TransientError):
+    """A shard planned for another model than this worker's (a rollout): another worker
+    runs it, or its redrive ends it in the DLQ."""
+
+
+class Commit(BaseModel):
+    """A shard's commit marker: the run whose files count, and what it counted. Read
+    back from S3 by the merger, so checked: its files must be its shard's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str
+    results: str = Field(pattern=RUN_FILE.pattern)
+    results_bytes: int = Field(ge=0)
+    log: str = Field(pattern=RUN_FILE.pattern)
+    log_bytes: int = Field(ge=0)
+    cancelled: bool
+    items: int = Field(ge=0)
+    succeeded: int = Field(ge=0)
+    failed: int = Field(ge=0)
+    resumed: int = Field(ge=0)
+    attempt: int = Field(ge=1)
+    device_s: float = Field(ge=0)
+
+
+class Shards:
+    """Plans jobs into shards, commits a shard's run, merges a job whose shards are all
+    committed, and keeps its one progress.json."""
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        source: JobSource,
+        checkpoints: Checkpoints,
+        lifecycle: Lifecycle,
+        *,
+        worker_info: dict[str, Any],
+        device_hour_price: float | None,
+    ):
+        self._blobs = blobs
+        self._source = source
+        self._checkpoints = checkpoints
+        self._outcomes = lifecycle.outcomes
+        self._progress = lifecycle.progress
+        self._worker_info = worker_info
+        self._device_hour_price = device_hour_price
+
+    # Planning: the job's own message -------------------------------------------
+
+    def plan(
+        self, job: Job, spec: JobMessage, new_plan: Plan, uris: Callable[[], Iterator[str]]
+    ) -> None:
+        """Plan the job (or take the plan written for it already), send the shards not
+        yet sent or committed, and delete the job's message. Raises if any of it fails:
+        the message comes back, and its next delivery goes on from there."""
+        plan, replaces = self._written_plan(spec, new_plan.request_digest)
+        if plan is None:
+            self._write_inputs(spec, new_plan, uris)
+            plan = self._publish(spec, new_plan, replaces)
+        sent = self._send(spec, plan)
+        log.info(
+            "job_planned",
+            job_id=plan.job_id,
+            items=plan.items,
+            shards=plan.shards,
+            sent_now=sent,
+            message_id=job.message.message_id,
+        )
+        self._outcomes.ack(job)
+
+    def _written_plan(self, spec: JobMessage, digest: str) -> tuple[Plan | None, str]:
+        """The plan under the job's output if it is this request's; else None and the
+        ETag a new plan must replace (`ABSENT` if there is none)."""
+        etag = self._blobs.objects_under(spec.output_location(PLAN)).get("", ABSENT)
+        if etag == ABSENT:
+            return None, ABSENT
+        try:
+            plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
+        except (MissingObject, PoisonMessage):
+            return None, etag
+        return (plan, etag) if plan.request_digest == digest else (None, etag)
+
+    def _write_inputs(
+        self, spec: JobMessage, plan: Plan, uris: Callable[[], Iterator[str]]
+    ) -> None:
+        """Each shard's inputs as a file of its own, as the job's inputs stream past;
+        the stream must still be the request planned (a manifest changed meanwhile is
+        planned again on the next delivery)."""
+        digest = RequestDigest()
+
+        def taken(stream: Iterator[str]) -> Iterator[str]:
+            for uri in stream:
+                digest.add(uri)
+                yield uri
+
+        stream = taken(uris())
+        files = (
+            (shard, list(itertools.islice(stream, plan.shard_items)))
+            for shard in range(plan.shards)
+        )
+
+        def write(shard_inputs: tuple[int, list[str]]) -> None:
+            shard, inputs = shard_inputs
+            data = "\n".join(inputs).encode() + b"\n"
+            location = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
+            self._blobs.put(location, data, "text/plain")
+            self._progress.beat()
+
+        _each_at_once(write, files)
+        leftover = next(stream, None)
+        if leftover is not None or digest.hexdigest(spec.params, plan.model) != plan.request_digest:
+            raise TransientError("the job's inputs changed while it was planned")
+
+    def _publish(self, spec: JobMessage, plan: Plan, replaces: str) -> Plan:
+        """Write plan.json unless another planner was first; the plan that stands."""
+        data = plan.model_dump_json().encode()
+        try:
+            self._blobs.put(spec.output_location(PLAN), data, "application/json", expect=replaces)
+            return plan
+        except PreconditionFailed:
+            written, _ = self._written_plan(spec, plan.request_digest)
+            if written is None:
+                raise TransientError("another request's plan was written meanwhile") from None
+            return written
+
+    def _send(self, spec: JobMessage, plan: Plan) -> int:
+        """Send each shard neither marked sent nor committed, ten to a call, each call's
+        shards then marked sent; returns how many were sent."""
+        listing = self._blobs.objects_under(shard_directory(spec, plan.request_digest))
+        unsent = [
+            shard
+            for shard in range(plan.shards)
+            if f"{shard_name(shard)}{SENT_SUFFIX}" not in listing
+            and f"{shard_name(shard)}{COMMIT_SUFFIX}" not in listing
+        ]
+        for start in range(0, len(unsent), SQS_MAX_ENTRIES_PER_BATCH_CALL):
+            chunk = unsent[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
+            self._source.send_many([_shard_body(spec, plan, shard) for shard in chunk], plan.job_id)
+            _each_at_once(
+                lambda shard: self._blobs.put(
+                    shard_file(spec, plan.request_digest, shard, SENT_SUFFIX), b"", "text/plain"
+                ),
+                chunk,
+            )
+            self._progress.beat()
+        return len(unsent)
+
+    # Running a shard ---------------------------------------------------------
+
+    def open(self, spec: JobMessage, model: dict[str, Any]) -> Plan:
+        """The plan a shard message belongs to. Poison if it belongs to none (forged, or
+        its job was planned again as another request); `ModelMismatch` if it was planned
+        for another model."""
+        assert spec.shard is not None
+        try:
+            plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
+        except MissingObject:
+            raise PoisonMessage(f"a shard of a job with no {PLAN} under its output") from None
+        index = spec.shard.index
+        if plan.request_digest != spec.shard.plan:
+            raise PoisonMessage(f"a shard of plan {spec.shard.plan}, replaced by another request")
+        expected_inputs = str(shard_file(spec, plan.request_digest, index, INPUTS_SUFFIX))
+        if plan.job_id != spec.job_id or index >= plan.shards or spec.manifest != expected_inputs:
+            raise PoisonMessage(f"not a shard of the job {PLAN} plans: {spec.shard}")
+        if plan.model != model:
+            raise ModelMismatch(f"planned for model {plan.model}, this worker runs {model}")
+        return plan
+
+    def committed(self, spec: JobMessage, plan: Plan) -> bool:
+        """Whether the shard's commit marker is written: a run of it counts already."""
+        assert spec.shard is not None
+        marker = shard_file(spec, plan.request_digest, spec.shard.index, COMMIT_SUFFIX)
+        return bool(self._blobs.objects_under(marker))
+
+    def committed_elsewhere(self, job: Job) -> bool:
+        """Whether another run of the shard this job runs has committed, or the whole job
+        is merged (its shards' files gone): this run is then of no use."""
+        assert job.spec is not None and job.spec.shard is not None and job.plan is not None
+        prefix = shard_file(job.spec, job.plan.request_digest, job.spec.shard.index, ".")
+        names = {name.removeprefix(".") for name in self._blobs.objects_under(prefix)}
+        return COMMIT_SUFFIX[1:] in names or INPUTS_SUFFIX[1:] not in names
+
+    def commit(self, job: Job, summary: dict[str, Any], results: bytes) -> dict[str, Any] | None:
+        """Write this run's results and log, then its commit marker if no run of the
+        shard has one; then merge the job if every shard is committed. Returns the
+        job.json written if this run wrote it."""
+        spec, plan = job.spec, job.plan
+        assert spec is not None and spec.shard is not None and plan is not None
+        assert job.log is not None
+        if job.committed:  # a finish tried again after its merge failed
+            return self.merge_if_complete(spec, plan)
+        index, digest = spec.shard.index, plan.request_digest
+        run = f"a{job.attempt:04d}-{job.message.message_id}"
+        lines = job.log.lines()
+        files = {
+            suffix: shard_file(spec, digest, index, f".{run}.{suffix}")
+            for suffix in ("jsonl", "log")
+        }
+        self._blobs.put(files["jsonl"], results, "application/x-ndjson")
+        self._blobs.put(files["log"], lines, "application/x-ndjson")
+        commit = Commit(
+            run=run,
+            results=_name(files["jsonl"]),
+            results_bytes=len(results),
+            log=_name(files["log"]),
+            log_bytes=len(lines),
+            cancelled=job.cancelled,
+            items=len(job.inputs),
+            succeeded=summary["succeeded"],
+            failed=summary["failed"],
+            resumed=summary["resumed"],
+            attempt=job.attempt,
+            device_s=job.device_s,
+        )
+        marker = shard_file(spec, digest, index, COMMIT_SUFFIX)
+        try:
+            self._blobs.put(
+                marker, commit.model_dump_json().encode(), "application/json", expect=ABSENT
+            )
+        except PreconditionFailed:
+            if self._commit_at(shard_directory(spec, digest), _name(marker)).run != run:
+                log.info("shard_duplicate", job_id=job.job_id, shard=index, run=run)
+                self._blobs.delete(list(files.values()))
+                return None  # our try's answer was lost
+        job.committed = True
+        log.info("shard_committed", job_id=job.job_id, shard=index, run=run, items=len(job.inputs))
+        return self.merge_if_complete(spec, plan)
+
+    def report(self, job: Job) -> None:
+        """Put this shard's count in the job's one progress.json, on condition that it is
+        unchanged since read (shards on other workers write it too); never raises."""
+        spec, plan = job.spec, job.plan
+        assert spec is not None and spec.shard is not None and plan is not None
+        location = spec.output_location("progress.json")
+        for _ in range(PROGRESS_TRIES):
+            try:
+                etag = self._blobs.objects_under(location).get("", ABSENT)
+                current = _json_object(self._blobs.get(location)) if etag != ABSENT else {}
+                counts = current.get("shards") if current.get("job_id") == plan.job_id else None
+                counts = counts if isinstance(counts, dict) else {}
+                counts[str(spec.shard.index)] = [job.finished_items, job.failed]
+                progress = {
+                    "job_id": plan.job_id,
+                    "items": plan.items,
+                    "finished": sum(_count(value, 0) for value in counts.values()),
+                    "failed": sum(_count(value, 1) for value in counts.values()),
+                    "shards": counts,
+                }
+                self._blobs.put(
+                    location, json.dumps(progress).encode(), "application/json", expect=etag
+                )
+                return
+            except (PreconditionFailed, MissingObject):
+                continue  # another shard wrote it between the read and the write
+            except Exception as error:
+                log.warning("progress_upload_failed", job_id=job.job_id, error=repr(error))
+                return
+
+    # Merging -----------------------------------------------------------------
+
+    def merge_if_complete(self, spec: JobMessage, plan: Plan) -> dict[str, Any] | None:
+        """If every shard is committed and the job is not merged yet: its results.jsonl
+        and job.log, the shards' parts in input order, then its job.json, each written
+        on condition that it is as listed (another merger that wrote first fences this
+        one off); then the shards' files and every checkpoint under the output go.
+        Returns the job.json written, or None."""
+        directory = shard_directory(spec, plan.request_digest)
+        listing = self._blobs.objects_under(directory)
+        names = [f"{shard_name(shard)}{COMMIT_SUFFIX}" for shard in range(plan.shards)]
+        if not all(name in listing for name in names):
+            return None
+        if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
+            self._remove(spec, plan)
+            return None
+        try:
+            return self._merge(spec, plan, directory, names)
+        except MissingObject:
+            if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is None:
+                raise
+            return None  # another merger was done first, and removed the parts
+
+    def _merge(
+        self, spec: JobMessage, plan: Plan, directory: S3Location, names: list[str]
+    ) -> dict[str, Any] | None:
+        commits = _each_at_once(lambda name: self._commit_at(directory, name), names)
+        top = self._blobs.objects_under(spec.output_location(""))
+
+        def part(name: str, size: int) -> tuple[S3Location, int]:
+            return S3Location(directory.bucket, directory.key + name), size
+
+        try:
+            outputs = {
+                "results.jsonl": self._blobs.compose(
+                    spec.output_location("results.jsonl"),
+                    [part(commit.results, commit.results_bytes) for commit in commits],
+                    "application/x-ndjson",
+                    expect=top.get("results.jsonl", ABSENT),
+                ),
+                "job.log": self._blobs.compose(
+                    spec.output_location("job.log"),
+                    [part(commit.log, commit.log_bytes) for commit in commits],
+                    "application/x-ndjson",
+                    expect=top.get("job.log", ABSENT),
+                ),
+            }
+            summary = self._summary(plan, commits)
+            summary["outputs"] = outputs
+            self._blobs.put(
+                spec.output_location("job.json"),
+                json.dumps(summary).encode() + b"\n",
+                "application/json",
+                expect=top.get("job.json", ABSENT),
+            )
+        except PreconditionFailed as error:
+            log.info("merge_fenced", job_id=plan.job_id, error=str(error))
+            return None
+        log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
+        self._remove(spec, plan)
+        return summary
+
+    def _commit_at(self, directory: S3Location, name: str) -> Commit:
+        data = self._blobs.get(S3Location(directory.bucket, directory.key + name), MAX_COMMIT_BYTES)
+        try:
+            return Commit.model_validate_json(data)
+        except ValidationError as error:
+            raise PoisonMessage(f"commit marker {name} is not one: {error}") from error
+
+    def _summary(self, plan: Plan, commits: list[Commit]) -> dict[str, Any]:
+        summary = job_summary(
+            job_id=plan.job_id,
+            cancelled=any(commit.cancelled for commit in commits),
+            items=plan.items,
+            succeeded=sum(commit.succeeded for commit in commits),
+            failed=sum(commit.failed for commit in commits),
+            resumed=sum(commit.resumed for commit in commits),
+            request_digest=plan.request_digest,
+            model=plan.model,
+            received_at=plan.received_at,
+            attempt=plan.attempt,
+            worker=self._worker_info,
+            device_s=sum(commit.device_s for commit in commits),
+            device_hour_price=self._device_hour_price,
+        )
+        summary["shards"] = {
+            "count": plan.shards,
+            "attempts": sum(commit.attempt for commit in commits),
+        }
+        return summary
+
+    def _remove(self, spec: JobMessage, plan: Plan) -> None:
+        """The shards' files and every checkpoint under the output (the job is done)."""
+        directory = shard_directory(spec, plan.request_digest)
+        names = self._blobs.objects_under(directory)
+        checkpoints = [
+            name
+            for name in self._blobs.objects_under(spec.output_location(""))
+            if name.startswith(CHECKPOINT_PREFIX)
+        ]
+        self._blobs.delete(
+            [S3Location(directory.bucket, directory.key + name) for name in names]
+            + [spec.output_location(name) for name in checkpoints]
+        )
+
+
+def _shard_body(spec: JobMessage, plan: Plan, shard: int) -> str:
+    inputs = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
+    return json.dumps(
+        {
+            "job_id": plan.job_id,
+            "manifest": str(inputs),
+            "output": spec.output,
+            "params": spec.params,
+            "shard": {"index": shard, "plan": plan.request_digest},
+        }
+    )
+
+
+def _each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list[T]:
+    """`function` of each argument, `S3_THREADS` at a time, taking arguments only as
+    threads free up (a planner's stream of shards is never held whole); raises the
+    first error."""
+    results: list[T] = []
+    with ThreadPoolExecutor(S3_THREADS, thread_name_prefix="shards") as pool:
+        pending: deque[Future[T]] = deque()
+        for argument in arguments:
+            if len(pending) == S3_THREADS:
+                results.append(pending.popleft().result())
+            pending.append(pool.submit(function, argument))
+        results.extend(future.result() for future in pending)
+    return results
+
+
+def _name(location: S3Location) -> str:
+    return location.key.rsplit("/", 1)[1]
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _count(value: Any, position: int) -> int:
+    """A shard's count in progress.json, which anyone may have written: 0 if not one."""
+    if isinstance(value, list) and len(value) == 2 and isinstance(value[position], int):
+        return max(0, int(value[position]))
+    return 0
