@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu lint chaos bench bench-full bench-gpu
+.PHONY: demo test test-gpu test-fleet lint chaos bench bench-full bench-gpu
 
 $(VENV)/installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test: lint $(VENV)/checkov/installed
 # `make test` skips them where there is no GPU.
 test-gpu: $(VENV)/installed
 	$(PY) -m pytest -m gpu -p no:xdist
+
+# Not part of `make test`: one job of 20,000 inputs (FLEET_ITEMS) over four daemons
+# killed at random, for many minutes of moto's time.
+test-fleet: $(VENV)/installed
+	$(PY) -m pytest -m fleet -p no:xdist
 
 # Not part of `make test`: the randomized fault test with more seeds, each for longer
 # (about 2 minutes a seed on 2 cores). `make test` plays one seed for 20 s.

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -216,11 +217,30 @@ def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
     assert rows.shape == (3, 32) and all(rows.any(axis=1))
 
 
-def _embed(
-    log_dir: Path, inputs: list[str], source: InMemoryJobSource, blobs: InMemoryBlobStore
+def test_a_job_over_its_shard_size_with_array_outputs_is_refused_with_the_reason(
+    tmp_path: Path,
 ) -> None:
-    """Run job `emb` of `inputs` through an embedding model until the queue is drained."""
-    source.send(json.dumps({"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"}))
+    """Array files are not merged across shards yet: a job that would be planned into
+    shards is dead-lettered with what to do instead, not run with rows out of place."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    blobs.objects["s3://bkt/img/0"] = next(iter(samples(1, seed=3)))[1]
+    _embed(tmp_path, ["s3://bkt/img/0"] * 3, source, blobs, shard_items=2)
+    [(_, reason)] = source.dead_letters
+    assert "array outputs, which are not merged across shards yet" in reason
+    assert not any(uri.startswith("s3://bkt/out/emb/") for uri in blobs.objects)
+
+
+def _embed(
+    log_dir: Path,
+    inputs: list[str],
+    source: InMemoryJobSource,
+    blobs: InMemoryBlobStore,
+    **fields: Any,
+) -> None:
+    """Run job `emb` of `inputs` through an embedding model until the queue is drained;
+    `fields` join the message's."""
+    body = {"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/", **fields}
+    source.send(json.dumps(body))
     run_until_drained(
         source,
         blobs,

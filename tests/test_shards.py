@@ -10,7 +10,9 @@ from typing import Any
 
 from tests.support.in_process import job_file, run_until_drained, sample_images
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.errors import TransientError
 from worker.jobs.plan import Plan
+from worker.jobs.results import FINISH_ATTEMPTS
 
 # job.json fields that differ between any two runs of a job.
 RUN_FIELDS = {"received_at", "finished_at", "duration_s", "worker", "outputs", "device_s"}
@@ -119,3 +121,94 @@ def test_forged_shard_messages_are_poison_and_change_nothing(tmp_path: Path) -> 
     assert any("replaced by another request" in reason for reason in reasons)
     assert sum("not a shard of the job" in reason for reason in reasons) == 2
     assert blobs.objects["s3://bkt/out/real/results.jsonl"] == results
+
+
+class _SendFailsOnce(InMemoryJobSource):
+    """A queue whose second `send_many` fails once; it counts the shards sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.shards_sent: list[int] = []
+
+    def send_many(self, bodies: list[str], group: str) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            raise ConnectionError("SendMessageBatch unreachable (fake)")
+        self.shards_sent += [json.loads(body)["shard"]["index"] for body in bodies]
+        super().send_many(bodies, group)
+
+
+def test_a_redelivered_job_sends_only_the_shards_not_yet_sent(tmp_path: Path) -> None:
+    """The planner dies between its two batches of shard messages (the send fails): the
+    job's message comes back, finds its plan, and sends only the second batch; each
+    shard runs once and the job ends whole."""
+    source, blobs = _SendFailsOnce(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 24)
+    _send(source, "resent", inputs, shard_items=2)
+    run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
+    assert sorted(source.shards_sent) == list(range(12))
+    assert job_file(blobs, "resent", "job.json")["shards"] == {"count": 12, "attempts": 12}
+    assert [line["index"] for line in job_file(blobs, "resent", "results.jsonl")] == list(range(24))
+
+
+class _DeliversTwice(InMemoryJobSource):
+    """A queue that delivers every shard message twice (at-least-once, at its worst)."""
+
+    def send_many(self, bodies: list[str], group: str) -> None:
+        super().send_many(bodies + bodies, group)
+
+
+def test_a_shard_delivered_twice_counts_once_and_leaves_nothing(tmp_path: Path) -> None:
+    """Each shard runs twice at once: one run's commit stands; the other finds the marker
+    written, removes what it wrote, and is deleted; the job's results hold each input
+    once and nothing of the duplicates is left under the output."""
+    source, blobs = _DeliversTwice(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 9)
+    _send(source, "twice", inputs, shard_items=3)
+    run_until_drained(source, blobs, tmp_path)
+    assert [line["index"] for line in job_file(blobs, "twice", "results.jsonl")] == list(range(9))
+    assert job_file(blobs, "twice", "job.json")["shards"]["count"] == 3
+    assert _names_under(blobs, "twice") - {"progress.json"} == {
+        "results.jsonl",
+        "job.log",
+        "job.json",
+        "plan.json",
+    }
+    assert len(source) == 0 and not source.dead_letters
+
+
+class _ComposeFails(InMemoryBlobStore):
+    """A store whose first `failures` composes fail, as S3 does when it is throttled."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def compose(self, location: Any, sources: Any, content_type: str, **kwargs: Any) -> str:
+        if self.failures:
+            self.failures -= 1
+            raise TransientError("SlowDown (fake)")
+        return super().compose(location, sources, content_type, **kwargs)
+
+
+def test_a_merge_that_fails_is_done_by_the_last_shards_redelivery(tmp_path: Path) -> None:
+    """The merge keeps failing (past the finish's tries): the last shard's message is
+    released with its commit standing, and its next delivery finds it committed and
+    merges; the job ends whole, once."""
+    source, blobs = InMemoryJobSource(), _ComposeFails(FINISH_ATTEMPTS)
+    inputs = sample_images(blobs, 6)
+    _send(source, "merged-later", inputs, shard_items=3)
+    run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
+    assert blobs.failures == 0
+    summary = job_file(blobs, "merged-later", "job.json")
+    assert (summary["status"], summary["shards"]["count"]) == ("succeeded", 2)
+    assert [line["index"] for line in job_file(blobs, "merged-later", "results.jsonl")] == list(
+        range(6)
+    )
+    assert _names_under(blobs, "merged-later") - {"progress.json"} == {
+        "results.jsonl",
+        "job.log",
+        "job.json",
+        "plan.json",
+    }

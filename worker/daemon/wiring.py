@@ -200,6 +200,7 @@ class Daemon:
             checkpoints=checkpoints,
             shards=shards,
             finish=finisher.submit,
+            announce=finisher.announce,
             on_drained=shutdown.drained,
             arrays=self._arrays,
         )

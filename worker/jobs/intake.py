@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -57,6 +57,7 @@ DRAINED_READINGS = 2
 # How far apart two workers' clocks may be (a continuation compares its sender's time).
 CLOCK_SKEW_S = 5.0
 WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
+SPARE_SHARD = "enough work is held here: another worker is to take this shard"
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
@@ -84,6 +85,7 @@ class Intake:
         checkpoints: Checkpoints,
         shards: Shards,
         finish: Callable[[Job], None],
+        announce: Callable[[dict[str, Any], str], None],
         on_drained: Callable[[], None],
         arrays: ArraySpool,
     ):
@@ -95,6 +97,7 @@ class Intake:
         self._checkpoints = checkpoints
         self._shards = shards
         self._finish = finish
+        self._announce = announce  # a job merged here (`Finisher.announce`)
         self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
         self._progress = lifecycle.progress
@@ -111,10 +114,14 @@ class Intake:
         self._prefetch_items = settings.prefetch_batches * first_batch
 
     def room(self) -> int:
-        """How many messages may be received now: 0 while enough work is waiting."""
+        """How many messages may be received now: 0 while enough work is waiting; one at
+        a time while a shard is held (the queue holds a planned job's shards: one may be
+        more work than the prefetch, and the rest of the fleet is to share them)."""
         settings = self._settings
         if self._ledger.outstanding_items() >= self._prefetch_items:
             return 0
+        if self._ledger.holds_shards():
+            return 1
         return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
 
     def run(self) -> None:
@@ -142,10 +149,17 @@ class Intake:
                 self._drained_readings = 0
                 held = [job for message in messages if (job := self._hold(message))]
                 admissions = list(reading.map(self._read, held))
+                spare = []
                 with self._ledger.all_at_once():
                     for job, admission in zip(held, admissions, strict=True):
-                        if admission is not None:
+                        if admission is None:
+                            continue
+                        if admission.plan is not None and self.room() == 0:
+                            spare.append(job)
+                        else:
                             self._admit(job, admission)
+                for job in spare:  # not to hoard a planned job's shards
+                    self._outcomes.hand_over(job, SPARE_SHARD)
 
     def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
         """The messages received, or None when the receive failed (not an empty queue)."""
@@ -250,6 +264,12 @@ class Intake:
         inputs = list(itertools.islice(stream, shard_items + 1))
         if len(inputs) <= shard_items:
             return _Admission(spec, inputs, self._checkpoints.read(spec, job_id, inputs, model))
+        if self._arrays.layouts != {}:  # a chain's are not known: it may write arrays
+            raise PoisonMessage(
+                f"over {shard_items} inputs, the shard size, and its pipeline writes (or may "
+                "write) array outputs, which are not merged across shards yet: give a "
+                "larger 'shard_items' to run it whole, or split it"
+            )
         digest, count = RequestDigest(), 0
         for uri in itertools.chain(inputs, stream):  # read through, never held whole
             count += 1
@@ -284,8 +304,9 @@ class Intake:
             return None
         if self._shards.committed(spec, plan):
             log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
-            self._shards.merge_if_complete(spec, plan)
-            self._outcomes.ack(job)
+            merged = self._shards.merge_if_complete(spec, plan)
+            if self._outcomes.ack(job) and merged is not None:
+                self._announce(merged, job.message.message_id)
             return None
         span = plan.range(spec.shard.index)
         inputs = list(self._manifest(spec.manifest or ""))

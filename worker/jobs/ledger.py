@@ -56,6 +56,7 @@ class Ledger:
         # their job is still held or not.
         self._inside: Counter[str] = Counter()
         self._suspects: set[Job] = set()  # feedable ones
+        self._shards = 0  # unsettled jobs that are shards of a planned job
         self._apart: Job | None = None  # the suspect being fed, apart from the others
 
     def __len__(self) -> int:
@@ -103,6 +104,7 @@ class Ledger:
             job.resumed = len(resumed)
             job.succeeded = job.resumed - job.failed
             job.cancelled = cancelled
+            self._shards += job.plan is not None
             job.unfed = 0 if cancelled else job.outstanding_items
             if job.unfed:
                 self._outstanding += job.unfed
@@ -294,6 +296,7 @@ class Ledger:
             self._move(job, state)
             if was_feedable:
                 self._outstanding -= job.outstanding_items
+            self._shards -= job.plan is not None
             if self._by_message.get(job.message.message_id) is job:
                 del self._by_message[job.message.message_id]
             self._changed.notify_all()
@@ -347,6 +350,11 @@ class Ledger:
     def unsettled(self) -> list[Job]:
         with self._changed:
             return [job for job in self._jobs.values() if not job.settled]
+
+    def holds_shards(self) -> bool:
+        """Whether any unsettled job is a shard of a planned job."""
+        with self._changed:
+            return self._shards > 0
 
     def outstanding_items(self) -> int:
         """Items of unsettled jobs not yet back from the pipeline (fed or not)."""

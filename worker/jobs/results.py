@@ -236,20 +236,23 @@ class Finisher:
             self._checkpoints.remove(job)
         except Exception as error:  # harmless left over: the next delivery sees job.json
             log.warning("checkpoint_not_removed", job_id=job.job_id, error=repr(error))
-        if not self._outcomes.ack(job) or finished is None:
-            return
+        if self._outcomes.ack(job) and finished is not None:
+            self.announce(finished, job.message.message_id)
+
+    def announce(self, finished: dict[str, Any], message_id: str) -> None:
+        """Count, log and send the notices of a job whose job.json is written."""
         self._metrics.jobs.labels(finished["status"]).inc()
         log.info(
             "job_finished",
             **{key: finished[key] for key in ("job_id", "status", "items", "duration_s")},
-            message_id=job.message.message_id,
+            message_id=message_id,
         )
         notice = json.dumps(finished) if self._notify else ""
         for notify in self._notify:
             try:
                 notify(notice)
             except Exception as error:
-                log.warning("notify_failed", job_id=job.job_id, error=repr(error))
+                log.warning("notify_failed", job_id=finished["job_id"], error=repr(error))
 
     def _written(
         self, job: Job, write: Callable[[], dict[str, Any] | None]

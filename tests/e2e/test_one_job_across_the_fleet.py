@@ -1,0 +1,140 @@
+"""One job across the fleet: a job over its shard size runs on every daemon of a fleet
+of subprocesses against the moto server, daemons are SIGKILLed and started again while
+it runs, and it still ends with every input exactly once, in order, nothing of its
+shards left behind and nothing in the dead-letter queue."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.aws import Aws
+from tests.support.daemons import DaemonProcess, StartDaemon, daemon_args, slow_model_flags
+from tests.support.jobs import job_output, upload
+from worker.demo import upload_samples
+
+pytestmark = pytest.mark.e2e
+
+FLEET_FLAGS = [
+    *slow_model_flags(16),
+    "--visibility-timeout-seconds",
+    "6",
+    "--heartbeat-interval-seconds",
+    "1",
+    "--progress-interval-seconds",
+    "1",
+    "--checkpoint-seconds",
+    "2",
+    "--retry-delay-seconds",
+    "1",
+]
+
+
+def _run_across_the_fleet(
+    aws: Aws,
+    start_daemon: StartDaemon,
+    tmp_path: Path,
+    *,
+    items: int,
+    shard_items: int,
+    daemons: int,
+    kills: int,
+    timeout_s: float,
+) -> None:
+    stack = aws.stack(visibility_timeout_s=6, max_receive_count=10)
+    images = list(upload_samples(aws.s3, stack.bucket, 40, seed=24))
+    inputs = [images[n % len(images)] for n in range(items)]
+    manifest = upload(aws, stack, "big-job.txt", ("\n".join(inputs) + "\n").encode())
+    output = job_output(stack, "big")
+    aws.send(
+        stack.queue_url,
+        {"job_id": "big", "manifest": manifest, "output": output, "shard_items": shard_items},
+    )
+    env = aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.05").env
+
+    def started(number: int) -> DaemonProcess:
+        return start_daemon(daemon_args(stack, tmp_path / str(number), *FLEET_FLAGS), env=env)
+
+    fleet = [started(n) for n in range(daemons)]
+    chance = random.Random(items)
+    deadline = time.monotonic() + timeout_s
+    for kill in range(kills):
+        while sum(len(daemon.events("shard_committed")) for daemon in fleet) <= kill:
+            assert time.monotonic() < deadline, "no shard committed"
+            time.sleep(0.2)
+        victim = chance.randrange(len(fleet))
+        fleet[victim].send_signal(signal.SIGKILL)
+        fleet[victim].wait(30)
+        fleet[victim] = started(daemons + kill)
+    while not ("job.json" in aws.names(output) and aws.queue_depth(stack.queue_url) == (0, 0)):
+        assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
+        time.sleep(1)
+    for daemon in fleet:
+        daemon.send_signal(signal.SIGTERM)
+    for daemon in fleet:
+        assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+
+    results = aws.results(output)
+    assert [line["index"] for line in results] == list(range(items))
+    assert [line["input"] for line in results] == inputs
+    summary = aws.summary(output)
+    assert (summary["status"], summary["items"], summary["succeeded"]) == (
+        "succeeded",
+        items,
+        items,
+    )
+    assert summary["shards"]["count"] == -(-items // shard_items)
+    assert set(aws.names(output)) <= {
+        "job.json",
+        "job.log",
+        "results.jsonl",
+        "plan.json",
+        "progress.json",
+    }
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+    assert aws.dead_letters(stack.dlq_url) == []
+    merged = [e for daemon in fleet for e in daemon.events("job_merged")]
+    assert len({e["job_id"] for e in merged}) <= 1
+    committed_by = [bool(daemon.events("shard_committed")) for daemon in fleet]
+    assert sum(committed_by) >= 2, "the shards were not shared"
+
+
+def test_a_job_split_across_three_daemons_survives_one_killed(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """600 inputs in shards of 50 over three daemons, one SIGKILLed once a shard is
+    committed and another started in its place."""
+    _run_across_the_fleet(
+        aws,
+        start_daemon,
+        tmp_path,
+        items=600,
+        shard_items=50,
+        daemons=3,
+        kills=1,
+        timeout_s=240,
+    )
+
+
+@pytest.mark.fleet
+@pytest.mark.timeout(1500)
+def test_twenty_thousand_inputs_over_four_daemons_killed_at_random(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """The issue's run (`make test-fleet`): 20,000 inputs over four daemons, random
+    ones SIGKILLed and started again five times while it runs."""
+    _run_across_the_fleet(
+        aws,
+        start_daemon,
+        tmp_path,
+        items=int(os.environ.get("FLEET_ITEMS", "20000")),
+        shard_items=500,
+        daemons=4,
+        kills=5,
+        timeout_s=1200,
+    )
