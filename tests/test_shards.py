@@ -131,12 +131,12 @@ class _SendFailsOnce(InMemoryJobSource):
         self.calls = 0
         self.shards_sent: list[int] = []
 
-    def send_many(self, bodies: list[str], group: str) -> None:
+    def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
         self.calls += 1
         if self.calls == 2:
             raise ConnectionError("SendMessageBatch unreachable (fake)")
         self.shards_sent += [json.loads(body)["shard"]["index"] for body in bodies]
-        super().send_many(bodies, group)
+        super().send_many(bodies, group, delay_s)
 
 
 def test_a_redelivered_job_sends_only_the_shards_not_yet_sent(tmp_path: Path) -> None:
@@ -155,8 +155,8 @@ def test_a_redelivered_job_sends_only_the_shards_not_yet_sent(tmp_path: Path) ->
 class _DeliversTwice(InMemoryJobSource):
     """A queue that delivers every shard message twice (at-least-once, at its worst)."""
 
-    def send_many(self, bodies: list[str], group: str) -> None:
-        super().send_many(bodies + bodies, group)
+    def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
+        super().send_many(bodies + bodies, group, delay_s)
 
 
 def test_a_shard_delivered_twice_counts_once_and_leaves_nothing(tmp_path: Path) -> None:

@@ -140,9 +140,10 @@ class JobSource(Protocol):
         that could not end by then; returns the error code of each handle that could not
         be renewed (a call that failed is reported so, never raised)."""
 
-    def send_many(self, bodies: list[str], group: str) -> None:
+    def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
         """Send new messages (a planned job's shards), in the message group `group` (the
-        tenant a fair queue balances); raises if any could not be sent."""
+        tenant a fair queue balances), visible after `delay_s`; raises if any could not
+        be sent."""
 
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         """Copy a message to the dead-letter queue with `reason` (the caller then acks

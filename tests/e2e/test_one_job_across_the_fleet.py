@@ -71,7 +71,8 @@ def _run_across_the_fleet(
         fleet[victim].send_signal(signal.SIGKILL)
         fleet[victim].wait(30)
         fleet[victim] = started(daemons + kill)
-    while not ("job.json" in aws.names(output) and aws.queue_depth(stack.queue_url) == (0, 0)):
+    # Done when merged, and every message of the job (a watch's timer too) is gone.
+    while not ("job.json" in aws.names(output) and aws.queue_empty(stack.queue_url)):
         assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
         time.sleep(1)
     for daemon in fleet:
@@ -138,3 +139,51 @@ def test_twenty_thousand_inputs_over_four_daemons_killed_at_random(
         kills=5,
         timeout_s=1200,
     )
+
+
+def test_a_straggling_shard_is_run_again_by_an_idle_daemon(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """Three daemons and one ten times slower: once every shard has started, a watch of
+    the job finds the slow daemon's shard running past twice the median shard's time
+    and sends a duplicate, which a fast daemon runs; the first commit counts, and the
+    job ends whole, before the slow daemon's own run of that shard could."""
+    stack = aws.stack(visibility_timeout_s=6, max_receive_count=10)
+    images = list(upload_samples(aws.s3, stack.bucket, 16, seed=25))
+    inputs = [images[n % len(images)] for n in range(640)]
+    manifest = upload(aws, stack, "job.txt", ("\n".join(inputs) + "\n").encode())
+    output = job_output(stack, "straggled")
+    slow = start_daemon(
+        daemon_args(stack, tmp_path / "slow", *FLEET_FLAGS),
+        env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="2.0").env,
+    )
+    slow.wait_for("daemon_started")
+    aws.send(
+        stack.queue_url,
+        {"job_id": "straggled", "manifest": manifest, "output": output, "shard_items": 64},
+    )
+    slow.wait_for("job_received", 2)  # the plan, and the shard it holds
+    fast = [
+        start_daemon(
+            daemon_args(stack, tmp_path / str(n), *FLEET_FLAGS),
+            env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.2").env,
+        )
+        for n in range(3)
+    ]
+    deadline = time.monotonic() + 180
+    while "job.json" not in aws.names(output):
+        assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
+        time.sleep(0.5)
+    fleet = [slow, *fast]
+    duplicated = [e for daemon in fleet for e in daemon.events("straggler_duplicated")]
+    slow_shards = {e["shard"] for e in slow.events("shard_committed")}
+    for daemon in fleet:
+        daemon.send_signal(signal.SIGTERM)
+    for daemon in fleet:
+        assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+    assert duplicated, "no straggler was run again"
+    assert {e["shard"] for e in duplicated} - slow_shards, "the slow daemon's run counted"
+    results = aws.results(output)
+    assert [line["index"] for line in results] == list(range(640))
+    assert aws.summary(output)["status"] == "succeeded"
+    assert aws.dead_letters(stack.dlq_url) == []

@@ -113,6 +113,17 @@ class Aws:
         )
 
 
+    def queue_empty(self, queue_url: str) -> bool:
+        """No message visible, in flight or delayed (a timer a daemon set)."""
+        names = [
+            "ApproximateNumberOfMessages",
+            "ApproximateNumberOfMessagesNotVisible",
+            "ApproximateNumberOfMessagesDelayed",
+        ]
+        attributes = self.sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=names)
+        return all(int(attributes["Attributes"].get(name, 0)) == 0 for name in names)
+
+
 def ec2_env(aws: Aws, imds_url: str, **more: str) -> dict[str, str]:
     """The environment of a daemon on an EC2 instance whose metadata service (a
     `FakeImds`) is at `imds_url`, with `more`."""

@@ -174,9 +174,9 @@ class InMemoryJobSource:
             self._lock.notify_all()
             return failures
 
-    def send_many(self, bodies: list[str], group: str) -> None:
+    def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
         for body in bodies:
-            self.send(body)
+            self.send(body, delay_s=delay_s)
 
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         with self._lock:

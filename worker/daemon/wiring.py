@@ -47,6 +47,7 @@ from worker.jobs.outcomes import Lifecycle, Outcomes
 from worker.jobs.reporting import JobObserver, ProgressReporter
 from worker.jobs.results import Finisher, Regrouper
 from worker.jobs.shards import Shards
+from worker.jobs.stragglers import Stragglers
 from worker.plugins import PluginError
 from worker.plugins.encoding import chain_postprocess_fault
 from worker.plugins.identity import ModelIdentity, pipeline_identity
@@ -199,6 +200,7 @@ class Daemon:
             model=self._model,
             checkpoints=checkpoints,
             shards=shards,
+            stragglers=Stragglers(blobs, source, shards, self._outcomes),
             finish=finisher.submit,
             announce=finisher.announce,
             on_drained=shutdown.drained,

@@ -36,6 +36,7 @@ from worker.jobs.message import (
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import Plan
 from worker.jobs.shards import Shards
+from worker.jobs.stragglers import Stragglers
 from worker.plugins.identity import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,
@@ -58,6 +59,7 @@ DRAINED_READINGS = 2
 CLOCK_SKEW_S = 5.0
 WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
 SPARE_SHARD = "enough work is held here: another worker is to take this shard"
+PEEK_INTERVAL_S = 2.0
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
@@ -84,6 +86,7 @@ class Intake:
         model: Future[ModelIdentity],
         checkpoints: Checkpoints,
         shards: Shards,
+        stragglers: Stragglers,
         finish: Callable[[Job], None],
         announce: Callable[[dict[str, Any], str], None],
         on_drained: Callable[[], None],
@@ -96,6 +99,7 @@ class Intake:
         self._model = model  # known once the inference stage is set up, before the first receive
         self._checkpoints = checkpoints
         self._shards = shards
+        self._stragglers = stragglers
         self._finish = finish
         self._announce = announce  # a job merged here (`Finisher.announce`)
         self._ledger = lifecycle.ledger
@@ -104,6 +108,7 @@ class Intake:
         self._stopping = stopping
         self._on_drained = on_drained
         self._drained_readings = 0
+        self._peek_at = 0.0  # when a daemon full with a shard may take a message again
         # Two progress intervals: a running delivery of a replaced message has seen the
         # mark and stopped by then (`_handed_over`).
         self._defer_s = min(
@@ -116,13 +121,26 @@ class Intake:
     def room(self) -> int:
         """How many messages may be received now: 0 while enough work is waiting; one at
         a time while a shard is held (the queue holds a planned job's shards: one may be
-        more work than the prefetch, and the rest of the fleet is to share them)."""
+        more work than the prefetch, and the rest of the fleet is to share them). A
+        daemon full with a shard still takes one message every `PEEK_INTERVAL_S`, so a
+        small job sent meanwhile is not left waiting for a shard to end somewhere: it is
+        fed beside the shard, and a shard received so is handed back (`_spare`)."""
         settings = self._settings
+        shards = self._ledger.shards_held()
         if self._ledger.outstanding_items() >= self._prefetch_items:
-            return 0
-        if self._ledger.holds_shards():
+            return 1 if shards and time.monotonic() >= self._peek_at else 0
+        if shards:
             return 1
         return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
+
+    def _spare(self, admission: _Admission) -> bool:
+        """Whether a shard just read is more than this daemon is to hold: it holds one
+        already, with enough work waiting."""
+        return (
+            admission.plan is not None
+            and self._ledger.shards_held() > 0
+            and self._ledger.outstanding_items() >= self._prefetch_items
+        )
 
     def run(self) -> None:
         # Admitting reads S3 (the output prefix, a manifest): the messages of a receive
@@ -130,11 +148,17 @@ class Intake:
         # order they came.
         with ThreadPoolExecutor(SQS_MAX_MESSAGES_PER_RECEIVE, "admit") as reading:
             while not self._stopping.is_set():
-                self._ledger.wait_until(lambda: self.room() > 0 or self._stopping.is_set())
+                self._ledger.wait_until(
+                    lambda: self.room() > 0 or self._stopping.is_set(), PEEK_INTERVAL_S
+                )
                 if self._stopping.is_set():
                     return
+                room = self.room()
+                if not room:
+                    continue
                 idle = not len(self._ledger)
-                messages = self._receive(self.room())
+                self._peek_at = time.monotonic() + PEEK_INTERVAL_S
+                messages = self._receive(room)
                 if messages is None:
                     continue
                 if not messages:
@@ -154,7 +178,7 @@ class Intake:
                     for job, admission in zip(held, admissions, strict=True):
                         if admission is None:
                             continue
-                        if admission.plan is not None and self.room() == 0:
+                        if self._spare(admission):
                             spare.append(job)
                         else:
                             self._admit(job, admission)
@@ -220,10 +244,7 @@ class Intake:
             spec = parse_job_message(job.message.body, settings.allowed_buckets)
             job_id = spec.job_id or job.message.job_message_id
             model = self._model.result()
-            if spec.shard is not None:
-                admission = self._read_shard(job, spec, model)
-            else:
-                admission = self._read_whole(job, spec, job_id, model)
+            admission = self._read_kind(job, spec, job_id, model)
         except PoisonMessage as poison:
             self._outcomes.dead_letter(job, str(poison))
             return None
@@ -247,6 +268,18 @@ class Intake:
         log.info("job_already_done", job_id=job_id, status=summary.get("status"))
         self._outcomes.ack(job)
         return True
+
+    def _read_kind(
+        self, job: Job, spec: JobMessage, job_id: str, model: ModelIdentity
+    ) -> _Admission | None:
+        """What admitting a job, or a shard of one, needs; a watch of a job's shards is
+        carried out instead (and settled)."""
+        if spec.watch is not None:
+            self._stragglers.watch(job, spec)
+            return None
+        if spec.shard is not None:
+            return self._read_shard(job, spec, model)
+        return self._read_whole(job, spec, job_id, model)
 
     def _read_whole(
         self, job: Job, spec: JobMessage, job_id: str, model: ModelIdentity
@@ -308,6 +341,7 @@ class Intake:
             if self._outcomes.ack(job) and merged is not None:
                 self._announce(merged, job.message.message_id)
             return None
+        self._shards.started(spec, plan)
         span = plan.range(spec.shard.index)
         inputs = list(self._manifest(spec.manifest or ""))
         if len(inputs) != len(span):

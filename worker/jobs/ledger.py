@@ -351,10 +351,10 @@ class Ledger:
         with self._changed:
             return [job for job in self._jobs.values() if not job.settled]
 
-    def holds_shards(self) -> bool:
-        """Whether any unsettled job is a shard of a planned job."""
+    def shards_held(self) -> int:
+        """How many unsettled jobs are shards of a planned job."""
         with self._changed:
-            return self._shards > 0
+            return self._shards
 
     def outstanding_items(self) -> int:
         """Items of unsettled jobs not yet back from the pipeline (fed or not)."""

@@ -45,9 +45,16 @@ class JobMessage(BaseModel):
     shard_items: int | None = Field(default=None, ge=1)
     # Set by the worker that planned the job, on each of its shards' messages.
     shard: ShardRef | None = None
+    # Set by workers on a planned job's timer: look for its straggling shards (the
+    # digest of its plan). Such a message names no inputs.
+    watch: str | None = Field(default=None, pattern=DIGEST_PATTERN)
 
     @model_validator(mode="after")
     def _one_source(self) -> JobMessage:
+        if self.watch is not None:
+            if self.job_id is None or self.inputs or self.manifest or self.shard:
+                raise ValueError("a watch names its job's 'job_id' and 'output' alone")
+            return self
         if (self.inputs is None) == (self.manifest is None):
             raise ValueError("give exactly one of 'inputs' and 'manifest'")
         if self.shard is not None and (self.job_id is None or self.manifest is None):

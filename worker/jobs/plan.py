@@ -7,6 +7,9 @@
         <n>.sent                       shard n's message is sent
         <n>.<run>.jsonl, <n>.<run>.log what one run of shard n wrote (results, log)
         <n>.commit                     the run whose results count: written once, conditionally
+        <n>.started                    when the latest run of shard n was admitted
+        <n>.duplicated                 a duplicate of shard n was sent (a straggler)
+        watch                          a watch of the job's shards is due (`worker.jobs.stragglers`)
 
 `<request>` is the whole job's request digest, `<n>` the shard's number (six digits)
 and `<run>` one delivery of its message. Everything under `shards/<request>/` goes once
@@ -15,6 +18,7 @@ the job's job.json is written.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -28,6 +32,9 @@ MAX_PLAN_BYTES = 64 * 1024  # a plan is a few hundred bytes; more is not one of 
 COMMIT_SUFFIX = ".commit"
 INPUTS_SUFFIX = ".inputs"
 SENT_SUFFIX = ".sent"
+STARTED_SUFFIX = ".started"
+DUPLICATED_SUFFIX = ".duplicated"
+WATCH = "watch"
 
 
 class Plan(BaseModel):
@@ -71,5 +78,29 @@ def shard_file(spec: JobMessage, request_digest: str, shard: int, suffix: str) -
     return S3Location(directory.bucket, f"{directory.key}{shard_name(shard)}{suffix}")
 
 
+def watch_file(spec: JobMessage, request_digest: str) -> S3Location:
+    directory = shard_directory(spec, request_digest)
+    return S3Location(directory.bucket, directory.key + WATCH)
+
+
 def shard_name(shard: int) -> str:
     return f"{shard:06d}"
+
+
+def shard_body(spec: JobMessage, plan: Plan, shard: int) -> str:
+    """The message that runs shard `shard` of the job `spec` asks for."""
+    inputs = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
+    return json.dumps(
+        {
+            "job_id": plan.job_id,
+            "manifest": str(inputs),
+            "output": spec.output,
+            "params": spec.params,
+            "shard": {"index": shard, "plan": plan.request_digest},
+        }
+    )
+
+
+def watch_body(spec: JobMessage, plan: Plan) -> str:
+    """The message that has a worker look for the job's straggling shards."""
+    return json.dumps({"job_id": plan.job_id, "output": spec.output, "watch": plan.request_digest})

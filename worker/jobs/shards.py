@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,13 +39,24 @@ from worker.jobs.plan import (
     MAX_PLAN_BYTES,
     PLAN,
     SENT_SUFFIX,
+    STARTED_SUFFIX,
     Plan,
+    shard_body,
     shard_directory,
     shard_file,
     shard_name,
+    watch_body,
+    watch_file,
 )
 from worker.jobs.summary import job_summary
-from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource, S3Location
+from worker.ports import (
+    ABSENT,
+    SQS_MAX_DELAY_S,
+    SQS_MAX_ENTRIES_PER_BATCH_CALL,
+    BlobStore,
+    JobSource,
+    S3Location,
+)
 
 log = structlog.get_logger()
 
@@ -52,6 +64,7 @@ T = TypeVar("T")
 S3_THREADS = 16  # requests at once while planning and merging
 PROGRESS_TRIES = 3  # a progress.json write that another shard beats is tried again
 MAX_COMMIT_BYTES = 64 * 1024
+WATCH_MIN_S = 5  # a watch of a job's stragglers is due at least this far apart
 RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log)$")
 
 
@@ -78,6 +91,7 @@ class Commit(BaseModel):
     resumed: int = Field(ge=0)
     attempt: int = Field(ge=1)
     device_s: float = Field(ge=0)
+    seconds: float = Field(ge=0)  # from the run's receive to its commit
 
 
 class Shards:
@@ -163,7 +177,7 @@ class Shards:
             self._blobs.put(location, data, "text/plain")
             self._progress.beat()
 
-        _each_at_once(write, files)
+        each_at_once(write, files)
         leftover = next(stream, None)
         if leftover is not None or digest.hexdigest(spec.params, plan.model) != plan.request_digest:
             raise TransientError("the job's inputs changed while it was planned")
@@ -192,8 +206,8 @@ class Shards:
         ]
         for start in range(0, len(unsent), SQS_MAX_ENTRIES_PER_BATCH_CALL):
             chunk = unsent[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
-            self._source.send_many([_shard_body(spec, plan, shard) for shard in chunk], plan.job_id)
-            _each_at_once(
+            self._source.send_many([shard_body(spec, plan, shard) for shard in chunk], plan.job_id)
+            each_at_once(
                 lambda shard: self._blobs.put(
                     shard_file(spec, plan.request_digest, shard, SENT_SUFFIX), b"", "text/plain"
                 ),
@@ -209,18 +223,23 @@ class Shards:
         its job was planned again as another request); `ModelMismatch` if it was planned
         for another model."""
         assert spec.shard is not None
-        try:
-            plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
-        except MissingObject:
-            raise PoisonMessage(f"a shard of a job with no {PLAN} under its output") from None
+        plan = self.plan_for(spec, spec.shard.plan)
         index = spec.shard.index
-        if plan.request_digest != spec.shard.plan:
-            raise PoisonMessage(f"a shard of plan {spec.shard.plan}, replaced by another request")
         expected_inputs = str(shard_file(spec, plan.request_digest, index, INPUTS_SUFFIX))
         if plan.job_id != spec.job_id or index >= plan.shards or spec.manifest != expected_inputs:
             raise PoisonMessage(f"not a shard of the job {PLAN} plans: {spec.shard}")
         if plan.model != model:
             raise ModelMismatch(f"planned for model {plan.model}, this worker runs {model}")
+        return plan
+
+    def plan_for(self, spec: JobMessage, digest: str) -> Plan:
+        """The plan under the job's output, if it is plan `digest`; else poison."""
+        try:
+            plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
+        except MissingObject:
+            raise PoisonMessage(f"a shard of a job with no {PLAN} under its output") from None
+        if plan.request_digest != digest:
+            raise PoisonMessage(f"a shard of plan {digest}, replaced by another request")
         return plan
 
     def committed(self, spec: JobMessage, plan: Plan) -> bool:
@@ -268,6 +287,7 @@ class Shards:
             resumed=summary["resumed"],
             attempt=job.attempt,
             device_s=job.device_s,
+            seconds=time.time() - job.received_at,
         )
         marker = shard_file(spec, digest, index, COMMIT_SUFFIX)
         try:
@@ -275,13 +295,40 @@ class Shards:
                 marker, commit.model_dump_json().encode(), "application/json", expect=ABSENT
             )
         except PreconditionFailed:
-            if self._commit_at(shard_directory(spec, digest), _name(marker)).run != run:
+            if self.commit_at(shard_directory(spec, digest), _name(marker)).run != run:
                 log.info("shard_duplicate", job_id=job.job_id, shard=index, run=run)
                 self._blobs.delete(list(files.values()))
                 return None  # our try's answer was lost
         job.committed = True
         log.info("shard_committed", job_id=job.job_id, shard=index, run=run, items=len(job.inputs))
-        return self.merge_if_complete(spec, plan)
+        merged = self.merge_if_complete(spec, plan)
+        if merged is None:
+            self.watch(spec, plan, commit.seconds)
+        return merged
+
+    def started(self, spec: JobMessage, plan: Plan) -> None:
+        """Note when this run of the shard began (a watch compares it with the others')."""
+        assert spec.shard is not None
+        started = shard_file(spec, plan.request_digest, spec.shard.index, STARTED_SUFFIX)
+        self._blobs.put(started, json.dumps({"at": time.time()}).encode(), "application/json")
+
+    def watch(self, spec: JobMessage, plan: Plan, shard_s: float) -> None:
+        """Have a worker look for the job's stragglers about half a shard's time from now
+        (`worker.jobs.stragglers`), unless a watch is due already; never raises (without
+        one, a straggler only holds the job's end back)."""
+        watch = watch_file(spec, plan.request_digest)
+        try:
+            self._blobs.put(watch, b"", "text/plain", expect=ABSENT)
+        except PreconditionFailed:
+            return  # one is due
+        except Exception as error:
+            log.warning("watch_not_armed", job_id=plan.job_id, error=repr(error))
+            return
+        try:
+            self._source.send_many([watch_body(spec, plan)], plan.job_id, watch_delay_s(shard_s))
+        except Exception as error:
+            log.warning("watch_not_armed", job_id=plan.job_id, error=repr(error))
+            self._blobs.delete([watch])
 
     def report(self, job: Job) -> None:
         """Put this shard's count in the job's one progress.json, on condition that it is
@@ -339,7 +386,7 @@ class Shards:
     def _merge(
         self, spec: JobMessage, plan: Plan, directory: S3Location, names: list[str]
     ) -> dict[str, Any] | None:
-        commits = _each_at_once(lambda name: self._commit_at(directory, name), names)
+        commits = each_at_once(lambda name: self.commit_at(directory, name), names)
         top = self._blobs.objects_under(spec.output_location(""))
 
         def part(name: str, size: int) -> tuple[S3Location, int]:
@@ -375,7 +422,7 @@ class Shards:
         self._remove(spec, plan)
         return summary
 
-    def _commit_at(self, directory: S3Location, name: str) -> Commit:
+    def commit_at(self, directory: S3Location, name: str) -> Commit:
         data = self._blobs.get(S3Location(directory.bucket, directory.key + name), MAX_COMMIT_BYTES)
         try:
             return Commit.model_validate_json(data)
@@ -419,20 +466,7 @@ class Shards:
         )
 
 
-def _shard_body(spec: JobMessage, plan: Plan, shard: int) -> str:
-    inputs = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
-    return json.dumps(
-        {
-            "job_id": plan.job_id,
-            "manifest": str(inputs),
-            "output": spec.output,
-            "params": spec.params,
-            "shard": {"index": shard, "plan": plan.request_digest},
-        }
-    )
-
-
-def _each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list[T]:
+def each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list[T]:
     """`function` of each argument, `S3_THREADS` at a time, taking arguments only as
     threads free up (a planner's stream of shards is never held whole); raises the
     first error."""
@@ -464,3 +498,9 @@ def _count(value: Any, position: int) -> int:
     if isinstance(value, list) and len(value) == 2 and isinstance(value[position], int):
         return max(0, int(value[position]))
     return 0
+
+
+def watch_delay_s(shard_s: float) -> int:
+    """How long after a commit, or a watch, the next watch of the job is due: half a
+    shard's time, within SQS's delays."""
+    return min(SQS_MAX_DELAY_S, max(WATCH_MIN_S, round(shard_s / 2)))

@@ -174,18 +174,18 @@ class SqsJobSource(Retrying):
                 failures[chunk[int(failure["Id"])]] = failure.get("Code", "Unknown")
         return failures
 
-    def send_many(self, bodies: list[str], group: str) -> None:
+    def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
         """Ten to a call; the entries a call failed are sent again under the same
         budget, and any still failing raise."""
         for start in range(0, len(bodies), SQS_MAX_ENTRIES_PER_BATCH_CALL):
             chunk = dict(enumerate(bodies[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]))
-            self._call(functools.partial(self._send_batch, chunk, group))
+            self._call(functools.partial(self._send_batch, chunk, group, delay_s))
 
-    def _send_batch(self, bodies: dict[int, str], group: str) -> None:
+    def _send_batch(self, bodies: dict[int, str], group: str, delay_s: int) -> None:
         """Send the entries of `bodies` not sent yet; the sent ones leave it, and a
         failed entry raises (a transient error: the retry sends what is left)."""
         entries: Any = [
-            {"Id": str(n), "MessageBody": body, "MessageGroupId": group}
+            {"Id": str(n), "MessageBody": body, "MessageGroupId": group, "DelaySeconds": delay_s}
             for n, body in bodies.items()
         ]
         reply = self._client.send_message_batch(QueueUrl=self._queue_url, Entries=entries)

@@ -1,0 +1,114 @@
+"""Stragglers: a planned job's shards that run far longer than the others (a slow or
+stuck machine) get a duplicate that an idle worker runs, with no coordinator.
+
+Each commit that leaves shards to run has a watch sent: a message for the job, delayed
+by half a shard's time, one at a time per job (the `watch` marker under its shards).
+Whoever receives it looks at the shards: once every shard has started (nothing of the
+job waits in the queue: workers are coming free), a shard not committed whose run began
+more than `STRAGGLER_FACTOR` median shard times ago gets one duplicate message (marked
+`<n>.duplicated`, so once). An idle worker takes it and resumes from the straggler's
+checkpoints; the first of the two to commit counts, and the other stops
+(`Shards.committed_elsewhere`). While shards are left, the watch is sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import structlog
+
+from worker.errors import MissingObject, PreconditionFailed
+from worker.jobs.job import Job
+from worker.jobs.message import JobMessage
+from worker.jobs.outcomes import Outcomes
+from worker.jobs.plan import (
+    COMMIT_SUFFIX,
+    DUPLICATED_SUFFIX,
+    INPUTS_SUFFIX,
+    STARTED_SUFFIX,
+    Plan,
+    shard_body,
+    shard_directory,
+    shard_file,
+    shard_name,
+    watch_body,
+    watch_file,
+)
+from worker.jobs.shards import Shards, each_at_once, watch_delay_s
+from worker.ports import ABSENT, BlobStore, JobSource, S3Location
+
+log = structlog.get_logger()
+
+# A shard whose run began this many median shard times ago, and has not committed, is a
+# straggler.
+STRAGGLER_FACTOR = 2.0
+MEDIAN_SAMPLE = 51  # committed shards whose times give the median
+
+
+class Stragglers:
+    """Takes a job's watch messages: duplicates its stragglers, and watches again."""
+
+    def __init__(self, blobs: BlobStore, source: JobSource, shards: Shards, outcomes: Outcomes):
+        self._blobs = blobs
+        self._source = source
+        self._shards = shards
+        self._outcomes = outcomes
+
+    def watch(self, job: Job, spec: JobMessage) -> None:
+        """Look at the job's shards once, send duplicates of its stragglers and the next
+        watch (or none, once every shard is committed), then delete the message. Raises
+        if S3 or SQS fail: the watch comes back later."""
+        assert spec.watch is not None
+        plan = self._shards.plan_for(spec, spec.watch)
+        directory = shard_directory(spec, plan.request_digest)
+        listing = self._blobs.objects_under(directory)
+
+        def has(shard: int, suffix: str) -> bool:
+            return f"{shard_name(shard)}{suffix}" in listing
+
+        left = [shard for shard in range(plan.shards) if not has(shard, COMMIT_SUFFIX)]
+        if not left or not any(name.endswith(INPUTS_SUFFIX) for name in listing):
+            self._blobs.delete([watch_file(spec, plan.request_digest)])  # done, or merged
+            self._outcomes.ack(job)
+            return
+        committed = [shard for shard in range(plan.shards) if has(shard, COMMIT_SUFFIX)]
+        commits = each_at_once(
+            lambda shard: self._shards.commit_at(directory, f"{shard_name(shard)}{COMMIT_SUFFIX}"),
+            committed[:MEDIAN_SAMPLE],
+        )
+        shard_s = statistics.median(commit.seconds for commit in commits)
+        if all(has(shard, STARTED_SUFFIX) for shard in range(plan.shards)):
+            for shard in left:
+                if not has(shard, DUPLICATED_SUFFIX):
+                    self._duplicate_if_late(spec, plan, shard, shard_s)
+        self._source.send_many([watch_body(spec, plan)], plan.job_id, watch_delay_s(shard_s))
+        self._outcomes.ack(job)
+
+    def _duplicate_if_late(self, spec: JobMessage, plan: Plan, shard: int, shard_s: float) -> None:
+        digest = plan.request_digest
+        try:
+            started = self._blobs.get(shard_file(spec, digest, shard, STARTED_SUFFIX))
+        except MissingObject:
+            return  # committed and removed meanwhile
+        try:
+            running_s = time.time() - float(json.loads(started)["at"])
+        except (ValueError, KeyError, TypeError):
+            return  # not what a run writes: no reason to duplicate
+
+        if running_s <= STRAGGLER_FACTOR * shard_s:
+            return
+        marker: S3Location = shard_file(spec, digest, shard, DUPLICATED_SUFFIX)
+        try:
+            self._blobs.put(marker, b"", "text/plain", expect=ABSENT)
+        except PreconditionFailed:
+            return  # another watch sent it
+        self._source.send_many([shard_body(spec, plan, shard)], plan.job_id)
+        log.info(
+            "straggler_duplicated",
+            job_id=plan.job_id,
+            shard=shard,
+            running_s=round(running_s, 1),
+            median_shard_s=round(shard_s, 1),
+        )
