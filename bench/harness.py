@@ -33,6 +33,7 @@ from worker.telemetry.timeline import Timeline
 # cores can feed, so the model is the stage that dominates, as on a GPU host.
 DEVICE_BASE_MS = 40.0
 DEVICE_PER_ITEM_MS = 1.25
+FLEET_DEVICE_BATCH_S = 0.5
 SLOW_DEVICE_BATCH_S = 2.0  # for the backlog run: jobs outlive several leases
 S3_MEDIAN_MS, S3_P99_MS = 30.0, 200.0
 BATCH_SIZE = 64
@@ -69,6 +70,12 @@ def embedding_device_model() -> nn.Module:
 
 def slow_device_model() -> nn.Module:
     return DeviceModel(SLOW_DEVICE_BATCH_S * 1000, 0)
+
+
+def fleet_device_model() -> nn.Module:
+    """Half a second a batch whatever its size: a slow GPU, so that a fleet of daemons
+    on this machine's cores is limited by its devices (`bench.fleet`)."""
+    return DeviceModel(FLEET_DEVICE_BATCH_S * 1000, 0)
 
 
 def noop_model() -> nn.Module:

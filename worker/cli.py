@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue.add_argument("--manifest", help="s3:// URI of a file listing one input URI per line")
     enqueue.add_argument("--params", default="{}", help="JSON object of pipeline parameters")
     enqueue.add_argument(
+        "--shard-items",
+        type=int,
+        help="split the job across the fleet in shards of this many inputs "
+        "(default: the workers' --shard-items)",
+    )
+    enqueue.add_argument(
         "--wait", action="store_true", help="follow the job until job.json appears"
     )
     enqueue.add_argument(
@@ -278,6 +284,7 @@ def _enqueue(args: argparse.Namespace) -> int:
             manifest=args.manifest,
             output=args.output,
             params=json.loads(args.params),
+            shard_items=args.shard_items,
         )
     except (ValidationError, json.JSONDecodeError) as error:
         print(f"invalid job: {error}", file=sys.stderr)

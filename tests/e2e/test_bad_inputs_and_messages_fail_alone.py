@@ -81,10 +81,10 @@ def test_forged_continuation_attributes_poison_their_own_message_alone(
 def test_a_huge_input_and_a_huge_manifest_leave_the_daemons_memory_alone(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
-    """A 300 MB input and a 120 MB manifest beside ordinary jobs, the default limits
-    (64 MiB each): the input is its own error and the manifest's message poison, neither
-    read, the other jobs done, and the daemon's whole process tree never grows by as
-    much as the smaller of the two."""
+    """A 300 MB input and a 120 MB manifest beside ordinary jobs, with limits of 64 MiB
+    each (the input's by default): the input is its own error and the manifest's message
+    poison, neither read, the other jobs done, and the daemon's whole process tree never
+    grows by as much as the smaller of the two."""
     stack = aws.stack()
     uris = list(upload_samples(aws.s3, stack.bucket, 12, seed=4))
     huge_input = upload(aws, stack, "huge/input.bin", bytes(300 * 2**20))
@@ -94,7 +94,9 @@ def test_a_huge_input_and_a_huge_manifest_leave_the_daemons_memory_alone(
     send_jobs(aws, stack, {**jobs, "with-huge": [uris[0], huge_input, uris[1]]})
     aws.send(stack.queue_url, {"manifest": huge_manifest, "output": job_output(stack, "long")})
 
-    daemon = start_daemon(daemon_args(stack, tmp_path, "--drain"))
+    daemon = start_daemon(
+        daemon_args(stack, tmp_path, "--drain", "--max-manifest-bytes", str(64 * 2**20))
+    )
     daemon.wait_for("daemon_started")
     started_mb = tree_rss_mb(daemon.pid)
     with peak_rss(daemon.pid, every_s=0.05) as peak_mb:

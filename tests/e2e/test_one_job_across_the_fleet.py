@@ -108,13 +108,13 @@ def _run_across_the_fleet(
 def test_a_job_split_across_three_daemons_survives_one_killed(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
-    """600 inputs in shards of 50 over three daemons, one SIGKILLed once a shard is
+    """400 inputs in shards of 50 over three daemons, one SIGKILLed once a shard is
     committed and another started in its place."""
     _run_across_the_fleet(
         aws,
         start_daemon,
         tmp_path,
-        items=600,
+        items=400,
         shard_items=50,
         daemons=3,
         kills=1,
@@ -150,7 +150,7 @@ def test_a_straggling_shard_is_run_again_by_an_idle_daemon(
     job ends whole, before the slow daemon's own run of that shard could."""
     stack = aws.stack(visibility_timeout_s=6, max_receive_count=10)
     images = list(upload_samples(aws.s3, stack.bucket, 16, seed=25))
-    inputs = [images[n % len(images)] for n in range(640)]
+    inputs = [images[n % len(images)] for n in range(512)]
     manifest = upload(aws, stack, "job.txt", ("\n".join(inputs) + "\n").encode())
     output = job_output(stack, "straggled")
     slow = start_daemon(
@@ -184,6 +184,6 @@ def test_a_straggling_shard_is_run_again_by_an_idle_daemon(
     assert duplicated, "no straggler was run again"
     assert {e["shard"] for e in duplicated} - slow_shards, "the slow daemon's run counted"
     results = aws.results(output)
-    assert [line["index"] for line in results] == list(range(640))
+    assert [line["index"] for line in results] == list(range(512))
     assert aws.summary(output)["status"] == "succeeded"
     assert aws.dead_letters(stack.dlq_url) == []

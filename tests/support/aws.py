@@ -112,7 +112,6 @@ class Aws:
             int(attributes["ApproximateNumberOfMessagesNotVisible"]),
         )
 
-
     def queue_empty(self, queue_url: str) -> bool:
         """No message visible, in flight or delayed (a timer a daemon set)."""
         names = [

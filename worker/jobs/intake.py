@@ -126,12 +126,11 @@ class Intake:
         small job sent meanwhile is not left waiting for a shard to end somewhere: it is
         fed beside the shard, and a shard received so is handed back (`_spare`)."""
         settings = self._settings
+        most = min(settings.receive_batch, settings.max_jobs - len(self._ledger))
         shards = self._ledger.shards_held()
         if self._ledger.outstanding_items() >= self._prefetch_items:
-            return 1 if shards and time.monotonic() >= self._peek_at else 0
-        if shards:
-            return 1
-        return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
+            return most if shards and time.monotonic() >= self._peek_at else 0
+        return 1 if shards else most
 
     def _spare(self, admission: _Admission) -> bool:
         """Whether a shard just read is more than this daemon is to hold: it holds one

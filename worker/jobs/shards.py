@@ -64,7 +64,7 @@ T = TypeVar("T")
 S3_THREADS = 16  # requests at once while planning and merging
 PROGRESS_TRIES = 3  # a progress.json write that another shard beats is tried again
 MAX_COMMIT_BYTES = 64 * 1024
-WATCH_MIN_S = 5  # a watch of a job's stragglers is due at least this far apart
+WATCH_MIN_S = 2  # a watch of a job's stragglers is due at least this far apart
 RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log)$")
 
 

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import hashlib
 from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ S3_MAX_KEYS_PER_DELETE = 1000
 S3_MIN_PART_BYTES = 5 * 2**20
 S3_MAX_PART_BYTES = 5 * 2**30
 S3_MAX_PARTS = 10_000
+COPY_THREADS = 16  # part copies made at once (S3 takes the parts of an upload in any order)
 STREAM_CHUNK_BYTES = 64 * 1024  # a streamed object's pieces (`chunks`)
 
 
@@ -176,7 +178,7 @@ class S3BlobStore(Retrying):
                     if len(pending) >= self._part_bytes:
                         upload.add(bytes(pending[: self._part_bytes]))
                         del pending[: self._part_bytes]
-            if pending or not upload.parts:
+            if pending or not upload.count:
                 upload.add(bytes(pending))
 
         return self._multipart(location, content_type, expect, write)
@@ -196,29 +198,32 @@ class S3BlobStore(Retrying):
                 Bucket=bucket, Key=key, ContentType=content_type
             )
         )
-        upload = _Upload(self._client, self._call, location, created["UploadId"])
         completed = False
-        try:
-            write(upload)
+        with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="copy") as copying:
+            upload = _Upload(self._client, self._call, location, created["UploadId"], copying)
+            try:
+                write(upload)
+                parts = upload.parts()
 
-            def complete() -> str:
-                nonlocal completed
-                reply = self._client.complete_multipart_upload(
-                    Bucket=bucket,
-                    Key=key,
-                    UploadId=upload.upload_id,
-                    MultipartUpload={"Parts": upload.parts},
-                    **_conditions(expect),
-                )
-                completed = True
-                return reply["ETag"]
+                def complete() -> str:
+                    nonlocal completed
+                    reply = self._client.complete_multipart_upload(
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload.upload_id,
+                        MultipartUpload={"Parts": parts},
+                        **_conditions(expect),
+                    )
+                    completed = True
+                    return reply["ETag"]
 
-            return self._written(location, expect, upload.etag(), complete)
-        finally:
-            # Not completed: failed, or refused on its condition (even where the
-            # object holds these bytes already).
-            if not completed:
-                self._abort(location, upload.upload_id)
+                return self._written(location, expect, upload.etag(parts), complete)
+            finally:
+                # Not completed: failed, or refused on its condition (even where the
+                # object holds these bytes already). Copies still going end first.
+                if not completed:
+                    copying.shutdown(wait=True, cancel_futures=True)
+                    self._abort(location, upload.upload_id)
 
     def _abort(self, location: S3Location, upload_id: str) -> None:
         try:
@@ -284,7 +289,8 @@ class S3BlobStore(Retrying):
 
 
 class _Upload:
-    """The parts of one multipart upload, as they are added."""
+    """The parts of one multipart upload, numbered as they are added: data is sent at
+    once, copies are made by S3 side by side (`COPY_THREADS` at a time)."""
 
     def __init__(
         self,
@@ -292,45 +298,60 @@ class _Upload:
         call: Callable[[Callable[[], Any]], Any],
         location: S3Location,
         upload_id: str,
+        copying: ThreadPoolExecutor,
     ):
         self._client = client
         self._call = call
         self._location = location
         self.upload_id = upload_id
-        self.parts: list[CompletedPartTypeDef] = []
-        self._digests: list[bytes] = []
+        self._copying = copying
+        self._etags: dict[int, str | Future[str]] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self._etags)
 
     def add(self, data: bytes) -> None:
-        self._added(self._call(self._part(self._client.upload_part, Body=data))["ETag"])
+        number = self.count + 1
+        reply = self._call(self._part(self._client.upload_part, number, Body=data))
+        self._etags[number] = reply["ETag"]
 
     def copy(self, source: S3Location) -> None:
+        number = self.count + 1
         origin = {"Bucket": source.bucket, "Key": source.key}
-        reply = self._call(self._part(self._client.upload_part_copy, CopySource=origin))
-        self._added(reply["CopyPartResult"]["ETag"])
+        part = self._part(self._client.upload_part_copy, number, CopySource=origin)
+        self._etags[number] = self._copying.submit(
+            lambda: self._call(part)["CopyPartResult"]["ETag"]
+        )
 
-    def _part(self, method: Callable[..., Any], **fields: Any) -> Callable[[], Any]:
-        """The call that sends the next part."""
+    def _part(self, method: Callable[..., Any], number: int, **fields: Any) -> Callable[[], Any]:
         return functools.partial(
             method,
             Bucket=self._location.bucket,
             Key=self._location.key,
             UploadId=self.upload_id,
-            PartNumber=len(self.parts) + 1,
+            PartNumber=number,
             **fields,
         )
 
-    def _added(self, etag: str) -> None:
-        self.parts.append({"PartNumber": len(self.parts) + 1, "ETag": etag})
-        try:
-            self._digests.append(bytes.fromhex(etag.strip('"')))
-        except ValueError:  # not an MD5: the completed ETag will not be foreseen
-            self._digests.append(etag.encode())
+    def parts(self) -> list[CompletedPartTypeDef]:
+        """Every part, in order, once each is sent (raises the first that failed)."""
+        return [
+            {"PartNumber": number, "ETag": etag if isinstance(etag, str) else etag.result()}
+            for number, etag in sorted(self._etags.items())
+        ]
 
-    def etag(self) -> str:
+    def etag(self, parts: list[CompletedPartTypeDef]) -> str:
         """The ETag S3 gives the completed upload (where part ETags are MD5s: not under
         SSE-KMS, where a lost answer's retry is then taken as fenced)."""
-        joined = hashlib.md5(b"".join(self._digests), usedforsecurity=False).hexdigest()
-        return f'"{joined}-{len(self.parts)}"'
+        digests = []
+        for part in parts:
+            try:
+                digests.append(bytes.fromhex(part["ETag"].strip('"')))
+            except ValueError:  # not an MD5: the completed ETag will not be foreseen
+                digests.append(part["ETag"].encode())
+        joined = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()
+        return f'"{joined}-{len(parts)}"'
 
 
 def open_s3_reader(attempts: int, connections: int) -> ObjectReader:
