@@ -216,7 +216,7 @@ def test_compose_joins_objects_in_order_copying_what_s3_can(
 
 
 def test_send_many_sends_every_body(parts: tuple[Any, Any, Any]) -> None:
-    """A planned job's shards go out ten to a call, every one of them."""
+    """A planned job's shards go out, every one of them."""
     source, _, _ = parts
     bodies = [json.dumps({"n": n}) for n in range(23)]
     source.send_many(bodies, "tenant")
@@ -224,6 +224,33 @@ def test_send_many_sends_every_body(parts: tuple[Any, Any, Any]) -> None:
     while batch := source.receive(10, 0, 30):
         received += [message.body for message in batch]
     assert sorted(received) == sorted(bodies)
+
+
+class _RecordingSqs:
+    """An SQS client that takes every SendMessageBatch and records its entries (moto
+    does not refuse a batch over SQS's size)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[dict[str, Any]]] = []
+
+    def send_message_batch(self, QueueUrl: str, Entries: list[dict[str, Any]]) -> Any:
+        self.batches.append(Entries)
+        return {"Successful": [{"Id": entry["Id"]} for entry in Entries]}
+
+
+def test_send_many_keeps_each_call_within_sqs_limits() -> None:
+    """Ten bodies to a call at most, and no more bytes than a SendMessageBatch takes
+    (256 KiB): bodies carrying a job's big params go in smaller calls, all in order."""
+    client = _RecordingSqs()
+    bodies = [json.dumps({"n": n, "params": "x" * (n % 2) * 100_000}) for n in range(23)]
+    SqsJobSource(client, "q", None).send_many(bodies, "tenant")  # type: ignore[arg-type]
+    sent = [entry["MessageBody"] for batch in client.batches for entry in batch]
+    assert sent == bodies
+    assert all(len(batch) <= 10 for batch in client.batches)
+    assert all(
+        sum(len(entry["MessageBody"]) for entry in batch) <= 256 * 1024 for batch in client.batches
+    )
+    assert len(client.batches) > 3  # the big ones did not fit ten to a call
 
 
 def test_a_continuation_carries_the_attempts_the_first_message_and_broken_workers(

@@ -60,14 +60,20 @@ def test_a_sharded_job_ends_as_its_unsharded_run_does(tmp_path: Path) -> None:
 
 
 def test_a_manifest_job_is_planned_from_its_stream(tmp_path: Path) -> None:
-    """A manifest over the shard size is planned without being held whole: each shard's
-    inputs go under the output, and the merged results list every input in order."""
+    """A manifest over the shard size is planned without being held whole (a message
+    may ask for smaller shards, not larger): each shard's inputs go under the output,
+    and the merged results list every input in order."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     inputs = sample_images(blobs, 12)
     blobs.objects["s3://bkt/list.txt"] = ("\n".join(inputs) + "\n").encode()
     source.send(
         json.dumps(
-            {"job_id": "listed", "manifest": "s3://bkt/list.txt", "output": "s3://bkt/out/listed/"}
+            {
+                "job_id": "listed",
+                "manifest": "s3://bkt/list.txt",
+                "output": "s3://bkt/out/listed/",
+                "shard_items": 1000,  # larger than the worker's: the worker's stands
+            }
         )
     )
     run_until_drained(source, blobs, tmp_path, shard_items=4)
@@ -95,8 +101,8 @@ def test_a_cancel_stops_every_shard_and_the_job_says_cancelled(tmp_path: Path) -
 
 def test_forged_shard_messages_are_poison_and_change_nothing(tmp_path: Path) -> None:
     """A shard message is checked against the plan under the output it names: with no
-    plan, another request's, a number past the plan's shards or inputs that are not the
-    plan's, it is dead-lettered, and the finished job is untouched."""
+    plan, another request's, a number past the plan's shards, inputs or params that are
+    not the plan's, it is dead-lettered, and the finished job is untouched."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     inputs = sample_images(blobs, 4)
     _send(source, "real", inputs, shard_items=2)
@@ -114,12 +120,17 @@ def test_forged_shard_messages_are_poison_and_change_nothing(tmp_path: Path) -> 
     source.send(forged("s3://bkt/out/real/", {"index": 0, "plan": "0" * 16}))
     source.send(forged("s3://bkt/out/real/", {"index": 9, "plan": digest}))
     source.send(forged("s3://bkt/out/real/", {"index": 0, "plan": digest}))
+    own_inputs = f"s3://bkt/out/real/shards/{digest}/000000.inputs"
+    other_params = json.loads(
+        forged("s3://bkt/out/real/", {"index": 0, "plan": digest}, own_inputs)
+    )
+    source.send(json.dumps({**other_params, "params": {"top_k": 1}}))
     run_until_drained(source, blobs, tmp_path)
     reasons = sorted(reason for _, reason in source.dead_letters)
-    assert len(reasons) == 4, reasons
+    assert len(reasons) == 5, reasons
     assert any("no plan.json" in reason for reason in reasons)
     assert any("replaced by another request" in reason for reason in reasons)
-    assert sum("not a shard of the job" in reason for reason in reasons) == 2
+    assert sum("not a shard of the job" in reason for reason in reasons) == 3
     assert blobs.objects["s3://bkt/out/real/results.jsonl"] == results
 
 

@@ -34,7 +34,7 @@ from worker.jobs.message import (
     parse_job_message,
 )
 from worker.jobs.outcomes import Lifecycle
-from worker.jobs.plan import Plan
+from worker.jobs.plan import MAX_SHARDS, Plan
 from worker.jobs.shards import Shards
 from worker.jobs.stragglers import Stragglers
 from worker.plugins.identity import ModelIdentity
@@ -122,9 +122,9 @@ class Intake:
         """How many messages may be received now: 0 while enough work is waiting; one at
         a time while a shard is held (the queue holds a planned job's shards: one may be
         more work than the prefetch, and the rest of the fleet is to share them). A
-        daemon full with a shard still takes one message every `PEEK_INTERVAL_S`, so a
-        small job sent meanwhile is not left waiting for a shard to end somewhere: it is
-        fed beside the shard, and a shard received so is handed back (`_spare`)."""
+        daemon full with a shard still receives every `PEEK_INTERVAL_S`, so a small job
+        sent meanwhile is not left waiting for a shard to end somewhere: it is fed beside
+        the shard, and the shards received with it are handed back (`_spare`)."""
         settings = self._settings
         most = min(settings.receive_batch, settings.max_jobs - len(self._ledger))
         shards = self._ledger.shards_held()
@@ -171,18 +171,25 @@ class Intake:
                     continue
                 self._drained_readings = 0
                 held = [job for message in messages if (job := self._hold(message))]
-                admissions = list(reading.map(self._read, held))
-                spare = []
-                with self._ledger.all_at_once():
-                    for job, admission in zip(held, admissions, strict=True):
-                        if admission is None:
-                            continue
-                        if self._spare(admission):
-                            spare.append(job)
-                        else:
-                            self._admit(job, admission)
-                for job in spare:  # not to hoard a planned job's shards
-                    self._outcomes.hand_over(job, SPARE_SHARD)
+                self._admit_all(held, list(reading.map(self._read, held)))
+
+    def _admit_all(self, held: list[Job], admissions: list[_Admission | None]) -> None:
+        """Admit what a receive brought, in the order it came, all at once; hand back the
+        shards this daemon is not to hold, and note the start of those it runs."""
+        spare = []
+        with self._ledger.all_at_once():
+            for job, admission in zip(held, admissions, strict=True):
+                if admission is None:
+                    continue
+                if self._spare(admission):
+                    spare.append(job)
+                else:
+                    self._admit(job, admission)
+        for job in spare:  # not to hoard a planned job's shards
+            self._outcomes.hand_over(job, SPARE_SHARD)
+        for job in held:
+            if job.plan is not None and job.spec is not None and not job.settled:
+                self._shards.started(job.spec, job.plan)
 
     def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
         """The messages received, or None when the receive failed (not an empty queue)."""
@@ -286,7 +293,9 @@ class Intake:
         """A job's inputs and what earlier deliveries left; None if it is over its shard
         size: it is then planned, and its message settled."""
         settings = self._settings
-        shard_items = spec.shard_items or settings.shard_items
+        # A message may ask for smaller shards, not larger: the worker's size bounds
+        # what it holds of a job.
+        shard_items = min(spec.shard_items or settings.shard_items, settings.shard_items)
 
         def uris() -> Iterator[str]:
             listed = iter(spec.inputs) if spec.inputs else self._manifest(spec.manifest or "")
@@ -316,7 +325,8 @@ class Intake:
             job_id=job_id,
             request_digest=request,
             items=count,
-            shard_items=shard_items,
+            shard_items=max(shard_items, -(-count // MAX_SHARDS)),
+            params=spec.params,
             model=model.as_dict(),
             received_at=job.received_at,
             attempt=job.attempt,
@@ -332,6 +342,7 @@ class Intake:
         plan = self._shards.open(spec, model.as_dict())
         if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
             log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
+            self._shards.remove(spec, plan)  # what a merger that died left
             self._outcomes.ack(job)
             return None
         if self._shards.committed(spec, plan):
@@ -340,7 +351,6 @@ class Intake:
             if self._outcomes.ack(job) and merged is not None:
                 self._announce(merged, job.message.message_id)
             return None
-        self._shards.started(spec, plan)
         span = plan.range(spec.shard.index)
         inputs = list(self._manifest(spec.manifest or ""))
         if len(inputs) != len(span):

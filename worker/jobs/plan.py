@@ -28,7 +28,11 @@ from worker.jobs.message import DIGEST_PATTERN, JobMessage, PoisonMessage
 from worker.ports import JOB_ID_PATTERN, S3Location
 
 PLAN = "plan.json"
-MAX_PLAN_BYTES = 64 * 1024  # a plan is a few hundred bytes; more is not one of ours
+# A plan is a few hundred bytes and the job's params (at most a message's size).
+MAX_PLAN_BYTES = 2 * 2**20
+# A job is split into at most this many shards (larger ones, if need be): S3's most
+# parts of an upload, so a merge can copy every part.
+MAX_SHARDS = 10_000
 COMMIT_SUFFIX = ".commit"
 INPUTS_SUFFIX = ".inputs"
 SENT_SUFFIX = ".sent"
@@ -48,6 +52,7 @@ class Plan(BaseModel):
     items: int = Field(ge=1)
     shard_items: int = Field(ge=1)
     model: dict[str, Any]
+    params: dict[str, Any]  # every shard runs with these (they are part of the digest)
     received_at: float  # when the job's message was first received (the planner's clock)
     attempt: int = Field(ge=1)  # the delivery of the job's message that planned it
 

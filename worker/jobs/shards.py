@@ -226,7 +226,12 @@ class Shards:
         plan = self.plan_for(spec, spec.shard.plan)
         index = spec.shard.index
         expected_inputs = str(shard_file(spec, plan.request_digest, index, INPUTS_SUFFIX))
-        if plan.job_id != spec.job_id or index >= plan.shards or spec.manifest != expected_inputs:
+        if (
+            plan.job_id != spec.job_id
+            or index >= plan.shards
+            or spec.manifest != expected_inputs
+            or spec.params != plan.params
+        ):
             raise PoisonMessage(f"not a shard of the job {PLAN} plans: {spec.shard}")
         if plan.model != model:
             raise ModelMismatch(f"planned for model {plan.model}, this worker runs {model}")
@@ -302,15 +307,22 @@ class Shards:
         job.committed = True
         log.info("shard_committed", job_id=job.job_id, shard=index, run=run, items=len(job.inputs))
         merged = self.merge_if_complete(spec, plan)
-        if merged is None:
+        if merged is not None:
+            return merged
+        if self._checkpoints.finished(spec, plan.job_id, digest) is not None:
+            self.remove(spec, plan)  # a late run: the job was merged before this commit
+        else:
             self.watch(spec, plan, commit.seconds)
-        return merged
+        return None
 
     def started(self, spec: JobMessage, plan: Plan) -> None:
         """Note when this run of the shard began (a watch compares it with the others')."""
         assert spec.shard is not None
         started = shard_file(spec, plan.request_digest, spec.shard.index, STARTED_SUFFIX)
-        self._blobs.put(started, json.dumps({"at": time.time()}).encode(), "application/json")
+        try:
+            self._blobs.put(started, json.dumps({"at": time.time()}).encode(), "application/json")
+        except Exception as error:  # without it, the shard is not watched for straggling
+            log.warning("shard_start_not_noted", job_id=plan.job_id, error=repr(error))
 
     def watch(self, spec: JobMessage, plan: Plan, shard_s: float) -> None:
         """Have a worker look for the job's stragglers about half a shard's time from now
@@ -374,7 +386,7 @@ class Shards:
         if not all(name in listing for name in names):
             return None
         if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
-            self._remove(spec, plan)
+            self.remove(spec, plan)
             return None
         try:
             return self._merge(spec, plan, directory, names)
@@ -387,6 +399,10 @@ class Shards:
         self, spec: JobMessage, plan: Plan, directory: S3Location, names: list[str]
     ) -> dict[str, Any] | None:
         commits = each_at_once(lambda name: self.commit_at(directory, name), names)
+        for name, commit in zip(names, commits, strict=True):
+            shard = name.removesuffix(COMMIT_SUFFIX)
+            if not (commit.results.startswith(f"{shard}.") and commit.log.startswith(f"{shard}.")):
+                raise PoisonMessage(f"commit marker {name} names another shard's files")
         top = self._blobs.objects_under(spec.output_location(""))
 
         def part(name: str, size: int) -> tuple[S3Location, int]:
@@ -419,7 +435,7 @@ class Shards:
             log.info("merge_fenced", job_id=plan.job_id, error=str(error))
             return None
         log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
-        self._remove(spec, plan)
+        self.remove(spec, plan)
         return summary
 
     def commit_at(self, directory: S3Location, name: str) -> Commit:
@@ -451,8 +467,15 @@ class Shards:
         }
         return summary
 
+    def remove(self, spec: JobMessage, plan: Plan) -> None:
+        """The shards' files and every checkpoint under the output (the job is done);
+        never raises: whoever finds the job done next removes what is left."""
+        try:
+            self._remove(spec, plan)
+        except Exception as error:
+            log.warning("shards_not_removed", job_id=plan.job_id, error=repr(error))
+
     def _remove(self, spec: JobMessage, plan: Plan) -> None:
-        """The shards' files and every checkpoint under the output (the job is done)."""
         directory = shard_directory(spec, plan.request_digest)
         names = self._blobs.objects_under(directory)
         checkpoints = [

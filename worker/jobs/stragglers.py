@@ -34,7 +34,6 @@ from worker.jobs.plan import (
     shard_file,
     shard_name,
     watch_body,
-    watch_file,
 )
 from worker.jobs.shards import Shards, each_at_once, watch_delay_s
 from worker.ports import ABSENT, BlobStore, JobSource, S3Location
@@ -70,7 +69,9 @@ class Stragglers:
 
         left = [shard for shard in range(plan.shards) if not has(shard, COMMIT_SUFFIX)]
         if not left or not any(name.endswith(INPUTS_SUFFIX) for name in listing):
-            self._blobs.delete([watch_file(spec, plan.request_digest)])  # done, or merged
+            # Merged, or to merge: the last committer's merge may have failed for good.
+            self._shards.merge_if_complete(spec, plan)
+            self._shards.remove(spec, plan)
             self._outcomes.ack(job)
             return
         committed = [shard for shard in range(plan.shards) if has(shard, COMMIT_SUFFIX)]
@@ -78,6 +79,9 @@ class Stragglers:
             lambda shard: self._shards.commit_at(directory, f"{shard_name(shard)}{COMMIT_SUFFIX}"),
             committed[:MEDIAN_SAMPLE],
         )
+        if not commits:  # a watch no commit set (forged): nothing to compare with
+            self._outcomes.ack(job)
+            return
         shard_s = statistics.median(commit.seconds for commit in commits)
         if all(has(shard, STARTED_SUFFIX) for shard in range(plan.shards)):
             for shard in left:
@@ -99,12 +103,13 @@ class Stragglers:
 
         if running_s <= STRAGGLER_FACTOR * shard_s:
             return
+        # Sent, then marked: a watch that dies between the two sends another at most.
+        self._source.send_many([shard_body(spec, plan, shard)], plan.job_id)
         marker: S3Location = shard_file(spec, digest, shard, DUPLICATED_SUFFIX)
         try:
             self._blobs.put(marker, b"", "text/plain", expect=ABSENT)
         except PreconditionFailed:
-            return  # another watch sent it
-        self._source.send_many([shard_body(spec, plan, shard)], plan.job_id)
+            return  # another watch sent one too: the commit keeps one result
         log.info(
             "straggler_duplicated",
             job_id=plan.job_id,

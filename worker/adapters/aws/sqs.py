@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 MAX_REASON_CHARS = 1000
+SQS_MAX_BATCH_BYTES = 256 * 1024  # the bodies of one SendMessageBatch, all together
 # A continuation's message attributes (`SqsJobSource.requeue`).
 EARLIER_ATTEMPTS_ATTRIBUTE = "worker.earlier-attempts"
 FIRST_MESSAGE_ATTRIBUTE = "worker.first-message-id"
@@ -175,10 +176,20 @@ class SqsJobSource(Retrying):
         return failures
 
     def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
-        """Ten to a call; the entries a call failed are sent again under the same
-        budget, and any still failing raise."""
-        for start in range(0, len(bodies), SQS_MAX_ENTRIES_PER_BATCH_CALL):
-            chunk = dict(enumerate(bodies[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]))
+        """Ten to a call, within a call's size; the entries a call failed are sent again
+        under the same budget, and any still failing raise."""
+        chunk: dict[int, str] = {}
+        size = 0
+        for number, body in enumerate(bodies):
+            length = len(body.encode())
+            if chunk and (
+                len(chunk) == SQS_MAX_ENTRIES_PER_BATCH_CALL or size + length > SQS_MAX_BATCH_BYTES
+            ):
+                self._call(functools.partial(self._send_batch, chunk, group, delay_s))
+                chunk, size = {}, 0
+            chunk[number] = body
+            size += length
+        if chunk:
             self._call(functools.partial(self._send_batch, chunk, group, delay_s))
 
     def _send_batch(self, bodies: dict[int, str], group: str, delay_s: int) -> None:
