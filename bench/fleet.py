@@ -5,12 +5,15 @@ one-image job takes while a giant job's shards fill the fleet, against an idle f
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +25,7 @@ from bench.processes import moto_stack
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon
 from worker.demo import Stack, upload_samples
+from worker.jobs.joblog import configure_daemon_logging
 from worker.settings import Settings
 
 # The stand-in device (`fleet_device_model`) takes half a second a batch of BATCH: 32
@@ -218,17 +222,15 @@ def request_counts(work_dir: Path, items: int, shard_items: int) -> dict[str, An
     }
 
 
-def main() -> None:
-    """`python -m bench.fleet [--items N]`: the fleet's figures, as JSON on stdout."""
-    import argparse
-    import io
-    import tempfile
-
-    from worker.jobs.joblog import configure_daemon_logging
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--items", type=int, default=3200, help="the giant job's inputs")
-    items = parser.parse_args().items
+    return parser
+
+
+def main() -> None:
+    """`python -m bench.fleet [--items N]`: the fleet's figures, as JSON on stdout."""
+    items = build_parser().parse_args().items
     configure_daemon_logging(io.StringIO())
     with tempfile.TemporaryDirectory() as scratch:
         figures = {**fleet(Path(scratch), items), **request_counts(Path(scratch), 2000, 200)}

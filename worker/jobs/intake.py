@@ -59,7 +59,6 @@ DRAINED_READINGS = 2
 CLOCK_SKEW_S = 5.0
 WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
 SPARE_SHARD = "enough work is held here: another worker is to take this shard"
-PEEK_INTERVAL_S = 2.0
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
@@ -108,7 +107,6 @@ class Intake:
         self._stopping = stopping
         self._on_drained = on_drained
         self._drained_readings = 0
-        self._peek_at = 0.0  # when a daemon full with a shard may take a message again
         # Two progress intervals: a running delivery of a replaced message has seen the
         # mark and stopped by then (`_handed_over`).
         self._defer_s = min(
@@ -121,23 +119,19 @@ class Intake:
     def room(self) -> int:
         """How many messages may be received now: 0 while enough work is waiting; one at
         a time while a shard is held (the queue holds a planned job's shards: one may be
-        more work than the prefetch, and the rest of the fleet is to share them). A
-        daemon full with a shard still receives every `PEEK_INTERVAL_S`, so a small job
-        sent meanwhile is not left waiting for a shard to end somewhere: it is fed beside
-        the shard, and the shards received with it are handed back (`_spare`)."""
+        more work than the prefetch, and the rest of the fleet is to share them)."""
         settings = self._settings
-        most = min(settings.receive_batch, settings.max_jobs - len(self._ledger))
-        shards = self._ledger.shards_held()
         if self._ledger.outstanding_items() >= self._prefetch_items:
-            return most if shards and time.monotonic() >= self._peek_at else 0
-        return 1 if shards else most
+            return 0
+        if self._ledger.shards_held():
+            return 1
+        return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
 
-    def _spare(self, admission: _Admission) -> bool:
-        """Whether a shard just read is more than this daemon is to hold: it holds one
+    def _full_of_shards(self) -> bool:
+        """Whether a shard received now is more than this daemon is to hold: it holds one
         already, with enough work waiting."""
         return (
-            admission.plan is not None
-            and self._ledger.shards_held() > 0
+            self._ledger.shards_held() > 0
             and self._ledger.outstanding_items() >= self._prefetch_items
         )
 
@@ -147,17 +141,11 @@ class Intake:
         # order they came.
         with ThreadPoolExecutor(SQS_MAX_MESSAGES_PER_RECEIVE, "admit") as reading:
             while not self._stopping.is_set():
-                self._ledger.wait_until(
-                    lambda: self.room() > 0 or self._stopping.is_set(), PEEK_INTERVAL_S
-                )
+                self._ledger.wait_until(lambda: self.room() > 0 or self._stopping.is_set())
                 if self._stopping.is_set():
                     return
-                room = self.room()
-                if not room:
-                    continue
                 idle = not len(self._ledger)
-                self._peek_at = time.monotonic() + PEEK_INTERVAL_S
-                messages = self._receive(room)
+                messages = self._receive(self.room())
                 if messages is None:
                     continue
                 if not messages:
@@ -181,12 +169,12 @@ class Intake:
             for job, admission in zip(held, admissions, strict=True):
                 if admission is None:
                     continue
-                if self._spare(admission):
+                if admission.plan is not None and self._full_of_shards():
                     spare.append(job)
                 else:
                     self._admit(job, admission)
         for job in spare:  # not to hoard a planned job's shards
-            self._outcomes.hand_over(job, SPARE_SHARD)
+            self._outcomes.hand_over(job, SPARE_SHARD, runs_may_overlap=True)
         for job in held:
             if job.plan is not None and job.spec is not None and not job.settled:
                 self._shards.started(job.spec, job.plan)
@@ -284,6 +272,9 @@ class Intake:
             self._stragglers.watch(job, spec)
             return None
         if spec.shard is not None:
+            if self._full_of_shards():  # handed back unread
+                self._outcomes.hand_over(job, SPARE_SHARD, runs_may_overlap=True)
+                return None
             return self._read_shard(job, spec, model)
         return self._read_whole(job, spec, job_id, model)
 

@@ -123,15 +123,19 @@ class Outcomes:
         finally:
             self._forget(job)
 
-    def hand_over(self, job: Job, reason: str, delay_s: int = 0) -> None:
+    def hand_over(
+        self, job: Job, reason: str, delay_s: int = 0, *, runs_may_overlap: bool = False
+    ) -> None:
         """Give back a job this worker cannot go on with through no fault of the job's:
         its results so far checkpointed, as a continuation message (visible after
-        `delay_s`)."""
+        `delay_s`). `runs_may_overlap` (a shard, whose runs commit once): the
+        continuation need not wait for this message to stop, should it come back."""
         if not self._ledger.release(job):
             return
         self._note_released(job, reason, delay_s)
         try:
-            if not self._continued(job, delay_s) and not job.lease_lost:
+            waits = not runs_may_overlap
+            if not self._continued(job, delay_s, waits=waits) and not job.lease_lost:
                 self._source.release(job.receipt_handle)
         except Exception as error:
             log.warning("release_failed", job_id=job.job_id, error=repr(error))
@@ -218,7 +222,13 @@ class Outcomes:
         return len(jobs)
 
     def _continued(
-        self, job: Job, delay_s: int = 0, breakage: str | None = None, *, surely: bool = False
+        self,
+        job: Job,
+        delay_s: int = 0,
+        breakage: str | None = None,
+        *,
+        surely: bool = False,
+        waits: bool = True,
     ) -> bool:
         """Checkpoint the job, send its continuation (with `breakage`, one more broken
         worker), delete this message; False if no continuation was sent (the job is to
@@ -233,7 +243,7 @@ class Outcomes:
         # If this worker dies before the delete, this message comes back once its lease
         # ends: the continuation is told when, to wait for it to stop if it was late.
         # (A delayed continuation is such a wait already: it is not told again.)
-        lease_ends = None if delay_s else time.time() + self._lease_s
+        lease_ends = None if delay_s or not waits else time.time() + self._lease_s
         try:
             self._source.requeue(
                 job.message, delay_s=delay_s, lease_ends=lease_ends, breakage=breakage
