@@ -44,6 +44,7 @@ from worker.jobs.intake import Feeder, Intake
 from worker.jobs.leases import LeaseKeeper
 from worker.jobs.ledger import Ledger
 from worker.jobs.outcomes import Lifecycle, Outcomes
+from worker.jobs.planning import Planner
 from worker.jobs.reporting import JobObserver, ProgressReporter
 from worker.jobs.results import Finisher, Regrouper
 from worker.jobs.shards import Shards
@@ -199,6 +200,7 @@ class Daemon:
             shutdown.stopping,
             model=self._model,
             checkpoints=checkpoints,
+            planner=Planner(blobs, source, lifecycle),
             shards=shards,
             stragglers=Stragglers(blobs, source, shards, self._outcomes),
             finish=finisher.submit,

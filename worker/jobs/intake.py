@@ -35,6 +35,7 @@ from worker.jobs.message import (
 )
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import MAX_SHARDS, Plan
+from worker.jobs.planning import Planner
 from worker.jobs.shards import Shards
 from worker.jobs.stragglers import Stragglers
 from worker.plugins.identity import ModelIdentity
@@ -84,6 +85,7 @@ class Intake:
         *,
         model: Future[ModelIdentity],
         checkpoints: Checkpoints,
+        planner: Planner,
         shards: Shards,
         stragglers: Stragglers,
         finish: Callable[[Job], None],
@@ -97,6 +99,7 @@ class Intake:
         self._blobs = blobs
         self._model = model  # known once the inference stage is set up, before the first receive
         self._checkpoints = checkpoints
+        self._planner = planner
         self._shards = shards
         self._stragglers = stragglers
         self._finish = finish
@@ -272,9 +275,6 @@ class Intake:
             self._stragglers.watch(job, spec)
             return None
         if spec.shard is not None:
-            if self._full_of_shards():  # handed back unread
-                self._outcomes.hand_over(job, SPARE_SHARD, runs_may_overlap=True)
-                return None
             return self._read_shard(job, spec, model)
         return self._read_whole(job, spec, job_id, model)
 
@@ -322,7 +322,7 @@ class Intake:
             received_at=job.received_at,
             attempt=job.attempt,
         )
-        self._shards.plan(job, spec, plan, uris)
+        self._planner.plan(job, spec, plan, uris)
         return None
 
     def _read_shard(self, job: Job, spec: JobMessage, model: ModelIdentity) -> _Admission | None:

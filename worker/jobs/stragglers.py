@@ -70,8 +70,8 @@ class Stragglers:
         left = [shard for shard in range(plan.shards) if not has(shard, COMMIT_SUFFIX)]
         if not left or not any(name.endswith(INPUTS_SUFFIX) for name in listing):
             # Merged, or to merge: the last committer's merge may have failed for good.
-            self._shards.merge_if_complete(spec, plan)
-            self._shards.remove(spec, plan)
+            if self._shards.merge_if_complete(spec, plan) is None:
+                self._shards.remove(spec, plan)
             self._outcomes.ack(job)
             return
         committed = [shard for shard in range(plan.shards) if has(shard, COMMIT_SUFFIX)]

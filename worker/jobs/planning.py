@@ -1,0 +1,140 @@
+"""Planning a job too big for one worker into shards (`worker.jobs.shards` runs and
+merges them): its inputs under its output as a file per shard, plan.json written once,
+a message per shard, the job's own message deleted last."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+
+import structlog
+
+from worker.errors import MissingObject, PreconditionFailed, TransientError
+from worker.jobs.checkpoints import RequestDigest
+from worker.jobs.job import Job
+from worker.jobs.message import JobMessage, PoisonMessage
+from worker.jobs.outcomes import Lifecycle
+from worker.jobs.plan import (
+    COMMIT_SUFFIX,
+    INPUTS_SUFFIX,
+    MAX_PLAN_BYTES,
+    PLAN,
+    SENT_SUFFIX,
+    Plan,
+    shard_body,
+    shard_directory,
+    shard_file,
+    shard_name,
+)
+from worker.jobs.shards import each_at_once
+from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource
+
+log = structlog.get_logger()
+
+
+class Planner:
+    """Plans a job into shards, or takes the plan written for it, and sends them."""
+
+    def __init__(self, blobs: BlobStore, source: JobSource, lifecycle: Lifecycle):
+        self._blobs = blobs
+        self._source = source
+        self._outcomes = lifecycle.outcomes
+        self._progress = lifecycle.progress
+
+    def plan(
+        self, job: Job, spec: JobMessage, new_plan: Plan, uris: Callable[[], Iterator[str]]
+    ) -> None:
+        """Plan the job (or take the plan written for it already), send the shards not
+        yet sent or committed, and delete the job's message. Raises if any of it fails:
+        the message comes back, and its next delivery goes on from there."""
+        plan, replaces = self._written_plan(spec, new_plan.request_digest)
+        if plan is None:
+            self._write_inputs(spec, new_plan, uris)
+            plan = self._publish(spec, new_plan, replaces)
+        sent = self._send(spec, plan)
+        log.info(
+            "job_planned",
+            job_id=plan.job_id,
+            items=plan.items,
+            shards=plan.shards,
+            sent_now=sent,
+            message_id=job.message.message_id,
+        )
+        self._outcomes.ack(job)
+
+    def _written_plan(self, spec: JobMessage, digest: str) -> tuple[Plan | None, str]:
+        """The plan under the job's output if it is this request's; else None and the
+        ETag a new plan must replace (`ABSENT` if there is none)."""
+        etag = self._blobs.objects_under(spec.output_location(PLAN)).get("", ABSENT)
+        if etag == ABSENT:
+            return None, ABSENT
+        try:
+            plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
+        except (MissingObject, PoisonMessage):
+            return None, etag
+        return (plan, etag) if plan.request_digest == digest else (None, etag)
+
+    def _write_inputs(
+        self, spec: JobMessage, plan: Plan, uris: Callable[[], Iterator[str]]
+    ) -> None:
+        """Each shard's inputs as a file of its own, as the job's inputs stream past;
+        the stream must still be the request planned (a manifest changed meanwhile is
+        planned again on the next delivery)."""
+        digest = RequestDigest()
+
+        def taken(stream: Iterator[str]) -> Iterator[str]:
+            for uri in stream:
+                digest.add(uri)
+                yield uri
+
+        stream = taken(uris())
+        files = (
+            (shard, list(itertools.islice(stream, plan.shard_items)))
+            for shard in range(plan.shards)
+        )
+
+        def write(shard_inputs: tuple[int, list[str]]) -> None:
+            shard, inputs = shard_inputs
+            data = "\n".join(inputs).encode() + b"\n"
+            location = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
+            self._blobs.put(location, data, "text/plain")
+            self._progress.beat()
+
+        each_at_once(write, files)
+        leftover = next(stream, None)
+        if leftover is not None or digest.hexdigest(spec.params, plan.model) != plan.request_digest:
+            raise TransientError("the job's inputs changed while it was planned")
+
+    def _publish(self, spec: JobMessage, plan: Plan, replaces: str) -> Plan:
+        """Write plan.json unless another planner was first; the plan that stands."""
+        data = plan.model_dump_json().encode()
+        try:
+            self._blobs.put(spec.output_location(PLAN), data, "application/json", expect=replaces)
+            return plan
+        except PreconditionFailed:
+            written, _ = self._written_plan(spec, plan.request_digest)
+            if written is None:
+                raise TransientError("another request's plan was written meanwhile") from None
+            return written
+
+    def _send(self, spec: JobMessage, plan: Plan) -> int:
+        """Send each shard neither marked sent nor committed, ten to a call, each call's
+        shards then marked sent; returns how many were sent."""
+        listing = self._blobs.objects_under(shard_directory(spec, plan.request_digest))
+        unsent = [
+            shard
+            for shard in range(plan.shards)
+            if f"{shard_name(shard)}{SENT_SUFFIX}" not in listing
+            and f"{shard_name(shard)}{COMMIT_SUFFIX}" not in listing
+        ]
+        for start in range(0, len(unsent), SQS_MAX_ENTRIES_PER_BATCH_CALL):
+            chunk = unsent[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
+            self._source.send_many([shard_body(spec, plan, shard) for shard in chunk], plan.job_id)
+            each_at_once(
+                lambda shard: self._blobs.put(
+                    shard_file(spec, plan.request_digest, shard, SENT_SUFFIX), b"", "text/plain"
+                ),
+                chunk,
+            )
+            self._progress.beat()
+        return len(unsent)
