@@ -379,3 +379,14 @@ def test_another_process_reads_the_store_with_a_client_of_its_own(
     assert read == b"bytes of a"
     assert isinstance(missing, MissingObject)
     assert S3BlobStore(aws.s3).remote_reader() is None
+
+
+def test_keys_under_lists_every_key_under_a_prefix_a_page_at_a_time_in_order(
+    parts: tuple[Any, Any, Any],
+) -> None:
+    """More keys than a page of S3's listing (1,000): each page's continuation is read."""
+    _, blobs, _ = parts
+    keys = [f"in/{number:05d}.jpg" for number in range(1005)]
+    for key in [*keys, "inside/x", "other/y"]:
+        blobs.put(S3Location("bkt", key), b"", "text/plain")
+    assert list(blobs.keys_under(S3Location.parse("s3://bkt/in/"))) == keys

@@ -12,7 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
+import pyarrow
+import pyarrow.dataset
 import pytest
 import torch
 
@@ -217,17 +220,54 @@ def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
     assert rows.shape == (3, 32) and all(rows.any(axis=1))
 
 
-def test_a_job_over_its_shard_size_with_array_outputs_is_refused_with_the_reason(
+def test_a_job_over_its_shard_size_with_array_files_is_refused_with_the_reason(
     tmp_path: Path,
 ) -> None:
-    """Array files are not merged across shards yet: a job that would be planned into
-    shards is dead-lettered with what to do instead, not run with rows out of place."""
+    """.npy files are not merged across shards: a job that would be planned into shards
+    is dead-lettered with what to do instead, not run with rows out of place."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     blobs.objects["s3://bkt/img/0"] = next(iter(samples(1, seed=3)))[1]
     _embed(tmp_path, ["s3://bkt/img/0"] * 3, source, blobs, shard_items=2)
     [(_, reason)] = source.dead_letters
-    assert "array outputs, which are not merged across shards yet" in reason
+    assert 'merged across shards only as Parquet columns: give "format": "parquet"' in reason
     assert not any(uri.startswith("s3://bkt/out/emb/") for uri in blobs.objects)
+
+
+def test_a_sharded_job_s_arrays_come_back_as_parquet_columns_equal_to_the_npy_rows(
+    tmp_path: Path,
+) -> None:
+    """The same job, once whole as JSON lines and .npy, once in shards of two as Parquet:
+    one row per input in input order, each embedding the .npy's row, the missing input's
+    an error and a null embedding; the files read as one dataset."""
+    inputs = []
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    for number, (_, data) in enumerate(samples(5, seed=4)):
+        blobs.objects[f"s3://bkt/img/{number}"] = data
+        inputs.append(f"s3://bkt/img/{number}")
+    inputs.insert(3, "s3://bkt/img/missing")
+    _embed(tmp_path / "whole", inputs, source, blobs)
+    rows = np.load(io.BytesIO(blobs.objects["s3://bkt/out/emb/embedding.npy"]))
+    parquet = {"shard_items": 2, "format": "parquet", "output": "s3://bkt/out/parquet/"}
+    _embed(tmp_path / "sharded", inputs, source, blobs, **parquet)
+    summary = json.loads(blobs.objects["s3://bkt/out/parquet/job.json"])
+    names = [name for name in summary["outputs"] if name.startswith("results/")]
+    assert names == [f"results/part-{shard:06d}-0000.parquet" for shard in range(3)]
+    assert (summary["format"], summary["shards"]["count"], summary["failed"]) == ("parquet", 3, 1)
+    local = tmp_path / "results"
+    local.mkdir()
+    for name in names:
+        (local / name.split("/")[1]).write_bytes(blobs.objects[f"s3://bkt/out/parquet/{name}"])
+    table = pyarrow.dataset.dataset(local, format="parquet").to_table()
+    assert table.column("index").to_pylist() == list(range(6))
+    assert table.column("input").to_pylist() == inputs
+    assert table.schema.field("embedding").type == pyarrow.list_(pyarrow.float32(), 32)
+    embeddings = table.column("embedding").to_pylist()
+    assert embeddings[3] is None and table.column("error").to_pylist()[3]["type"]
+    for row, column_row in enumerate(embeddings):
+        if row != 3:
+            assert np.array_equal(np.array(column_row, np.float32), rows[row])
+    counted = duckdb.sql(f"SELECT count(*), count(error) FROM read_parquet('{local}/*.parquet')")
+    assert counted.fetchall() == [(6, 1)]
 
 
 def _embed(
@@ -239,7 +279,7 @@ def _embed(
 ) -> None:
     """Run job `emb` of `inputs` through an embedding model until the queue is drained;
     `fields` join the message's."""
-    body = {"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/", **fields}
+    body = {"job_id": "emb", "inputs": inputs, "output": "s3://bkt/out/emb/"} | fields
     source.send(json.dumps(body))
     run_until_drained(
         source,

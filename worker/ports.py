@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -211,6 +211,10 @@ class BlobStore(Protocol):
     def objects_under(self, prefix: S3Location) -> dict[str, str]:
         """The objects directly under `prefix` (names after it, none with a "/"), each
         with its ETag."""
+
+    def keys_under(self, prefix: S3Location) -> Iterator[str]:
+        """The key of every object whose key starts with `prefix`'s, in S3's order (by
+        UTF-8 bytes), one page of the listing read at a time."""
 
     def delete(self, locations: list[S3Location]) -> None:
         """Remove objects; one that is already gone is no error."""

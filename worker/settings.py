@@ -175,6 +175,18 @@ class Settings(BaseSettings):
         "split into shards of this many, run across the fleet and merged in order: about "
         "three minutes each at 500 images/s.",
     )
+    parquet_file_bytes: int = Field(
+        default=256 * 2**20,
+        ge=1,
+        description='A job\'s Parquet results (its message\'s "format": "parquet") go '
+        "into files of about this many bytes (256 MiB by default), one or more per shard.",
+    )
+    parquet_row_group_bytes: int = Field(
+        default=64 * 2**20,
+        ge=1,
+        description="Parquet results are written in row groups of about this many bytes "
+        "before compression (64 MiB by default): the unit a reader skips or reads whole.",
+    )
     max_input_bytes: int = Field(
         default=64 * 2**20,
         ge=1,

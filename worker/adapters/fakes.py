@@ -16,7 +16,7 @@ import time
 import urllib.parse
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +233,7 @@ def read_files(directory: Path, connections: int) -> ObjectReader:
 
 
 FAKE_CHUNK_BYTES = 1000  # small, so a reader meets lines split between pieces
+FAKE_LIST_PAGE = 1000  # keys in a page of a listing, as S3
 
 
 def _check_size(size: int, max_bytes: int | None) -> None:
@@ -303,6 +304,14 @@ class InMemoryBlobStore:
                 for uri in self.objects.under[folder]
                 if uri.startswith(start)
             }
+
+    def keys_under(self, prefix: S3Location) -> Iterator[str]:
+        start = str(prefix)
+        bucket = f"s3://{prefix.bucket}/"
+        with self._lock:
+            uris = sorted(uri for uri in self.objects if uri.startswith(start))
+        for page in range(0, len(uris), FAKE_LIST_PAGE):
+            yield from (uri[len(bucket) :] for uri in uris[page : page + FAKE_LIST_PAGE])
 
     def delete(self, locations: list[S3Location]) -> None:
         with self._lock:

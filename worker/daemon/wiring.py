@@ -49,6 +49,7 @@ from worker.jobs.reporting import JobObserver, ProgressReporter
 from worker.jobs.results import Finisher, Regrouper
 from worker.jobs.shards import Shards
 from worker.jobs.stragglers import Stragglers
+from worker.jobs.tables import Tables
 from worker.plugins import PluginError
 from worker.plugins.encoding import chain_postprocess_fault
 from worker.plugins.identity import ModelIdentity, pipeline_identity
@@ -134,10 +135,12 @@ class Daemon:
             worker_info=worker_info,
             device_hour_price=settings.device_hour_price,
         )
+        self._tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
         self._finisher = finisher = Finisher(
             blobs,
             checkpoints,
             shards,
+            self._tables,
             lifecycle,
             worker_info=worker_info,
             notify=notify,
@@ -292,6 +295,7 @@ class Daemon:
             log.info("model_ready", **about["model"], warm_up=about["warm_up"])
             # From the model's process, where its postprocessor runs (not a chain's).
             self._arrays.layouts = about.get("arrays")
+            self._tables.probed(about.get("fields"), about.get("arrays"))
         identity = pipeline_identity(spec, models)
         self._metrics.model.info(identity.labels())
         if identity.steps:

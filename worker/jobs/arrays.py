@@ -87,7 +87,7 @@ class ArrayFiles:
     A row's disk blocks are taken as it is written, not the whole file's up front."""
 
     def __init__(self, directory: Path, rows: int, layouts: ArrayLayouts | None = None):
-        self._directory = directory
+        self.directory = directory  # the job's own: its Parquet files are written here too
         self._rows = rows
         self._layouts = layouts
         self._files: dict[str, _ArrayFile] = {}
@@ -137,8 +137,8 @@ class ArrayFiles:
         return dtype, shape
 
     def _open(self, field: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> _ArrayFile:
-        self._directory.mkdir(parents=True, exist_ok=True)
-        file = _ArrayFile(self._directory / f"{field}{ARRAY_FILE_SUFFIX}", dtype, shape, self._rows)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        file = _ArrayFile(self.directory / f"{field}{ARRAY_FILE_SUFFIX}", dtype, shape, self._rows)
         self._files[field] = file
         return file
 
@@ -148,7 +148,7 @@ class ArrayFiles:
             for file in self._files.values():
                 file.rows.flush()
             return {
-                f"{field}{ARRAY_FILE_SUFFIX}": self._directory / f"{field}{ARRAY_FILE_SUFFIX}"
+                f"{field}{ARRAY_FILE_SUFFIX}": self.directory / f"{field}{ARRAY_FILE_SUFFIX}"
                 for field in self._files
             }
 
@@ -157,7 +157,7 @@ class ArrayFiles:
         with self._lock:
             self._removed = True
             self._files.clear()
-            shutil.rmtree(self._directory, ignore_errors=True)
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class _ArrayFile:

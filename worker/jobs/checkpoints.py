@@ -4,6 +4,7 @@ the next.
     output/
       results.jsonl, job.log, job.json       the finished job; job.json, written last, says so
       <field>.npy                            its array outputs, if any (`worker.jobs.arrays`)
+      results/part-*.parquet                 its results as Parquet instead (`worker.jobs.tables`)
       cancel                                 a request to cancel the job (`worker cancel`)
       checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
       checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
@@ -15,7 +16,8 @@ listing of the prefix, at admission, says all of it: whether the job is done alr
 whether it is to be cancelled, which results to resume from, and the ETag of each final
 output, which the finish then writes on condition that it is unchanged (another
 delivery that wrote first fences this one off). The final writes are separate, so
-job.json records the ETags of the array files, results.jsonl and job.log it completes:
+job.json records the ETags of the outputs it completes (array files, results.jsonl or the
+Parquet files, job.log):
 a job counts as done only if they are still the ones under the prefix, and a mix left by
 two deliveries racing is redone whole. Checkpoint parts go once the job's job.json is written.
 """
@@ -37,6 +39,7 @@ from worker.jobs.arrays import ARRAY_FILE_SUFFIX
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.ledger import Ledger
 from worker.jobs.message import JobMessage
+from worker.jobs.tables import JSON_LINES, RESULTS_DIR, table_name
 from worker.ports import BlobStore
 
 if TYPE_CHECKING:
@@ -50,19 +53,26 @@ CHECKPOINT_PREFIX = "checkpoint-"
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
 Halt = Literal["superseded", "cancelled"]
 REQUEST_DIGEST_CHARS = 16
-# The outputs job.json completes, with their ETags recorded in it (and any array files).
-COMPLETED_OUTPUTS = ("results.jsonl", "job.log")
+# Outputs every job.json of a format completes, with their ETags recorded in it (beside
+# any array files, and a Parquet job's other files).
+COMPLETED_OUTPUTS = {
+    JSON_LINES: ("results.jsonl", "job.log"),
+    "parquet": (table_name(0, 0), "job.log"),
+}
 # How often the checkpointer looks for jobs due a checkpoint.
 CHECK_EVERY_S = 1.0
 
 
-def request_digest(inputs: Iterable[str], params: dict[str, Any], model: ModelIdentity) -> str:
-    """Names one request: its inputs, in order, its params and the model that answers it
-    (job.json records it as `request_digest`). Another model's results are another
-    request's: they are neither resumed from nor taken as done."""
+def request_digest(
+    inputs: Iterable[str], ids: list[Any] | None, params: dict[str, Any], model: ModelIdentity
+) -> str:
+    """Names one request: its inputs, in order (with their ids, if its table gives
+    them), its params and the model that answers it (job.json records it as
+    `request_digest`). Another model's results are another request's: they are neither
+    resumed from nor taken as done."""
     digest = RequestDigest()
-    for uri in inputs:
-        digest.add(uri)
+    for number, uri in enumerate(inputs):
+        digest.add(uri, ids[number] if ids is not None else None)
     return digest.hexdigest(params, model.as_dict())
 
 
@@ -74,8 +84,9 @@ class RequestDigest:
         self._hash = hashlib.sha256(b"[[")
         self._separator = b""
 
-    def add(self, uri: str) -> None:
-        self._hash.update(self._separator + json.dumps(uri).encode())
+    def add(self, uri: str, input_id: Any = None) -> None:
+        entry = uri if input_id is None else [uri, input_id]
+        self._hash.update(self._separator + json.dumps(entry).encode())
         self._separator = b","
 
     def hexdigest(self, params: dict[str, Any], model: dict[str, Any]) -> str:
@@ -113,13 +124,15 @@ class Checkpoints:
         spec: JobMessage,
         job_id: str,
         inputs: list[str],
+        ids: list[Any] | None,
         model: ModelIdentity,
+        *,
         first_index: int = 0,
     ) -> Prior:
         """One listing of the output prefix, then job.json, `cancel` and checkpoint parts
         as needed. `inputs` are the job's from `first_index` on (a shard's)."""
-        digest = request_digest(inputs, spec.params, model)
-        listing = self._blobs.objects_under(spec.output_location(""))
+        digest = request_digest(inputs, ids, spec.params, model)
+        listing = self.outputs(spec)
         cancelled = self._cancel_stands(spec, job_id, listing)
         summary = self._completed(spec, digest, listing, cancelled)
         own_parts = sorted(name for name in listing if name.startswith(_part_prefix(digest)))
@@ -155,8 +168,17 @@ class Checkpoints:
 
     def finished(self, spec: JobMessage, job_id: str, digest: str) -> dict[str, Any] | None:
         """The job.json under the output if it completes request `digest`."""
-        listing = self._blobs.objects_under(spec.output_location(""))
+        listing = self.outputs(spec)
         return self._completed(spec, digest, listing, self._cancel_stands(spec, job_id, listing))
+
+    def outputs(self, spec: JobMessage) -> dict[str, str]:
+        """What is under the job's output, by name with its ETag: the objects at its top,
+        and a Parquet job's results files."""
+        listing = self._blobs.objects_under(spec.output_location(""))
+        if spec.format != JSON_LINES:
+            tables = self._blobs.objects_under(spec.output_location(RESULTS_DIR))
+            listing.update((RESULTS_DIR + name, etag) for name, etag in tables.items())
+        return listing
 
     def _completed(
         self, spec: JobMessage, digest: str, listing: dict[str, str], cancelled: bool
@@ -164,7 +186,9 @@ class Checkpoints:
         if "job.json" not in listing:
             return None
         written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
-        return written if written and _completes(written, digest, listing, cancelled) else None
+        if not written or not _completes(written, spec.format, digest, listing, cancelled):
+            return None
+        return written
 
     def halt(self, job: Job) -> Halt | None:
         """Why a running job must stop, if it must, from one listing of its output: its
@@ -277,16 +301,17 @@ class Checkpointer:
 
 
 def _completes(
-    summary: dict[str, Any], digest: str, listing: dict[str, str], cancelled: bool
+    summary: dict[str, Any], format: str, digest: str, listing: dict[str, str], cancelled: bool
 ) -> bool:
-    """Whether a job.json says this request is done: written for it, with the outputs it
-    completed still in place, and not a cancelled run whose cancel was since withdrawn
-    (to run it again)."""
+    """Whether a job.json says this request is done: written for it, in this format,
+    with the outputs it completed still in place, and not a cancelled run whose cancel
+    was since withdrawn (to run it again)."""
     completed = summary.get("outputs")
     return (
         summary.get("request_digest") == digest
+        and summary.get("format", JSON_LINES) == format
         and isinstance(completed, dict)
-        and completed.keys() >= set(COMPLETED_OUTPUTS)
+        and completed.keys() >= set(COMPLETED_OUTPUTS[format])
         and all(listing.get(name) == etag for name, etag in completed.items())
         and (summary.get("status") != "cancelled" or cancelled)
     )
@@ -294,8 +319,10 @@ def _completes(
 
 def _final_output(name: str) -> bool:
     """Whether `name`, under a job's output, is one of the outputs a finish writes."""
-    return name in FINAL_OUTPUTS or (
-        name.endswith(ARRAY_FILE_SUFFIX) and not name.startswith(CHECKPOINT_PREFIX)
+    return (
+        name in FINAL_OUTPUTS
+        or name.startswith(RESULTS_DIR)
+        or (name.endswith(ARRAY_FILE_SUFFIX) and not name.startswith(CHECKPOINT_PREFIX))
     )
 
 

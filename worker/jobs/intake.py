@@ -8,7 +8,6 @@ one-image job is not stuck behind a 100,000-image one received with it.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import threading
@@ -20,24 +19,19 @@ from typing import Any, NamedTuple
 import structlog
 
 from worker.engine import Item, Pipeline
-from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
 from worker.jobs.arrays import ArrayFiles, ArraySpool
 from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest
+from worker.jobs.inputs import Input, InputReader
 from worker.jobs.job import Job, JobState
 from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import (
-    JobMessage,
-    PoisonMessage,
-    at_most,
-    manifest_uris,
-    parse_job_message,
-)
+from worker.jobs.message import JobMessage, PoisonMessage, at_most, parse_job_message
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import MAX_SHARDS, Plan
 from worker.jobs.planning import Planner
 from worker.jobs.shards import Shards
 from worker.jobs.stragglers import Stragglers
+from worker.jobs.tables import JSON_LINES
 from worker.plugins.identity import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,
@@ -45,7 +39,6 @@ from worker.ports import (
     BlobStore,
     JobSource,
     ReceivedMessage,
-    S3Location,
 )
 from worker.settings import Settings
 
@@ -68,6 +61,7 @@ MAX_BROKEN_WORKERS = 3
 class _Admission(NamedTuple):
     spec: JobMessage
     inputs: list[str]
+    ids: list[Any] | None  # each input's, where its table gives them
     prior: Prior
     plan: Plan | None = None  # of a shard's job
 
@@ -100,6 +94,7 @@ class Intake:
         self._model = model  # known once the inference stage is set up, before the first receive
         self._checkpoints = checkpoints
         self._planner = planner
+        self._inputs = InputReader(blobs, settings.allowed_buckets, settings.max_manifest_bytes)
         self._shards = shards
         self._stragglers = stragglers
         self._finish = finish
@@ -288,24 +283,30 @@ class Intake:
         # what it holds of a job.
         shard_items = min(spec.shard_items or settings.shard_items, settings.shard_items)
 
-        def uris() -> Iterator[str]:
-            listed = iter(spec.inputs) if spec.inputs else self._manifest(spec.manifest or "")
-            return at_most(listed, settings.max_items_per_job)
+        with_ids = spec.table is not None and spec.table.id_column is not None
 
-        stream = uris()
-        inputs = list(itertools.islice(stream, shard_items + 1))
-        if len(inputs) <= shard_items:
-            return _Admission(spec, inputs, self._checkpoints.read(spec, job_id, inputs, model))
-        if self._arrays.layouts != {}:  # a chain's are not known: it may write arrays
+        def listed() -> Iterator[Input]:
+            return at_most(self._inputs.inputs(spec), settings.max_items_per_job)
+
+        stream = listed()
+        first = list(itertools.islice(stream, shard_items + 1))
+        if len(first) <= shard_items:
+            inputs = [uri for uri, _ in first]
+            ids = [input_id for _, input_id in first] if with_ids else None
+            prior = self._checkpoints.read(spec, job_id, inputs, ids, model)
+            return _Admission(spec, inputs, ids, prior)
+        # A chain's are not known: it may write arrays.
+        if spec.format == JSON_LINES and self._arrays.layouts != {}:
             raise PoisonMessage(
                 f"over {shard_items} inputs, the shard size, and its pipeline writes (or may "
-                "write) array outputs, which are not merged across shards yet: give a "
-                "larger 'shard_items' to run it whole, or split it"
+                "write) array outputs, which are merged across shards only as Parquet "
+                'columns: give "format": "parquet", or a larger \'shard_items\' to run '
+                "it whole"
             )
         digest, count = RequestDigest(), 0
-        for uri in itertools.chain(inputs, stream):  # read through, never held whole
+        for uri, input_id in itertools.chain(first, stream):  # read through, never held whole
             count += 1
-            digest.add(uri)
+            digest.add(uri, input_id)
         request = digest.hexdigest(spec.params, model.as_dict())
         done = self._checkpoints.finished(spec, job_id, request)
         if done is not None:
@@ -321,8 +322,10 @@ class Intake:
             model=model.as_dict(),
             received_at=job.received_at,
             attempt=job.attempt,
+            format=spec.format,
+            ids=with_ids,
         )
-        self._planner.plan(job, spec, plan, uris)
+        self._planner.plan(job, spec, plan, listed)
         return None
 
     def _read_shard(self, job: Job, spec: JobMessage, model: ModelIdentity) -> _Admission | None:
@@ -343,13 +346,17 @@ class Intake:
                 self._announce(merged, job.message.message_id)
             return None
         span = plan.range(spec.shard.index)
-        inputs = list(self._manifest(spec.manifest or ""))
-        if len(inputs) != len(span):
+        listed = self._inputs.shard(spec.manifest or "")
+        if len(listed) != len(span):
             raise PoisonMessage(
-                f"shard {spec.shard.index} lists {len(inputs)} inputs, not {len(span)}"
+                f"shard {spec.shard.index} lists {len(listed)} inputs, not {len(span)}"
             )
-        prior = self._checkpoints.read(spec, plan.job_id, inputs, model, span.start)
-        return _Admission(spec, inputs, prior, plan)
+        inputs = [uri for uri, _ in listed]
+        ids = [input_id for _, input_id in listed] if plan.ids else None
+        prior = self._checkpoints.read(
+            spec, plan.job_id, inputs, ids, model, first_index=span.start
+        )
+        return _Admission(spec, inputs, ids, prior, plan)
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:
         """Settle a delivery that is not to run: its message was handed over already
@@ -374,8 +381,9 @@ class Intake:
 
     def _admit(self, job: Job, admission: _Admission) -> None:
         """Enter the job in the ledger, resuming from earlier deliveries' checkpoints."""
-        spec, inputs, prior, plan = admission
+        spec, inputs, ids, prior, plan = admission
         job_id = spec.job_id or job.message.job_message_id
+        job.ids = ids
         if plan is not None and spec.shard is not None:
             job.plan, job.first_index = plan, plan.range(spec.shard.index).start
         log_dir = self._settings.log_dir
@@ -411,20 +419,6 @@ class Intake:
             log.info("job_cancelled", job_id=job_id, finished=job.finished_items)
         if job.state is JobState.FINISHING:  # cancelled, or every result resumed
             self._finish(job)
-
-    def _manifest(self, uri: str) -> Iterator[str]:
-        """A manifest's inputs as it streams in; `PoisonMessage` if it cannot be read."""
-        settings = self._settings
-        chunks = self._blobs.chunks(S3Location.parse(uri), settings.max_manifest_bytes)
-        try:
-            with contextlib.closing(chunks):  # one refused part-way is not read on
-                yield from manifest_uris(chunks, settings.allowed_buckets)
-        except MissingObject as missing:
-            raise PoisonMessage(f"manifest {uri} does not exist") from missing
-        except AccessDenied as denied:
-            raise PoisonMessage(f"manifest {uri} cannot be read: {denied}") from denied
-        except ObjectTooLarge as too_large:
-            raise PoisonMessage(f"manifest {uri} is {too_large}") from too_large
 
 
 class Feeder:

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from worker.jobs.arrays import ArrayFiles
 from worker.jobs.joblog import JobLog
@@ -122,6 +122,7 @@ class Job:
     job_id: str = ""
     spec: JobMessage | None = None
     inputs: list[str] = field(default_factory=list)
+    ids: list[Any] | None = None  # each input's id, where its table gives them
     log: JobLog | None = None
     results: list[Result | None] = field(default_factory=list)
     arrays: ArrayFiles | None = None  # its array outputs, from admission

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -15,6 +15,10 @@ S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/.*$"
 S3Uri = Annotated[str, Field(pattern=S3_URI_PATTERN)]
 # A request digest (`worker.jobs.checkpoints.request_digest`): it names a plan's files.
 DIGEST_PATTERN = r"^[0-9a-f]{16}$"
+
+
+T = TypeVar("T")
+INPUT_SOURCES = ("inputs", "manifest", "inputs_prefix", "table", "inventory")
 
 
 class PoisonMessage(Exception):
@@ -31,16 +35,53 @@ class ShardRef(BaseModel):
     plan: str = Field(pattern=DIGEST_PATTERN)
 
 
+class TableSource(BaseModel):
+    """A table of inputs: a CSV (a header row; gzipped if its key ends `.gz`) or a
+    Parquet file, its URI column and, optionally, an id column carried into results."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: S3Uri
+    uri_column: str = Field(default="uri", min_length=1, max_length=256)
+    id_column: str | None = Field(default=None, min_length=1, max_length=256)
+    # By default the key's suffix says: .parquet, or .csv / .csv.gz.
+    format: Literal["csv", "parquet"] | None = None
+
+    @model_validator(mode="after")
+    def _known_format(self) -> TableSource:
+        self.file_format()
+        return self
+
+    def file_format(self) -> str:
+        if self.format is not None:
+            return self.format
+        key = self.uri.lower()
+        if key.endswith(".parquet"):
+            return "parquet"
+        if key.endswith((".csv", ".csv.gz")):
+            return "csv"
+        raise ValueError("a table's key ends .csv, .csv.gz or .parquet, or 'format' says")
+
+
 class JobMessage(BaseModel):
     """The SQS body of a job (docs/jobs.md, "The job message")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    # The inputs: exactly one of these (`worker.jobs.inputs`).
     inputs: list[S3Uri] | None = Field(default=None, min_length=1)
     manifest: S3Uri | None = None
+    inputs_prefix: S3Uri | None = None
+    table: TableSource | None = None
+    inventory: S3Uri | None = None  # an S3 Inventory report's manifest.json
+    # Of the objects under `inputs_prefix` or in the `inventory`, those whose key ends so.
+    inputs_suffix: str | None = Field(default=None, min_length=1, max_length=1024)
     output: S3Uri
     params: dict[str, Any] = Field(default_factory=dict)
+    # How the results are written: results.jsonl (and a .npy per array field), or
+    # Parquet files under results/ (`worker.jobs.tables`).
+    format: Literal["jsonl", "parquet"] = "jsonl"
     # A job with more inputs than this is split across the fleet (`--shard-items`).
     shard_items: int | None = Field(default=None, ge=1)
     # Set by the worker that planned the job, on each of its shards' messages.
@@ -51,12 +92,15 @@ class JobMessage(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> JobMessage:
+        sources = [name for name in INPUT_SOURCES if getattr(self, name) is not None]
         if self.watch is not None:
-            if self.job_id is None or self.inputs or self.manifest or self.shard:
+            if self.job_id is None or sources or self.shard:
                 raise ValueError("a watch names its job's 'job_id' and 'output' alone")
             return self
-        if (self.inputs is None) == (self.manifest is None):
-            raise ValueError("give exactly one of 'inputs' and 'manifest'")
+        if len(sources) != 1:
+            raise ValueError(f"give exactly one of {', '.join(map(repr, INPUT_SOURCES))}")
+        if self.inputs_suffix is not None and not (self.inputs_prefix or self.inventory):
+            raise ValueError("'inputs_suffix' filters an 'inputs_prefix' or an 'inventory'")
         if self.shard is not None and (self.job_id is None or self.manifest is None):
             raise ValueError("a shard names its job's 'job_id' and its inputs' 'manifest'")
         return self
@@ -69,7 +113,10 @@ class JobMessage(BaseModel):
 
     def buckets(self) -> set[str]:
         """Every bucket the message names directly."""
-        uris = [self.output, *(self.inputs or []), *([self.manifest] if self.manifest else [])]
+        listings = [self.manifest, self.inputs_prefix, self.inventory]
+        uris = [self.output, *(self.inputs or []), *filter(None, listings)]
+        if self.table is not None:
+            uris.append(self.table.uri)
         return {S3Location.parse(uri).bucket for uri in uris}
 
 
@@ -102,12 +149,12 @@ def check_buckets(buckets: set[str], allowed_buckets: frozenset[str]) -> None:
 MAX_MANIFEST_LINE_BYTES = 2048
 
 
-def at_most(uris: Iterable[str], max_items: int) -> Iterator[str]:
-    """`uris`, refused (poison) at the first one past `max_items`, before it is read on."""
-    for count, uri in enumerate(uris, start=1):
+def at_most(inputs: Iterable[T], max_items: int) -> Iterator[T]:
+    """`inputs`, refused (poison) at the first one past `max_items`, before it is read on."""
+    for count, listed in enumerate(inputs, start=1):
         if count > max_items:
             raise PoisonMessage(f"more than {max_items} inputs, over the limit")
-        yield uri
+        yield listed
 
 
 def manifest_uris(chunks: Iterable[bytes], allowed_buckets: frozenset[str]) -> Iterator[str]:

@@ -3,7 +3,7 @@
     output/
       plan.json                        the plan: written once, conditionally
       shards/<request>/
-        <n>.inputs                     shard n's inputs, one URI per line
+        <n>.inputs                     shard n's inputs, a JSON [uri, id] per line
         <n>.sent                       shard n's message is sent
         <n>.<run>.jsonl, <n>.<run>.log what one run of shard n wrote (results, log)
         <n>.commit                     the run whose results count: written once, conditionally
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -55,6 +55,8 @@ class Plan(BaseModel):
     params: dict[str, Any]  # every shard runs with these (they are part of the digest)
     received_at: float  # when the job's message was first received (the planner's clock)
     attempt: int = Field(ge=1)  # the delivery of the job's message that planned it
+    format: Literal["jsonl", "parquet"]  # every shard writes its results so
+    ids: bool  # whether the job's inputs have ids (a table's id column)
 
     @property
     def shards(self) -> int:
@@ -101,6 +103,7 @@ def shard_body(spec: JobMessage, plan: Plan, shard: int) -> str:
             "manifest": str(inputs),
             "output": spec.output,
             "params": spec.params,
+            "format": plan.format,
             "shard": {"index": shard, "plan": plan.request_digest},
         }
     )

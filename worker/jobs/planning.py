@@ -11,6 +11,7 @@ import structlog
 
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.checkpoints import RequestDigest
+from worker.jobs.inputs import Input, shard_line
 from worker.jobs.job import Job
 from worker.jobs.message import JobMessage, PoisonMessage
 from worker.jobs.outcomes import Lifecycle
@@ -42,14 +43,14 @@ class Planner:
         self._progress = lifecycle.progress
 
     def plan(
-        self, job: Job, spec: JobMessage, new_plan: Plan, uris: Callable[[], Iterator[str]]
+        self, job: Job, spec: JobMessage, new_plan: Plan, inputs: Callable[[], Iterator[Input]]
     ) -> None:
         """Plan the job (or take the plan written for it already), send the shards not
         yet sent or committed, and delete the job's message. Raises if any of it fails:
         the message comes back, and its next delivery goes on from there."""
         plan, replaces = self._written_plan(spec, new_plan.request_digest)
         if plan is None:
-            self._write_inputs(spec, new_plan, uris)
+            self._write_inputs(spec, new_plan, inputs)
             plan = self._publish(spec, new_plan, replaces)
         sent = self._send(spec, plan)
         log.info(
@@ -75,27 +76,27 @@ class Planner:
         return (plan, etag) if plan.request_digest == digest else (None, etag)
 
     def _write_inputs(
-        self, spec: JobMessage, plan: Plan, uris: Callable[[], Iterator[str]]
+        self, spec: JobMessage, plan: Plan, inputs: Callable[[], Iterator[Input]]
     ) -> None:
         """Each shard's inputs as a file of its own, as the job's inputs stream past;
         the stream must still be the request planned (a manifest changed meanwhile is
         planned again on the next delivery)."""
         digest = RequestDigest()
 
-        def taken(stream: Iterator[str]) -> Iterator[str]:
-            for uri in stream:
-                digest.add(uri)
-                yield uri
+        def taken(stream: Iterator[Input]) -> Iterator[Input]:
+            for listed in stream:
+                digest.add(*listed)
+                yield listed
 
-        stream = taken(uris())
+        stream = taken(inputs())
         files = (
             (shard, list(itertools.islice(stream, plan.shard_items)))
             for shard in range(plan.shards)
         )
 
-        def write(shard_inputs: tuple[int, list[str]]) -> None:
-            shard, inputs = shard_inputs
-            data = "\n".join(inputs).encode() + b"\n"
+        def write(shard_inputs: tuple[int, list[Input]]) -> None:
+            shard, listed = shard_inputs
+            data = b"".join(map(shard_line, listed))
             location = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
             self._blobs.put(location, data, "text/plain")
             self._progress.beat()

@@ -20,6 +20,14 @@ from worker.jobs.job import Job, JobState, Result
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.shards import Shards
 from worker.jobs.summary import job_summary
+from worker.jobs.tables import (
+    JSON_LINES,
+    PARQUET_CONTENT_TYPE,
+    Output,
+    Tables,
+    stale_tables,
+    table_name,
+)
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
@@ -31,13 +39,13 @@ log = structlog.get_logger()
 # times in all per delivery, fed again after these delays, before its job is released.
 INPUT_RETRIES = 4
 INPUT_BACKOFF = Backoff(base_s=0.5, cap_s=10.0)
+PARQUET_DIR = "parquet"  # in the job's directory of array files
 # A finish whose writes failed (each after its own retries) is tried this many times in
 # all, the lease kept meanwhile, before the job is released for a later delivery.
 FINISH_ATTEMPTS = 3
 FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
 NPY_CONTENT_TYPE = "application/x-npy"
-# An output before job.json: its name, its content (or the local file of it), its type.
-Output = tuple[str, bytes | Path, str]
+NDJSON = "application/x-ndjson"
 
 
 class Regrouper:
@@ -111,9 +119,10 @@ class Regrouper:
         if isinstance(outcome, ItemError):
             return self._failed(job, item, outcome)
         fields, has_arrays = outcome
-        line = b'{"index":%d,"input":%s%s,"model":%s}\n' % (
+        line = b'{"index":%d,"input":%s%s%s,"model":%s}\n' % (
             job.first_index + item.index,
             encode_json(job.inputs[item.index]),
+            b"" if job.ids is None else b',"id":' + encode_json(job.ids[item.index]),
             fields,
             job.model.encoded_label,
         )
@@ -152,7 +161,10 @@ class Regrouper:
         uri, index = job.inputs[item.index], job.first_index + item.index
         error_fields = {"type": error.type, "message": error.message}
         job.log.error("item_failed", index=index, input=uri, stage=error.stage, **error_fields)
-        record = {"index": index, "input": uri, "error": error_fields}
+        record = {"index": index, "input": uri}
+        if job.ids is not None:
+            record["id"] = job.ids[item.index]
+        record["error"] = error_fields
         return Result(encode_json(record) + b"\n", failed=True)
 
 
@@ -170,6 +182,7 @@ class Finisher:
         blobs: BlobStore,
         checkpoints: Checkpoints,
         shards: Shards,
+        tables: Tables,
         lifecycle: Lifecycle,
         *,
         worker_info: dict[str, Any],
@@ -180,6 +193,7 @@ class Finisher:
         self._blobs = blobs
         self._checkpoints = checkpoints
         self._shards = shards
+        self._tables = tables
         self._device_hour_price = device_hour_price
         self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
@@ -217,13 +231,12 @@ class Finisher:
         """Write the outputs, `job.json` last, and ack the job. A shard commits its
         results instead, and whoever commits a job's last shard writes its outputs."""
         summary = self._summary(job)
-        results = self._closing(job, summary)
+        lines = self._closing(job, summary)
         write: Callable[[], dict[str, Any] | None]
         if job.plan is None:
-            outputs = self._outputs(job, results)
-            write = functools.partial(self._write, job, outputs, summary)
+            write = functools.partial(self._write, job, lines, summary)
         else:
-            write = functools.partial(self._commit, job, summary, results)
+            write = functools.partial(self._commit, job, summary, lines)
         done, finished = self._written(job, write)
         if not done:
             return
@@ -289,32 +302,44 @@ class Finisher:
         job.log.info("stage_timings", **{name: vars(t) for name, t in job.timings.items()})
         return b"".join(result.line for result in job.results if result is not None)
 
-    def _outputs(self, job: Job, results: bytes) -> list[Output]:
-        """(name, content or the local file of it, content type) of each output before
-        job.json, in the order they are written: the array files, results.jsonl that
-        refers to them, the log."""
-        assert job.log is not None and job.arrays is not None
+    def _results(self, job: Job, lines: bytes) -> list[Output]:
+        """(name, content or the local file of it, content type) of each results file,
+        in the order they are written: the array files and results.jsonl that refers to
+        them, or the Parquet files (a shard's named by its number)."""
+        assert job.spec is not None and job.arrays is not None
+        arrays = job.arrays.files()
+        if job.spec.format == JSON_LINES:
+            return [
+                *((name, path, NPY_CONTENT_TYPE) for name, path in arrays.items()),
+                ("results.jsonl", lines, NDJSON),
+            ]
+        shard = job.spec.shard.index if job.spec.shard else 0
+        files = self._tables.write(lines, arrays, job.arrays.directory / PARQUET_DIR)
         return [
-            *((name, path, NPY_CONTENT_TYPE) for name, path in job.arrays.files().items()),
-            ("results.jsonl", results, "application/x-ndjson"),
-            ("job.log", job.log.lines(), "application/x-ndjson"),
+            (table_name(shard, number), path, PARQUET_CONTENT_TYPE)
+            for number, path in enumerate(files)
         ]
 
-    def _write(self, job: Job, outputs: list[Output], summary: dict[str, Any]) -> dict[str, Any]:
+    def _write(self, job: Job, lines: bytes, summary: dict[str, Any]) -> dict[str, Any]:
         """Each output on condition that it is as this delivery found it at admission (or
         as it last wrote it): a delivery that wrote first fences this one off. Then
-        job.json, naming the outputs it completes by their ETags; returns that."""
+        job.json, naming the outputs it completes by their ETags; returns that. Results
+        files an earlier delivery left beyond these then go."""
+        assert job.log is not None and job.spec is not None
+        outputs = [*self._results(job, lines), ("job.log", job.log.lines(), NDJSON)]
         for name, data, content_type in outputs:
             self._put(job, name, data, content_type)
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         self._put(job, "job.json", json.dumps(summary).encode() + b"\n", "application/json")
+        stale = stale_tables(job.output_etags, summary["outputs"])
+        self._blobs.delete([job.spec.output_location(name) for name in stale])
         return summary
 
-    def _commit(self, job: Job, summary: dict[str, Any], results: bytes) -> dict[str, Any] | None:
+    def _commit(self, job: Job, summary: dict[str, Any], lines: bytes) -> dict[str, Any] | None:
         """A shard's commit (`Shards.commit`): the job.json written if it merged the job."""
         if job.settled:
             raise _Abandoned
-        return self._shards.commit(job, summary, results)
+        return self._shards.commit(job, summary, self._results(job, lines))
 
     def _put(self, job: Job, name: str, data: bytes | Path, content_type: str) -> None:
         assert job.spec is not None
@@ -328,7 +353,7 @@ class Finisher:
         job.output_etags[name] = etag
 
     def _summary(self, job: Job) -> dict[str, Any]:
-        assert job.model is not None
+        assert job.model is not None and job.spec is not None
         return job_summary(
             job_id=job.job_id,
             cancelled=job.cancelled,
@@ -343,4 +368,5 @@ class Finisher:
             worker=self._worker_info,
             device_s=job.device_s,
             device_hour_price=self._device_hour_price,
+            format=job.spec.format,
         )

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
@@ -46,6 +47,14 @@ from worker.jobs.plan import (
     watch_file,
 )
 from worker.jobs.summary import job_summary
+from worker.jobs.tables import (
+    JSON_LINES,
+    PARQUET,
+    PARQUET_CONTENT_TYPE,
+    Output,
+    stale_tables,
+    table_name,
+)
 from worker.ports import (
     ABSENT,
     SQS_MAX_DELAY_S,
@@ -57,16 +66,26 @@ from worker.ports import (
 log = structlog.get_logger()
 
 T = TypeVar("T")
+NDJSON = "application/x-ndjson"
 S3_THREADS = 16  # requests at once while planning and merging
 PROGRESS_TRIES = 3  # a progress.json write that another shard beats is tried again
 MAX_COMMIT_BYTES = 64 * 1024
 WATCH_MIN_S = 2  # a watch of a job's stragglers is due at least this far apart
-RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log)$")
+RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log|parquet)$")
 
 
 class ModelMismatch(TransientError):
     """A shard planned for another model than this worker's (a rollout): another worker
     runs it, or its redrive ends it in the DLQ."""
+
+
+class RunFile(BaseModel):
+    """A file one run of a shard wrote, in the shards' directory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=RUN_FILE.pattern)
+    bytes: int = Field(ge=0)
 
 
 class Commit(BaseModel):
@@ -76,10 +95,8 @@ class Commit(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run: str
-    results: str = Field(pattern=RUN_FILE.pattern)
-    results_bytes: int = Field(ge=0)
-    log: str = Field(pattern=RUN_FILE.pattern)
-    log_bytes: int = Field(ge=0)
+    results: list[RunFile]  # its results.jsonl, or its Parquet files in order
+    log: RunFile
     cancelled: bool
     succeeded: int = Field(ge=0)
     failed: int = Field(ge=0)
@@ -126,6 +143,7 @@ class Shards:
             or index >= plan.shards
             or spec.manifest != expected_inputs
             or spec.params != plan.params
+            or spec.format != plan.format
         ):
             raise PoisonMessage(f"not a shard of the job {PLAN} plans: {spec.shard}")
         if plan.model != model:
@@ -156,10 +174,12 @@ class Shards:
         names = {name.removeprefix(".") for name in self._blobs.objects_under(prefix)}
         return COMMIT_SUFFIX[1:] in names or INPUTS_SUFFIX[1:] not in names
 
-    def commit(self, job: Job, summary: dict[str, Any], results: bytes) -> dict[str, Any] | None:
-        """Write this run's results and log, then its commit marker if no run of the
-        shard has one; then merge the job if every shard is committed. Returns the
-        job.json written if this run wrote it."""
+    def commit(
+        self, job: Job, summary: dict[str, Any], results: list[Output]
+    ) -> dict[str, Any] | None:
+        """Write this run's results (results.jsonl, or its Parquet files) and log, then
+        its commit marker if no run of the shard has one; then merge the job if every
+        shard is committed. Returns the job.json written if this run wrote it."""
         spec, plan = job.spec, job.plan
         assert spec is not None and spec.shard is not None and plan is not None
         assert job.log is not None
@@ -167,19 +187,24 @@ class Shards:
             return self.merge_if_complete(spec, plan)
         index, digest = spec.shard.index, plan.request_digest
         run = f"a{job.attempt:04d}-{job.message.message_id}"
-        lines = job.log.lines()
-        files = {
-            suffix: shard_file(spec, digest, index, f".{run}.{suffix}")
-            for suffix in ("jsonl", "log")
-        }
-        self._blobs.put(files["jsonl"], results, "application/x-ndjson")
-        self._blobs.put(files["log"], lines, "application/x-ndjson")
+        suffixes = [
+            JSON_LINES if plan.format == JSON_LINES else f"{number:04d}.{PARQUET}"
+            for number in range(len(results))
+        ]
+        outputs = [
+            (shard_file(spec, digest, index, f".{run}.{suffix}"), data, content_type)
+            for suffix, (_, data, content_type) in zip(suffixes, results, strict=True)
+        ]
+        outputs.append((shard_file(spec, digest, index, f".{run}.log"), job.log.lines(), NDJSON))
+        written = each_at_once(lambda output: self._put(*output), outputs)
+        files = [
+            RunFile(name=_name(location), bytes=size)
+            for (location, _, _), size in zip(outputs, written, strict=True)
+        ]
         commit = Commit(
             run=run,
-            results=_name(files["jsonl"]),
-            results_bytes=len(results),
-            log=_name(files["log"]),
-            log_bytes=len(lines),
+            results=files[:-1],
+            log=files[-1],
             cancelled=job.cancelled,
             succeeded=summary["succeeded"],
             failed=summary["failed"],
@@ -196,7 +221,7 @@ class Shards:
         except PreconditionFailed:
             if self.commit_at(shard_directory(spec, digest), _name(marker)).run != run:
                 log.info("shard_duplicate", job_id=job.job_id, shard=index, run=run)
-                self._blobs.delete(list(files.values()))
+                self._blobs.delete([location for location, _, _ in outputs])
                 return None  # our try's answer was lost
         job.committed = True
         log.info("shard_committed", job_id=job.job_id, shard=index, run=run, items=len(job.inputs))
@@ -295,28 +320,26 @@ class Shards:
         commits = each_at_once(lambda name: self.commit_at(directory, name), names)
         for name, commit in zip(names, commits, strict=True):
             shard = name.removesuffix(COMMIT_SUFFIX)
-            if not (commit.results.startswith(f"{shard}.") and commit.log.startswith(f"{shard}.")):
+            if not all(file.name.startswith(f"{shard}.") for file in [*commit.results, commit.log]):
                 raise PoisonMessage(f"commit marker {name} names another shard's files")
-        top = self._blobs.objects_under(spec.output_location(""))
+        top = self._checkpoints.outputs(spec)
 
-        def part(name: str, size: int) -> tuple[S3Location, int]:
-            return S3Location(directory.bucket, directory.key + name), size
+        def compose(name: str, files: list[RunFile], content_type: str) -> tuple[str, str]:
+            parts = [(S3Location(directory.bucket, directory.key + f.name), f.bytes) for f in files]
+            location, expect = spec.output_location(name), top.get(name, ABSENT)
+            return name, self._blobs.compose(location, parts, content_type, expect=expect)
 
+        if plan.format == JSON_LINES:
+            results = [("results.jsonl", [file for c in commits for file in c.results], NDJSON)]
+        else:  # each shard's files copied as they are, in order
+            results = [
+                (table_name(shard, number), [file], PARQUET_CONTENT_TYPE)
+                for shard, commit in enumerate(commits)
+                for number, file in enumerate(commit.results)
+            ]
+        logs = ("job.log", [commit.log for commit in commits], NDJSON)
         try:
-            outputs = {
-                "results.jsonl": self._blobs.compose(
-                    spec.output_location("results.jsonl"),
-                    [part(commit.results, commit.results_bytes) for commit in commits],
-                    "application/x-ndjson",
-                    expect=top.get("results.jsonl", ABSENT),
-                ),
-                "job.log": self._blobs.compose(
-                    spec.output_location("job.log"),
-                    [part(commit.log, commit.log_bytes) for commit in commits],
-                    "application/x-ndjson",
-                    expect=top.get("job.log", ABSENT),
-                ),
-            }
+            outputs = dict(each_at_once(lambda output: compose(*output), [*results, logs]))
             summary = self._summary(plan, commits)
             summary["outputs"] = outputs
             self._blobs.put(
@@ -329,8 +352,17 @@ class Shards:
             log.info("merge_fenced", job_id=plan.job_id, error=str(error))
             return None
         log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
+        self._blobs.delete([spec.output_location(name) for name in stale_tables(top, outputs)])
         self.remove(spec, plan)
         return summary
+
+    def _put(self, location: S3Location, data: bytes | Path, content_type: str) -> int:
+        """Write one file of a run; its size."""
+        if isinstance(data, Path):
+            self._blobs.put_file(location, data, content_type)
+            return data.stat().st_size
+        self._blobs.put(location, data, content_type)
+        return len(data)
 
     def commit_at(self, directory: S3Location, name: str) -> Commit:
         data = self._blobs.get(S3Location(directory.bucket, directory.key + name), MAX_COMMIT_BYTES)
@@ -354,6 +386,7 @@ class Shards:
             worker=self._worker_info,
             device_s=sum(commit.device_s for commit in commits),
             device_hour_price=self._device_hour_price,
+            format=plan.format,
         )
         summary["shards"] = {
             "count": plan.shards,

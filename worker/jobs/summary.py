@@ -25,6 +25,7 @@ def job_summary(
     worker: dict[str, Any],
     device_s: float,
     device_hour_price: float | None,
+    format: str,
 ) -> dict[str, Any]:
     """job.json's fields but `outputs` (the finish adds them once they are written):
     `device_s` is the time the job's items kept a device busy (each batch's time shared
@@ -45,6 +46,7 @@ def job_summary(
         "attempt": attempt,
         "worker": worker,
         "device_s": round(device_s, 3),
+        "format": format,
     }
     if device_hour_price is not None:
         summary["cost"] = round(device_s / 3600 * device_hour_price, 6)

@@ -88,7 +88,7 @@ def inference_setup(
             "broken worker from bad inputs"
         ) from error
     warm_up = _warm_up(infer, item_shape, bisection_sizes(batch_size))
-    about = {"model": identity.as_dict(), "warm_up": warm_up}
+    about: dict[str, Any] = {"model": identity.as_dict(), "warm_up": warm_up}
     if postprocess is None:
         return StageFunction(infer, probe, about)
     postprocessor = load_postprocessor(postprocess)
@@ -110,8 +110,11 @@ def inference_setup(
             f"({type(error).__name__}: {error}); the daemon runs it whenever it fails a "
             "whole batch, to tell a broken worker from bad inputs"
         ) from error
-    # Each input's array fields must be these, of these shapes and dtypes.
-    about["arrays"] = array_layouts(probed[1] if isinstance(probed, tuple) else {})
+    # Each input's array fields must be these, of these shapes and dtypes; its other
+    # fields' types are those of these (Parquet results' columns, `worker.jobs.tables`).
+    fields, arrays = probed if isinstance(probed, tuple) else (probed, {})
+    about["arrays"] = array_layouts(arrays)
+    about["fields"] = b"{" + fields[1:] + b"}"
     return StageFunction(
         infer, probe, about, finish=postprocess_all, finish_probe=postprocess_probe
     )

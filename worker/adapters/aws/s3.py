@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -268,6 +268,22 @@ class S3BlobStore(Retrying):
             for entry in page.get("Contents", []):
                 listed[entry["Key"][len(prefix.key) :]] = entry["ETag"]
         return listed
+
+    def keys_under(self, prefix: S3Location) -> Iterator[str]:
+        continuation: dict[str, str] = {}
+        while True:
+            page = self._call(
+                functools.partial(
+                    self._client.list_objects_v2,
+                    Bucket=prefix.bucket,
+                    Prefix=prefix.key,
+                    **continuation,  # type: ignore[arg-type]
+                )
+            )
+            yield from (entry["Key"] for entry in page.get("Contents", []))
+            if not page.get("IsTruncated"):
+                return
+            continuation = {"ContinuationToken": page["NextContinuationToken"]}
 
     def delete(self, locations: list[S3Location]) -> None:
         for bucket in {location.bucket for location in locations}:

@@ -1,0 +1,296 @@
+"""A job's inputs, read from whichever kind of listing its message names, as a stream
+of `Input`s (a URI, and the id its table gives it), never held whole:
+
+- `inputs`: the URIs in the message;
+- `manifest`: a text file of URIs, one per line;
+- `inputs_prefix`: every object under a prefix (`inputs_suffix` keeps those whose key
+  ends so), listed a page (1,000 keys) at a time, in S3's order;
+- `table`: a CSV (`.csv`, or gzipped `.csv.gz`) or Parquet table with a URI column and
+  an optional id column, carried into every result line;
+- `inventory`: an S3 Inventory report's manifest.json, whose CSV or Parquet files list
+  the objects (`inputs_suffix` applies; delete markers and old versions are skipped).
+
+Everything read is untrusted: a listing that cannot be read, lacks a column, names a
+bucket outside the allow-list or something that is not an S3 URI makes the message
+poison, with the row or line named. Each file read is at most `--max-manifest-bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import tempfile
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
+from worker.jobs.message import (
+    JobMessage,
+    PoisonMessage,
+    TableSource,
+    check_buckets,
+    manifest_uris,
+)
+from worker.ports import BlobStore, S3Location
+
+# Rows of a table read at a time (a record batch).
+TABLE_BATCH_ROWS = 65_536
+# A CSV row longer than this is no input's: pyarrow reads blocks of this size.
+CSV_BLOCK_BYTES = 2**20
+MAX_INVENTORY_MANIFEST_BYTES = 16 * 2**20
+# An S3 Inventory's columns that keep a row out: a delete marker, an older version (by
+# their names in lower case without "_": a CSV's IsLatest is a Parquet file's is_latest).
+INVENTORY_SKIPS = {"isdeletemarker": True, "islatest": False}
+
+
+class Input(NamedTuple):
+    uri: str
+    id: Any = None  # a table's id for it: a string or a number, or None
+
+
+class InputReader:
+    """Reads the inputs a message names, checked against the allow-list and limits."""
+
+    def __init__(self, blobs: BlobStore, allowed_buckets: frozenset[str], max_file_bytes: int):
+        self._blobs = blobs
+        self._allowed = allowed_buckets
+        self._max_file_bytes = max_file_bytes
+
+    def inputs(self, spec: JobMessage) -> Iterator[Input]:
+        """The job's inputs in order, as they are read; `PoisonMessage` at the first
+        thing that makes its listing unusable, or if it lists none."""
+        listed = False
+        for listed_input in self._listed(spec):
+            listed = True
+            yield listed_input
+        if not listed:
+            raise PoisonMessage("the job lists no inputs")
+
+    def _listed(self, spec: JobMessage) -> Iterator[Input]:
+        if spec.inputs:
+            return (Input(uri) for uri in spec.inputs)
+        if spec.manifest:
+            return self._read(
+                f"manifest {spec.manifest}", lambda chunks: _manifest(chunks, self._allowed)
+            )
+        if spec.inputs_prefix:
+            return self._prefix(S3Location.parse(spec.inputs_prefix), spec.inputs_suffix or "")
+        if spec.table:
+            return self._table(spec.table)
+        assert spec.inventory is not None
+        return self._inventory(spec.inventory, spec.inputs_suffix or "")
+
+    def shard(self, uri: str) -> list[Input]:
+        """A planned shard's inputs: its inputs file, a JSON `[uri, id]` per line."""
+        parse = functools.partial(_shard_inputs, allowed=self._allowed)
+        return list(self._read(f"shard inputs {uri}", parse))
+
+    def _read(
+        self, what: str, parse: Callable[[Iterator[bytes]], Iterator[Input]]
+    ) -> Iterator[Input]:
+        """`parse` of the bytes of `what` ("<kind> <uri>") as they stream in; poison if
+        it cannot be read."""
+        uri = what.rsplit(" ", 1)[1]
+        chunks = self._blobs.chunks(S3Location.parse(uri), self._max_file_bytes)
+        with _unreadable_is_poison(what), contextlib.closing(chunks):
+            yield from parse(chunks)
+
+    def _prefix(self, prefix: S3Location, suffix: str) -> Iterator[Input]:
+        with _unreadable_is_poison(f"prefix {prefix}"):
+            for key in self._blobs.keys_under(prefix):
+                if key.endswith(suffix) and not key.endswith("/"):
+                    yield Input(f"s3://{prefix.bucket}/{key}")
+
+    def _table(self, table: TableSource) -> Iterator[Input]:
+        columns = [table.uri_column, *([table.id_column] if table.id_column else [])]
+        for batch in self._batches(table.uri, table.file_format(), columns, header=True):
+            uris = batch.column(table.uri_column).to_pylist()
+            ids = batch.column(table.id_column).to_pylist() if table.id_column else None
+            for number, uri in enumerate(uris):
+                self._check(uri, f"{table.uri} row {number + 1}")
+                yield Input(uri, ids[number] if ids is not None else None)
+
+    def _inventory(self, manifest_uri: str, suffix: str) -> Iterator[Input]:
+        """The objects an S3 Inventory report lists, file by file in its manifest's order."""
+        with _unreadable_is_poison(f"inventory {manifest_uri}"):
+            data = self._blobs.get(S3Location.parse(manifest_uri), MAX_INVENTORY_MANIFEST_BYTES)
+        report = _inventory_report(manifest_uri, data)
+        check_buckets({report.bucket}, self._allowed)
+        for key in report.files:
+            uri = f"s3://{report.bucket}/{key}"
+            columns = report.columns if report.file_format == "csv" else None
+            for batch in self._batches(uri, report.file_format, columns, header=False):
+                yield from self._inventory_rows(uri, batch, suffix, report.file_format == "csv")
+
+    def _inventory_rows(
+        self, uri: str, batch: pa.RecordBatch, suffix: str, url_encoded: bool
+    ) -> Iterator[Input]:
+        names = {name.lower().replace("_", ""): name for name in batch.schema.names}
+        if not {"bucket", "key"} <= names.keys():
+            raise PoisonMessage(f"inventory file {uri} has no Bucket and Key columns")
+        buckets = batch.column(names["bucket"]).to_pylist()
+        keys = batch.column(names["key"]).to_pylist()
+        skips = [
+            (batch.column(names[column]).to_pylist(), value)
+            for column, value in INVENTORY_SKIPS.items()
+            if column in names
+        ]
+        for number, (bucket, listed_key) in enumerate(zip(buckets, keys, strict=True)):
+            if any(_truthy(values[number]) == value for values, value in skips):
+                continue
+            if not isinstance(bucket, str) or not isinstance(listed_key, str):
+                raise PoisonMessage(f"inventory file {uri} row {number + 1} has no bucket or key")
+            key = urllib.parse.unquote_plus(listed_key) if url_encoded else listed_key
+            if key.endswith(suffix) and not key.endswith("/"):
+                input_uri = f"s3://{bucket}/{key}"
+                self._check(input_uri, f"inventory file {uri} row {number + 1}")
+                yield Input(input_uri)
+
+    def _batches(
+        self, uri: str, file_format: str, columns: list[str] | None, *, header: bool
+    ) -> Iterator[pa.RecordBatch]:
+        """A CSV or Parquet file's record batches: the `columns` named (all, if None;
+        without a `header` they name the CSV's columns), each read as strings in a CSV."""
+        location = S3Location.parse(uri)
+        with _unreadable_is_poison(f"table {uri}"):
+            if file_format == "parquet":
+                yield from self._parquet_batches(location, columns)
+            else:
+                yield from self._csv_batches(location, columns, header)
+
+    def _parquet_batches(
+        self, location: S3Location, columns: list[str] | None
+    ) -> Iterator[pa.RecordBatch]:
+        # A Parquet file is read from its end (the footer) first: it is spooled to a
+        # local file, which its reader then reads a batch at a time.
+        with tempfile.TemporaryFile() as spool:
+            for chunk in self._blobs.chunks(location, self._max_file_bytes):
+                spool.write(chunk)
+            spool.seek(0)
+            yield from pq.ParquetFile(spool).iter_batches(TABLE_BATCH_ROWS, columns=columns)
+
+    def _csv_batches(
+        self, location: S3Location, columns: list[str] | None, header: bool
+    ) -> Iterator[pa.RecordBatch]:
+        chunks = self._blobs.chunks(location, self._max_file_bytes)
+        with contextlib.closing(chunks):
+            stream: Any = io.BufferedReader(_ChunkStream(chunks), CSV_BLOCK_BYTES)
+            if location.key.endswith(".gz"):
+                stream = pa.CompressedInputStream(pa.PythonFile(stream, mode="r"), "gzip")
+            read = pa_csv.ReadOptions(
+                block_size=CSV_BLOCK_BYTES,
+                column_names=None if header else columns,
+            )
+            convert = pa_csv.ConvertOptions(
+                include_columns=columns if header else None,
+                column_types=dict.fromkeys(columns or [], pa.string()),
+            )
+            yield from pa_csv.open_csv(stream, read_options=read, convert_options=convert)
+
+    def _check(self, uri: Any, where: str) -> None:
+        if not isinstance(uri, str):
+            raise PoisonMessage(f"{where} has no input URI")
+        try:
+            bucket = S3Location.parse(uri).bucket
+        except ValueError as error:
+            raise PoisonMessage(f"{where}: {error}") from error
+        check_buckets({bucket}, self._allowed)
+
+
+class _InventoryReport(NamedTuple):
+    bucket: str  # where its files are
+    file_format: str  # "csv" or "parquet"
+    columns: list[str]
+    files: list[str]
+
+
+def _inventory_report(uri: str, data: bytes) -> _InventoryReport:
+    """The parts of an S3 Inventory manifest.json this reader needs; poison if it is not
+    one, or lists ORC files (not read)."""
+    try:
+        manifest = json.loads(data)
+        file_format = str(manifest["fileFormat"]).lower()
+        bucket = str(manifest["destinationBucket"]).removeprefix("arn:aws:s3:::")
+        columns = [name.strip() for name in str(manifest["fileSchema"]).split(",")]
+        files = [str(entry["key"]) for entry in manifest["files"]]
+    except (ValueError, KeyError, TypeError) as error:
+        raise PoisonMessage(f"{uri} is not an S3 Inventory manifest: {error!r}") from error
+    if file_format not in ("csv", "parquet"):
+        raise PoisonMessage(
+            f"{uri} is an inventory of {file_format} files: only CSV and Parquet are read"
+        )
+    return _InventoryReport(bucket, file_format, columns, files)
+
+
+def _manifest(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
+    return (Input(uri) for uri in manifest_uris(chunks, allowed))
+
+
+def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
+    """A shard's inputs file: written by a planner, but read from S3, so checked."""
+    data = b"".join(chunks)
+    for number, line in enumerate(data.splitlines(), start=1):
+        try:
+            uri, input_id = json.loads(line)
+        except ValueError as error:
+            raise PoisonMessage(f"shard inputs line {number} is not [uri, id]") from error
+        try:
+            bucket = S3Location.parse(uri).bucket
+        except (ValueError, AttributeError) as error:
+            raise PoisonMessage(f"shard inputs line {number}: {error}") from error
+        check_buckets({bucket}, allowed)
+        yield Input(uri, input_id)
+
+
+def shard_line(listed: Input) -> bytes:
+    """`listed` as a line of a shard's inputs file."""
+    return json.dumps([listed.uri, listed.id]).encode() + b"\n"
+
+
+def _truthy(value: Any) -> bool:
+    """A CSV inventory's "true"/"false", or a Parquet one's booleans."""
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+@contextlib.contextmanager
+def _unreadable_is_poison(what: str) -> Iterator[None]:
+    """What makes a listing (`what`: "<kind> <uri>") unusable for good, as poison."""
+    try:
+        yield
+    except MissingObject as missing:
+        raise PoisonMessage(f"{what} does not exist") from missing
+    except AccessDenied as denied:
+        raise PoisonMessage(f"{what} cannot be read: {denied}") from denied
+    except ObjectTooLarge as too_large:
+        raise PoisonMessage(f"{what} is {too_large}") from too_large
+    except pa.ArrowException as error:  # a file it cannot parse (a local disk's error is not)
+        raise PoisonMessage(f"{what} is not a table this worker reads: {error}") from error
+
+
+class _ChunkStream(io.RawIOBase):
+    """A file-like reader of an object's pieces as they stream in."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks = chunks
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._pending = memoryview(chunk)
+        size = min(len(buffer), len(self._pending))
+        buffer[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size

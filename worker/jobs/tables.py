@@ -1,0 +1,196 @@
+"""Parquet results (a job's `"format": "parquet"`): the fields of its results.jsonl
+lines as typed columns, each array field a fixed-size list column (a row of shape
+(4, 3) a list of 4 lists of 3), an item's error its `error` column, in files of about
+`--parquet-file-bytes` with row groups of about `--parquet-row-group-bytes`.
+
+    output/results/part-<shard>-<file>.parquet
+
+`<shard>` is the shard's number (0 for a job run whole) and `<file>` counts the files
+of one shard: the names sort in input order, and job.json lists them in that order.
+
+Every file of a job has the same columns, whatever its rows: the record's own (index,
+input, model, error), then the postprocessor's fields with the types of its answer to
+the model's output for zeros, probed at start (`about["fields"]`), so the files read as
+one dataset. A field the probe did not give takes the type of its values.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from worker.plugins.encoding import ArrayLayouts
+
+PARQUET = "parquet"
+JSON_LINES = "jsonl"
+PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"
+RESULTS_DIR = "results/"
+# An array field's value in a results line: which file, which row (`worker.jobs.arrays`).
+ARRAY_REFERENCE = pa.struct([("array", pa.string()), ("row", pa.int64())])
+RECORD_SCHEMA = pa.schema(
+    [
+        ("index", pa.int64()),
+        ("input", pa.string()),
+        ("model", pa.string()),
+        ("error", pa.struct([("type", pa.string()), ("message", pa.string())])),
+    ]
+)
+# pyarrow's JSON reader parses this much at a time, on its threads.
+JSON_BLOCK_BYTES = 16 * 2**20
+# An output before job.json: its name, its content (or the local file of it), its type.
+Output = tuple[str, bytes | Path, str]
+
+
+def table_name(shard: int, file: int) -> str:
+    """A Parquet results file's name under the job's output."""
+    return f"{RESULTS_DIR}part-{shard:06d}-{file:04d}.{PARQUET}"
+
+
+def stale_tables(listed: Iterable[str], written: Iterable[str]) -> list[str]:
+    """The results files an earlier run left (it wrote more of them) that a job.json
+    naming `written` does not complete."""
+    kept = set(written)
+    return [name for name in listed if name.startswith(RESULTS_DIR) and name not in kept]
+
+
+class Tables:
+    """Writes a job's results as Parquet files, with the columns its model's probe gave."""
+
+    def __init__(self, file_bytes: int, row_group_bytes: int):
+        self._file_bytes = file_bytes
+        self._row_group_bytes = row_group_bytes
+        self._fields = pa.schema([])
+        self._layouts: ArrayLayouts = {}
+
+    def probed(self, fields: bytes | None, layouts: ArrayLayouts | None) -> None:
+        """Take the columns from the postprocessor's answer to zeros: its fields as a
+        JSON object, its arrays' layouts (None where there is no such probe: a chain's
+        postprocessor runs on the regrouper's side)."""
+        self._layouts = dict(layouts or {})
+        if fields:
+            probe = pa_json.read_json(io.BytesIO(fields)).schema
+            self._fields = pa.schema(
+                [column for column in probe if not pa.types.is_null(column.type)]
+            )
+
+    def write(self, lines: bytes, arrays: dict[str, Path], directory: Path) -> list[Path]:
+        """The job's results (its results.jsonl lines) as Parquet files in `directory`,
+        in order; `arrays` are its array files by name (`<field>.npy`)."""
+        table = self._table(lines, arrays)
+        directory.mkdir(parents=True, exist_ok=True)
+        row_bytes = max(1, math.ceil(_row_bytes(table, arrays) or 1))
+        rows_per_group = max(1, self._row_group_bytes // row_bytes)
+        files: list[Path] = []
+        writer: pq.ParquetWriter | None = None
+        sink: pa.OSFile | None = None
+        schema = self._output_schema(table.schema, arrays)
+        try:
+            for start in range(0, max(table.num_rows, 1), rows_per_group):
+                if writer is None:
+                    files.append(directory / f"{len(files):04d}.{PARQUET}")
+                    sink = pa.OSFile(str(files[-1]), "wb")
+                    writer = pq.ParquetWriter(sink, schema, compression="zstd")
+                group = self._with_arrays(table.slice(start, rows_per_group), arrays)
+                writer.write_table(group.cast(schema))
+                assert sink is not None
+                if sink.tell() >= self._file_bytes:
+                    writer.close()
+                    sink.close()
+                    writer = sink = None
+        finally:
+            if writer is not None:
+                writer.close()
+            if sink is not None:
+                sink.close()
+        return files
+
+    def _table(self, lines: bytes, arrays: dict[str, Path]) -> pa.Table:
+        """The lines as a table: the record's columns, the probed fields' and an array
+        reference for each array field, typed so; other fields typed by their values."""
+        hint = pa.schema(
+            [
+                *RECORD_SCHEMA,
+                *self._fields,
+                *((name, ARRAY_REFERENCE) for name in _array_fields(self._layouts, arrays)),
+            ]
+        )
+        if not lines:
+            return hint.empty_table()
+        return pa_json.read_json(
+            io.BytesIO(lines),
+            read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES),
+            parse_options=pa_json.ParseOptions(
+                explicit_schema=hint, unexpected_field_behavior="infer"
+            ),
+        )
+
+    def _output_schema(self, schema: pa.Schema, arrays: dict[str, Path]) -> pa.Schema:
+        """`schema` with each array reference's column typed as its rows."""
+        types = {
+            name: _list_type(*self._layout(name, arrays))
+            for name in _array_fields(self._layouts, arrays)
+        }
+        return pa.schema(
+            [pa.field(f.name, types[f.name]) if f.name in types else f for f in schema]
+        )
+
+    def _layout(self, name: str, arrays: dict[str, Path]) -> tuple[np.dtype[Any], tuple[int, ...]]:
+        path = arrays.get(f"{name}.npy")
+        if path is None:
+            return self._layouts[name]
+        rows = np.load(path, mmap_mode="r")
+        return rows.dtype, rows.shape[1:]
+
+    def _with_arrays(self, group: pa.Table, arrays: dict[str, Path]) -> pa.Table:
+        """`group` with each array reference replaced by the row it refers to (null for
+        an item that has none: it failed)."""
+        for name in _array_fields(self._layouts, arrays):
+            dtype, shape = self._layout(name, arrays)
+            position = group.schema.get_field_index(name)
+            refs = group.column(name).combine_chunks()
+            rows = pc.struct_field(refs, "row")
+            missing = rows.is_null()
+            path = arrays.get(f"{name}.npy")
+            if path is None:
+                values = np.zeros((len(group), *shape), dtype)
+            else:
+                values = np.load(path, mmap_mode="r")[rows.fill_null(0).to_numpy()]
+            group = group.set_column(position, name, _fixed_lists(values, missing))
+        return group
+
+
+def _array_fields(layouts: ArrayLayouts, arrays: dict[str, Path]) -> list[str]:
+    return sorted({*layouts, *(name.removesuffix(".npy") for name in arrays)})
+
+
+def _list_type(dtype: np.dtype[Any], shape: tuple[int, ...]) -> pa.DataType:
+    value_type = pa.from_numpy_dtype(dtype)
+    for size in reversed(shape):
+        value_type = pa.list_(value_type, size)
+    return value_type
+
+
+def _fixed_lists(values: np.ndarray, missing: pa.Array) -> pa.Array:
+    """Rows of `values` (n, *shape) as nested fixed-size lists, null where `missing`."""
+    column: pa.Array = pa.array(np.ascontiguousarray(values).reshape(-1))
+    for size in reversed(values.shape[2:]):
+        column = pa.FixedSizeListArray.from_arrays(column, size)
+    return pa.FixedSizeListArray.from_arrays(column, values.shape[1], mask=missing)
+
+
+def _row_bytes(table: pa.Table, arrays: dict[str, Path]) -> float:
+    """About how many bytes a row of the results takes, its arrays included."""
+    per_row: float = table.nbytes / max(table.num_rows, 1)
+    for path in arrays.values():
+        rows = np.load(path, mmap_mode="r")
+        per_row += rows.dtype.itemsize * math.prod(rows.shape[1:])
+    return per_row
