@@ -46,9 +46,9 @@ from PIL import Image
 from structlog.testing import capture_logs
 from torch import nn
 
-from bench.harness import NOOP_MODEL, run_daemon
+from bench.harness import NOOP_MODEL, OVERLAP_JOB_SIZE, run_daemon
 from bench.processes import MOTO_UPLOADS, draining_daemon, moto_stack
-from bench.run import OVERLAP_JOB_SIZE, host_ceiling, overlap
+from bench.run import host_ceiling, overlap
 from stages.model import Classifier
 from stages.preprocess import ImagePreprocessor
 from stages.synthetic import LABELS, draw_shape

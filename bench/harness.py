@@ -231,10 +231,25 @@ def image_pool() -> list[bytes]:
     return [data for _, data in samples(IMAGE_POOL, seed=99)]
 
 
+DEVICE_MODEL = "bench.harness:device_model"
+OVERLAP_JOB_SIZE = 100
+# Many fetch threads hide the injected S3 latency; the figures without it use the defaults.
+OVERLAP_SETTINGS: dict[str, Any] = {
+    "model": DEVICE_MODEL,
+    "fetch_concurrency": 128,
+    "preprocess_workers": 2,
+}
+
+
 def load_jobs(
-    source: InMemoryJobSource, blobs: InMemoryBlobStore, pool: list[bytes], job_sizes: list[int]
+    source: InMemoryJobSource,
+    blobs: InMemoryBlobStore,
+    pool: list[bytes],
+    job_sizes: list[int],
+    message: dict[str, Any] | None = None,
 ) -> list[list[str]]:
-    """Queue one job per size; inputs are pool images stored under distinct keys."""
+    """Queue one job per size; inputs are pool images stored under distinct keys;
+    `message` joins each message's fields."""
     jobs, number = [], 0
     for job, size in enumerate(job_sizes):
         uris = []
@@ -245,7 +260,12 @@ def load_jobs(
             number += 1
         source.send(
             json.dumps(
-                {"job_id": f"job-{job}", "inputs": uris, "output": f"s3://bench/out/job-{job}/"}
+                {
+                    "job_id": f"job-{job}",
+                    "inputs": uris,
+                    "output": f"s3://bench/out/job-{job}/",
+                    **(message or {}),
+                }
             )
         )
         jobs.append(uris)
@@ -267,12 +287,15 @@ def run_daemon(
     work_dir: Path,
     stop_after_s: float | None = None,
     pool: list[bytes] | None = None,
+    *,
+    message: dict[str, Any] | None = None,
     **settings: Any,
 ) -> DaemonRun:
     """Run the daemon in this process over jobs of `job_sizes` (inputs from `pool`, the
-    bench's images by default), until drained (or stopped)."""
+    bench's images by default; `message` joins their messages' fields), until drained
+    (or stopped)."""
     source, timeline = TimedSource(), Timeline()
-    load_jobs(source, blobs, pool or image_pool(), job_sizes)
+    load_jobs(source, blobs, pool or image_pool(), job_sizes, message)
     defaults = {"batch_size": BATCH_SIZE, "log_dir": work_dir / "logs", "metrics_port": 0}
     config = Settings(
         queue_url="bench",
