@@ -88,11 +88,15 @@ def results_file_sizes(work_dir: Path, rows: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=3000, help="images per format")
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the size figure")
-    arguments = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    arguments = build_parser().parse_args()
     configure_daemon_logging(io.StringIO())
     with tempfile.TemporaryDirectory() as scratch:
         figures = {
