@@ -78,7 +78,7 @@ class InputReader:
             return (Input(uri) for uri in spec.inputs)
         if spec.manifest:
             return self._read(
-                f"manifest {spec.manifest}", lambda chunks: _manifest(chunks, self._allowed)
+                "manifest", spec.manifest, lambda chunks: _manifest(chunks, self._allowed)
             )
         if spec.inputs_prefix:
             return self._prefix(S3Location.parse(spec.inputs_prefix), spec.inputs_suffix or "")
@@ -90,16 +90,15 @@ class InputReader:
     def shard(self, uri: str) -> list[Input]:
         """A planned shard's inputs: its inputs file, a JSON `[uri, id]` per line."""
         parse = functools.partial(_shard_inputs, allowed=self._allowed)
-        return list(self._read(f"shard inputs {uri}", parse))
+        return list(self._read("shard inputs", uri, parse))
 
     def _read(
-        self, what: str, parse: Callable[[Iterator[bytes]], Iterator[Input]]
+        self, kind: str, uri: str, parse: Callable[[Iterator[bytes]], Iterator[Input]]
     ) -> Iterator[Input]:
-        """`parse` of the bytes of `what` ("<kind> <uri>") as they stream in; poison if
-        it cannot be read."""
-        uri = what.rsplit(" ", 1)[1]
+        """`parse` of the bytes of the `kind` of listing at `uri` as they stream in;
+        poison if it cannot be read."""
         chunks = self._blobs.chunks(S3Location.parse(uri), self._max_file_bytes)
-        with _unreadable_is_poison(what), contextlib.closing(chunks):
+        with _unreadable_is_poison(f"{kind} {uri}"), contextlib.closing(chunks):
             yield from parse(chunks)
 
     def _prefix(self, prefix: S3Location, suffix: str) -> Iterator[Input]:
