@@ -28,7 +28,6 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,7 +38,7 @@ from worker.jobs.arrays import ARRAY_FILE_SUFFIX
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.ledger import Ledger
 from worker.jobs.message import JobMessage
-from worker.jobs.tables import JSON_LINES, RESULTS_DIR, table_name
+from worker.jobs.tables import JSON_LINES, NDJSON, PARQUET, RESULTS_DIR, table_name
 from worker.ports import BlobStore
 
 if TYPE_CHECKING:
@@ -57,22 +56,22 @@ REQUEST_DIGEST_CHARS = 16
 # any array files, and a Parquet job's other files).
 COMPLETED_OUTPUTS = {
     JSON_LINES: ("results.jsonl", "job.log"),
-    "parquet": (table_name(0, 0), "job.log"),
+    PARQUET: (table_name(0, 0), "job.log"),
 }
 # How often the checkpointer looks for jobs due a checkpoint.
 CHECK_EVERY_S = 1.0
 
 
 def request_digest(
-    inputs: Iterable[str], ids: list[Any] | None, params: dict[str, Any], model: ModelIdentity
+    inputs: list[str], ids: list[Any] | None, params: dict[str, Any], model: ModelIdentity
 ) -> str:
     """Names one request: its inputs, in order (with their ids, if its table gives
     them), its params and the model that answers it (job.json records it as
     `request_digest`). Another model's results are another request's: they are neither
     resumed from nor taken as done."""
     digest = RequestDigest()
-    for number, uri in enumerate(inputs):
-        digest.add(uri, ids[number] if ids is not None else None)
+    for uri, input_id in zip(inputs, [None] * len(inputs) if ids is None else ids, strict=True):
+        digest.add(uri, input_id)
     return digest.hexdigest(params, model.as_dict())
 
 
@@ -235,9 +234,7 @@ class Checkpoints:
             try:
                 self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
                 records = b"".join(result.line for _, result in results)
-                self._blobs.put(
-                    job.spec.output_location(f"{name}.jsonl"), records, "application/x-ndjson"
-                )
+                self._blobs.put(job.spec.output_location(f"{name}.jsonl"), records, NDJSON)
             except Exception as error:
                 log.warning("checkpoint_failed", job_id=job.job_id, error=repr(error))
                 self._ledger.keep_unsaved(job, [index for index, _ in results])

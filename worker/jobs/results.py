@@ -22,6 +22,7 @@ from worker.jobs.shards import Shards
 from worker.jobs.summary import job_summary
 from worker.jobs.tables import (
     JSON_LINES,
+    NDJSON,
     PARQUET_CONTENT_TYPE,
     Output,
     Tables,
@@ -45,7 +46,6 @@ PARQUET_DIR = "parquet"  # in the job's directory of array files
 FINISH_ATTEMPTS = 3
 FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
 NPY_CONTENT_TYPE = "application/x-npy"
-NDJSON = "application/x-ndjson"
 
 
 class Regrouper:

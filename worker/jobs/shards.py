@@ -49,6 +49,7 @@ from worker.jobs.plan import (
 from worker.jobs.summary import job_summary
 from worker.jobs.tables import (
     JSON_LINES,
+    NDJSON,
     PARQUET,
     PARQUET_CONTENT_TYPE,
     Output,
@@ -66,7 +67,6 @@ from worker.ports import (
 log = structlog.get_logger()
 
 T = TypeVar("T")
-NDJSON = "application/x-ndjson"
 S3_THREADS = 16  # requests at once while planning and merging
 PROGRESS_TRIES = 3  # a progress.json write that another shard beats is tried again
 MAX_COMMIT_BYTES = 64 * 1024

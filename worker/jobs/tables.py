@@ -33,6 +33,7 @@ from worker.plugins.encoding import ArrayLayouts
 PARQUET = "parquet"
 JSON_LINES = "jsonl"
 PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"
+NDJSON = "application/x-ndjson"  # results.jsonl's and job.log's content type
 RESULTS_DIR = "results/"
 # An array field's value in a results line: which file, which row (`worker.jobs.arrays`).
 ARRAY_REFERENCE = pa.struct([("array", pa.string()), ("row", pa.int64())])
@@ -85,21 +86,22 @@ class Tables:
     def write(self, lines: bytes, arrays: dict[str, Path], directory: Path) -> list[Path]:
         """The job's results (its results.jsonl lines) as Parquet files in `directory`,
         in order; `arrays` are its array files by name (`<field>.npy`)."""
-        table = self._table(lines, arrays)
+        sources = self._array_sources(arrays)
+        table = self._table(lines, sources)
         directory.mkdir(parents=True, exist_ok=True)
-        row_bytes = max(1, math.ceil(_row_bytes(table, arrays) or 1))
+        row_bytes = max(1, math.ceil(_row_bytes(table, sources) or 1))
         rows_per_group = max(1, self._row_group_bytes // row_bytes)
         files: list[Path] = []
         writer: pq.ParquetWriter | None = None
         sink: pa.OSFile | None = None
-        schema = self._output_schema(table.schema, arrays)
+        schema = _output_schema(table.schema, sources)
         try:
             for start in range(0, max(table.num_rows, 1), rows_per_group):
                 if writer is None:
                     files.append(directory / f"{len(files):04d}.{PARQUET}")
                     sink = pa.OSFile(str(files[-1]), "wb")
                     writer = pq.ParquetWriter(sink, schema, compression="zstd")
-                group = self._with_arrays(table.slice(start, rows_per_group), arrays)
+                group = _with_arrays(table.slice(start, rows_per_group), sources)
                 writer.write_table(group.cast(schema))
                 assert sink is not None
                 if sink.tell() >= self._file_bytes:
@@ -113,15 +115,21 @@ class Tables:
                 sink.close()
         return files
 
-    def _table(self, lines: bytes, arrays: dict[str, Path]) -> pa.Table:
+    def _array_sources(self, arrays: dict[str, Path]) -> dict[str, np.ndarray]:
+        """Each array field's rows by its name, memory-mapped from its file; a field
+        the probe gave that no item wrote, one row of zeros of its layout."""
+        sources = {
+            name: np.zeros((1, *shape), dtype) for name, (dtype, shape) in self._layouts.items()
+        }
+        for name, path in arrays.items():
+            sources[name.removesuffix(".npy")] = np.load(path, mmap_mode="r")
+        return dict(sorted(sources.items()))
+
+    def _table(self, lines: bytes, sources: dict[str, np.ndarray]) -> pa.Table:
         """The lines as a table: the record's columns, the probed fields' and an array
         reference for each array field, typed so; other fields typed by their values."""
         hint = pa.schema(
-            [
-                *RECORD_SCHEMA,
-                *self._fields,
-                *((name, ARRAY_REFERENCE) for name in _array_fields(self._layouts, arrays)),
-            ]
+            [*RECORD_SCHEMA, *self._fields, *((name, ARRAY_REFERENCE) for name in sources)]
         )
         if not lines:
             return hint.empty_table()
@@ -133,43 +141,22 @@ class Tables:
             ),
         )
 
-    def _output_schema(self, schema: pa.Schema, arrays: dict[str, Path]) -> pa.Schema:
-        """`schema` with each array reference's column typed as its rows."""
-        types = {
-            name: _list_type(*self._layout(name, arrays))
-            for name in _array_fields(self._layouts, arrays)
-        }
-        return pa.schema(
-            [pa.field(f.name, types[f.name]) if f.name in types else f for f in schema]
-        )
 
-    def _layout(self, name: str, arrays: dict[str, Path]) -> tuple[np.dtype[Any], tuple[int, ...]]:
-        path = arrays.get(f"{name}.npy")
-        if path is None:
-            return self._layouts[name]
-        rows = np.load(path, mmap_mode="r")
-        return rows.dtype, rows.shape[1:]
-
-    def _with_arrays(self, group: pa.Table, arrays: dict[str, Path]) -> pa.Table:
-        """`group` with each array reference replaced by the row it refers to (null for
-        an item that has none: it failed)."""
-        for name in _array_fields(self._layouts, arrays):
-            dtype, shape = self._layout(name, arrays)
-            position = group.schema.get_field_index(name)
-            refs = group.column(name).combine_chunks()
-            rows = pc.struct_field(refs, "row")
-            missing = rows.is_null()
-            path = arrays.get(f"{name}.npy")
-            if path is None:
-                values = np.zeros((len(group), *shape), dtype)
-            else:
-                values = np.load(path, mmap_mode="r")[rows.fill_null(0).to_numpy()]
-            group = group.set_column(position, name, _fixed_lists(values, missing))
-        return group
+def _output_schema(schema: pa.Schema, sources: dict[str, np.ndarray]) -> pa.Schema:
+    """`schema` with each array reference's column typed as its rows."""
+    types = {name: _list_type(rows.dtype, rows.shape[1:]) for name, rows in sources.items()}
+    return pa.schema([pa.field(f.name, types[f.name]) if f.name in types else f for f in schema])
 
 
-def _array_fields(layouts: ArrayLayouts, arrays: dict[str, Path]) -> list[str]:
-    return sorted({*layouts, *(name.removesuffix(".npy") for name in arrays)})
+def _with_arrays(group: pa.Table, sources: dict[str, np.ndarray]) -> pa.Table:
+    """`group` with each array reference replaced by the row it refers to (null for an
+    item that has none: it failed)."""
+    for name, source in sources.items():
+        rows = pc.struct_field(group.column(name).combine_chunks(), "row")
+        values = source[rows.fill_null(0).to_numpy()]
+        position = group.schema.get_field_index(name)
+        group = group.set_column(position, name, _fixed_lists(values, rows.is_null()))
+    return group
 
 
 def _list_type(dtype: np.dtype[Any], shape: tuple[int, ...]) -> pa.DataType:
@@ -187,10 +174,9 @@ def _fixed_lists(values: np.ndarray, missing: pa.Array) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(column, values.shape[1], mask=missing)
 
 
-def _row_bytes(table: pa.Table, arrays: dict[str, Path]) -> float:
+def _row_bytes(table: pa.Table, sources: dict[str, np.ndarray]) -> float:
     """About how many bytes a row of the results takes, its arrays included."""
     per_row: float = table.nbytes / max(table.num_rows, 1)
-    for path in arrays.values():
-        rows = np.load(path, mmap_mode="r")
+    for rows in sources.values():
         per_row += rows.dtype.itemsize * math.prod(rows.shape[1:])
     return per_row
