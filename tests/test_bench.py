@@ -124,14 +124,14 @@ def test_the_gpu_figures_compare_runs_that_decoded_where_they_were_asked(tmp_pat
     process and with two, and draws their timelines; the end-to-end figure runs the
     daemon against moto and draws its own."""
     photo_decoder = "tests.support.faults:standin_photo_decoder"
-    report = decode_speedup(tmp_path, 200, device="cpu", preprocess=photo_decoder)
+    report = decode_speedup(tmp_path, 100, device="cpu", preprocess=photo_decoder)
     assert report["gpu_decode_fallback_jobs"] == 0
     assert report["decode_cpu_images_per_s"] > 0 and report["decode_gpu_images_per_s"] > 0
     out = tmp_path / "out"
     modelled = {"device": "cpu", "model": "bench.harness:device_model", "preprocess": photo_decoder}
-    figures = gpu_overlap(tmp_path, 200, out, **modelled)
+    figures = gpu_overlap(tmp_path, 100, out, **modelled)
     assert figures["gpu_overlap"] > 0 and 0 < figures["gpu_busy_fraction"] <= 1
     assert figures["gpu_two_processes_ratio"] > 0
     assert (out / "timeline.png").is_file() and (out / "two-processes/timeline.png").is_file()
-    assert moto_end_to_end(tmp_path, 200, out, **modelled)["moto_images_per_s"] > 0
+    assert moto_end_to_end(tmp_path, 100, out, **modelled)["moto_images_per_s"] > 0
     assert (out / "moto/timeline.png").is_file()

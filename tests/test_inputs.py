@@ -3,6 +3,7 @@ in-memory store: what each yields, in order, and what makes its message poison."
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import io
 import json
@@ -57,16 +58,34 @@ def test_a_csv_table_gives_its_uri_column_and_its_ids_as_written(name: str) -> N
     ]
 
 
-def test_a_parquet_table_gives_its_rows_in_order_with_ids_of_their_own_type() -> None:
+def test_a_parquet_table_gives_its_rows_in_order_with_its_ids_as_text() -> None:
+    """Whatever the id column's type (integers, timestamps), its ids come as the text
+    Arrow writes them as, a null as None; a column that has no text (a struct) is
+    refused with its type named."""
     blobs = InMemoryBlobStore()
     uris = [f"s3://photos/{number}.jpg" for number in range(5)]
+    moments = [datetime.datetime(2026, 11, day) for day in range(1, 5)] + [None]
     blobs.objects["s3://tables/ids.parquet"] = _parquet(
-        pa.table({"uri": uris, "id": list(range(100, 105))})
+        pa.table(
+            {
+                "uri": uris,
+                "id": list(range(100, 105)),
+                "taken": pa.array(moments, pa.timestamp("s")),
+                "box": [{"x": number} for number in range(5)],
+            }
+        )
     )
     listed = _read(blobs, table={"uri": "s3://tables/ids.parquet", "id_column": "id"})
-    assert listed == [Input(uri, 100 + number) for number, uri in enumerate(uris)]
+    assert listed == [Input(uri, str(100 + number)) for number, uri in enumerate(uris)]
+    by_time = _read(blobs, table={"uri": "s3://tables/ids.parquet", "id_column": "taken"})
+    assert [listed.id for listed in by_time] == [
+        *(f"2026-11-0{day} 00:00:00.000" for day in range(1, 5)),
+        None,
+    ]
     no_ids = _read(blobs, table={"uri": "s3://tables/ids.parquet"})
     assert no_ids == [Input(uri) for uri in uris]
+    with pytest.raises(PoisonMessage, match=r"id column box \(struct<x: int64>\) cannot be read"):
+        _read(blobs, table={"uri": "s3://tables/ids.parquet", "id_column": "box"})
 
 
 def test_an_s3_inventory_lists_the_current_objects_of_its_files_in_order() -> None:
@@ -116,6 +135,16 @@ def test_an_s3_inventory_lists_the_current_objects_of_its_files_in_order() -> No
             "secret",
         ),
         ({}, {"table": {"uri": "s3://tbl/missing.csv"}}, "does not exist"),
+        (
+            {"s3://tbl/a.csv.gz": b"uri\ns3://pix/a\n"},
+            {"table": {"uri": "s3://tbl/a.csv.gz"}},
+            "not gzip",
+        ),
+        (
+            {"s3://tbl/a.csv.gz": gzip.compress(b"uri\n" + b"s3://pix/a\n" * 100)[:-30]},
+            {"table": {"uri": "s3://tbl/a.csv.gz"}},
+            "cut short",
+        ),
         ({"s3://tbl/m.json": b"{}"}, {"inventory": "s3://tbl/m.json"}, "not an S3 Inventory"),
         (
             {

@@ -223,3 +223,37 @@ def test_a_merge_that_fails_is_done_by_the_last_shards_redelivery(tmp_path: Path
         "job.json",
         "plan.json",
     }
+
+
+def test_a_job_sent_again_in_the_other_format_is_another_request(tmp_path: Path) -> None:
+    """The same inputs sent again as Parquet are planned again (the format is part of
+    the request's digest) and end as Parquet files; a late watch of the job that asks
+    for its format finds it done and changes nothing, one asking for another is poison."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    _send(source, "twice", inputs, shard_items=2)
+    run_until_drained(source, blobs, tmp_path)
+    as_lines = job_file(blobs, "twice", "job.json")
+    _send(source, "twice", inputs, shard_items=2, format="parquet")
+    run_until_drained(source, blobs, tmp_path)
+    as_table = job_file(blobs, "twice", "job.json")
+    assert as_table["format"] == "parquet"
+    assert as_table["request_digest"] != as_lines["request_digest"]
+    assert [name for name in as_table["outputs"] if name.startswith("results/")] == [
+        "results/part-000000-0000.parquet",
+        "results/part-000001-0000.parquet",
+    ]
+    written = dict(blobs.objects)
+    watch = {
+        "job_id": "twice",
+        "output": "s3://bkt/out/twice/",
+        "watch": as_table["request_digest"],
+    }
+    source.send(json.dumps({**watch, "format": "parquet"}))
+    source.send(json.dumps(watch))
+    run_until_drained(source, blobs, tmp_path)
+    ((_, reason),) = source.dead_letters
+    assert "a jsonl message for a job planned as parquet" in reason
+    assert {uri: data for uri, data in blobs.objects.items() if "progress" not in uri} == {
+        uri: data for uri, data in written.items() if "progress" not in uri
+    }

@@ -82,7 +82,7 @@ def test_each_kind_of_input_listing_runs_and_parquet_results_read_as_one_table(
 
     prefix = aws.results(job_output(stack, "prefix"))
     assert [line["input"] for line in prefix] == images
-    assert [line["id"] for line in aws.results(job_output(stack, "parquet"))] == [7, 8, 9]
+    assert [line["id"] for line in aws.results(job_output(stack, "parquet"))] == ["7", "8", "9"]
     assert [line["input"] for line in aws.results(job_output(stack, "inventory"))] == images[:4]
     [dead] = aws.dead_letters(stack.dlq_url)
     assert json.loads(dead["Body"])["job_id"] == "no-column"

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -198,7 +200,9 @@ def test_a_chain_of_models_finds_and_names_the_shapes_on_each_board(
     found, and the default classifier on the crops, each model in its own process. Each
     board's line lists its shapes in tile order with their boxes and labels; an empty
     board has none; an input that does not decode is that input's error; job.json names
-    the chain and both its models, and every line carries the chain's name@version."""
+    the chain and both its models, and every line carries the chain's name@version. The
+    same job as Parquet has the same rows, with the chain's columns as its answer for a
+    board with no shapes types them: `count` an integer, `objects` JSON text."""
     stack = aws.stack()
     truth: dict[str, list[tuple[int, str]]] = {}
     for number, (shapes, data) in enumerate(boards(30, seed=21)):
@@ -211,6 +215,11 @@ def test_a_chain_of_models_finds_and_names_the_shapes_on_each_board(
     inputs = [*truth, f"s3://{stack.bucket}/boards/empty", f"s3://{stack.bucket}/boards/corrupt"]
     output = f"s3://{stack.bucket}/out/boards/"
     aws.send(stack.queue_url, {"job_id": "boards", "inputs": inputs, "output": output})
+    parquet = f"s3://{stack.bucket}/out/boards-parquet/"
+    aws.send(
+        stack.queue_url,
+        {"job_id": "boards-parquet", "inputs": inputs, "output": parquet, "format": "parquet"},
+    )
 
     run = run_daemon(
         aws,
@@ -250,6 +259,17 @@ def test_a_chain_of_models_finds_and_names_the_shapes_on_each_board(
     model = summary["model"]
     assert (model["name"], model["version"]) == ("shape-boards", "1")
     assert [step["name"] for step in model["steps"]] == ["tile-finder", "shapes-cnn"]
+    (name,) = [name for name in aws.summary(parquet)["outputs"] if name.startswith("results/")]
+    table = pq.read_table(io.BytesIO(aws.read(parquet, name)))
+    assert (table.schema.field("count").type, table.schema.field("objects").type) == (
+        pa.int64(),
+        pa.string(),
+    )
+    rows = table.to_pylist()
+    assert [row["input"] for row in rows] == inputs
+    assert [json.loads(row["objects"] or "null") for row in rows] == [
+        result.get("objects") for result in results
+    ]
 
 
 def test_an_embedding_job_leaves_its_array_file_in_s3(aws: Aws, tmp_path: Path) -> None:

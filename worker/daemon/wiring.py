@@ -51,7 +51,7 @@ from worker.jobs.shards import Shards
 from worker.jobs.stragglers import Stragglers
 from worker.jobs.tables import Tables
 from worker.plugins import PluginError
-from worker.plugins.encoding import chain_postprocess_fault
+from worker.plugins.encoding import chain_postprocess_fault, encoded_fields, probed_columns
 from worker.plugins.identity import ModelIdentity, pipeline_identity
 from worker.plugins.loading import load_postprocessor
 from worker.ports import BlobStore, JobSource, NoticeSource, ScaleInGuard
@@ -194,6 +194,8 @@ class Daemon:
                 "the daemon runs that whenever it fails an input, to tell a broken worker "
                 "from bad inputs"
             )
+        if spec.fan_out:  # its answer for no parts gives its fields' columns
+            self._tables.probed(*probed_columns(encoded_fields(postprocess, [], {})))
         self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
         intake = Intake(
             settings,
@@ -294,8 +296,9 @@ class Daemon:
             models.append(ModelIdentity(**about["model"]))
             log.info("model_ready", **about["model"], warm_up=about["warm_up"])
             # From the model's process, where its postprocessor runs (not a chain's).
-            self._arrays.layouts = about.get("arrays")
-            self._tables.probed(about.get("fields"), about.get("arrays"))
+            if "fields" in about:
+                self._arrays.layouts = about["arrays"]
+                self._tables.probed(about["fields"], about["arrays"])
         identity = pipeline_identity(spec, models)
         self._metrics.model.info(identity.labels())
         if identity.steps:

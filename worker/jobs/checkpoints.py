@@ -28,6 +28,7 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,7 +39,14 @@ from worker.jobs.arrays import ARRAY_FILE_SUFFIX
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.ledger import Ledger
 from worker.jobs.message import JobMessage
-from worker.jobs.tables import JSON_LINES, NDJSON, PARQUET, RESULTS_DIR, table_name
+from worker.jobs.tables import (
+    JSON_LINES,
+    NDJSON,
+    PARQUET,
+    RESULTS_DIR,
+    stale_tables,
+    table_name,
+)
 from worker.ports import BlobStore
 
 if TYPE_CHECKING:
@@ -63,16 +71,20 @@ CHECK_EVERY_S = 1.0
 
 
 def request_digest(
-    inputs: list[str], ids: list[Any] | None, params: dict[str, Any], model: ModelIdentity
+    inputs: list[str],
+    ids: list[Any] | None,
+    params: dict[str, Any],
+    model: ModelIdentity,
+    output_format: str,
 ) -> str:
     """Names one request: its inputs, in order (with their ids, if its table gives
-    them), its params and the model that answers it (job.json records it as
-    `request_digest`). Another model's results are another request's: they are neither
-    resumed from nor taken as done."""
+    them), its params, the model that answers it and the format of its results (job.json
+    records it as `request_digest`). Another model's results are another request's:
+    they are neither resumed from nor taken as done."""
     digest = RequestDigest()
     for uri, input_id in zip(inputs, [None] * len(inputs) if ids is None else ids, strict=True):
         digest.add(uri, input_id)
-    return digest.hexdigest(params, model.as_dict())
+    return digest.hexdigest(params, model.as_dict(), output_format)
 
 
 class RequestDigest:
@@ -88,10 +100,13 @@ class RequestDigest:
         self._hash.update(self._separator + json.dumps(entry).encode())
         self._separator = b","
 
-    def hexdigest(self, params: dict[str, Any], model: dict[str, Any]) -> str:
-        """The digest of the inputs added so far, with `params` and the model's identity
-        (`ModelIdentity.as_dict`)."""
-        rest = json.dumps([params, model], sort_keys=True, separators=(",", ":"))
+    def hexdigest(self, params: dict[str, Any], model: dict[str, Any], output_format: str) -> str:
+        """The digest of the inputs added so far, with `params`, the model's identity
+        (`ModelIdentity.as_dict`) and the results' format: a format other than JSON
+        lines is appended, so that a JSON-lines request keeps the digest it had before
+        there were others (its checkpoints resume across the upgrade)."""
+        formats = [] if output_format == JSON_LINES else [output_format]
+        rest = json.dumps([params, model, *formats], sort_keys=True, separators=(",", ":"))
         whole = self._hash.copy()
         whole.update(b"]," + rest[1:].encode())
         return whole.hexdigest()[:REQUEST_DIGEST_CHARS]
@@ -130,7 +145,7 @@ class Checkpoints:
     ) -> Prior:
         """One listing of the output prefix, then job.json, `cancel` and checkpoint parts
         as needed. `inputs` are the job's from `first_index` on (a shard's)."""
-        digest = request_digest(inputs, ids, spec.params, model)
+        digest = request_digest(inputs, ids, spec.params, model, spec.format)
         listing = self.outputs(spec)
         cancelled = self._cancel_stands(spec, job_id, listing)
         summary = self._completed(spec, digest, listing, cancelled)
@@ -187,7 +202,20 @@ class Checkpoints:
         written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
         if not written or not _completes(written, spec.format, digest, listing, cancelled):
             return None
+        self.remove_stale(spec, listing, written["outputs"])
         return written
+
+    def remove_stale(
+        self, spec: JobMessage, listing: Iterable[str], written: Iterable[str]
+    ) -> None:
+        """Delete the results files an earlier run left (it wrote more of them) beyond
+        those a finished job's job.json names; never raises: whoever finds the job done
+        next tries again."""
+        stale = stale_tables(listing, written)
+        try:
+            self._blobs.delete([spec.output_location(name) for name in stale])
+        except Exception as error:
+            log.warning("stale_results_not_removed", output=spec.output, error=repr(error))
 
     def halt(self, job: Job) -> Halt | None:
         """Why a running job must stop, if it must, from one listing of its output: its

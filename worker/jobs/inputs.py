@@ -23,6 +23,7 @@ import io
 import json
 import tempfile
 import urllib.parse
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -45,6 +46,7 @@ TABLE_BATCH_ROWS = 65_536
 # A CSV row longer than this is no input's: pyarrow reads blocks of this size.
 CSV_BLOCK_BYTES = 2**20
 MAX_INVENTORY_MANIFEST_BYTES = 16 * 2**20
+GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's way of asking for a gzip header
 # An S3 Inventory's columns that keep a row out: a delete marker, an older version (by
 # their names in lower case without "_": a CSV's IsLatest is a Parquet file's is_latest).
 INVENTORY_SKIPS = {"isdeletemarker": True, "islatest": False}
@@ -52,7 +54,7 @@ INVENTORY_SKIPS = {"isdeletemarker": True, "islatest": False}
 
 class Input(NamedTuple):
     uri: str
-    id: Any = None  # a table's id for it: a string or a number, or None
+    id: str | None = None  # a table's id for it, as text
 
 
 class InputReader:
@@ -109,12 +111,14 @@ class InputReader:
 
     def _table(self, table: TableSource) -> Iterator[Input]:
         columns = [table.uri_column, *([table.id_column] if table.id_column else [])]
+        rows = 0
         for batch in self._batches(table.uri, table.file_format(), columns, header=True):
             uris = batch.column(table.uri_column).to_pylist()
-            ids = batch.column(table.id_column).to_pylist() if table.id_column else None
-            for number, uri in enumerate(uris):
-                self._check(uri, f"{table.uri} row {number + 1}")
-                yield Input(uri, ids[number] if ids is not None else None)
+            ids = _ids_as_text(table, batch) if table.id_column else [None] * len(uris)
+            for number, (uri, input_id) in enumerate(zip(uris, ids, strict=True), rows + 1):
+                self._check(uri, f"{table.uri} row {number}")
+                yield Input(uri, input_id)
+            rows += len(uris)
 
     def _inventory(self, manifest_uri: str, suffix: str) -> Iterator[Input]:
         """The objects an S3 Inventory report lists, file by file in its manifest's order."""
@@ -125,11 +129,14 @@ class InputReader:
         for key in report.files:
             uri = f"s3://{report.bucket}/{key}"
             columns = report.columns if report.file_format == "csv" else None
+            rows = 0
             for batch in self._batches(uri, report.file_format, columns, header=False):
-                yield from self._inventory_rows(uri, batch, suffix, report.file_format == "csv")
+                csv = report.file_format == "csv"
+                yield from self._inventory_rows(uri, batch, rows, suffix, csv)
+                rows += batch.num_rows
 
     def _inventory_rows(
-        self, uri: str, batch: pa.RecordBatch, suffix: str, url_encoded: bool
+        self, uri: str, batch: pa.RecordBatch, rows_before: int, suffix: str, url_encoded: bool
     ) -> Iterator[Input]:
         names = {name.lower().replace("_", ""): name for name in batch.schema.names}
         if not {"bucket", "key"} <= names.keys():
@@ -141,15 +148,16 @@ class InputReader:
             for column, value in INVENTORY_SKIPS.items()
             if column in names
         ]
-        for number, (bucket, listed_key) in enumerate(zip(buckets, keys, strict=True)):
-            if any(_truthy(values[number]) == value for values, value in skips):
+        for row, (bucket, listed_key) in enumerate(zip(buckets, keys, strict=True)):
+            if any(_truthy(values[row]) == value for values, value in skips):
                 continue
+            where = f"inventory file {uri} row {rows_before + row + 1}"
             if not isinstance(bucket, str) or not isinstance(listed_key, str):
-                raise PoisonMessage(f"inventory file {uri} row {number + 1} has no bucket or key")
+                raise PoisonMessage(f"{where} has no bucket or key")
             key = urllib.parse.unquote_plus(listed_key) if url_encoded else listed_key
             if key.endswith(suffix) and not key.endswith("/"):
                 input_uri = f"s3://{bucket}/{key}"
-                self._check(input_uri, f"inventory file {uri} row {number + 1}")
+                self._check(input_uri, where)
                 yield Input(input_uri)
 
     def _batches(
@@ -180,9 +188,10 @@ class InputReader:
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         with contextlib.closing(chunks):
-            stream: Any = io.BufferedReader(_ChunkStream(chunks), CSV_BLOCK_BYTES)
-            if location.key.endswith(".gz"):
-                stream = pa.CompressedInputStream(pa.PythonFile(stream, mode="r"), "gzip")
+            pieces = (
+                _gunzipped(chunks, location) if location.key.lower().endswith(".gz") else chunks
+            )
+            stream = io.BufferedReader(_ChunkStream(pieces), CSV_BLOCK_BYTES)
             read = pa_csv.ReadOptions(
                 block_size=CSV_BLOCK_BYTES,
                 column_names=None if header else columns,
@@ -228,18 +237,40 @@ def _inventory_report(uri: str, data: bytes) -> _InventoryReport:
     return _InventoryReport(bucket, file_format, columns, files)
 
 
+def _ids_as_text(table: TableSource, batch: pa.RecordBatch) -> list[str | None]:
+    """A batch's ids as text, whatever their column's type (an integer, a date, a
+    decimal): every file of a job's results then has the same `id` column, and every id
+    can be written on a JSON line."""
+    assert table.id_column is not None
+    column = batch.column(table.id_column)
+    try:
+        ids: list[str | None] = column.cast(pa.string()).to_pylist()
+    except pa.ArrowException as error:
+        raise PoisonMessage(
+            f"table {table.uri}: its id column {table.id_column} ({column.type}) cannot be "
+            f"read as text: {error}"
+        ) from error
+    return ids
+
+
 def _manifest(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
     return (Input(uri) for uri in manifest_uris(chunks, allowed))
 
 
 def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
-    """A shard's inputs file: written by a planner, but read from S3, so checked."""
+    """A shard's inputs file: written by a planner, but read from S3, so checked. A line
+    that is not JSON is a URI alone, as planners wrote before there were ids."""
     data = b"".join(chunks)
     for number, line in enumerate(data.splitlines(), start=1):
-        try:
-            uri, input_id = json.loads(line)
-        except ValueError as error:
-            raise PoisonMessage(f"shard inputs line {number} is not [uri, id]") from error
+        if not line.startswith(b"["):
+            uri, input_id = line.decode(errors="replace"), None
+        else:
+            try:
+                uri, input_id = json.loads(line)
+            except ValueError as error:
+                raise PoisonMessage(f"shard inputs line {number} is not [uri, id]") from error
+        if not isinstance(input_id, str | None):
+            raise PoisonMessage(f"shard inputs line {number}: its id is not text")
         try:
             bucket = S3Location.parse(uri).bucket
         except (ValueError, AttributeError) as error:
@@ -251,6 +282,25 @@ def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[
 def shard_line(listed: Input) -> bytes:
     """`listed` as a line of a shard's inputs file."""
     return json.dumps([listed.uri, listed.id]).encode() + b"\n"
+
+
+def _gunzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
+    """A gzip file's bytes, inflated as they stream in (its members one after another);
+    poison if it is not gzip or is cut short. (pyarrow's own gzip stream raises the
+    OSError a local disk's failure raises too.)"""
+    inflate = zlib.decompressobj(wbits=GZIP_WBITS)
+    try:
+        for chunk in chunks:
+            pending = chunk
+            while pending:
+                yield inflate.decompress(pending)
+                pending = inflate.unused_data
+                if pending:
+                    inflate = zlib.decompressobj(wbits=GZIP_WBITS)
+    except zlib.error as error:
+        raise PoisonMessage(f"table {location} is not gzip: {error}") from error
+    if not inflate.eof:
+        raise PoisonMessage(f"table {location} is cut short (its gzip stream does not end)")
 
 
 def _truthy(value: Any) -> bool:

@@ -307,7 +307,7 @@ class Intake:
         for uri, input_id in itertools.chain(first, stream):  # read through, never held whole
             count += 1
             digest.add(uri, input_id)
-        request = digest.hexdigest(spec.params, model.as_dict())
+        request = digest.hexdigest(spec.params, model.as_dict(), spec.format)
         done = self._checkpoints.finished(spec, job_id, request)
         if done is not None:
             log.info("job_already_done", job_id=job_id, status=done.get("status"))

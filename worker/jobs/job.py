@@ -46,7 +46,8 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         {JobState.RUNNING, JobState.FINISHING, JobState.RELEASED, JobState.SUPERSEDED}
     ),
     JobState.RUNNING: frozenset({JobState.FINISHING, JobState.RELEASED, JobState.SUPERSEDED}),
-    JobState.FINISHING: frozenset({JobState.ACKED, JobState.RELEASED}),
+    # Dead-lettered while finishing: results its model's columns cannot hold (`UnfitResults`).
+    JobState.FINISHING: frozenset({JobState.ACKED, JobState.RELEASED, JobState.DEAD_LETTERED}),
 }
 
 

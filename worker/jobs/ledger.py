@@ -277,7 +277,8 @@ class Ledger:
             job.unsaved.extend(indices)
 
     def dead_letter(self, job: Job) -> bool:
-        """RECEIVED -> DEAD_LETTERED: a poison message. False if settled already."""
+        """RECEIVED | FINISHING -> DEAD_LETTERED: a poison message, or one whose results
+        cannot be written. False if settled already."""
         return self._settle(job, JobState.DEAD_LETTERED)
 
     def forget(self, job: Job) -> None:

@@ -87,7 +87,7 @@ class JobMessage(BaseModel):
     # Set by the worker that planned the job, on each of its shards' messages.
     shard: ShardRef | None = None
     # Set by workers on a planned job's timer: look for its straggling shards (the
-    # digest of its plan). Such a message names no inputs.
+    # digest of its plan), with the format of its results. Such a message names no inputs.
     watch: str | None = Field(default=None, pattern=DIGEST_PATTERN)
 
     @model_validator(mode="after")
@@ -95,7 +95,7 @@ class JobMessage(BaseModel):
         sources = [name for name in INPUT_SOURCES if getattr(self, name) is not None]
         if self.watch is not None:
             if self.job_id is None or sources or self.shard:
-                raise ValueError("a watch names its job's 'job_id' and 'output' alone")
+                raise ValueError("a watch names its job's 'job_id', 'output' and 'format' alone")
             return self
         if len(sources) != 1:
             raise ValueError(f"give exactly one of {', '.join(map(repr, INPUT_SOURCES))}")

@@ -55,8 +55,9 @@ class Plan(BaseModel):
     params: dict[str, Any]  # every shard runs with these (they are part of the digest)
     received_at: float  # when the job's message was first received (the planner's clock)
     attempt: int = Field(ge=1)  # the delivery of the job's message that planned it
-    format: Literal["jsonl", "parquet"]  # every shard writes its results so
-    ids: bool  # whether the job's inputs have ids (a table's id column)
+    # Defaults: what a plan written before there were formats and ids means.
+    format: Literal["jsonl", "parquet"] = "jsonl"  # every shard writes its results so
+    ids: bool = False  # whether the job's inputs have ids (a table's id column)
 
     @property
     def shards(self) -> int:
@@ -111,4 +112,11 @@ def shard_body(spec: JobMessage, plan: Plan, shard: int) -> str:
 
 def watch_body(spec: JobMessage, plan: Plan) -> str:
     """The message that has a worker look for the job's straggling shards."""
-    return json.dumps({"job_id": plan.job_id, "output": spec.output, "watch": plan.request_digest})
+    return json.dumps(
+        {
+            "job_id": plan.job_id,
+            "output": spec.output,
+            "format": plan.format,
+            "watch": plan.request_digest,
+        }
+    )

@@ -103,7 +103,8 @@ class Planner:
 
         each_at_once(write, files)
         leftover = next(stream, None)
-        if leftover is not None or digest.hexdigest(spec.params, plan.model) != plan.request_digest:
+        listed_digest = digest.hexdigest(spec.params, plan.model, plan.format)
+        if leftover is not None or listed_digest != plan.request_digest:
             raise TransientError("the job's inputs changed while it was planned")
 
     def _publish(self, spec: JobMessage, plan: Plan, replaces: str) -> Plan:

@@ -26,7 +26,7 @@ from worker.jobs.tables import (
     PARQUET_CONTENT_TYPE,
     Output,
     Tables,
-    stale_tables,
+    UnfitResults,
     table_name,
 )
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
@@ -282,6 +282,9 @@ class Finisher:
                 log.warning("job_fenced", job_id=job.job_id, error=str(error))
                 self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
                 return False, None
+            except UnfitResults as error:  # the same on every delivery, until the model changes
+                self._outcomes.dead_letter(job, str(error))
+                return False, None
             except Exception as error:
                 log.warning(
                     "job_upload_failed", job_id=job.job_id, attempt=attempt, error=repr(error)
@@ -314,7 +317,8 @@ class Finisher:
                 ("results.jsonl", lines, NDJSON),
             ]
         shard = job.spec.shard.index if job.spec.shard else 0
-        files = self._tables.write(lines, arrays, job.arrays.directory / PARQUET_DIR)
+        directory = job.arrays.directory / PARQUET_DIR
+        files = self._tables.write(lines, arrays, directory, ids=job.ids is not None)
         return [
             (table_name(shard, number), path, PARQUET_CONTENT_TYPE)
             for number, path in enumerate(files)
@@ -331,8 +335,7 @@ class Finisher:
             self._put(job, name, data, content_type)
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         self._put(job, "job.json", json.dumps(summary).encode() + b"\n", "application/json")
-        stale = stale_tables(job.output_etags, summary["outputs"])
-        self._blobs.delete([job.spec.output_location(name) for name in stale])
+        self._checkpoints.remove_stale(job.spec, job.output_etags, summary["outputs"])
         return summary
 
     def _commit(self, job: Job, summary: dict[str, Any], lines: bytes) -> dict[str, Any] | None:

@@ -53,7 +53,6 @@ from worker.jobs.tables import (
     PARQUET,
     PARQUET_CONTENT_TYPE,
     Output,
-    stale_tables,
     table_name,
 )
 from worker.ports import (
@@ -143,7 +142,6 @@ class Shards:
             or index >= plan.shards
             or spec.manifest != expected_inputs
             or spec.params != plan.params
-            or spec.format != plan.format
         ):
             raise PoisonMessage(f"not a shard of the job {PLAN} plans: {spec.shard}")
         if plan.model != model:
@@ -151,13 +149,16 @@ class Shards:
         return plan
 
     def plan_for(self, spec: JobMessage, digest: str) -> Plan:
-        """The plan under the job's output, if it is plan `digest`; else poison."""
+        """The plan under the job's output, if it is plan `digest` and the message asks
+        for its format (whose outputs it looks for); else poison."""
         try:
             plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
         except MissingObject:
             raise PoisonMessage(f"a shard of a job with no {PLAN} under its output") from None
         if plan.request_digest != digest:
             raise PoisonMessage(f"a shard of plan {digest}, replaced by another request")
+        if spec.format != plan.format:
+            raise PoisonMessage(f"a {spec.format} message for a job planned as {plan.format}")
         return plan
 
     def committed(self, spec: JobMessage, plan: Plan) -> bool:
@@ -352,7 +353,7 @@ class Shards:
             log.info("merge_fenced", job_id=plan.job_id, error=str(error))
             return None
         log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
-        self._blobs.delete([spec.output_location(name) for name in stale_tables(top, outputs)])
+        self._checkpoints.remove_stale(spec, top, outputs)
         self.remove(spec, plan)
         return summary
 

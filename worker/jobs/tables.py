@@ -8,10 +8,14 @@ lines as typed columns, each array field a fixed-size list column (a row of shap
 `<shard>` is the shard's number (0 for a job run whole) and `<file>` counts the files
 of one shard: the names sort in input order, and job.json lists them in that order.
 
-Every file of a job has the same columns, whatever its rows: the record's own (index,
-input, model, error), then the postprocessor's fields with the types of its answer to
-the model's output for zeros, probed at start (`about["fields"]`), so the files read as
-one dataset. A field the probe did not give takes the type of its values.
+Every file of a job has the same columns, whatever its rows, so that they read as one
+dataset: they are set by the model and the message, never by the values. The record's
+own (index, input, its id where the job's table gives ids, model, error), then the
+postprocessor's fields with the types of its answer to the model's output for zeros,
+probed at start (`about["fields"]`). A field whose answer holds a null (None, an empty
+list) has no type to take from it: it is written as JSON text. Results that do not fit
+these columns (a field the probe did not give, an integer field holding 0.5) are the
+model's fault, found only at the finish: `UnfitResults`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
@@ -37,14 +42,12 @@ NDJSON = "application/x-ndjson"  # results.jsonl's and job.log's content type
 RESULTS_DIR = "results/"
 # An array field's value in a results line: which file, which row (`worker.jobs.arrays`).
 ARRAY_REFERENCE = pa.struct([("array", pa.string()), ("row", pa.int64())])
+ERROR_TYPE = pa.struct([("type", pa.string()), ("message", pa.string())])
 RECORD_SCHEMA = pa.schema(
-    [
-        ("index", pa.int64()),
-        ("input", pa.string()),
-        ("model", pa.string()),
-        ("error", pa.struct([("type", pa.string()), ("message", pa.string())])),
-    ]
+    [("index", pa.int64()), ("input", pa.string()), ("model", pa.string()), ("error", ERROR_TYPE)]
 )
+# A job's ids, from its table, are text whatever their column's type (`worker.jobs.inputs`).
+ID_FIELD = pa.field("id", pa.string())
 # pyarrow's JSON reader parses this much at a time, on its threads.
 JSON_BLOCK_BYTES = 16 * 2**20
 # An output before job.json: its name, its content (or the local file of it), its type.
@@ -54,6 +57,11 @@ Output = tuple[str, bytes | Path, str]
 def table_name(shard: int, file: int) -> str:
     """A Parquet results file's name under the job's output."""
     return f"{RESULTS_DIR}part-{shard:06d}-{file:04d}.{PARQUET}"
+
+
+class UnfitResults(Exception):
+    """A job's results do not fit the columns its model's probe set: retrying cannot
+    help, the postprocessor has to change."""
 
 
 def stale_tables(listed: Iterable[str], written: Iterable[str]) -> list[str]:
@@ -70,6 +78,7 @@ class Tables:
         self._file_bytes = file_bytes
         self._row_group_bytes = row_group_bytes
         self._fields = pa.schema([])
+        self._text_fields: frozenset[str] = frozenset()
         self._layouts: ArrayLayouts = {}
 
     def probed(self, fields: bytes | None, layouts: ArrayLayouts | None) -> None:
@@ -77,17 +86,23 @@ class Tables:
         JSON object, its arrays' layouts (None where there is no such probe: a chain's
         postprocessor runs on the regrouper's side)."""
         self._layouts = dict(layouts or {})
-        if fields:
-            probe = pa_json.read_json(io.BytesIO(fields)).schema
-            self._fields = pa.schema(
-                [column for column in probe if not pa.types.is_null(column.type)]
-            )
+        probe = pa_json.read_json(io.BytesIO(fields)).schema if fields else pa.schema([])
+        self._fields = pa.schema(
+            [
+                pa.field(column.name, pa.string()) if _holds_null(column.type) else column
+                for column in probe
+            ]
+        )
+        self._text_fields = frozenset(column.name for column in probe if _holds_null(column.type))
 
-    def write(self, lines: bytes, arrays: dict[str, Path], directory: Path) -> list[Path]:
+    def write(
+        self, lines: bytes, arrays: dict[str, Path], directory: Path, *, ids: bool
+    ) -> list[Path]:
         """The job's results (its results.jsonl lines) as Parquet files in `directory`,
-        in order; `arrays` are its array files by name (`<field>.npy`)."""
+        in order; `arrays` are its array files by name (`<field>.npy`); with `ids`, the
+        lines carry an id each. `UnfitResults` if they do not fit the probed columns."""
         sources = self._array_sources(arrays)
-        table = self._table(lines, sources)
+        table = self._table(lines, sources, ids)
         directory.mkdir(parents=True, exist_ok=True)
         row_bytes = max(1, math.ceil(_row_bytes(table, sources) or 1))
         rows_per_group = max(1, self._row_group_bytes // row_bytes)
@@ -125,21 +140,61 @@ class Tables:
             sources[name.removesuffix(".npy")] = np.load(path, mmap_mode="r")
         return dict(sorted(sources.items()))
 
-    def _table(self, lines: bytes, sources: dict[str, np.ndarray]) -> pa.Table:
-        """The lines as a table: the record's columns, the probed fields' and an array
-        reference for each array field, typed so; other fields typed by their values."""
-        hint = pa.schema(
-            [*RECORD_SCHEMA, *self._fields, *((name, ARRAY_REFERENCE) for name in sources)]
-        )
+    def _table(self, lines: bytes, sources: dict[str, np.ndarray], ids: bool) -> pa.Table:
+        """The lines as a table of the record's columns, the probed fields' and an array
+        reference for each array field, in that order, typed so."""
+        record = list(RECORD_SCHEMA)
+        if ids:
+            record.insert(2, ID_FIELD)
+        schema = pa.schema([*record, *self._fields, *((name, ARRAY_REFERENCE) for name in sources)])
         if not lines:
-            return hint.empty_table()
-        return pa_json.read_json(
-            io.BytesIO(lines),
-            read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES),
-            parse_options=pa_json.ParseOptions(
-                explicit_schema=hint, unexpected_field_behavior="infer"
-            ),
-        )
+            return schema.empty_table()
+        if self._text_fields:
+            lines = _with_text(lines, self._text_fields)
+        try:
+            table = pa_json.read_json(
+                io.BytesIO(lines),
+                read_options=pa_json.ReadOptions(block_size=JSON_BLOCK_BYTES),
+                parse_options=pa_json.ParseOptions(
+                    explicit_schema=schema, unexpected_field_behavior="infer"
+                ),
+            )
+        except pa.ArrowInvalid as error:
+            raise UnfitResults(
+                f"the results do not fit the columns the model's answer to zeros typed "
+                f"({_described(self._fields)}): {error}"
+            ) from error
+        unprobed = table.schema.names[len(schema) :]
+        if unprobed:
+            raise UnfitResults(
+                f"the postprocessor gave {', '.join(unprobed)}, which its answer to the "
+                "model's output for zeros did not: a Parquet job's columns are set at "
+                "start, so every answer has to give every field (None where it has no value)"
+            )
+        return table
+
+
+def _holds_null(data_type: pa.DataType) -> bool:
+    """Whether a probed field's type is partly unknown: a null, an empty list."""
+    if pa.types.is_null(data_type):
+        return True
+    return any(_holds_null(data_type.field(i).type) for i in range(data_type.num_fields))
+
+
+def _with_text(lines: bytes, names: frozenset[str]) -> bytes:
+    """`lines` with the values of the fields `names` as JSON text."""
+    rewritten = []
+    for line in lines.splitlines():
+        record = orjson.loads(line)
+        for name in names & record.keys():
+            if record[name] is not None:
+                record[name] = orjson.dumps(record[name]).decode()
+        rewritten.append(orjson.dumps(record))
+    return b"\n".join(rewritten) + b"\n"
+
+
+def _described(fields: pa.Schema) -> str:
+    return ", ".join(f"{field.name}: {field.type}" for field in fields) or "none"
 
 
 def _output_schema(schema: pa.Schema, sources: dict[str, np.ndarray]) -> pa.Schema:

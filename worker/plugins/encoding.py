@@ -17,8 +17,9 @@ from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 ARRAY_TYPES = (np.ndarray, torch.Tensor)
 # numpy scalars (and 0-d arrays) as numbers; non-str keys as strings, as `json` does.
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
-# results.jsonl's own fields on every line; a postprocessor's fields go between them.
-RECORD_FIELDS = frozenset({"index", "input", "model", "error"})
+# results.jsonl's own fields on every line (`id` where a job's table gives ids); a
+# postprocessor's fields go between them.
+RECORD_FIELDS = frozenset({"index", "input", "id", "model", "error"})
 # It names a file under the job's output, where names starting "checkpoint-" are the
 # checkpoints' (`worker.jobs.checkpoints`), removed once the job is finished.
 _FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
@@ -47,6 +48,13 @@ def array_layouts(
 # What the model's process sends for an item: its fields, JSON-encoded (`encoded_fields`),
 # and with them its array fields, if it has any.
 Encoded = bytes | tuple[bytes, dict[str, np.ndarray]]
+
+
+def probed_columns(answer: Encoded) -> tuple[bytes, dict[str, ArrayLayout]]:
+    """A postprocessor's answer to its probe as what it tells of every answer: its
+    fields as a JSON object (their types: Parquet results' columns), its arrays' layouts."""
+    fields, arrays = answer if isinstance(answer, tuple) else (answer, {})
+    return b"{" + fields[1:] + b"}", array_layouts(arrays)
 
 
 def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, Any]) -> Encoded:

@@ -13,7 +13,7 @@ import torch
 from worker.engine import StageFunction, bisection_sizes
 from worker.plugins import InferenceFn, PluginError, WithParams, on_payload
 from worker.plugins.device_decoding import decode_or_defer, device_decoder
-from worker.plugins.encoding import Encoded, array_layouts, encoded_fields, postprocessed
+from worker.plugins.encoding import Encoded, encoded_fields, postprocessed, probed_columns
 from worker.plugins.identity import identify
 from worker.plugins.loading import (
     load_device_decoder,
@@ -112,9 +112,7 @@ def inference_setup(
         ) from error
     # Each input's array fields must be these, of these shapes and dtypes; its other
     # fields' types are those of these (Parquet results' columns, `worker.jobs.tables`).
-    fields, arrays = probed if isinstance(probed, tuple) else (probed, {})
-    about["arrays"] = array_layouts(arrays)
-    about["fields"] = b"{" + fields[1:] + b"}"
+    about["fields"], about["arrays"] = probed_columns(probed)
     return StageFunction(
         infer, probe, about, finish=postprocess_all, finish_probe=postprocess_probe
     )

@@ -1,0 +1,101 @@
+"""Parquet results' columns: set by the model's probe and the message, never by the
+values, so that every file of a job (each shard's) has the same schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from stages.synthetic import samples
+from tests.support.in_process import run_until_drained
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.jobs.tables import Tables, UnfitResults
+from worker.plugins.encoding import encoded_fields
+
+PROBE = json.dumps({"label": "x", "score": 0.0, "rank": 0, "boxes": [], "note": None}).encode()
+
+
+def _written(tmp_path: Path, lines: list[dict[str, object]], *, ids: bool) -> list[Path]:
+    tables = Tables(file_bytes=2**20, row_group_bytes=2**20)
+    tables.probed(PROBE, {})
+    body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    return tables.write(body, {}, tmp_path / str(len(list(tmp_path.iterdir()))), ids=ids)
+
+
+def _record(index: int, **fields: object) -> dict[str, object]:
+    return {"index": index, "input": f"s3://b/{index}", "id": str(index), **fields, "model": "m"}
+
+
+def test_every_file_of_a_job_has_the_columns_the_probe_gave_whatever_its_rows(
+    tmp_path: Path,
+) -> None:
+    """A shard whose inputs all failed, one whose answers hold nulls and empty lists, one
+    with boxes: the same columns, in the same order, of the same types. A field the
+    probe answered with a null or an empty list has no type there: it is JSON text."""
+    failed = [{"index": 0, "input": "s3://b/0", "id": "0", "error": {"type": "E", "message": "m"}}]
+    empty = [_record(1, label="cat", score=0.5, rank=1, boxes=[], note=None)]
+    boxes = [_record(2, label="dog", score=0.25, rank=2, boxes=[[1, 2], [3, 4]], note="n")]
+    schemas = []
+    for lines in (failed, empty, boxes):
+        (path,) = _written(tmp_path, lines, ids=True)
+        schemas.append(pq.read_schema(path))
+    assert schemas[0] == schemas[1] == schemas[2]
+    assert [(field.name, str(field.type)) for field in schemas[0]][:3] == [
+        ("index", "int64"),
+        ("input", "string"),
+        ("id", "string"),
+    ]
+    assert str(schemas[0].field("rank").type) == "int64"
+    assert str(schemas[0].field("boxes").type) == "string"
+    row = pq.read_table(path).to_pylist()[0]
+    assert (json.loads(row["boxes"]), row["note"], row["rank"]) == ([[1, 2], [3, 4]], '"n"', 2)
+    without_ids = [{name: value for name, value in empty[0].items() if name != "id"}]
+    (path,) = _written(tmp_path, without_ids, ids=False)
+    assert "id" not in pq.read_schema(path).names
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"rank": 0.5}, r"rank: int64.*couldn't parse:0\.5"),
+        ({"rank": 1, "extra": 1}, r"the postprocessor gave extra, which its answer"),
+    ],
+)
+def test_results_that_do_not_fit_the_probed_columns_are_refused_with_the_reason(
+    tmp_path: Path, fields: dict[str, object], reason: str
+) -> None:
+    with pytest.raises(UnfitResults, match=reason):
+        _written(tmp_path, [_record(0, label="a", score=0.1, **fields)], ids=True)
+
+
+def test_a_job_whose_results_do_not_fit_its_columns_is_dead_lettered_not_retried(
+    tmp_path: Path,
+) -> None:
+    """An integer field that holds a fraction is the postprocessor's fault, the same on
+    every delivery: the job goes to the dead-letter queue with the reason, and leaves no
+    job.json."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    for number, (_, data) in enumerate(samples(2, seed=5)):
+        blobs.objects[f"s3://bkt/img/{number}"] = data
+    inputs = ["s3://bkt/img/0", "s3://bkt/img/1"]
+    body = {"job_id": "unfit", "inputs": inputs, "output": "s3://bkt/out/", "format": "parquet"}
+    source.send(json.dumps(body))
+    run_until_drained(
+        source,
+        blobs,
+        tmp_path,
+        model="tests.support.stagefns:pixel_embedder",
+        postprocess="tests.support.stagefns:int_then_float",
+    )
+    ((_, reason),) = source.dead_letters
+    assert "score: int64" in reason and "s3://bkt/out/job.json" not in blobs.objects
+
+
+@pytest.mark.parametrize("name", ["index", "input", "id", "model", "error"])
+def test_a_postprocessor_may_not_give_a_field_of_the_record_s_own(name: str) -> None:
+    """`id` too: a job's table puts its ids there."""
+    with pytest.raises(ValueError, match=f"returned {name}: results.jsonl's own fields"):
+        encoded_fields(lambda _output, _params: {name: 1}, None, {})
