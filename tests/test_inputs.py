@@ -45,12 +45,14 @@ def test_a_prefix_is_listed_page_by_page_in_key_order_keeping_the_suffix_asked_f
         _read(blobs, inputs_prefix="s3://photos/2027/")
 
 
-@pytest.mark.parametrize("name", ["ids.csv", "ids.csv.gz"])
+@pytest.mark.parametrize("name", ["ids.csv", "ids.csv.gz", "IDS.CSV.GZ"])
 def test_a_csv_table_gives_its_uri_column_and_its_ids_as_written(name: str) -> None:
-    """Ids are read as text, as written ("007" stays "007"); other columns are ignored."""
+    """Ids are read as text, as written ("007" stays "007"); other columns are ignored,
+    a quoted line break in one too."""
     blobs = InMemoryBlobStore()
-    text = b"photo_id,path,size\n007,s3://photos/a.jpg,1\nx-2,s3://photos/b.jpg,2\n"
-    blobs.objects[f"s3://tables/{name}"] = gzip.compress(text) if name.endswith(".gz") else text
+    text = b'photo_id,path,caption\n007,s3://photos/a.jpg,"two\nlines"\nx-2,s3://photos/b.jpg,\n'
+    gzipped = name.lower().endswith(".gz")
+    blobs.objects[f"s3://tables/{name}"] = gzip.compress(text) if gzipped else text
     table = {"uri": f"s3://tables/{name}", "uri_column": "path", "id_column": "photo_id"}
     assert _read(blobs, table=table) == [
         Input("s3://photos/a.jpg", "007"),
@@ -170,6 +172,7 @@ def test_a_listing_that_cannot_be_used_makes_its_message_poison_with_the_reason(
     [
         ({"inputs": ["s3://pix/a"], "inputs_prefix": "s3://pix/"}, "exactly one of"),
         ({"inputs": ["s3://pix/a"], "inputs_suffix": ".jpg"}, "filters an 'inputs_prefix'"),
+        ({"inputs_prefix": "s3://out/"}, "under the 'inputs_prefix'"),
         ({"table": {"uri": "s3://pix/ids.tsv"}}, "ends .csv, .csv.gz or .parquet"),
         ({"table": {"uri": "s3://pix/ids.csv", "sheet": 1}}, "Extra inputs"),
     ],

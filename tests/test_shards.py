@@ -8,11 +8,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
 from tests.support.in_process import job_file, run_until_drained, sample_images
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.errors import TransientError
 from worker.jobs.plan import Plan
 from worker.jobs.results import FINISH_ATTEMPTS
+from worker.jobs.shards import Commit, RunFile
 
 # job.json fields that differ between any two runs of a job.
 RUN_FIELDS = {"received_at", "finished_at", "duration_s", "worker", "outputs", "device_s"}
@@ -257,3 +261,26 @@ def test_a_job_sent_again_in_the_other_format_is_another_request(tmp_path: Path)
     assert {uri: data for uri, data in blobs.objects.items() if "progress" not in uri} == {
         uri: data for uri, data in written.items() if "progress" not in uri
     }
+
+
+def test_a_commit_marker_written_before_parquet_results_still_reads() -> None:
+    """A rolling upgrade: a merger reads the markers older workers wrote."""
+    older = {
+        "run": "a0001-m",
+        "results": "000003.a0001-m.jsonl",
+        "results_bytes": 120,
+        "log": "000003.a0001-m.log",
+        "log_bytes": 40,
+        "cancelled": False,
+        "succeeded": 2,
+        "failed": 0,
+        "resumed": 0,
+        "attempt": 1,
+        "device_s": 0.5,
+        "seconds": 3.0,
+    }
+    commit = Commit.model_validate_json(json.dumps(older))
+    assert commit.results == [RunFile(name="000003.a0001-m.jsonl", bytes=120)]
+    assert commit.log == RunFile(name="000003.a0001-m.log", bytes=40)
+    with pytest.raises(ValidationError):
+        Commit.model_validate_json(json.dumps({**older, "results_bytes": -1}))

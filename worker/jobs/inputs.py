@@ -200,7 +200,11 @@ class InputReader:
                 include_columns=columns if header else None,
                 column_types=dict.fromkeys(columns or [], pa.string()),
             )
-            yield from pa_csv.open_csv(stream, read_options=read, convert_options=convert)
+            # A quoted value of another column (a caption) may hold a line break.
+            parse = pa_csv.ParseOptions(newlines_in_values=True)
+            yield from pa_csv.open_csv(
+                stream, read_options=read, parse_options=parse, convert_options=convert
+            )
 
     def _check(self, uri: Any, where: str) -> None:
         if not isinstance(uri, str):

@@ -101,6 +101,11 @@ class JobMessage(BaseModel):
             raise ValueError(f"give exactly one of {', '.join(map(repr, INPUT_SOURCES))}")
         if self.inputs_suffix is not None and not (self.inputs_prefix or self.inventory):
             raise ValueError("'inputs_suffix' filters an 'inputs_prefix' or an 'inventory'")
+        if self.inputs_prefix is not None and self.output.startswith(self.inputs_prefix):
+            raise ValueError(
+                "the 'output' is under the 'inputs_prefix': the job's own outputs would "
+                "be listed as its inputs (and change them on every delivery)"
+            )
         if self.shard is not None and (self.job_id is None or self.manifest is None):
             raise ValueError("a shard names its job's 'job_id' and its inputs' 'manifest'")
         return self

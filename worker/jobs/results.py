@@ -330,6 +330,8 @@ class Finisher:
         job.json, naming the outputs it completes by their ETags; returns that. Results
         files an earlier delivery left beyond these then go."""
         assert job.log is not None and job.spec is not None
+        if job.settled:  # before its Parquet files are made
+            raise _Abandoned
         outputs = [*self._results(job, lines), ("job.log", job.log.lines(), NDJSON)]
         for name, data, content_type in outputs:
             self._put(job, name, data, content_type)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
@@ -103,6 +103,18 @@ class Commit(BaseModel):
     attempt: int = Field(ge=1)
     device_s: float = Field(ge=0)
     seconds: float = Field(ge=0)  # from the run's receive to its commit
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_before_parquet(cls, fields: Any) -> Any:
+        """A marker a worker wrote before there were Parquet results (a rolling upgrade):
+        one results file, and each file's size beside its name."""
+        if not isinstance(fields, dict) or not isinstance(fields.get("results"), str):
+            return fields
+        fields = dict(fields)
+        results = {"name": fields.pop("results"), "bytes": fields.pop("results_bytes", None)}
+        fields["log"] = {"name": fields.get("log"), "bytes": fields.pop("log_bytes", None)}
+        return {**fields, "results": [results]}
 
 
 class Shards:
