@@ -5,16 +5,28 @@ and whoever commits the last merges what an unsharded run writes."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from structlog.testing import capture_logs
 
-from tests.support.in_process import job_file, run_until_drained, sample_images
+from tests.support.in_process import (
+    job_file,
+    run_until_drained,
+    run_while,
+    sample_images,
+    serving_settings,
+)
+from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
-from worker.jobs.plan import Plan
+from worker.jobs.inputs import Input, shard_line
+from worker.jobs.message import parse_job_message
+from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_body, shard_file
 from worker.jobs.results import FINISH_ATTEMPTS
 from worker.jobs.shards import Commit, RunFile
 
@@ -284,3 +296,43 @@ def test_a_commit_marker_written_before_parquet_results_still_reads() -> None:
     assert commit.log == RunFile(name="000003.a0001-m.log", bytes=40)
     with pytest.raises(ValidationError):
         Commit.model_validate_json(json.dumps({**older, "results_bytes": -1}))
+
+
+def test_a_shard_planned_for_another_model_is_left_for_a_worker_of_that_model(
+    tmp_path: Path,
+) -> None:
+    """A rollout: a shard whose plan names another model than the worker's is released,
+    with a delay, for a worker of that model: not run, not dead-lettered, nothing of it
+    written."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    body = {"job_id": "rollout", "inputs": inputs, "output": "s3://bkt/out/rollout/"}
+    spec = parse_job_message(json.dumps(body), frozenset())
+    plan = Plan(
+        job_id="rollout",
+        request_digest="0123456789abcdef",
+        items=4,
+        shard_items=2,
+        model={"name": "next", "version": "2", "digest": "sha256:" + "0" * 64},
+        params={},
+        received_at=time.time(),
+        attempt=1,
+    )
+    blobs.objects["s3://bkt/out/rollout/plan.json"] = plan.model_dump_json().encode()
+    for shard in range(plan.shards):
+        listed = b"".join(shard_line(Input(uri)) for uri in inputs[shard * 2 : shard * 2 + 2])
+        blobs.objects[str(shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX))] = listed
+    source.send(shard_body(spec, plan, 0))
+    written = dict(blobs.objects)
+    daemon = Daemon(serving_settings(tmp_path), source, blobs)
+    with capture_logs() as logs:
+
+        def drive() -> None:
+            wait_until(lambda: any(entry["event"] == "job_released" for entry in logs))
+            daemon.stop()
+
+        assert run_while(daemon, drive) is ExitCode.SIGNALLED
+    (released,) = [entry for entry in logs if entry["event"] == "job_released"]
+    assert "planned for model" in released["reason"] and released["retry_in_s"] > 0
+    assert len(source) == 1 and not source.dead_letters
+    assert blobs.objects == written
