@@ -29,9 +29,11 @@ lint: $(VENV)/installed
 	$(PY) -m ruff format --check worker stages bench tests
 	$(PY) -m mypy
 
-# Three tests at a time: most of the suite's time is end-to-end tests waiting on moto,
-# timers and child processes, not using a core.
-test: lint $(VENV)/checkov/installed
+# The lint (mypy: some 20 s of one core) beside checkov's install (mostly downloads).
+# Then three tests at a time: most of the suite's time is end-to-end tests waiting on
+# moto, timers and child processes, not using a core.
+test: $(VENV)/installed
+	$(MAKE) --no-print-directory -j2 lint $(VENV)/checkov/installed
 	$(PY) -m pytest -n 3 --dist worksteal
 
 # On a GPU host (the CUDA build of torch and its torchvision): the tests marked `gpu`

@@ -26,6 +26,8 @@ MAY_IMPORT = {
     "settings": {"plugins", "ports", "retry"},
     "jobs": {"engine", "plugins", "telemetry", "settings", *KERNEL},
     "daemon": {"engine", "jobs", "plugins", "telemetry", "settings", *KERNEL},
+    # A producer's side of the jobs' contract (the message, the outputs), over AWS.
+    "client": {"adapters", "jobs", *KERNEL},
 }
 EDGE = {"cli", "demo", "__main__", "__init__"}  # the application: wires everything
 

@@ -10,21 +10,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
 from worker.adapters import aws
+from worker.client import CancelRefused, InvalidJob, Job, Jobs, JobStatus, UnreadableOutput
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
-from worker.jobs.checkpoints import CANCEL_MARKER
 from worker.jobs.joblog import configure_daemon_logging
-from worker.jobs.message import JobMessage
 from worker.plugins import PluginError
-from worker.ports import S3Location
 from worker.settings import DEFAULT_METRICS_PORT, add_settings_flags, settings_from_flags
 
 EXIT_USAGE = 2
@@ -67,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue = commands.add_parser(
         "enqueue",
         help="send a job message",
-        description="Send one job to the queue and print its job id.",
+        description="Send one job to the queue and print its job id; with --wait, follow "
+        "it with a progress bar until its job.json appears, print that, and exit 0 if it "
+        "succeeded (the Python client, `worker.client`, does the same from code).",
     )
     enqueue.add_argument(
         "--queue-url",
@@ -76,8 +73,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     enqueue.add_argument("--output", required=True, help="s3:// prefix for the job's outputs")
     enqueue.add_argument("--job-id", help="job id (default: a new uuid)")
-    enqueue.add_argument("--manifest", help="s3:// URI of a file listing one input URI per line")
+    sources = enqueue.add_argument_group(
+        "inputs",
+        "Exactly one of: URIs as arguments, --manifest, --inputs-prefix, --table, --inventory.",
+    )
+    sources.add_argument("--manifest", help="s3:// URI of a file listing one input URI per line")
+    sources.add_argument(
+        "--inputs-prefix", help="s3:// prefix: every object under it, in key order"
+    )
+    sources.add_argument(
+        "--table",
+        help="s3:// URI of a CSV (with a header row; .csv or .csv.gz) or Parquet file, a row "
+        "per input",
+    )
+    sources.add_argument("--uri-column", help="the --table column of input URIs (default: uri)")
+    sources.add_argument(
+        "--id-column",
+        help='a --table column of ids, carried into each input\'s result as "id"',
+    )
+    sources.add_argument("--inventory", help="s3:// URI of an S3 Inventory report's manifest.json")
+    sources.add_argument(
+        "--inputs-suffix",
+        help="keep only the objects of --inputs-prefix or --inventory whose key ends so (.jpg)",
+    )
     enqueue.add_argument("--params", default="{}", help="JSON object of pipeline parameters")
+    enqueue.add_argument(
+        "--format",
+        choices=("jsonl", "parquet"),
+        default="jsonl",
+        help="results as results.jsonl, or as Parquet files under results/ (default: jsonl)",
+    )
     enqueue.add_argument(
         "--shard-items",
         type=int,
@@ -277,81 +302,73 @@ def _enqueue(args: argparse.Namespace) -> int:
     if not args.queue_url:
         print("--queue-url (or WORKER_QUEUE_URL) is required", file=sys.stderr)
         return EXIT_USAGE
+    if (args.uri_column or args.id_column) and not args.table:
+        print("--uri-column and --id-column name columns of --table", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        message = JobMessage(
-            job_id=args.job_id or uuid.uuid4().hex,
+        job = Jobs.connect(args.queue_url).submit(
+            args.output,
+            job_id=args.job_id,
             inputs=args.inputs or None,
             manifest=args.manifest,
-            output=args.output,
+            inputs_prefix=args.inputs_prefix,
+            inputs_suffix=args.inputs_suffix,
+            table=_table(args),
+            inventory=args.inventory,
             params=json.loads(args.params),
+            format=args.format,
             shard_items=args.shard_items,
         )
-    except (ValidationError, json.JSONDecodeError) as error:
-        print(f"invalid job: {error}", file=sys.stderr)
+    except json.JSONDecodeError as error:
+        print(f"--params is not JSON: {error}", file=sys.stderr)
         return EXIT_USAGE
-    aws.SqsSender(aws.sqs_client(), args.queue_url)(message.model_dump_json(exclude_none=True))
-    print(message.job_id)
+    except InvalidJob as error:
+        print(error, file=sys.stderr)
+        return EXIT_USAGE
+    print(job.job_id)
     if args.wait:
-        return _wait(message, args.timeout_seconds)
+        return _wait(job, args.timeout_seconds)
     return 0
+
+
+def _table(args: argparse.Namespace) -> dict[str, str] | None:
+    """The message's `table`, from `--table` and the columns given."""
+    if not args.table:
+        return None
+    columns = {"uri_column": args.uri_column, "id_column": args.id_column}
+    return {"uri": args.table, **{name: column for name, column in columns.items() if column}}
 
 
 def _cancel(output: str, job_id: str | None, reason: str) -> int:
     try:
-        prefix = S3Location.parse(output if output.endswith("/") else f"{output}/")
+        job = Job.connect(output, job_id)
     except ValueError as error:
         print(f"--output: {error}", file=sys.stderr)
         return EXIT_USAGE
-    blobs = aws.S3BlobStore(aws.s3_client(2))
-    listing = blobs.objects_under(prefix)
-    if "job.json" in listing:
-        print(f"{prefix}job.json exists: the job is finished, nothing to cancel", file=sys.stderr)
+    try:
+        marker = job.cancel(reason)
+    except (CancelRefused, UnreadableOutput) as error:
+        print(error, file=sys.stderr)
         return 1
-    if job_id and "progress.json" in listing:
-        where = S3Location(prefix.bucket, prefix.key + "progress.json")
-        running = json.loads(blobs.get(where)).get("job_id")
-        if running != job_id:
-            print(f"{prefix} is job {running}'s output, not {job_id}'s", file=sys.stderr)
-            return 1
-    request = {"requested_at": datetime.now(UTC).isoformat(), "reason": reason}
-    if job_id:
-        request["job_id"] = job_id
-    marker = S3Location(prefix.bucket, prefix.key + CANCEL_MARKER)
-    blobs.put(marker, json.dumps(request).encode(), "application/json")
     print(f"cancel requested: {marker}")
     return 0
 
 
-def _wait(message: JobMessage, timeout_s: float) -> int:
+def _wait(job: Job, timeout_s: float) -> int:
     """Follow a job with a progress bar until its job.json appears; print the summary."""
-    s3 = aws.s3_client(2)
-
-    def read(name: str) -> dict[str, Any] | None:
-        where = message.output_location(name)
-        try:
-            return json.loads(s3.get_object(Bucket=where.bucket, Key=where.key)["Body"].read())  # type: ignore[no-any-return]
-        except s3.exceptions.NoSuchKey:
-            return None
-
     started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        summary = read("job.json")
-        if summary is not None:
-            finished = summary["succeeded"] + summary["failed"]
-            _draw(finished, summary["items"], summary["failed"], time.monotonic() - started)
-            print(file=sys.stderr)
-            print(json.dumps(summary, indent=2))
-            return 0 if summary["status"] == "succeeded" else 1
-        progress = read("progress.json") or {"items": 0, "finished": 0, "failed": 0}
-        _draw(
-            progress["finished"], progress["items"], progress["failed"], time.monotonic() - started
-        )
-        time.sleep(WAIT_POLL_S)
-    print(
-        f"\ntimed out after {timeout_s} s waiting for {message.output_location('job.json')}",
-        file=sys.stderr,
-    )
-    return 1
+
+    def draw(status: JobStatus) -> None:
+        _draw(status.finished, status.items, status.failed, time.monotonic() - started)
+
+    try:
+        summary = job.wait(timeout_s, WAIT_POLL_S, on_status=draw)
+    except (TimeoutError, UnreadableOutput) as error:
+        print(f"\n{error}", file=sys.stderr)
+        return 1
+    print(file=sys.stderr)
+    print(json.dumps(summary, indent=2))
+    return 0 if summary["status"] == "succeeded" else 1
 
 
 def _draw(finished: int, items: int, failed: int, elapsed_s: float, width: int = 30) -> None:

@@ -1,6 +1,6 @@
 """Jobs for a stack on the moto server: inputs uploaded, jobs sent (straight to the
-queue, or as a user does with `python -m worker enqueue`, and followed), and what a
-finished job left under its output."""
+queue, or as a user does with `python -m worker enqueue` or the Python client, and
+followed), and what a finished job left under its output."""
 
 from __future__ import annotations
 
@@ -59,17 +59,24 @@ def enqueue_command(queue_url: str, job_id: str, output: str, *more: str) -> lis
     ]
 
 
-@contextlib.contextmanager
 def following(
     aws: Aws, queue_url: str, job_id: str, output: str, *more: str
+) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
+    """`worker enqueue --wait`: sends a job and follows it to its summary (`sending`)."""
+    return sending(aws, queue_url, enqueue_command(queue_url, job_id, output, "--wait", *more))
+
+
+@contextlib.contextmanager
+def sending(
+    aws: Aws, queue_url: str, command: list[str], env: dict[str, str] | None = None
 ) -> Iterator[subprocess.Popen[str]]:
-    """`worker enqueue --wait`: sends a job and follows it to its summary; entered once
+    """`command`, a process that sends a job to `queue_url` and follows it, entered once
     the job is in the queue (a draining daemon started before would find it empty).
-    However the test ends, the follower is stopped and its pipes closed."""
+    However the test ends, the process is stopped and its pipes closed."""
     queued = sum(aws.queue_depth(queue_url))
     follower = subprocess.Popen(
-        enqueue_command(queue_url, job_id, output, "--wait", *more),
-        env=aws.env,
+        command,
+        env=env or aws.env,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -78,7 +85,7 @@ def following(
     try:
         deadline = time.monotonic() + 60
         while sum(aws.queue_depth(queue_url)) == queued and follower.poll() is None:
-            assert time.monotonic() < deadline, "enqueue sent nothing in 60 s"
+            assert time.monotonic() < deadline, f"{command} sent nothing in 60 s"
             time.sleep(0.1)
         yield follower
     finally:

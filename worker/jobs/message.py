@@ -125,6 +125,13 @@ class JobMessage(BaseModel):
         return {S3Location.parse(uri).bucket for uri in uris}
 
 
+def validation_problems(error: ValidationError) -> str:
+    """Each field a document got wrong, and how: "field.sub: reason; ..."."""
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()
+    )
+
+
 def parse_job_message(body: str | bytes, allowed_buckets: frozenset[str]) -> JobMessage:
     """Validate a message body; raises `PoisonMessage` with a readable reason."""
     try:
@@ -135,9 +142,7 @@ def parse_job_message(body: str | bytes, allowed_buckets: frozenset[str]) -> Job
     try:
         message = JobMessage.model_validate(document)
     except ValidationError as error:
-        details = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()
-        )
+        details = validation_problems(error)
         raise PoisonMessage(f"invalid job message: {details}") from error
     check_buckets(message.buckets(), allowed_buckets)
     return message

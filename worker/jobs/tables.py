@@ -89,11 +89,11 @@ class Tables:
         probe = pa_json.read_json(io.BytesIO(fields)).schema if fields else pa.schema([])
         self._fields = pa.schema(
             [
-                pa.field(column.name, pa.string()) if _holds_null(column.type) else column
+                pa.field(column.name, pa.string()) if holds_null(column.type) else column
                 for column in probe
             ]
         )
-        self._text_fields = frozenset(column.name for column in probe if _holds_null(column.type))
+        self._text_fields = frozenset(column.name for column in probe if holds_null(column.type))
 
     def write(
         self, lines: bytes, arrays: dict[str, Path], directory: Path, *, ids: bool
@@ -174,11 +174,11 @@ class Tables:
         return table
 
 
-def _holds_null(data_type: pa.DataType) -> bool:
-    """Whether a probed field's type is partly unknown: a null, an empty list."""
+def holds_null(data_type: pa.DataType) -> bool:
+    """Whether a type read from JSON is partly unknown: a null, an empty list."""
     if pa.types.is_null(data_type):
         return True
-    return any(_holds_null(data_type.field(i).type) for i in range(data_type.num_fields))
+    return any(holds_null(data_type.field(i).type) for i in range(data_type.num_fields))
 
 
 def _with_text(lines: bytes, names: frozenset[str]) -> bytes:
