@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 from pydantic import ValidationError
 from structlog.testing import capture_logs
 
+from tests.support.faults import png_bytes
 from tests.support.in_process import (
     job_file,
     run_until_drained,
@@ -20,12 +22,13 @@ from tests.support.in_process import (
     sample_images,
     serving_settings,
 )
+from tests.support.stagefns import GREY
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
 from worker.jobs.inputs import Input, shard_line
-from worker.jobs.message import parse_job_message
+from worker.jobs.message import JobMessage, parse_job_message
 from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_body, shard_file
 from worker.jobs.results import FINISH_ATTEMPTS
 from worker.jobs.shards import Commit, RunFile
@@ -298,6 +301,29 @@ def test_a_commit_marker_written_before_parquet_results_still_reads() -> None:
         Commit.model_validate_json(json.dumps({**older, "results_bytes": -1}))
 
 
+def _planned(
+    blobs: InMemoryBlobStore, job_id: str, inputs: list[str], model: dict[str, Any]
+) -> tuple[JobMessage, Plan]:
+    """A plan of `inputs` in shards of two, for `model`, as a planner writes it."""
+    body = {"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/"}
+    spec = parse_job_message(json.dumps(body), frozenset())
+    plan = Plan(
+        job_id=job_id,
+        request_digest="0123456789abcdef",
+        items=len(inputs),
+        shard_items=2,
+        model=model,
+        params={},
+        received_at=time.time(),
+        attempt=1,
+    )
+    blobs.objects[f"s3://bkt/out/{job_id}/plan.json"] = plan.model_dump_json().encode()
+    for shard in range(plan.shards):
+        listed = b"".join(shard_line(Input(uri)) for uri in inputs[shard * 2 : shard * 2 + 2])
+        blobs.objects[str(shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX))] = listed
+    return spec, plan
+
+
 def test_a_shard_planned_for_another_model_is_left_for_a_worker_of_that_model(
     tmp_path: Path,
 ) -> None:
@@ -305,23 +331,8 @@ def test_a_shard_planned_for_another_model_is_left_for_a_worker_of_that_model(
     with a delay, for a worker of that model: not run, not dead-lettered, nothing of it
     written."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    inputs = sample_images(blobs, 4)
-    body = {"job_id": "rollout", "inputs": inputs, "output": "s3://bkt/out/rollout/"}
-    spec = parse_job_message(json.dumps(body), frozenset())
-    plan = Plan(
-        job_id="rollout",
-        request_digest="0123456789abcdef",
-        items=4,
-        shard_items=2,
-        model={"name": "next", "version": "2", "digest": "sha256:" + "0" * 64},
-        params={},
-        received_at=time.time(),
-        attempt=1,
-    )
-    blobs.objects["s3://bkt/out/rollout/plan.json"] = plan.model_dump_json().encode()
-    for shard in range(plan.shards):
-        listed = b"".join(shard_line(Input(uri)) for uri in inputs[shard * 2 : shard * 2 + 2])
-        blobs.objects[str(shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX))] = listed
+    model = {"name": "next", "version": "2", "digest": "sha256:" + "0" * 64}
+    spec, plan = _planned(blobs, "rollout", sample_images(blobs, 4), model)
     source.send(shard_body(spec, plan, 0))
     written = dict(blobs.objects)
     daemon = Daemon(serving_settings(tmp_path), source, blobs)
@@ -336,3 +347,75 @@ def test_a_shard_planned_for_another_model_is_left_for_a_worker_of_that_model(
     assert "planned for model" in released["reason"] and released["retry_in_s"] > 0
     assert len(source) == 1 and not source.dead_letters
     assert blobs.objects == written
+
+
+def test_a_job_with_a_dead_lettered_shard_waits_for_its_redrive_then_ends_whole(
+    tmp_path: Path,
+) -> None:
+    """A shard whose results its model's columns cannot hold is dead-lettered, and noted
+    so; the others commit, and the job's watch, finding only that shard left, stops
+    (`job_stalled`) where it went on for ever. Redriven once the postprocessor is mended,
+    the shard commits, and the job ends whole, as if nothing had happened."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    blobs.objects["s3://bkt/img/grey"] = png_bytes(Image.new("RGB", (64, 64), (GREY,) * 3))
+    inputs.append("s3://bkt/img/grey")  # shard 2's only input
+    _send(source, "stalled", inputs, shard_items=2, format="parquet")
+    model, support = "tests.support.stagefns:pixel_embedder", "tests.support.stagefns"
+    with capture_logs() as logs:
+        run_until_drained(
+            source,
+            blobs,
+            tmp_path,
+            model=model,
+            postprocess=f"{support}:float_for_grey",
+        )
+    ((dead, reason),) = source.dead_letters
+    assert "score: int64" in reason
+    (stalled,) = [entry for entry in logs if entry["event"] == "job_stalled"]
+    assert stalled["dead_lettered_shards"] == [2] and "score: int64" in stalled["reason"]
+    left = _names_under(blobs, "stalled")
+    assert "job.json" not in left and len(source) == 0
+    assert {name.rsplit("/", 1)[1] for name in left if name.startswith("shards/")} >= {
+        "000000.commit",
+        "000001.commit",
+        "000002.dead",
+    }
+    assert not any(name.endswith("/watch") for name in left)
+
+    source.send(dead.body)  # redriven, with the postprocessor mended
+    run_until_drained(source, blobs, tmp_path, model=model, postprocess=f"{support}:float_always")
+    summary = job_file(blobs, "stalled", "job.json")
+    assert (summary["status"], summary["items"], summary["shards"]["count"]) == ("succeeded", 5, 3)
+    assert _names_under(blobs, "stalled") - {"progress.json"} == {
+        "job.json",
+        "job.log",
+        "plan.json",
+        *(f"results/part-{shard:06d}-0000.parquet" for shard in range(3)),
+    }
+
+
+def test_a_shard_that_breaks_workers_is_dead_lettered_and_its_job_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """A shard whose items were in the failing work of three workers that broke is
+    dead-lettered with the reason, as a whole job would be, and noted dead; the job's
+    other shard commits, and its watch stops."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    _send(source, "probe", inputs[:1])  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    model = job_file(blobs, "probe", "job.json")["model"]
+    spec, plan = _planned(blobs, "breaks", inputs, model)
+    source.send(shard_body(spec, plan, 0))
+    source.send(shard_body(spec, plan, 1), broke_workers=3, breakage="CUDA error: an illegal")
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path)
+    ((_, reason),) = source.dead_letters
+    assert "3 workers broke" in reason and "CUDA error" in reason
+    assert [entry["dead_lettered_shards"] for entry in logs if entry["event"] == "job_stalled"] == [
+        [1]
+    ]
+    shards = f"s3://bkt/out/breaks/shards/{plan.request_digest}/"
+    assert json.loads(blobs.objects[shards + "000001.dead"])["reason"] == reason
+    assert shards + "000000.commit" in blobs.objects and len(source) == 0

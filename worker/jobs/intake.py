@@ -228,12 +228,9 @@ class Intake:
         try:
             if job.message.attributes_problem:
                 raise PoisonMessage(job.message.attributes_problem)
-            if job.message.broke_workers >= MAX_BROKEN_WORKERS:
-                raise PoisonMessage(
-                    f"{job.message.broke_workers} workers broke with its items in the work "
-                    f"that failed; the last: {job.message.breakage}"
-                )
             spec = parse_job_message(job.message.body, settings.allowed_buckets)
+            if spec.shard is None:  # a shard's is checked once its plan is known
+                _check_breakages(job.message)
             job_id = spec.job_id or job.message.job_message_id
             model = self._model.result()
             admission = self._read_kind(job, spec, job_id, model)
@@ -346,11 +343,16 @@ class Intake:
                 self._announce(merged, job.message.message_id)
             return None
         span = plan.range(spec.shard.index)
-        listed = self._inputs.shard(spec.manifest or "")
-        if len(listed) != len(span):
-            raise PoisonMessage(
-                f"shard {spec.shard.index} lists {len(listed)} inputs, not {len(span)}"
-            )
+        try:
+            _check_breakages(job.message)
+            listed = self._inputs.shard(spec.manifest or "")
+            if len(listed) != len(span):
+                raise PoisonMessage(
+                    f"shard {spec.shard.index} lists {len(listed)} inputs, not {len(span)}"
+                )
+        except PoisonMessage as poison:  # a shard of a real plan: its job waits for it
+            self._shards.dead_lettered(spec, plan, str(poison))
+            raise
         inputs = [uri for uri, _ in listed]
         ids = [input_id for _, input_id in listed] if plan.ids else None
         prior = self._checkpoints.read(
@@ -419,6 +421,15 @@ class Intake:
             log.info("job_cancelled", job_id=job_id, finished=job.finished_items)
         if job.state is JobState.FINISHING:  # cancelled, or every result resumed
             self._finish(job)
+
+
+def _check_breakages(message: ReceivedMessage) -> None:
+    """Poison if the message's items were in the failing work of too many workers."""
+    if message.broke_workers >= MAX_BROKEN_WORKERS:
+        raise PoisonMessage(
+            f"{message.broke_workers} workers broke with its items in the work that "
+            f"failed; the last: {message.breakage}"
+        )
 
 
 class Feeder:

@@ -9,6 +9,7 @@
         <n>.commit                     the run whose results count: written once, conditionally
         <n>.started                    when the latest run of shard n was admitted
         <n>.duplicated                 a duplicate of shard n was sent (a straggler)
+        <n>.dead                       shard n's message was dead-lettered, and why
         watch                          a watch of the job's shards is due (`worker.jobs.stragglers`)
 
 `<request>` is the whole job's request digest, `<n>` the shard's number (six digits)
@@ -38,6 +39,7 @@ INPUTS_SUFFIX = ".inputs"
 SENT_SUFFIX = ".sent"
 STARTED_SUFFIX = ".started"
 DUPLICATED_SUFFIX = ".duplicated"
+DEAD_SUFFIX = ".dead"
 WATCH = "watch"
 
 

@@ -35,6 +35,7 @@ from worker.jobs.message import JobMessage, PoisonMessage
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
+    DEAD_SUFFIX,
     INPUTS_SUFFIX,
     MAX_PLAN_BYTES,
     PLAN,
@@ -248,13 +249,28 @@ class Shards:
         return None
 
     def started(self, spec: JobMessage, plan: Plan) -> None:
-        """Note when this run of the shard began (a watch compares it with the others')."""
+        """Note when this run of the shard began (a watch compares it with the others'),
+        and that the shard is alive again if it was dead-lettered (redriven)."""
         assert spec.shard is not None
         started = shard_file(spec, plan.request_digest, spec.shard.index, STARTED_SUFFIX)
+        dead = shard_file(spec, plan.request_digest, spec.shard.index, DEAD_SUFFIX)
         try:
             self._blobs.put(started, json.dumps({"at": time.time()}).encode(), "application/json")
+            self._blobs.delete([dead])
         except Exception as error:  # without it, the shard is not watched for straggling
             log.warning("shard_start_not_noted", job_id=plan.job_id, error=repr(error))
+
+    def dead_lettered(self, spec: JobMessage, plan: Plan, reason: str) -> None:
+        """Note that the shard's message was dead-lettered, and why: a watch that finds
+        only such shards left stops (`worker.jobs.stragglers`) until one is redriven.
+        Never raises: without it, the job's watch goes on."""
+        assert spec.shard is not None
+        dead = shard_file(spec, plan.request_digest, spec.shard.index, DEAD_SUFFIX)
+        note = json.dumps({"at": time.time(), "reason": reason}).encode()
+        try:
+            self._blobs.put(dead, note, "application/json")
+        except Exception as error:
+            log.warning("shard_death_not_noted", job_id=plan.job_id, error=repr(error))
 
     def watch(self, spec: JobMessage, plan: Plan, shard_s: float) -> None:
         """Have a worker look for the job's stragglers about half a shard's time from now

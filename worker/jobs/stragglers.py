@@ -8,7 +8,9 @@ job waits in the queue: workers are coming free), a shard not committed whose ru
 more than `STRAGGLER_FACTOR` median shard times ago gets one duplicate message (marked
 `<n>.duplicated`, so once). An idle worker takes it and resumes from the straggler's
 checkpoints; the first of the two to commit counts, and the other stops
-(`Shards.committed_elsewhere`). While shards are left, the watch is sent again.
+(`Shards.committed_elsewhere`). While shards are left, the watch is sent again, but
+for a job whose every shard left was dead-lettered (`<n>.dead`): nothing can end it
+until one is redriven, whose commit sets a watch again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from worker.jobs.message import JobMessage
 from worker.jobs.outcomes import Outcomes
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
+    DEAD_SUFFIX,
     DUPLICATED_SUFFIX,
     INPUTS_SUFFIX,
     STARTED_SUFFIX,
@@ -34,6 +37,7 @@ from worker.jobs.plan import (
     shard_file,
     shard_name,
     watch_body,
+    watch_file,
 )
 from worker.jobs.shards import Shards, each_at_once, watch_delay_s
 from worker.ports import ABSENT, BlobStore, JobSource, S3Location
@@ -74,6 +78,10 @@ class Stragglers:
                 self._shards.remove(spec, plan)
             self._outcomes.ack(job)
             return
+        if all(has(shard, DEAD_SUFFIX) for shard in left):
+            self._stall(spec, plan, left)
+            self._outcomes.ack(job)
+            return
         committed = [shard for shard in range(plan.shards) if has(shard, COMMIT_SUFFIX)]
         commits = each_at_once(
             lambda shard: self._shards.commit_at(directory, f"{shard_name(shard)}{COMMIT_SUFFIX}"),
@@ -89,6 +97,18 @@ class Stragglers:
                     self._duplicate_if_late(spec, plan, shard, shard_s)
         self._source.send_many([watch_body(spec, plan)], plan.job_id, watch_delay_s(shard_s))
         self._outcomes.ack(job)
+
+    def _stall(self, spec: JobMessage, plan: Plan, dead: list[int]) -> None:
+        """Every shard left was dead-lettered: nothing can end the job until one is
+        redriven (or the job sent again), so the watch stops; its marker goes, so that
+        the next commit (a redriven shard's) sets one again."""
+        first = shard_file(spec, plan.request_digest, dead[0], DEAD_SUFFIX)
+        try:
+            reason = json.loads(self._blobs.get(first)).get("reason")
+        except (MissingObject, ValueError, AttributeError):
+            reason = None  # removed meanwhile (redriven), or not what a worker writes
+        log.warning("job_stalled", job_id=plan.job_id, dead_lettered_shards=dead, reason=reason)
+        self._blobs.delete([watch_file(spec, plan.request_digest)])
 
     def _duplicate_if_late(self, spec: JobMessage, plan: Plan, shard: int, shard_s: float) -> None:
         digest = plan.request_digest
