@@ -27,11 +27,13 @@ from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
+from worker.jobs.checkpoints import request_digest
 from worker.jobs.inputs import Input, shard_line
 from worker.jobs.message import JobMessage, parse_job_message
 from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_body, shard_file
 from worker.jobs.results import FINISH_ATTEMPTS
 from worker.jobs.shards import Commit, RunFile
+from worker.plugins.identity import ModelIdentity
 
 # job.json fields that differ between any two runs of a job.
 RUN_FIELDS = {"received_at", "finished_at", "duration_s", "worker", "outputs", "device_s"}
@@ -419,3 +421,31 @@ def test_a_shard_that_breaks_workers_is_dead_lettered_and_its_job_waits_for_it(
     shards = f"s3://bkt/out/breaks/shards/{plan.request_digest}/"
     assert json.loads(blobs.objects[shards + "000001.dead"])["reason"] == reason
     assert shards + "000000.commit" in blobs.objects and len(source) == 0
+
+
+def test_a_planner_that_finds_another_s_plan_writes_that_plan_s_shards(tmp_path: Path) -> None:
+    """A rollout: a worker with shards of 2 finds the plan.json that one with shards of 3
+    wrote before it died, no inputs file written. It writes the files as that plan splits
+    the job, not by its own size, sends those shards, and the job ends whole."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 7)
+    _send(source, "probe", inputs[:1])  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    model = job_file(blobs, "probe", "job.json")["model"]
+    plan = Plan(
+        job_id="rolled",
+        request_digest=request_digest(inputs, None, {}, ModelIdentity(**model), "jsonl"),
+        items=7,
+        shard_items=3,
+        model=model,
+        params={},
+        received_at=time.time(),
+        attempt=1,
+    )
+    blobs.objects["s3://bkt/out/rolled/plan.json"] = plan.model_dump_json().encode()
+    _send(source, "rolled", inputs, shard_items=2)
+    run_until_drained(source, blobs, tmp_path)
+    summary = job_file(blobs, "rolled", "job.json")
+    assert (summary["status"], summary["shards"]["count"]) == ("succeeded", 3)
+    assert [line["input"] for line in job_file(blobs, "rolled", "results.jsonl")] == inputs
+    assert not source.dead_letters

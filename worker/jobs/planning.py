@@ -1,6 +1,7 @@
 """Planning a job too big for one worker into shards (`worker.jobs.shards` runs and
-merges them): its inputs under its output as a file per shard, plan.json written once,
-a message per shard, the job's own message deleted last."""
+merges them): plan.json written once, then its inputs under its output as a file per
+shard, as the plan that stands splits them, a message per shard, the job's own message
+deleted last."""
 
 from __future__ import annotations
 
@@ -45,20 +46,27 @@ class Planner:
     def plan(
         self, job: Job, spec: JobMessage, new_plan: Plan, inputs: Callable[[], Iterator[Input]]
     ) -> None:
-        """Plan the job (or take the plan written for it already), send the shards not
-        yet sent or committed, and delete the job's message. Raises if any of it fails:
-        the message comes back, and its next delivery goes on from there."""
+        """Plan the job (or take the plan written for it already), write the inputs
+        files of the shards not yet sent or committed as the plan that stands splits
+        them, send those shards, and delete the job's message. Raises if any of it fails:
+        the message comes back, and its next delivery goes on from there.
+
+        The files follow the plan, never this planner's own shard size: a second planner
+        (a rollout of another `--shard-items`, a redelivery) that loses the race for
+        plan.json writes the same files the first does, not files of other ranges."""
         plan, replaces = self._written_plan(spec, new_plan.request_digest)
         if plan is None:
-            self._write_inputs(spec, new_plan, inputs)
             plan = self._publish(spec, new_plan, replaces)
-        sent = self._send(spec, plan)
+        unsent = self._unsent(spec, plan)
+        if unsent:
+            self._write_inputs(spec, plan, inputs, frozenset(unsent))
+        self._send(spec, plan, unsent)
         log.info(
             "job_planned",
             job_id=plan.job_id,
             items=plan.items,
             shards=plan.shards,
-            sent_now=sent,
+            sent_now=len(unsent),
             message_id=job.message.message_id,
         )
         self._outcomes.ack(job)
@@ -76,10 +84,14 @@ class Planner:
         return (plan, etag) if plan.request_digest == digest else (None, etag)
 
     def _write_inputs(
-        self, spec: JobMessage, plan: Plan, inputs: Callable[[], Iterator[Input]]
+        self,
+        spec: JobMessage,
+        plan: Plan,
+        inputs: Callable[[], Iterator[Input]],
+        shards: frozenset[int],
     ) -> None:
-        """Each shard's inputs as a file of its own, as the job's inputs stream past;
-        the stream must still be the request planned (a manifest changed meanwhile is
+        """The inputs files of `shards`, one each, as the job's inputs stream past; the
+        stream must still be the request planned (a manifest changed meanwhile is
         planned again on the next delivery)."""
         digest = RequestDigest()
 
@@ -96,6 +108,8 @@ class Planner:
 
         def write(shard_inputs: tuple[int, list[Input]]) -> None:
             shard, listed = shard_inputs
+            if shard not in shards:
+                return
             data = b"".join(map(shard_line, listed))
             location = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
             self._blobs.put(location, data, "text/plain")
@@ -119,16 +133,18 @@ class Planner:
                 raise TransientError("another request's plan was written meanwhile") from None
             return written
 
-    def _send(self, spec: JobMessage, plan: Plan) -> int:
-        """Send each shard neither marked sent nor committed, ten to a call, each call's
-        shards then marked sent; returns how many were sent."""
+    def _unsent(self, spec: JobMessage, plan: Plan) -> list[int]:
+        """The shards neither marked sent nor committed."""
         listing = self._blobs.objects_under(shard_directory(spec, plan.request_digest))
-        unsent = [
+        return [
             shard
             for shard in range(plan.shards)
             if f"{shard_name(shard)}{SENT_SUFFIX}" not in listing
             and f"{shard_name(shard)}{COMMIT_SUFFIX}" not in listing
         ]
+
+    def _send(self, spec: JobMessage, plan: Plan, unsent: list[int]) -> None:
+        """Send the shards `unsent`, ten to a call, each call's shards then marked sent."""
         for start in range(0, len(unsent), SQS_MAX_ENTRIES_PER_BATCH_CALL):
             chunk = unsent[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
             self._source.send_many([shard_body(spec, plan, shard) for shard in chunk], plan.job_id)
@@ -139,4 +155,3 @@ class Planner:
                 chunk,
             )
             self._progress.beat()
-        return len(unsent)
