@@ -34,6 +34,7 @@ from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_body, shard_file
 from worker.jobs.results import FINISH_ATTEMPTS
 from worker.jobs.shards import Commit, RunFile
 from worker.plugins.identity import ModelIdentity
+from worker.ports import SQS_MAX_VISIBILITY_TIMEOUT_S
 
 # job.json fields that differ between any two runs of a job.
 RUN_FIELDS = {"received_at", "finished_at", "duration_s", "worker", "outputs", "device_s"}
@@ -375,7 +376,7 @@ def test_a_job_with_a_dead_lettered_shard_waits_for_its_redrive_then_ends_whole(
     ((dead, reason),) = source.dead_letters
     assert "score: int64" in reason
     (stalled,) = [entry for entry in logs if entry["event"] == "job_stalled"]
-    assert stalled["dead_lettered_shards"] == [2] and "score: int64" in stalled["reason"]
+    assert stalled["shards_left"] == [2] and "score: int64" in stalled["reason"]
     left = _names_under(blobs, "stalled")
     assert "job.json" not in left and len(source) == 0
     assert {name.rsplit("/", 1)[1] for name in left if name.startswith("shards/")} >= {
@@ -415,9 +416,7 @@ def test_a_shard_that_breaks_workers_is_dead_lettered_and_its_job_waits_for_it(
         run_until_drained(source, blobs, tmp_path)
     ((_, reason),) = source.dead_letters
     assert "3 workers broke" in reason and "CUDA error" in reason
-    assert [entry["dead_lettered_shards"] for entry in logs if entry["event"] == "job_stalled"] == [
-        [1]
-    ]
+    assert [entry["shards_left"] for entry in logs if entry["event"] == "job_stalled"] == [[1]]
     shards = f"s3://bkt/out/breaks/shards/{plan.request_digest}/"
     assert json.loads(blobs.objects[shards + "000001.dead"])["reason"] == reason
     assert shards + "000000.commit" in blobs.objects and len(source) == 0
@@ -449,3 +448,25 @@ def test_a_planner_that_finds_another_s_plan_writes_that_plan_s_shards(tmp_path:
     assert (summary["status"], summary["shards"]["count"]) == ("succeeded", 3)
     assert [line["input"] for line in job_file(blobs, "rolled", "results.jsonl")] == inputs
     assert not source.dead_letters
+
+
+def test_a_job_whose_last_shard_is_lost_stops_being_watched(tmp_path: Path) -> None:
+    """A shard duplicated already, none of whose runs started for longer than a run can
+    last (its messages moved to the DLQ by the queue's redrive policy, unseen by any
+    worker): the watch stops (`job_stalled`, naming it) where it came back for ever."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    _send(source, "probe", inputs[:1])  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    spec, plan = _planned(blobs, "lost", inputs, job_file(blobs, "probe", "job.json")["model"])
+    long_ago = {"at": time.time() - 2 * SQS_MAX_VISIBILITY_TIMEOUT_S}  # the default lease ceiling
+    blobs.objects[str(shard_file(spec, plan.request_digest, 1, ".started"))] = json.dumps(
+        long_ago
+    ).encode()
+    blobs.objects[str(shard_file(spec, plan.request_digest, 1, ".duplicated"))] = b""
+    source.send(shard_body(spec, plan, 0))
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path)
+    (stalled,) = [entry for entry in logs if entry["event"] == "job_stalled"]
+    assert stalled["shards_left"] == [1] and "no run of shards [1]" in stalled["reason"]
+    assert "s3://bkt/out/lost/job.json" not in blobs.objects and len(source) == 0

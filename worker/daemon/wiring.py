@@ -54,7 +54,7 @@ from worker.plugins import PluginError
 from worker.plugins.encoding import chain_postprocess_fault, encoded_fields, probed_columns
 from worker.plugins.identity import ModelIdentity, pipeline_identity
 from worker.plugins.loading import load_postprocessor
-from worker.ports import BlobStore, JobSource, NoticeSource, ScaleInGuard
+from worker.ports import SQS_MAX_DELAY_S, BlobStore, JobSource, NoticeSource, ScaleInGuard
 from worker.settings import Settings
 from worker.telemetry.metrics import Metrics, serving
 from worker.telemetry.progress import Progress
@@ -207,7 +207,15 @@ class Daemon:
             checkpoints=checkpoints,
             planner=Planner(blobs, source, lifecycle),
             shards=shards,
-            stragglers=Stragglers(blobs, source, shards, self._outcomes),
+            # A run lasts at most the lease ceiling before it is handed over (and the
+            # next one starts), handed over with a delay of at most SQS's.
+            stragglers=Stragglers(
+                blobs,
+                source,
+                shards,
+                self._outcomes,
+                lost_after_s=settings.max_lease_seconds + SQS_MAX_DELAY_S,
+            ),
             finish=finisher.submit,
             announce=finisher.announce,
             on_drained=shutdown.drained,

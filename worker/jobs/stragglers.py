@@ -53,11 +53,23 @@ MEDIAN_SAMPLE = 51  # committed shards whose times give the median
 class Stragglers:
     """Takes a job's watch messages: duplicates its stragglers, and watches again."""
 
-    def __init__(self, blobs: BlobStore, source: JobSource, shards: Shards, outcomes: Outcomes):
+    def __init__(
+        self,
+        blobs: BlobStore,
+        source: JobSource,
+        shards: Shards,
+        outcomes: Outcomes,
+        *,
+        lost_after_s: float,
+    ):
+        """A duplicated shard none of whose runs started for `lost_after_s` (longer than
+        any run lasts before it is handed over) is taken for lost: its messages are
+        gone, moved to the DLQ by the queue's redrive policy."""
         self._blobs = blobs
         self._source = source
         self._shards = shards
         self._outcomes = outcomes
+        self._lost_after_s = lost_after_s
 
     def watch(self, job: Job, spec: JobMessage) -> None:
         """Look at the job's shards once, send duplicates of its stragglers and the next
@@ -79,7 +91,7 @@ class Stragglers:
             self._outcomes.ack(job)
             return
         if all(has(shard, DEAD_SUFFIX) for shard in left):
-            self._stall(spec, plan, left)
+            self._stall(spec, plan, left, self._dead_reason(spec, plan, left[0]))
             self._outcomes.ack(job)
             return
         committed = [shard for shard in range(plan.shards) if has(shard, COMMIT_SUFFIX)]
@@ -92,37 +104,63 @@ class Stragglers:
             return
         shard_s = statistics.median(commit.seconds for commit in commits)
         if all(has(shard, STARTED_SUFFIX) for shard in range(plan.shards)):
-            for shard in left:
-                if not has(shard, DUPLICATED_SUFFIX):
-                    self._duplicate_if_late(spec, plan, shard, shard_s)
+            running = self._running_s(spec, plan, [s for s in left if not has(s, DEAD_SUFFIX)])
+            lost = [
+                shard
+                for shard, running_s in running.items()
+                if has(shard, DUPLICATED_SUFFIX) and running_s > self._lost_after_s
+            ]
+            if lost and all(has(shard, DEAD_SUFFIX) or shard in lost for shard in left):
+                reason = (
+                    f"no run of shards {lost} started for over {self._lost_after_s:.0f} s, a "
+                    "duplicate's included: their messages are gone (the queue's redrive policy)"
+                )
+                self._stall(spec, plan, left, reason)
+                self._outcomes.ack(job)
+                return
+            for shard, running_s in running.items():
+                late = running_s > STRAGGLER_FACTOR * shard_s
+                if late and not has(shard, DUPLICATED_SUFFIX):
+                    self._duplicate(spec, plan, shard, running_s, shard_s)
         self._source.send_many([watch_body(spec, plan)], plan.job_id, watch_delay_s(shard_s))
         self._outcomes.ack(job)
 
-    def _stall(self, spec: JobMessage, plan: Plan, dead: list[int]) -> None:
-        """Every shard left was dead-lettered: nothing can end the job until one is
-        redriven (or the job sent again), so the watch stops; its marker goes, so that
-        the next commit (a redriven shard's) sets one again."""
-        first = shard_file(spec, plan.request_digest, dead[0], DEAD_SUFFIX)
-        try:
-            reason = json.loads(self._blobs.get(first)).get("reason")
-        except (MissingObject, ValueError, AttributeError):
-            reason = None  # removed meanwhile (redriven), or not what a worker writes
-        log.warning("job_stalled", job_id=plan.job_id, dead_lettered_shards=dead, reason=reason)
+    def _stall(self, spec: JobMessage, plan: Plan, left: list[int], reason: str | None) -> None:
+        """No shard left can run: they were dead-lettered, or their messages are gone.
+        Nothing can end the job until one is redriven (or the job sent again), so the
+        watch stops; its marker goes, so that the next commit (a redriven shard's) sets
+        one again."""
+        log.warning("job_stalled", job_id=plan.job_id, shards_left=left, reason=reason)
         self._blobs.delete([watch_file(spec, plan.request_digest)])
 
-    def _duplicate_if_late(self, spec: JobMessage, plan: Plan, shard: int, shard_s: float) -> None:
-        digest = plan.request_digest
+    def _dead_reason(self, spec: JobMessage, plan: Plan, shard: int) -> str | None:
+        """Why a worker dead-lettered the shard, as it noted it."""
         try:
-            started = self._blobs.get(shard_file(spec, digest, shard, STARTED_SUFFIX))
-        except MissingObject:
-            return  # committed and removed meanwhile
-        try:
-            running_s = time.time() - float(json.loads(started)["at"])
-        except (ValueError, KeyError, TypeError):
-            return  # not what a run writes: no reason to duplicate
+            dead = self._blobs.get(shard_file(spec, plan.request_digest, shard, DEAD_SUFFIX))
+            reason = json.loads(dead).get("reason")
+        except (MissingObject, ValueError, AttributeError):
+            return None  # removed meanwhile (redriven), or not what a worker writes
+        return reason if isinstance(reason, str) else None
 
-        if running_s <= STRAGGLER_FACTOR * shard_s:
-            return
+    def _running_s(self, spec: JobMessage, plan: Plan, shards: list[int]) -> dict[int, float]:
+        """How long ago the latest run of each of `shards` started, where one noted it."""
+
+        def since_start(shard: int) -> float | None:
+            marker = shard_file(spec, plan.request_digest, shard, STARTED_SUFFIX)
+            try:
+                return time.time() - float(json.loads(self._blobs.get(marker))["at"])
+            except MissingObject:
+                return None  # committed and removed meanwhile
+            except (ValueError, KeyError, TypeError):
+                return None  # not what a run writes: nothing to go by
+
+        started = each_at_once(since_start, shards)
+        return {shard: s for shard, s in zip(shards, started, strict=True) if s is not None}
+
+    def _duplicate(
+        self, spec: JobMessage, plan: Plan, shard: int, running_s: float, shard_s: float
+    ) -> None:
+        digest = plan.request_digest
         # Sent, then marked: a watch that dies between the two sends another at most.
         self._source.send_many([shard_body(spec, plan, shard)], plan.job_id)
         marker: S3Location = shard_file(spec, digest, shard, DUPLICATED_SUFFIX)
