@@ -116,22 +116,32 @@ def test_the_array_output_figure_checks_every_row_it_wrote(tmp_path: Path) -> No
     assert report["array_output_ratio"] > 0
 
 
-def test_the_gpu_figures_compare_runs_that_decoded_where_they_were_asked(tmp_path: Path) -> None:
-    """`bench.gpu` on the CPU with a stand-in for nvJPEG (no GPU here): the decode figure
-    compares a run that decoded every photo in the preprocessing processes with one that
-    decoded them in the model's process, none sent back to the CPU; the overlap figure
-    runs in bfloat16 and channels-last on photos decoded there, with one inference
-    process and with two, and draws their timelines; the end-to-end figure runs the
-    daemon against moto and draws its own."""
-    photo_decoder = "tests.support.faults:standin_photo_decoder"
-    report = decode_speedup(tmp_path, 100, device="cpu", preprocess=photo_decoder)
+# `bench.gpu` on the CPU, with a stand-in for nvJPEG (no GPU here).
+PHOTO_DECODER = "tests.support.faults:standin_photo_decoder"
+MODELLED = {"device": "cpu", "model": "bench.harness:device_model", "preprocess": PHOTO_DECODER}
+
+
+def test_the_gpu_decode_figure_compares_runs_that_decoded_where_they_were_asked(
+    tmp_path: Path,
+) -> None:
+    """A run that decoded every photo in the preprocessing processes against one that
+    decoded them in the model's process, none sent back to the CPU."""
+    report = decode_speedup(tmp_path, 100, device="cpu", preprocess=PHOTO_DECODER)
     assert report["gpu_decode_fallback_jobs"] == 0
     assert report["decode_cpu_images_per_s"] > 0 and report["decode_gpu_images_per_s"] > 0
+
+
+def test_the_gpu_overlap_figure_runs_one_and_two_inference_processes(tmp_path: Path) -> None:
+    """In bfloat16 and channels-last on photos decoded in the model's process, with one
+    inference process and with two, each run's timeline drawn."""
     out = tmp_path / "out"
-    modelled = {"device": "cpu", "model": "bench.harness:device_model", "preprocess": photo_decoder}
-    figures = gpu_overlap(tmp_path, 100, out, **modelled)
+    figures = gpu_overlap(tmp_path, 100, out, **MODELLED)
     assert figures["gpu_overlap"] > 0 and 0 < figures["gpu_busy_fraction"] <= 1
     assert figures["gpu_two_processes_ratio"] > 0
     assert (out / "timeline.png").is_file() and (out / "two-processes/timeline.png").is_file()
-    assert moto_end_to_end(tmp_path, 100, out, **modelled)["moto_images_per_s"] > 0
+
+
+def test_the_gpu_end_to_end_figure_runs_the_daemon_against_moto(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert moto_end_to_end(tmp_path, 100, out, **MODELLED)["moto_images_per_s"] > 0
     assert (out / "moto/timeline.png").is_file()
