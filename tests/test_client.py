@@ -177,14 +177,21 @@ def test_json_lines_batches_keep_their_columns_and_take_new_ones(
     blobs: InMemoryBlobStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """results.jsonl read a block at a time: a block of failed inputs only, then one of
-    answers, then one whose field is null: each batch keeps the columns (and types) of
-    those before it and adds its own, and a null-only field takes a type once it has one."""
+    answers, then one whose field is null: each batch keeps the columns of those before
+    it and adds its own, a null-only field takes a type once it has one, and an integer
+    field that holds a fraction later is a double from then on."""
     monkeypatch.setattr(client, "JSON_BLOCK_BYTES", 1)  # a block per line
     failed = {"index": 0, "input": "s3://bkt/a", "error": {"type": "E", "message": "m"}}
     answered = {"index": 1, "input": "s3://bkt/b", "model": "m@1", "label": "x", "box": None}
     late = {"index": 2, "input": "s3://bkt/c", "model": "m@1", "label": None, "box": [1, 2]}
-    _finished(blobs, b"".join(json.dumps(r).encode() + b"\n" for r in (failed, answered, late)))
-    first, second, third = Job(blobs, OUTPUT, "j1").batches()
+    rounded = {"index": 3, "input": "s3://bkt/d", "model": "m@1", "score": 0}
+    fraction = {"index": 4, "input": "s3://bkt/e", "model": "m@1", "score": 0.5}
+    records = (failed, answered, late, rounded, fraction)
+    _finished(blobs, b"".join(json.dumps(r).encode() + b"\n" for r in records))
+    first, second, third, fourth, fifth = Job(blobs, OUTPUT, "j1").batches()
+    assert fourth.schema.field("score").type == pa.int64()
+    assert fifth.schema.field("score").type == pa.float64()
+    assert fifth.column("score").to_pylist() == [0.5]
     assert first.schema.names == ["index", "input", "model", "error"]
     assert second.schema.names == [*first.schema.names, "label", "box"]
     assert second.schema.field("box").type == pa.null()

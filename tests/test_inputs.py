@@ -173,6 +173,8 @@ def test_a_listing_that_cannot_be_used_makes_its_message_poison_with_the_reason(
         ({"inputs": ["s3://pix/a"], "inputs_prefix": "s3://pix/"}, "exactly one of"),
         ({"inputs": ["s3://pix/a"], "inputs_suffix": ".jpg"}, "filters an 'inputs_prefix'"),
         ({"inputs_prefix": "s3://out/"}, "under the 'inputs_prefix'"),
+        ({"inputs_prefix": "s3://out/job/"}, "under the 'inputs_prefix'"),
+        ({"inputs_prefix": "s3://out/job/r"}, "under the 'inputs_prefix'"),  # results.jsonl
         ({"table": {"uri": "s3://pix/ids.tsv"}}, "ends .csv, .csv.gz or .parquet"),
         ({"table": {"uri": "s3://pix/ids.csv", "sheet": 1}}, "Extra inputs"),
     ],
@@ -180,3 +182,18 @@ def test_a_listing_that_cannot_be_used_makes_its_message_poison_with_the_reason(
 def test_a_message_naming_its_inputs_wrongly_is_poison(source: dict[str, Any], reason: str) -> None:
     with pytest.raises(PoisonMessage, match=reason):
         parse_job_message(json.dumps({"output": "s3://out/job/", **source}), NO_LIMIT)
+
+
+def test_a_shard_inputs_file_an_older_planner_wrote_still_reads() -> None:
+    """Bare URIs (before ids), and numbers as ids (before ids were text) as the text
+    they are now."""
+    blobs = InMemoryBlobStore()
+    blobs.objects["s3://out/job/shards/0.inputs"] = (
+        b's3://pix/a\n["s3://pix/b", 7]\n["s3://pix/c", "x"]\n'
+    )
+    reader = InputReader(blobs, NO_LIMIT, 2**30)
+    assert reader.shard("s3://out/job/shards/0.inputs") == [
+        Input("s3://pix/a"),
+        Input("s3://pix/b", "7"),
+        Input("s3://pix/c", "x"),
+    ]

@@ -250,7 +250,8 @@ def test_a_merge_that_fails_is_done_by_the_last_shards_redelivery(tmp_path: Path
 def test_a_job_sent_again_in_the_other_format_is_another_request(tmp_path: Path) -> None:
     """The same inputs sent again as Parquet are planned again (the format is part of
     the request's digest) and end as Parquet files; a late watch of the job that asks
-    for its format finds it done and changes nothing, one asking for another is poison."""
+    for its format, or for none (sent before watches carried it), finds it done and
+    changes nothing; one asking for another format is poison."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     inputs = sample_images(blobs, 4)
     _send(source, "twice", inputs, shard_items=2)
@@ -272,7 +273,8 @@ def test_a_job_sent_again_in_the_other_format_is_another_request(tmp_path: Path)
         "watch": as_table["request_digest"],
     }
     source.send(json.dumps({**watch, "format": "parquet"}))
-    source.send(json.dumps(watch))
+    source.send(json.dumps(watch))  # sent before watches carried the format: the plan's
+    source.send(json.dumps({**watch, "format": "jsonl"}))
     run_until_drained(source, blobs, tmp_path)
     ((_, reason),) = source.dead_letters
     assert "a jsonl message for a job planned as parquet" in reason

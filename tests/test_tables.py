@@ -99,3 +99,13 @@ def test_a_postprocessor_may_not_give_a_field_of_the_record_s_own(name: str) -> 
     """`id` too: a job's table puts its ids there."""
     with pytest.raises(ValueError, match=f"returned {name}: results.jsonl's own fields"):
         encoded_fields(lambda _output, _params: {name: 1}, None, {})
+
+
+def test_a_struct_given_keys_its_probe_did_not_have_does_not_fit(tmp_path: Path) -> None:
+    """pyarrow would widen the struct, and that file's schema would differ from the
+    job's others."""
+    tables = Tables(file_bytes=2**20, row_group_bytes=2**20)
+    tables.probed(json.dumps({"box": {"x": 0}}).encode(), {})
+    line = {"index": 0, "input": "s3://b/0", "box": {"x": 1, "y": 2}, "model": "m"}
+    with pytest.raises(UnfitResults, match=r"box: struct<x: int64, y: int64>, not struct"):
+        tables.write(json.dumps(line).encode() + b"\n", {}, tmp_path, ids=False)

@@ -46,7 +46,6 @@ from worker.jobs.tables import (
     PARQUET,
     RECORD_SCHEMA,
     RESULTS_DIR,
-    holds_null,
 )
 from worker.ports import BlobStore, S3Location
 
@@ -347,18 +346,20 @@ class Job:
                 yield record
 
     def _json_batches(self, location: S3Location) -> Iterator[pa.RecordBatch]:
-        # The record's own columns first; then each block keeps the columns (and types)
-        # of the blocks before it, but those that held only nulls, which had no type.
+        # The record's own columns first; then each block has the columns of the blocks
+        # before it and its own, each of the widest type seen so far (an integer field
+        # that holds a fraction later is a double from then on).
         schema = RECORD_SCHEMA
         for block in _line_blocks(self._chunks(location), JSON_BLOCK_BYTES):
-            options = pa_json.ParseOptions(
-                explicit_schema=schema, unexpected_field_behavior="infer"
-            )
             try:
-                table = pa_json.read_json(io.BytesIO(block), parse_options=options)
+                table = pa_json.read_json(io.BytesIO(block))
+                schema = pa.unify_schemas([schema, table.schema], promote_options="permissive")
+                missing = [name for name in schema.names if name not in table.schema.names]
+                for name in missing:
+                    table = table.append_column(name, pa.nulls(len(table), schema.field(name).type))
+                table = table.select(schema.names).cast(schema)
             except pa.ArrowException as error:
                 raise UnreadableOutput(f"{location}: {error}") from error
-            schema = pa.schema(field for field in table.schema if not holds_null(field.type))
             yield from table.to_batches()
 
     def _parquet_batches(self, summary: _Summary) -> Iterator[pa.RecordBatch]:

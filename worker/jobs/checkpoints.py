@@ -202,15 +202,14 @@ class Checkpoints:
         written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
         if not written or not _completes(written, spec.format, digest, listing, cancelled):
             return None
-        self.remove_stale(spec, listing, written["outputs"])
         return written
 
     def remove_stale(
         self, spec: JobMessage, listing: Iterable[str], written: Iterable[str]
     ) -> None:
         """Delete the results files an earlier run left (it wrote more of them) beyond
-        those a finished job's job.json names; never raises: whoever finds the job done
-        next tries again."""
+        those the job.json this worker just wrote names (not where a job is found done:
+        another request's merge may be writing its files there); never raises."""
         stale = stale_tables(listing, written)
         try:
             self._blobs.delete([spec.output_location(name) for name in stale])

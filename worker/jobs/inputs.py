@@ -273,6 +273,8 @@ def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[
                 uri, input_id = json.loads(line)
             except ValueError as error:
                 raise PoisonMessage(f"shard inputs line {number} is not [uri, id]") from error
+        if isinstance(input_id, int | float) and not isinstance(input_id, bool):
+            input_id = str(input_id)  # as planners wrote a number before ids were text
         if not isinstance(input_id, str | None):
             raise PoisonMessage(f"shard inputs line {number}: its id is not text")
         try:

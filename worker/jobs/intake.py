@@ -351,6 +351,10 @@ class Intake:
                     f"shard {spec.shard.index} lists {len(listed)} inputs, not {len(span)}"
                 )
         except PoisonMessage as poison:  # a shard of a real plan: its job waits for it
+            if self._shards.committed(spec, plan):  # its inputs went with another run's merge
+                log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
+                self._outcomes.ack(job)
+                return None
             self._shards.dead_lettered(spec, plan, str(poison))
             raise
         inputs = [uri for uri, _ in listed]

@@ -101,7 +101,7 @@ class JobMessage(BaseModel):
             raise ValueError(f"give exactly one of {', '.join(map(repr, INPUT_SOURCES))}")
         if self.inputs_suffix is not None and not (self.inputs_prefix or self.inventory):
             raise ValueError("'inputs_suffix' filters an 'inputs_prefix' or an 'inventory'")
-        if self.inputs_prefix is not None and self.output.startswith(self.inputs_prefix):
+        if self.inputs_prefix is not None and self._output_is_listed(self.inputs_prefix):
             raise ValueError(
                 "the 'output' is under the 'inputs_prefix': the job's own outputs would "
                 "be listed as its inputs (and change them on every delivery)"
@@ -109,6 +109,13 @@ class JobMessage(BaseModel):
         if self.shard is not None and (self.job_id is None or self.manifest is None):
             raise ValueError("a shard names its job's 'job_id' and its inputs' 'manifest'")
         return self
+
+    def _output_is_listed(self, prefix: str) -> bool:
+        """Whether a listing of the keys under `prefix` holds keys of the job's outputs."""
+        listed, outputs = S3Location.parse(prefix), self.output_location("")
+        return listed.bucket == outputs.bucket and (
+            outputs.key.startswith(listed.key) or listed.key.startswith(outputs.key)
+        )
 
     def output_location(self, name: str) -> S3Location:
         """Where the output file `name` of this job goes."""

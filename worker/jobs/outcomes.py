@@ -96,11 +96,12 @@ class Outcomes:
         in a tight loop."""
         self.release(job, reason, self.retry_delay_s(job.attempt))
 
-    def dead_letter(self, job: Job, reason: str) -> None:
+    def dead_letter(self, job: Job, reason: str) -> bool:
         """Move a poison message to the dead-letter queue. If that fails (or there is no
-        DLQ) it is released with a growing delay, left to the queue's redrive policy."""
+        DLQ) it is released with a growing delay, left to the queue's redrive policy.
+        False if the job was settled already (handed over by shutdown, say)."""
         if not self._ledger.dead_letter(job):
-            return
+            return False
         self._metrics.jobs.labels("poison").inc()
         try:
             moved = self._source.dead_letter(job.message, reason)
@@ -122,6 +123,7 @@ class Outcomes:
             log.warning("settle_failed", message_id=job.message.message_id, error=repr(error))
         finally:
             self._forget(job)
+        return True
 
     def hand_over(
         self, job: Job, reason: str, delay_s: int = 0, *, runs_may_overlap: bool = False

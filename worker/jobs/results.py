@@ -283,8 +283,7 @@ class Finisher:
                 self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
                 return False, None
             except UnfitResults as error:  # the same on every delivery, until the model changes
-                self._outcomes.dead_letter(job, str(error))
-                if job.plan is not None:
+                if self._outcomes.dead_letter(job, str(error)) and job.plan is not None:
                     assert job.spec is not None
                     self._shards.dead_lettered(job.spec, job.plan, str(error))
                 return False, None

@@ -170,7 +170,8 @@ class Shards:
             raise PoisonMessage(f"a shard of a job with no {PLAN} under its output") from None
         if plan.request_digest != digest:
             raise PoisonMessage(f"a shard of plan {digest}, replaced by another request")
-        if spec.format != plan.format:
+        legacy_watch = spec.watch is not None and "format" not in spec.model_fields_set
+        if spec.format != plan.format and not legacy_watch:
             raise PoisonMessage(f"a {spec.format} message for a job planned as {plan.format}")
         return plan
 

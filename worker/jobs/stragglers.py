@@ -77,6 +77,8 @@ class Stragglers:
         if S3 or SQS fail: the watch comes back later."""
         assert spec.watch is not None
         plan = self._shards.plan_for(spec, spec.watch)
+        # A watch sent before watches carried the job's format (a rolling upgrade).
+        spec = spec.model_copy(update={"format": plan.format})
         directory = shard_directory(spec, plan.request_digest)
         listing = self._blobs.objects_under(directory)
 
@@ -103,7 +105,8 @@ class Stragglers:
             self._outcomes.ack(job)
             return
         shard_s = statistics.median(commit.seconds for commit in commits)
-        if all(has(shard, STARTED_SUFFIX) for shard in range(plan.shards)):
+        # A dead shard may never have started: it runs no more either way.
+        if all(has(s, STARTED_SUFFIX) or has(s, DEAD_SUFFIX) for s in range(plan.shards)):
             running = self._running_s(spec, plan, [s for s in left if not has(s, DEAD_SUFFIX)])
             lost = [
                 shard

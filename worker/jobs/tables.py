@@ -165,6 +165,16 @@ class Tables:
                 f"({_described(self._fields)}): {error}"
             ) from error
         unprobed = table.schema.names[len(schema) :]
+        widened = [
+            f"{field.name}: {table.schema.field(field.name).type}, not {field.type}"
+            for field in schema
+            if table.schema.field(field.name).type != field.type
+        ]
+        if widened:  # a struct the probe gave, with keys it did not
+            raise UnfitResults(
+                f"the results do not fit the columns the model's answer to zeros typed: "
+                f"{'; '.join(widened)}"
+            )
         if unprobed:
             raise UnfitResults(
                 f"the postprocessor gave {', '.join(unprobed)}, which its answer to the "
