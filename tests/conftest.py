@@ -54,13 +54,3 @@ def start_daemon(aws: Aws) -> Iterator[StartDaemon]:
     yield start
     leftovers = [line for daemon in started for line in daemon.close()]
     assert not leftovers, f"processes left behind: {leftovers}"
-
-
-# Tests of tens of seconds each: run first (`pytest_collection_modifyitems`).
-LONG_TESTS = ("tests/e2e/", "tests/test_bench.py")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The long tests first, the rest after: the workers then fill in with short tests
-    at the end instead of waiting on a long one started last."""
-    items.sort(key=lambda item: not item.nodeid.startswith(LONG_TESTS))
