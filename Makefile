@@ -8,12 +8,14 @@ PY := $(VENV)/bin/python
 .PHONY: demo test test-gpu test-fleet lint chaos bench bench-full bench-gpu
 
 # torch through pip, which finds the machine's own build of it; the rest through uv,
-# which installs it in seconds where pip took most of a minute of CI's time.
+# which installs it in seconds where pip took most of a minute of CI's time. Compiled
+# to bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (CI's machines), every
+# process would otherwise compile botocore and the rest from source at each start.
 $(VENV)/installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip uv
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[dev]'
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -e '.[dev]'
 	touch $@
 
 demo: $(VENV)/installed
@@ -23,7 +25,7 @@ demo: $(VENV)/installed
 # gets a virtual environment of its own (tests/test_deploy.py runs it from there).
 $(VENV)/checkov/installed: $(VENV)/installed
 	$(VENV)/bin/uv venv --quiet --python $(PYTHON) $(VENV)/checkov
-	$(VENV)/bin/uv pip install --quiet --python $(VENV)/checkov/bin/python checkov==3.3.30
+	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(VENV)/checkov/bin/python checkov==3.3.30
 	touch $@
 
 lint: $(VENV)/installed
