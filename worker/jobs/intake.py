@@ -288,8 +288,7 @@ class Intake:
         stream = listed()
         first = list(itertools.islice(stream, shard_items + 1))
         if len(first) <= shard_items:
-            inputs = [uri for uri, _ in first]
-            ids = [input_id for _, input_id in first] if with_ids else None
+            inputs, ids = _uris_and_ids(first, with_ids)
             prior = self._checkpoints.read(spec, job_id, inputs, ids, model)
             return _Admission(spec, inputs, ids, prior)
         # A chain's are not known: it may write arrays.
@@ -357,8 +356,7 @@ class Intake:
                 return None
             self._shards.dead_lettered(spec, plan, str(poison))
             raise
-        inputs = [uri for uri, _ in listed]
-        ids = [input_id for _, input_id in listed] if plan.ids else None
+        inputs, ids = _uris_and_ids(listed, plan.ids)
         prior = self._checkpoints.read(
             spec, plan.job_id, inputs, ids, model, first_index=span.start
         )
@@ -425,6 +423,11 @@ class Intake:
             log.info("job_cancelled", job_id=job_id, finished=job.finished_items)
         if job.state is JobState.FINISHING:  # cancelled, or every result resumed
             self._finish(job)
+
+
+def _uris_and_ids(listed: list[Input], with_ids: bool) -> tuple[list[str], list[Any] | None]:
+    """The inputs' URIs, and their ids where the job's table gives them."""
+    return [uri for uri, _ in listed], [input_id for _, input_id in listed] if with_ids else None
 
 
 def _check_breakages(message: ReceivedMessage) -> None:

@@ -87,13 +87,13 @@ class Tables:
         postprocessor runs on the regrouper's side)."""
         self._layouts = dict(layouts or {})
         probe = pa_json.read_json(io.BytesIO(fields)).schema if fields else pa.schema([])
+        self._text_fields = frozenset(column.name for column in probe if holds_null(column.type))
         self._fields = pa.schema(
             [
-                pa.field(column.name, pa.string()) if holds_null(column.type) else column
+                pa.field(column.name, pa.string()) if column.name in self._text_fields else column
                 for column in probe
             ]
         )
-        self._text_fields = frozenset(column.name for column in probe if holds_null(column.type))
 
     def write(
         self, lines: bytes, arrays: dict[str, Path], directory: Path, *, ids: bool
