@@ -61,6 +61,7 @@ def _finished(blobs: InMemoryBlobStore, results: bytes, **fields: Any) -> None:
         ({"inputs": ["s3://bkt/a"], "inputs_suffix": ".jpg"}, "'inputs_suffix' filters"),
         ({"inputs": ["s3://bkt/a"], "params": {"when": object()}}, "not JSON serializable"),
         ({"inputs": ["s3://bkt/a"], "job_id": "no spaces"}, "job_id"),
+        ({"inputs": ["s3://bkt/a"], "tar": {"member_suffix": ""}}, "tar.member_suffix"),
     ],
 )
 def test_a_job_the_daemon_would_refuse_is_refused_before_anything_is_sent(

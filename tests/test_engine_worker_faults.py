@@ -387,6 +387,27 @@ def test_a_fetch_that_fails_inputs_fetched_before_too_is_a_broken_worker(
     assert observer.suspects == [frozenset({"k"})]
 
 
+def test_inputs_over_the_size_limit_are_their_own_errors_whatever_was_fetched_before(
+    tmp_path: Path,
+) -> None:
+    """A request of inputs that are all over the size limit fails for their size alone
+    (the store, or a tar's header, told it): their errors stand even when the inputs
+    fetched before cannot be read for now (a tar's local copy taken with its job)."""
+    marker = tmp_path / "revoked"
+    observer = RecordingObserver()
+    with Pipeline([_fetching_stage(marker, 4)], observer) as pipeline:
+        for index, value in enumerate("ab"):
+            [fetched] = run_items(pipeline, [Item("j", index, value)])
+            assert fetched.error is None
+        (tmp_path / "gone-a").touch()
+        (tmp_path / "gone-b").touch()
+        huge = run_items(pipeline, [Item("j", 2 + i, "huge") for i in range(4)])
+    assert [(r.error.type, r.error.transient) for r in huge if r.error] == [
+        ("ObjectTooLarge", False)
+    ] * 4
+    assert observer.broken == []
+
+
 def test_a_fetch_step_that_never_fetched_an_input_blames_none_and_stops_on_a_third_job(
     tmp_path: Path,
 ) -> None:

@@ -435,7 +435,12 @@ def test_a_planner_that_finds_another_s_plan_writes_that_plan_s_shards(tmp_path:
     model = job_file(blobs, "probe", "job.json")["model"]
     plan = Plan(
         job_id="rolled",
-        request_digest=request_digest(inputs, None, {}, ModelIdentity(**model), "jsonl"),
+        request_digest=request_digest(
+            inputs,
+            None,
+            JobMessage(inputs=inputs, output="s3://results/rolled/"),
+            ModelIdentity(**model),
+        ),
         items=7,
         shard_items=3,
         model=model,

@@ -16,9 +16,17 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from worker.adapters import aws
-from worker.client import CancelRefused, InvalidJob, Job, Jobs, JobStatus, UnreadableOutput
+from worker.client import (
+    CancelRefused,
+    InvalidJob,
+    Job,
+    Jobs,
+    JobStatus,
+    UnreadableOutput,
+)
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
 from worker.jobs.joblog import configure_daemon_logging
+from worker.jobs.message import TarMembers
 from worker.plugins import PluginError
 from worker.settings import DEFAULT_METRICS_PORT, add_settings_flags, settings_from_flags
 
@@ -96,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--inputs-suffix",
         help="keep only the objects of --inputs-prefix or --inventory whose key ends so (.jpg)",
     )
+    sources.add_argument(
+        "--tar",
+        action="store_true",
+        help="the objects listed are tar shards (WebDataset): each member is an input",
+    )
+    sources.add_argument(
+        "--member-suffix",
+        help="with --tar, keep only the members whose name ends so (.jpg)",
+    )
     enqueue.add_argument("--params", default="{}", help="JSON object of pipeline parameters")
     enqueue.add_argument(
         "--format",
@@ -106,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue.add_argument(
         "--shard-items",
         type=int,
-        help="split the job across the fleet in shards of this many inputs "
-        "(default: the workers' --shard-items)",
+        help="split the job across the fleet in shards of this many inputs, or tars "
+        "with --tar (default: the workers' --shard-items, or --shard-tars)",
     )
     enqueue.add_argument(
         "--wait", action="store_true", help="follow the job until job.json appears"
@@ -299,11 +316,9 @@ def _explain(error: ValidationError) -> str:
 
 
 def _enqueue(args: argparse.Namespace) -> int:
-    if not args.queue_url:
-        print("--queue-url (or WORKER_QUEUE_URL) is required", file=sys.stderr)
-        return EXIT_USAGE
-    if (args.uri_column or args.id_column) and not args.table:
-        print("--uri-column and --id-column name columns of --table", file=sys.stderr)
+    problem = _enqueue_usage_problem(args)
+    if problem:
+        print(problem, file=sys.stderr)
         return EXIT_USAGE
     try:
         job = Jobs.connect(args.queue_url).submit(
@@ -318,6 +333,7 @@ def _enqueue(args: argparse.Namespace) -> int:
             params=json.loads(args.params),
             format=args.format,
             shard_items=args.shard_items,
+            tar=TarMembers(member_suffix=args.member_suffix) if args.tar else None,
         )
     except json.JSONDecodeError as error:
         print(f"--params is not JSON: {error}", file=sys.stderr)
@@ -329,6 +345,17 @@ def _enqueue(args: argparse.Namespace) -> int:
     if args.wait:
         return _wait(job, args.timeout_seconds)
     return 0
+
+
+def _enqueue_usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with enqueue's flags together, before anything is sent."""
+    if not args.queue_url:
+        return "--queue-url (or WORKER_QUEUE_URL) is required"
+    if (args.uri_column or args.id_column) and not args.table:
+        return "--uri-column and --id-column name columns of --table"
+    if args.member_suffix and not args.tar:
+        return "--member-suffix keeps members of --tar shards"
+    return None
 
 
 def _table(args: argparse.Namespace) -> dict[str, str] | None:

@@ -38,6 +38,7 @@ from worker.jobs.checkpoints import CANCEL_MARKER
 from worker.jobs.message import (
     PoisonMessage,
     TableSource,
+    TarMembers,
     parse_job_message,
     validation_problems,
 )
@@ -154,6 +155,7 @@ class Jobs:
         format: Literal["jsonl", "parquet"] = "jsonl",
         job_id: str | None = None,
         shard_items: int | None = None,
+        tar: TarMembers | dict[str, Any] | None = None,
     ) -> Job:
         """Send a job (docs/jobs.md, "The job message": exactly one source of inputs) and
         return its handle; `InvalidJob`, with every reason, if the daemon would refuse
@@ -161,6 +163,8 @@ class Jobs:
         its shards will be (the tenant, on an SQS fair queue)."""
         if isinstance(table, TableSource):
             table = table.model_dump(exclude_none=True)
+        if isinstance(tar, TarMembers):
+            tar = tar.model_dump(exclude_none=True)
         fields = {
             "job_id": job_id or uuid.uuid4().hex,
             "inputs": None if inputs is None else list(inputs),
@@ -173,6 +177,7 @@ class Jobs:
             "params": params,
             "format": format,
             "shard_items": shard_items,
+            "tar": tar,
         }
         try:
             body = json.dumps({name: value for name, value in fields.items() if value is not None})

@@ -40,6 +40,16 @@ class S3Location:
 
 
 @dataclass(frozen=True, slots=True)
+class LocalPart:
+    """Bytes of a file on this machine: a member of a tar copied here
+    (`worker.jobs.tars`), which the fetchers read in place of an object."""
+
+    path: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class QueueCounts:
     """A queue's approximate message counts, as SQS reports them."""
 

@@ -175,6 +175,20 @@ class Settings(BaseSettings):
         "split into shards of this many, run across the fleet and merged in order: about "
         "three minutes each at 500 images/s.",
     )
+    shard_tars: int = Field(
+        default=10,
+        ge=1,
+        description="A job whose inputs are tar shards (its message's 'tar') with more "
+        "tars than this (or its message's 'shard_items') is split into shards of this "
+        "many tars: 10 WebDataset tars of 1,000-10,000 images each.",
+    )
+    max_tar_bytes: int = Field(
+        default=16 * 2**30,
+        ge=1,
+        description="A tar shard over this many bytes (16 GiB by default) makes its "
+        "message poison. A job's tars are copied whole to --log-dir while it runs: its "
+        "disk holds --shard-tars of them for each shard held.",
+    )
     parquet_file_bytes: int = Field(
         default=256 * 2**20,
         ge=1,

@@ -1,13 +1,15 @@
 """Datasets in, tables out, end to end: a daemon subprocess against the moto server runs
 one job of each kind of input listing (a prefix, a CSV table with ids, a Parquet table,
-an S3 Inventory report), one of them as shards with Parquet results, which read back as
-one table with pyarrow and DuckDB; a table without its URI column is dead-lettered."""
+an S3 Inventory report, tar shards under a prefix, sent with `enqueue --tar`), two of
+them as shards, one with Parquet results, which read back as one table with pyarrow and
+DuckDB; a table without its URI column is dead-lettered."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import json
+import subprocess
 from pathlib import Path
 
 import duckdb
@@ -18,7 +20,8 @@ import pytest
 
 from tests.support.aws import Aws
 from tests.support.daemons import StartDaemon, daemon_args
-from tests.support.jobs import job_output, upload
+from tests.support.jobs import enqueue_command, job_output, upload
+from tests.support.tars import tar_of
 from worker.demo import upload_samples
 from worker.ports import S3Location
 
@@ -50,6 +53,13 @@ def test_each_kind_of_input_listing_runs_and_parquet_results_read_as_one_table(
         "fileSchema": "Bucket, Key, IsLatest, IsDeleteMarker",
         "files": [{"key": "inventory/data/1.csv.gz", "size": 1, "MD5checksum": "x"}],
     }
+    pixels = [aws.read(f"s3://{stack.bucket}/", S3Location.parse(uri).key) for uri in images]
+    shards = [
+        [(f"{n}.png", pixels[n]) for n in range(3)] + [("3.cls", b"7"), ("3.png", b"no image")],
+        [(f"{n}.png", pixels[n]) for n in range(4, 10)],
+    ]
+    for number, members in enumerate(shards):
+        upload(aws, stack, f"tars/{number:04d}.tar", tar_of(members))
     jobs = {
         "prefix": {"inputs_prefix": f"s3://{stack.bucket}/images/", "inputs_suffix": ".img"},
         "csv": {
@@ -77,6 +87,10 @@ def test_each_kind_of_input_listing_runs_and_parquet_results_read_as_one_table(
     }
     for job_id, source in jobs.items():
         aws.send(stack.queue_url, {"job_id": job_id, "output": job_output(stack, job_id), **source})
+    tar_flags = ["--inputs-prefix", f"s3://{stack.bucket}/tars/", "--tar"]
+    tar_flags += ["--member-suffix", ".png", "--shard-items", "1"]
+    command = enqueue_command(stack.queue_url, "tars", job_output(stack, "tars"), *tar_flags)
+    subprocess.run(command, env=aws.env, check=True, capture_output=True, timeout=60)
     daemon = start_daemon(daemon_args(stack, tmp_path, "--drain"))
     assert daemon.wait(180) == 0, daemon.stderr[-3000:]
 
@@ -84,6 +98,15 @@ def test_each_kind_of_input_listing_runs_and_parquet_results_read_as_one_table(
     assert [line["input"] for line in prefix] == images
     assert [line["id"] for line in aws.results(job_output(stack, "parquet"))] == ["7", "8", "9"]
     assert [line["input"] for line in aws.results(job_output(stack, "inventory"))] == images[:4]
+    tars = aws.results(job_output(stack, "tars"))
+    assert [(line["index"], line["member"]) for line in tars] == [
+        *((0, f"{n}.png") for n in range(4)),
+        *((1, f"{n}.png") for n in range(4, 10)),
+    ]
+    assert tars[3]["error"]["type"] == "UnidentifiedImageError"
+    labels = [line["label"] for line in prefix]
+    assert [line.get("label") for line in tars] == [*labels[:3], None, *labels[4:]]
+    assert aws.summary(job_output(stack, "tars"))["items"] == 10
     [dead] = aws.dead_letters(stack.dlq_url)
     assert json.loads(dead["Body"])["job_id"] == "no-column"
     assert "'uri'" in dead["MessageAttributes"]["reason"]["StringValue"]

@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from worker.engine import ItemError, StageFunction
-from worker.errors import TransientError
+from worker.errors import ObjectTooLarge, TransientError
 
 
 def sleepy_writer(delay_s: float) -> Callable[[Any, torch.Tensor], Any]:
@@ -344,16 +344,21 @@ def needs_params(output: Any, params: dict[str, Any]) -> dict[str, Any]:
 
 def revocable_fetcher(marker_path: str) -> StageFunction:
     """Fetches `name` into `fetched:name`, but `denied` (an object the worker may not
-    read), `name` once a file `deleted-name` is beside `marker_path` (its owner deleted
-    it), and every input once `marker_path` exists (the worker's credentials revoked);
-    then writes as `sleepy_writer` does, with the fill 7."""
+    read), `huge` (over the size limit), `name` once a file `deleted-name` is beside
+    `marker_path` (its owner deleted it) or `gone-name` (unreadable for now), and every
+    input once `marker_path` exists (the worker's credentials revoked); then writes as
+    `sleepy_writer` does, with the fill 7."""
     marker = Path(marker_path)
 
     def fetch(value: str) -> str:
         if value == "denied" or marker.exists():
             raise PermissionError(f"AccessDenied: {value} (test)")
+        if value == "huge":
+            raise ObjectTooLarge(10, 5)
         if (marker.parent / f"deleted-{value}").exists():
             raise FileNotFoundError(f"NoSuchKey: {value} (test)")
+        if (marker.parent / f"gone-{value}").exists():
+            raise TransientError(f"{value} cannot be read for now (test)")
         return f"fetched:{value}"
 
     def write(value: str, out: torch.Tensor) -> str:

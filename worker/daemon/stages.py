@@ -9,6 +9,7 @@ given, and the jobs' loops see only the pipeline's ends.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -24,12 +25,13 @@ from worker.engine import (
     ThreadStage,
     bisection_sizes,
 )
+from worker.errors import ObjectTooLarge, TransientError
 from worker.plugins import on_payload
 from worker.plugins.device_decoding import decodes_on_device
 from worker.plugins.loading import inference_devices, load_fan_out, load_preprocessor
 from worker.plugins.setups import fan_out_setup, inference_setup, preprocess_setup
 from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
-from worker.ports import BlobStore, ObjectReader, RemoteReader, S3Location
+from worker.ports import BlobStore, LocalPart, ObjectReader, RemoteReader, S3Location
 from worker.settings import Settings
 
 log = structlog.get_logger()
@@ -66,7 +68,7 @@ def build_pipeline(
     max_input_bytes = settings.max_input_bytes
     stages: list[ThreadStage | ProcessStage] = []
     if reader is None:
-        fetch = on_payload(lambda uri: blobs.get(S3Location.parse(uri), max_input_bytes))
+        fetch = on_payload(fetcher(blobs.get, max_input_bytes))
         stages.append(
             ThreadStage(
                 "fetch",
@@ -145,11 +147,37 @@ def _remote_reader(settings: Settings, blobs: BlobStore) -> RemoteReader | None:
 
 def open_fetch(
     open_reader: Callable[[int], ObjectReader], connections: int, max_bytes: int
-) -> Callable[[str], bytes]:
-    """A preprocessing process's fetcher of an input's bytes by its URI, with a reader
-    of its own for `connections` reads at once; an input over `max_bytes` is not read."""
-    get = open_reader(connections)
-    return lambda uri: get(S3Location.parse(uri), max_bytes)
+) -> Callable[[str | LocalPart], bytes]:
+    """A preprocessing process's fetcher, with a reader of its own for `connections`
+    reads at once."""
+    return fetcher(open_reader(connections), max_bytes)
+
+
+def fetcher(get: ObjectReader, max_bytes: int) -> Callable[[str | LocalPart], bytes]:
+    """The fetcher of an input's bytes: an object's by its URI, or a member's of a tar
+    copied here; an input over `max_bytes` is not read (`ObjectTooLarge`)."""
+
+    def fetch(source: str | LocalPart) -> bytes:
+        if isinstance(source, LocalPart):
+            return _read_part(source, max_bytes)
+        return get(S3Location.parse(source), max_bytes)
+
+    return fetch
+
+
+def _read_part(part: LocalPart, max_bytes: int) -> bytes:
+    if part.size > max_bytes:
+        raise ObjectTooLarge(part.size, max_bytes)
+    # The copy is this machine's (its disk, or a job settled meanwhile that took it
+    # along): a failure to read it is never the input's.
+    try:
+        with open(part.path, "rb") as file:
+            data = os.pread(file.fileno(), part.size, part.offset)
+    except OSError as error:
+        raise TransientError(f"the local copy of its tar cannot be read: {error}") from error
+    if len(data) != part.size:
+        raise TransientError(f"the local copy of its tar is cut short at {part.path}")
+    return data
 
 
 def _model_stage(

@@ -40,7 +40,7 @@ from worker.engine.wire import (
     SetupFailed,
     Task,
 )
-from worker.errors import TransientError
+from worker.errors import ObjectTooLarge, TransientError
 
 log = structlog.get_logger()
 
@@ -269,12 +269,15 @@ def _judged(
     (the errors stand); one that fails is forgotten (its owner may have deleted it). If
     two or more fail, all of them, the worker is at fault. With fewer to tell by (or a
     failure for now: throttled), nobody can tell: the errors are made transient, and
-    `untold` when nothing was ever prepared."""
+    `untold` when nothing was ever prepared. An input over the size limit is its own
+    fault for sure: the store (or the tar's header) told its size."""
     if len(failed) < len(unprepared):
         known_good.remember(next(v for p, v in enumerate(unprepared) if p not in failed))
         return _Judged(failed, None, False)
     if not failed or any(error.transient for error in failed.values()):
         return _Judged(failed, None, False)
+    if any(error.type == ObjectTooLarge.__name__ for error in failed.values()):
+        return _Judged(failed, None, False)  # its size was told: the input's own fault
     if not known_good.unprepared:
         never = f"no input passed {step.name} before, to tell the worker's fault from the input's"
         return _Judged(_made_transient(failed, never), None, True)

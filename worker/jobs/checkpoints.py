@@ -36,9 +36,9 @@ import structlog
 
 from worker.errors import MissingObject
 from worker.jobs.arrays import ARRAY_FILE_SUFFIX
-from worker.jobs.job import Job, JobState, Result
+from worker.jobs.job import Job, JobState, Place, Result
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import JobMessage
+from worker.jobs.message import JobMessage, TarMembers
 from worker.jobs.tables import (
     JSON_LINES,
     NDJSON,
@@ -71,20 +71,17 @@ CHECK_EVERY_S = 1.0
 
 
 def request_digest(
-    inputs: list[str],
-    ids: list[Any] | None,
-    params: dict[str, Any],
-    model: ModelIdentity,
-    output_format: str,
+    listed: list[str], ids: list[Any] | None, spec: JobMessage, model: ModelIdentity
 ) -> str:
-    """Names one request: its inputs, in order (with their ids, if its table gives
-    them), its params, the model that answers it and the format of its results (job.json
-    records it as `request_digest`). Another model's results are another request's:
-    they are neither resumed from nor taken as done."""
+    """Names one request: the inputs it lists, in order (with their ids, if its table
+    gives them), its params, the model that answers it, the format of its results and
+    whether its inputs are tars (job.json records it as `request_digest`). Another
+    model's results are another request's: they are neither resumed from nor taken as
+    done."""
     digest = RequestDigest()
-    for uri, input_id in zip(inputs, [None] * len(inputs) if ids is None else ids, strict=True):
+    for uri, input_id in zip(listed, [None] * len(listed) if ids is None else ids, strict=True):
         digest.add(uri, input_id)
-    return digest.hexdigest(params, model.as_dict(), output_format)
+    return digest.hexdigest(spec.params, model.as_dict(), spec.format, spec.tar)
 
 
 class RequestDigest:
@@ -100,13 +97,21 @@ class RequestDigest:
         self._hash.update(self._separator + json.dumps(entry).encode())
         self._separator = b","
 
-    def hexdigest(self, params: dict[str, Any], model: dict[str, Any], output_format: str) -> str:
+    def hexdigest(
+        self,
+        params: dict[str, Any],
+        model: dict[str, Any],
+        output_format: str,
+        tar: TarMembers | None = None,
+    ) -> str:
         """The digest of the inputs added so far, with `params`, the model's identity
-        (`ModelIdentity.as_dict`) and the results' format: a format other than JSON
-        lines is appended, so that a JSON-lines request keeps the digest it had before
-        there were others (its checkpoints resume across the upgrade)."""
+        (`ModelIdentity.as_dict`), the results' format and the `tar` members taken: a
+        format other than JSON lines, and a `tar`, are appended, so that a request of
+        neither keeps the digest it had before there were (its checkpoints resume
+        across the upgrade)."""
         formats = [] if output_format == JSON_LINES else [output_format]
-        rest = json.dumps([params, model, *formats], sort_keys=True, separators=(",", ":"))
+        tars = [] if tar is None else [tar.model_dump()]
+        rest = json.dumps([params, model, *formats, *tars], sort_keys=True, separators=(",", ":"))
         whole = self._hash.copy()
         whole.update(b"]," + rest[1:].encode())
         return whole.hexdigest()[:REQUEST_DIGEST_CHARS]
@@ -133,19 +138,11 @@ class Checkpoints:
         self._blobs = blobs
         self._ledger = ledger
 
-    def read(
-        self,
-        spec: JobMessage,
-        job_id: str,
-        inputs: list[str],
-        ids: list[Any] | None,
-        model: ModelIdentity,
-        *,
-        first_index: int = 0,
-    ) -> Prior:
+    def read(self, spec: JobMessage, job_id: str, digest: str, places: list[Place]) -> Prior:
         """One listing of the output prefix, then job.json, `cancel` and checkpoint parts
-        as needed. `inputs` are the job's from `first_index` on (a shard's)."""
-        digest = request_digest(inputs, ids, spec.params, model, spec.format)
+        as needed, for request `digest`, whose items are at `places` (a shard's, its
+        part of its job's)."""
+        positions = {place: position for position, place in enumerate(places)}
         listing = self.outputs(spec)
         cancelled = self._cancel_stands(spec, job_id, listing)
         summary = self._completed(spec, digest, listing, cancelled)
@@ -159,12 +156,10 @@ class Checkpoints:
                 continue
             for line in data.splitlines():
                 record = _json(line, name) or {}
-                index = record.get("index")
-                if not isinstance(index, int) or not 0 <= index - first_index < len(inputs):
-                    continue
-                index -= first_index
-                if inputs[index] == record.get("input"):
-                    resumed.setdefault(index, Result(line + b"\n", "error" in record))
+                place = _place(record)
+                position = None if place is None else positions.get(place)
+                if position is not None:
+                    resumed.setdefault(position, Result(line + b"\n", "error" in record))
         return Prior(
             digest,
             {name: etag for name, etag in listing.items() if _final_output(name)},
@@ -359,6 +354,14 @@ def _json(data: bytes, name: str) -> dict[str, Any] | None:
         log.warning("output_unreadable", name=name, error=str(error))
         return None
     return value if isinstance(value, dict) else None
+
+
+def _place(record: dict[str, Any]) -> Place | None:
+    """A checkpoint line's item's place, if it names one (it is read back from S3)."""
+    index, uri, member = record.get("index"), record.get("input"), record.get("member")
+    if type(index) is not int or not isinstance(uri, str):
+        return None
+    return Place(index, uri, member) if isinstance(member, str | None) else None
 
 
 def _part_prefix(digest: str) -> str:

@@ -100,11 +100,11 @@ class InputReader:
         """`parse` of the bytes of the `kind` of listing at `uri` as they stream in;
         poison if it cannot be read."""
         chunks = self._blobs.chunks(S3Location.parse(uri), self._max_file_bytes)
-        with _unreadable_is_poison(f"{kind} {uri}"), contextlib.closing(chunks):
+        with unreadable_is_poison(f"{kind} {uri}"), contextlib.closing(chunks):
             yield from parse(chunks)
 
     def _prefix(self, prefix: S3Location, suffix: str) -> Iterator[Input]:
-        with _unreadable_is_poison(f"prefix {prefix}"):
+        with unreadable_is_poison(f"prefix {prefix}"):
             for key in self._blobs.keys_under(prefix):
                 if key.endswith(suffix) and not key.endswith("/"):
                     yield Input(f"s3://{prefix.bucket}/{key}")
@@ -122,7 +122,7 @@ class InputReader:
 
     def _inventory(self, manifest_uri: str, suffix: str) -> Iterator[Input]:
         """The objects an S3 Inventory report lists, file by file in its manifest's order."""
-        with _unreadable_is_poison(f"inventory {manifest_uri}"):
+        with unreadable_is_poison(f"inventory {manifest_uri}"):
             data = self._blobs.get(S3Location.parse(manifest_uri), MAX_INVENTORY_MANIFEST_BYTES)
         report = _inventory_report(manifest_uri, data)
         check_buckets({report.bucket}, self._allowed)
@@ -166,7 +166,7 @@ class InputReader:
         """A CSV or Parquet file's record batches: the `columns` named (all, if None;
         without a `header` they name the CSV's columns), each read as strings in a CSV."""
         location = S3Location.parse(uri)
-        with _unreadable_is_poison(f"table {uri}"):
+        with unreadable_is_poison(f"table {uri}"):
             if file_format == "parquet":
                 yield from self._parquet_batches(location, columns)
             else:
@@ -315,7 +315,7 @@ def _truthy(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _unreadable_is_poison(what: str) -> Iterator[None]:
+def unreadable_is_poison(what: str) -> Iterator[None]:
     """What makes a listing (`what`: "<kind> <uri>") unusable for good, as poison."""
     try:
         yield

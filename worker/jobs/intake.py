@@ -20,18 +20,25 @@ import structlog
 
 from worker.engine import Item, Pipeline
 from worker.jobs.arrays import ArrayFiles, ArraySpool
-from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest
+from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest, request_digest
 from worker.jobs.inputs import Input, InputReader
-from worker.jobs.job import Job, JobState
+from worker.jobs.job import Job, JobState, Place, item_places
 from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import JobMessage, PoisonMessage, at_most, parse_job_message
+from worker.jobs.message import (
+    JobMessage,
+    PoisonMessage,
+    TarMembers,
+    at_most,
+    parse_job_message,
+)
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import MAX_SHARDS, Plan
 from worker.jobs.planning import Planner
 from worker.jobs.shards import Shards
 from worker.jobs.stragglers import Stragglers
 from worker.jobs.tables import JSON_LINES
+from worker.jobs.tars import Member, TarCopies
 from worker.plugins.identity import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,
@@ -60,10 +67,18 @@ MAX_BROKEN_WORKERS = 3
 
 class _Admission(NamedTuple):
     spec: JobMessage
-    inputs: list[str]
-    ids: list[Any] | None  # each input's, where its table gives them
+    items: _Items
     prior: Prior
     plan: Plan | None = None  # of a shard's job
+
+
+class _Items(NamedTuple):
+    """A job's items as admission read them (`Job` holds them so)."""
+
+    inputs: list[str]  # each item's URI (a member's: its tar's)
+    ids: list[Any] | None  # each item's id, where its table gives them
+    members: list[Member] | None  # each item's, where the inputs are tars
+    places: list[Place]
 
 
 class Intake:
@@ -249,6 +264,24 @@ class Intake:
             return None
         return admission
 
+    def _items(self, job: Job, tar: TarMembers | None, listed: _Listed, first_index: int) -> _Items:
+        """The items of the inputs `listed` (from the job's `first_index` on): the
+        inputs, or, where they are tars, their members, once each tar is copied here."""
+        uris, ids = listed
+        if tar is None:
+            return _Items(uris, ids, None, item_places(uris, None, first_index))
+        settings = self._settings
+        job.tar_copies = TarCopies(
+            self._arrays.directory / f"{job.key}.tars",
+            self._blobs,
+            settings.max_tar_bytes,
+            settings.max_items_per_job,
+        )
+        members = job.tar_copies.members(uris, tar)
+        inputs = [uris[member.row] for member in members]
+        member_ids = None if ids is None else [ids[member.row] for member in members]
+        return _Items(inputs, member_ids, members, item_places(inputs, members, first_index))
+
     def _done_already(self, job: Job, admission: _Admission, job_id: str) -> bool:
         """Ack a delivery of a job whose job.json is written for this same request."""
         summary = admission.prior.summary
@@ -277,10 +310,9 @@ class Intake:
         size: it is then planned, and its message settled."""
         settings = self._settings
         # A message may ask for smaller shards, not larger: the worker's size bounds
-        # what it holds of a job.
-        shard_items = min(spec.shard_items or settings.shard_items, settings.shard_items)
-
-        with_ids = spec.table is not None and spec.table.id_column is not None
+        # what it holds of a job. A tar job's shards count tars.
+        most = settings.shard_tars if spec.tar else settings.shard_items
+        shard_items = min(spec.shard_items or most, most)
 
         def listed() -> Iterator[Input]:
             return at_most(self._inputs.inputs(spec), settings.max_items_per_job)
@@ -288,9 +320,11 @@ class Intake:
         stream = listed()
         first = list(itertools.islice(stream, shard_items + 1))
         if len(first) <= shard_items:
-            inputs, ids = _uris_and_ids(first, with_ids)
-            prior = self._checkpoints.read(spec, job_id, inputs, ids, model)
-            return _Admission(spec, inputs, ids, prior)
+            whole = _split(first, _with_ids(spec))
+            request = request_digest(*whole, spec, model)
+            items = self._items(job, spec.tar, whole, 0)
+            prior = self._checkpoints.read(spec, job_id, request, items.places)
+            return _Admission(spec, items, prior)
         # A chain's are not known: it may write arrays.
         if spec.format == JSON_LINES and self._arrays.layouts != {}:
             raise PoisonMessage(
@@ -303,7 +337,7 @@ class Intake:
         for uri, input_id in itertools.chain(first, stream):  # read through, never held whole
             count += 1
             digest.add(uri, input_id)
-        request = digest.hexdigest(spec.params, model.as_dict(), spec.format)
+        request = digest.hexdigest(spec.params, model.as_dict(), spec.format, spec.tar)
         done = self._checkpoints.finished(spec, job_id, request)
         if done is not None:
             log.info("job_already_done", job_id=job_id, status=done.get("status"))
@@ -319,7 +353,8 @@ class Intake:
             received_at=job.received_at,
             attempt=job.attempt,
             format=spec.format,
-            ids=with_ids,
+            ids=_with_ids(spec),
+            tar=spec.tar,
         )
         self._planner.plan(job, spec, plan, listed)
         return None
@@ -349,6 +384,7 @@ class Intake:
                 raise PoisonMessage(
                     f"shard {spec.shard.index} lists {len(listed)} inputs, not {len(span)}"
                 )
+            items = self._items(job, plan.tar, _split(listed, plan.ids), span.start)
         except PoisonMessage as poison:  # a shard of a real plan: its job waits for it
             if self._shards.committed(spec, plan):  # its inputs went with another run's merge
                 log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
@@ -356,11 +392,8 @@ class Intake:
                 return None
             self._shards.dead_lettered(spec, plan, str(poison))
             raise
-        inputs, ids = _uris_and_ids(listed, plan.ids)
-        prior = self._checkpoints.read(
-            spec, plan.job_id, inputs, ids, model, first_index=span.start
-        )
-        return _Admission(spec, inputs, ids, prior, plan)
+        prior = self._checkpoints.read(spec, plan.job_id, plan.request_digest, items.places)
+        return _Admission(spec, items, prior, plan)
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:
         """Settle a delivery that is not to run: its message was handed over already
@@ -385,9 +418,10 @@ class Intake:
 
     def _admit(self, job: Job, admission: _Admission) -> None:
         """Enter the job in the ledger, resuming from earlier deliveries' checkpoints."""
-        spec, inputs, ids, prior, plan = admission
+        spec, items, prior, plan = admission
+        inputs = items.inputs
         job_id = spec.job_id or job.message.job_message_id
-        job.ids = ids
+        job.ids, job.members, job.places = items.ids, items.members, items.places
         if plan is not None and spec.shard is not None:
             job.plan, job.first_index = plan, plan.range(spec.shard.index).start
         log_dir = self._settings.log_dir
@@ -425,9 +459,18 @@ class Intake:
             self._finish(job)
 
 
-def _uris_and_ids(listed: list[Input], with_ids: bool) -> tuple[list[str], list[Any] | None]:
-    """The inputs' URIs, and their ids where the job's table gives them."""
-    return [uri for uri, _ in listed], [input_id for _, input_id in listed] if with_ids else None
+class _Listed(NamedTuple):
+    uris: list[str]
+    ids: list[Any] | None  # where the job's table gives them
+
+
+def _split(listed: list[Input], with_ids: bool) -> _Listed:
+    return _Listed([uri for uri, _ in listed], [i for _, i in listed] if with_ids else None)
+
+
+def _with_ids(spec: JobMessage) -> bool:
+    """Whether the job's inputs have ids (its table's id column)."""
+    return spec.table is not None and spec.table.id_column is not None
 
 
 def _check_breakages(message: ReceivedMessage) -> None:
@@ -452,4 +495,4 @@ class Feeder:
             job, index = self._ledger.next_item()
             assert job.spec is not None
             # The params go with it to the model's process, which postprocesses (WithParams).
-            self._pipeline.submit(Item(job.key, index, (job.inputs[index], job.spec.params)))
+            self._pipeline.submit(Item(job.key, index, (job.source(index), job.spec.params)))

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from worker.jobs.arrays import ArrayFiles
 from worker.jobs.joblog import JobLog
 from worker.jobs.message import JobMessage
-from worker.ports import ReceivedMessage
+from worker.jobs.tars import Member, TarCopies
+from worker.ports import LocalPart, ReceivedMessage
 
 if TYPE_CHECKING:
     from worker.jobs.plan import Plan
@@ -83,6 +84,27 @@ def job_status(*, cancelled: bool, succeeded: int, failed: int) -> JobStatus:
     return JobStatus.FAILED if succeeded == 0 else JobStatus.PARTIAL
 
 
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where an item is in its job: the row of the job's listing (a result line's
+    `index`), the input there, and, where that is a tar, the member."""
+
+    index: int
+    input: str
+    member: str | None = None
+
+
+def item_places(inputs: list[str], members: list[Member] | None, first_index: int) -> list[Place]:
+    """Each item's place: one per input, or one per member of the tars that the inputs
+    are (`inputs` holding each member's tar)."""
+    if members is None:
+        return [Place(first_index + row, uri) for row, uri in enumerate(inputs)]
+    return [
+        Place(first_index + member.row, uri, member.name)
+        for uri, member in zip(inputs, members, strict=True)
+    ]
+
+
 @dataclass
 class StageTiming:
     """How long one stage spent on one job's items."""
@@ -122,8 +144,11 @@ class Job:
     # Known once admitted:
     job_id: str = ""
     spec: JobMessage | None = None
-    inputs: list[str] = field(default_factory=list)
-    ids: list[Any] | None = None  # each input's id, where its table gives them
+    inputs: list[str] = field(default_factory=list)  # each item's (a member's: its tar)
+    ids: list[Any] | None = None  # each item's id, where its table gives them
+    places: list[Place] = field(default_factory=list)  # each item's
+    members: list[Member] | None = None  # each item's, where the inputs are tars
+    tar_copies: TarCopies | None = None  # from admission, where the inputs are tars
     log: JobLog | None = None
     results: list[Result | None] = field(default_factory=list)
     arrays: ArrayFiles | None = None  # its array outputs, from admission
@@ -152,6 +177,10 @@ class Job:
     def __post_init__(self) -> None:
         self.receipt_handle = self.receipt_handle or self.message.receipt_handle
         self.job_id = self.job_id or self.message.job_message_id
+
+    def source(self, position: int) -> str | LocalPart:
+        """Where the item's bytes are read: its object, or its member's in a tar's copy."""
+        return self.members[position].part if self.members else self.inputs[position]
 
     @property
     def attempt(self) -> int:

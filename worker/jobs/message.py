@@ -63,6 +63,16 @@ class TableSource(BaseModel):
         raise ValueError("a table's key ends .csv, .csv.gz or .parquet, or 'format' says")
 
 
+class TarMembers(BaseModel):
+    """The listed inputs are tar shards (WebDataset's): each regular-file member, in
+    order, is an input (`worker.jobs.tars`); those whose name ends `member_suffix`, if
+    given."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    member_suffix: str | None = Field(default=None, min_length=1, max_length=256)
+
+
 class JobMessage(BaseModel):
     """The SQS body of a job (docs/jobs.md, "The job message")."""
 
@@ -77,6 +87,8 @@ class JobMessage(BaseModel):
     inventory: S3Uri | None = None  # an S3 Inventory report's manifest.json
     # Of the objects under `inputs_prefix` or in the `inventory`, those whose key ends so.
     inputs_suffix: str | None = Field(default=None, min_length=1, max_length=1024)
+    # The listed objects are tar shards, whose members are the inputs.
+    tar: TarMembers | None = None
     output: S3Uri
     params: dict[str, Any] = Field(default_factory=dict)
     # How the results are written: results.jsonl (and a .npy per array field), or
@@ -94,7 +106,7 @@ class JobMessage(BaseModel):
     def _one_source(self) -> JobMessage:
         sources = [name for name in INPUT_SOURCES if getattr(self, name) is not None]
         if self.watch is not None:
-            if self.job_id is None or sources or self.shard:
+            if self.job_id is None or sources or self.shard or self.tar:
                 raise ValueError("a watch names its job's 'job_id', 'output' and 'format' alone")
             return self
         if len(sources) != 1:

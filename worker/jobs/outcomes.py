@@ -275,8 +275,9 @@ class Outcomes:
 
     def _forget(self, job: Job) -> None:
         self._ledger.forget(job)
-        if job.arrays is not None:  # uploaded, or to be computed again
-            job.arrays.remove()
+        for local_files in (job.arrays, job.tar_copies):  # uploaded, or to be made again
+            if local_files is not None:
+                local_files.remove()
         self._progress.beat()
 
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from worker.jobs.message import DIGEST_PATTERN, JobMessage, PoisonMessage
+from worker.jobs.message import DIGEST_PATTERN, JobMessage, PoisonMessage, TarMembers
 from worker.ports import JOB_ID_PATTERN, S3Location
 
 PLAN = "plan.json"
@@ -44,8 +44,9 @@ WATCH = "watch"
 
 
 class Plan(BaseModel):
-    """How a job is split: shard n runs the job's inputs `range(n)`. Read back from S3,
-    so checked like a message: a plan that does not parse is not this worker's."""
+    """How a job is split: shard n runs the job's inputs `range(n)` (the rows of its
+    listing: the objects, or with `tar` the tar shards). Read back from S3, so checked
+    like a message: a plan that does not parse is not this worker's."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,6 +61,8 @@ class Plan(BaseModel):
     # Defaults: what a plan written before there were formats and ids means.
     format: Literal["jsonl", "parquet"] = "jsonl"  # every shard writes its results so
     ids: bool = False  # whether the job's inputs have ids (a table's id column)
+    # The job's inputs are tar shards (its ranges count tars), whose members it runs.
+    tar: TarMembers | None = None
 
     @property
     def shards(self) -> int:
@@ -108,6 +111,7 @@ def shard_body(spec: JobMessage, plan: Plan, shard: int) -> str:
             "params": spec.params,
             "format": plan.format,
             "shard": {"index": shard, "plan": plan.request_digest},
+            **({"tar": plan.tar.model_dump()} if plan.tar else {}),
         }
     )
 

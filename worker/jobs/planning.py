@@ -117,7 +117,7 @@ class Planner:
 
         each_at_once(write, files)
         leftover = next(stream, None)
-        listed_digest = digest.hexdigest(spec.params, plan.model, plan.format)
+        listed_digest = digest.hexdigest(spec.params, plan.model, plan.format, plan.tar)
         if leftover is not None or listed_digest != plan.request_digest:
             raise TransientError("the job's inputs changed while it was planned")
 

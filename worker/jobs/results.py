@@ -119,9 +119,11 @@ class Regrouper:
         if isinstance(outcome, ItemError):
             return self._failed(job, item, outcome)
         fields, has_arrays = outcome
-        line = b'{"index":%d,"input":%s%s%s,"model":%s}\n' % (
-            job.first_index + item.index,
-            encode_json(job.inputs[item.index]),
+        place = job.places[item.index]
+        line = b'{"index":%d,"input":%s%s%s%s,"model":%s}\n' % (
+            place.index,
+            encode_json(place.input),
+            b"" if place.member is None else b',"member":' + encode_json(place.member),
             b"" if job.ids is None else b',"id":' + encode_json(job.ids[item.index]),
             fields,
             job.model.encoded_label,
@@ -158,10 +160,13 @@ class Regrouper:
 
     def _failed(self, job: Job, item: Item, error: ItemError) -> Result:
         assert job.log is not None
-        uri, index = job.inputs[item.index], job.first_index + item.index
+        place = job.places[item.index]
         error_fields = {"type": error.type, "message": error.message}
-        job.log.error("item_failed", index=index, input=uri, stage=error.stage, **error_fields)
-        record = {"index": index, "input": uri}
+        where = {"index": place.index, "input": place.input}
+        if place.member is not None:
+            where["member"] = place.member
+        job.log.error("item_failed", **where, stage=error.stage, **error_fields)
+        record: dict[str, Any] = dict(where)
         if job.ids is not None:
             record["id"] = job.ids[item.index]
         record["error"] = error_fields
@@ -320,7 +325,9 @@ class Finisher:
             ]
         shard = job.spec.shard.index if job.spec.shard else 0
         directory = job.arrays.directory / PARQUET_DIR
-        files = self._tables.write(lines, arrays, directory, ids=job.ids is not None)
+        files = self._tables.write(
+            lines, arrays, directory, ids=job.ids is not None, members=job.members is not None
+        )
         return [
             (table_name(shard, number), path, PARQUET_CONTENT_TYPE)
             for number, path in enumerate(files)

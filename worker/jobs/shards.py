@@ -104,6 +104,8 @@ class Commit(BaseModel):
     attempt: int = Field(ge=1)
     device_s: float = Field(ge=0)
     seconds: float = Field(ge=0)  # from the run's receive to its commit
+    # Its items: the plan's range, or the members of its tars (None: written before tars).
+    items: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -173,6 +175,8 @@ class Shards:
         legacy_watch = spec.watch is not None and "format" not in spec.model_fields_set
         if spec.format != plan.format and not legacy_watch:
             raise PoisonMessage(f"a {spec.format} message for a job planned as {plan.format}")
+        if spec.shard is not None and spec.tar != plan.tar:
+            raise PoisonMessage(f"a shard whose 'tar' ({spec.tar}) is not its plan's ({plan.tar})")
         return plan
 
     def committed(self, spec: JobMessage, plan: Plan) -> bool:
@@ -227,6 +231,7 @@ class Shards:
             attempt=job.attempt,
             device_s=job.device_s,
             seconds=time.time() - job.received_at,
+            items=len(job.inputs),
         )
         marker = shard_file(spec, digest, index, COMMIT_SUFFIX)
         try:
@@ -303,10 +308,12 @@ class Shards:
                 current = _json_object(self._blobs.get(location)) if etag != ABSENT else {}
                 counts = current.get("shards") if current.get("job_id") == plan.job_id else None
                 counts = counts if isinstance(counts, dict) else {}
-                counts[str(spec.shard.index)] = [job.finished_items, job.failed]
+                counts[str(spec.shard.index)] = [job.finished_items, job.failed, len(job.inputs)]
+                # A tar job's items are its tars' members: those of the shards started.
+                items = sum(_count(c, 2) for c in counts.values()) if plan.tar else plan.items
                 progress = {
                     "job_id": plan.job_id,
-                    "items": plan.items,
+                    "items": items,
                     "finished": sum(_count(value, 0) for value in counts.values()),
                     "failed": sum(_count(value, 1) for value in counts.values()),
                     "shards": counts,
@@ -405,7 +412,7 @@ class Shards:
         summary = job_summary(
             job_id=plan.job_id,
             cancelled=any(commit.cancelled for commit in commits),
-            items=plan.items,
+            items=_items(plan, commits),
             succeeded=sum(commit.succeeded for commit in commits),
             failed=sum(commit.failed for commit in commits),
             resumed=sum(commit.resumed for commit in commits),
@@ -475,12 +482,20 @@ def _json_object(data: bytes) -> dict[str, Any]:
 
 def _count(value: Any, position: int) -> int:
     """A shard's count in progress.json, which anyone may have written: 0 if not one."""
-    if isinstance(value, list) and len(value) == 2 and isinstance(value[position], int):
-        return max(0, int(value[position]))
-    return 0
+    if not isinstance(value, list) or len(value) not in (2, 3) or position >= len(value):
+        return 0
+    count = value[position]
+    return max(0, count) if isinstance(count, int) and not isinstance(count, bool) else 0
 
 
 def watch_delay_s(shard_s: float) -> int:
     """How long after a commit, or a watch, the next watch of the job is due: half a
     shard's time, within SQS's delays."""
     return min(SQS_MAX_DELAY_S, max(WATCH_MIN_S, round(shard_s / 2)))
+
+
+def _items(plan: Plan, commits: list[Commit]) -> int:
+    """A merged job's items: its plan's, or the members of every shard's tars."""
+    if plan.tar is None:
+        return plan.items
+    return sum(commit.items or 0 for commit in commits)

@@ -10,7 +10,8 @@ of one shard: the names sort in input order, and job.json lists them in that ord
 
 Every file of a job has the same columns, whatever its rows, so that they read as one
 dataset: they are set by the model and the message, never by the values. The record's
-own (index, input, its id where the job's table gives ids, model, error), then the
+own (index, input, the member where the inputs are tars, the id where the job's table
+gives ids, model, error), then the
 postprocessor's fields with the types of its answer to the model's output for zeros,
 probed at start (`about["fields"]`). A field whose answer holds a null (None, an empty
 list) has no type to take from it: it is written as JSON text. Results that do not fit
@@ -48,6 +49,7 @@ RECORD_SCHEMA = pa.schema(
 )
 # A job's ids, from its table, are text whatever their column's type (`worker.jobs.inputs`).
 ID_FIELD = pa.field("id", pa.string())
+MEMBER_FIELD = pa.field("member", pa.string())  # a tar's (`worker.jobs.tars`)
 # pyarrow's JSON reader parses this much at a time, on its threads.
 JSON_BLOCK_BYTES = 16 * 2**20
 # An output before job.json: its name, its content (or the local file of it), its type.
@@ -96,13 +98,20 @@ class Tables:
         )
 
     def write(
-        self, lines: bytes, arrays: dict[str, Path], directory: Path, *, ids: bool
+        self,
+        lines: bytes,
+        arrays: dict[str, Path],
+        directory: Path,
+        *,
+        ids: bool,
+        members: bool = False,
     ) -> list[Path]:
         """The job's results (its results.jsonl lines) as Parquet files in `directory`,
         in order; `arrays` are its array files by name (`<field>.npy`); with `ids`, the
-        lines carry an id each. `UnfitResults` if they do not fit the probed columns."""
+        lines carry an id each, with `members` a tar's member each. `UnfitResults` if
+        they do not fit the probed columns."""
         sources = self._array_sources(arrays)
-        table = self._table(lines, sources, ids)
+        table = self._table(lines, sources, ids, members)
         directory.mkdir(parents=True, exist_ok=True)
         row_bytes = max(1, math.ceil(_row_bytes(table, sources) or 1))
         rows_per_group = max(1, self._row_group_bytes // row_bytes)
@@ -140,12 +149,13 @@ class Tables:
             sources[name.removesuffix(".npy")] = np.load(path, mmap_mode="r")
         return dict(sorted(sources.items()))
 
-    def _table(self, lines: bytes, sources: dict[str, np.ndarray], ids: bool) -> pa.Table:
+    def _table(
+        self, lines: bytes, sources: dict[str, np.ndarray], ids: bool, members: bool
+    ) -> pa.Table:
         """The lines as a table of the record's columns, the probed fields' and an array
         reference for each array field, in that order, typed so."""
         record = list(RECORD_SCHEMA)
-        if ids:
-            record.insert(2, ID_FIELD)
+        record[2:2] = [*([MEMBER_FIELD] if members else []), *([ID_FIELD] if ids else [])]
         schema = pa.schema([*record, *self._fields, *((name, ARRAY_REFERENCE) for name in sources)])
         if not lines:
             return schema.empty_table()

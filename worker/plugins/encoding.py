@@ -19,7 +19,7 @@ ARRAY_TYPES = (np.ndarray, torch.Tensor)
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 # results.jsonl's own fields on every line (`id` where a job's table gives ids); a
 # postprocessor's fields go between them.
-RECORD_FIELDS = frozenset({"index", "input", "id", "model", "error"})
+RECORD_FIELDS = frozenset({"index", "input", "member", "id", "model", "error"})
 # It names a file under the job's output, where names starting "checkpoint-" are the
 # checkpoints' (`worker.jobs.checkpoints`), removed once the job is finished.
 _FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")

@@ -1,0 +1,185 @@
+"""Tar shards as inputs (`worker.jobs.tars`): each member an input, read from a local
+copy of its tar made with one GET; what makes a tar unusable is poison, named; a job of
+tars runs across shards of tars and resumes member by member."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from collections.abc import Generator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from stages.synthetic import samples
+from tests.support.in_process import run_until_drained
+from tests.support.tars import tar_of
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.client import Jobs
+from worker.daemon.stages import fetcher
+from worker.errors import ObjectTooLarge
+from worker.jobs.checkpoints import Checkpoints, request_digest
+from worker.jobs.job import Place
+from worker.jobs.ledger import Ledger
+from worker.jobs.message import JobMessage, PoisonMessage, TarMembers
+from worker.jobs.tars import TarCopies
+from worker.plugins.identity import ModelIdentity
+from worker.ports import S3Location
+
+MAX_TAR_BYTES = 2**20
+
+
+class CountingBlobStore(InMemoryBlobStore):
+    """Counts each object's reads (a GET each, whole or streamed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+        self.reads[str(location)] += 1
+        return super().get(location, max_bytes)
+
+    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+        self.reads[str(location)] += 1
+        yield super().get(location, max_bytes)
+
+
+def _copies(tmp_path: Path, blobs: InMemoryBlobStore, max_members: int = 100) -> TarCopies:
+    return TarCopies(tmp_path / "copies", blobs, MAX_TAR_BYTES, max_members)
+
+
+def test_a_tars_members_are_its_inputs_in_order_keeping_the_suffix_asked_for(
+    tmp_path: Path,
+) -> None:
+    blobs = InMemoryBlobStore()
+    long_name = "deep/" * 30 + "c.jpg"  # over the 100 bytes of a plain header: a pax one
+    blobs.objects["s3://bkt/0.tar"] = tar_of(
+        [("a.jpg", b"A" * 700), ("a.cls", b"1"), ("b.jpg", b"B" * 10)]
+    )
+    blobs.objects["s3://bkt/1.tar"] = tar_of([(long_name, b"C" * 3000)])
+    copies = _copies(tmp_path, blobs)
+
+    members = copies.members(["s3://bkt/0.tar", "s3://bkt/1.tar"], TarMembers(member_suffix=".jpg"))
+
+    assert [(member.row, member.name) for member in members] == [
+        (0, "a.jpg"),
+        (0, "b.jpg"),
+        (1, long_name),
+    ]
+    fetch = fetcher(blobs.get, max_bytes=1000)
+    assert [fetch(member.part) for member in members[:2]] == [b"A" * 700, b"B" * 10]
+    with pytest.raises(ObjectTooLarge, match="3000 bytes, limit 1000"):
+        fetch(members[2].part)
+    everything = copies.members(["s3://bkt/0.tar"], TarMembers())
+    assert [member.name for member in everything] == ["a.jpg", "a.cls", "b.jpg"]
+    copies.remove()
+    assert not copies.directory.exists()
+
+
+def _cut_short() -> bytes:
+    whole = tar_of([("a.jpg", b"A" * 5000)])
+    return whole[:2048]
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (None, "tar s3://bkt/t.tar does not exist"),
+        (gzip.compress(tar_of([("a.jpg", b"A")])), "is not a tar this worker reads"),
+        (b"", "is not a tar this worker reads"),
+        (_cut_short(), "is cut short in member a.jpg"),
+        (tar_of([("a.jpg", b"A"), ("a.jpg", b"B")]), "holds member a.jpg twice"),
+        (tar_of([("a.jpg", b"A" * MAX_TAR_BYTES)]), "is too large"),
+        (tar_of([(f"{n}.jpg", b"A") for n in range(4)]), "more than 3 inputs, over the limit"),
+    ],
+)
+def test_a_tar_that_cannot_be_used_is_poison_naming_it(
+    tmp_path: Path, data: bytes | None, reason: str
+) -> None:
+    blobs = InMemoryBlobStore()
+    if data is not None:
+        blobs.objects["s3://bkt/t.tar"] = data
+    with pytest.raises(PoisonMessage, match=reason):
+        _copies(tmp_path, blobs, max_members=3).members(["s3://bkt/t.tar"], TarMembers())
+
+
+def test_a_tar_job_is_another_request_than_one_of_the_same_objects() -> None:
+    model = ModelIdentity(name="m", version="1", digest="d")
+    listed = ["s3://bkt/0.tar"]
+    plain = JobMessage(inputs=listed, output="s3://bkt/out/")
+    tars = JobMessage(inputs=listed, output="s3://bkt/out/", tar=TarMembers())
+    suffixed = JobMessage(
+        inputs=listed, output="s3://bkt/out/", tar=TarMembers(member_suffix=".jpg")
+    )
+    digests = {request_digest(listed, None, spec, model) for spec in (plain, tars, suffixed)}
+    assert len(digests) == 3
+
+
+def test_checkpointed_members_resume_by_their_tar_and_name(tmp_path: Path) -> None:
+    """A checkpoint line resumes the member it names, at that member's place now: a tar
+    rewritten since with a member added before it moves it, and a member gone is not
+    resumed (nor is a line of the same tar with no member)."""
+    blobs = InMemoryBlobStore()
+    spec = JobMessage(inputs=["s3://bkt/0.tar"], output="s3://bkt/out/", tar=TarMembers())
+    lines = [
+        {"index": 0, "input": "s3://bkt/0.tar", "member": "b.jpg", "label": "b"},
+        {"index": 0, "input": "s3://bkt/0.tar", "member": "gone.jpg", "label": "x"},
+        {"index": 0, "input": "s3://bkt/0.tar", "label": "no member"},
+        {"index": True, "input": "s3://bkt/0.tar", "member": "a.jpg", "label": "forged"},
+    ]
+    blobs.objects["s3://bkt/out/checkpoint-0123456789abcdef-m1-0001.jsonl"] = b"\n".join(
+        json.dumps(line).encode() for line in lines
+    )
+    places = [Place(0, "s3://bkt/0.tar", "new.jpg"), Place(0, "s3://bkt/0.tar", "b.jpg")]
+
+    prior = Checkpoints(blobs, Ledger()).read(spec, "job", "0123456789abcdef", places)
+
+    assert list(prior.resumed) == [1]
+    assert json.loads(prior.resumed[1].line)["label"] == "b"
+
+
+def test_a_tar_job_runs_as_shards_of_tars_with_one_get_per_tar_and_a_result_per_member(
+    tmp_path: Path,
+) -> None:
+    """Three tars of sample images (with a label file beside each, which the suffix
+    leaves out), a member that is no image and one over the size limit: split a tar a
+    shard, each tar read with one GET and no member with one of its own; each member
+    gets its own result or error, in order, in one table with a member column (sent and
+    read back with the client)."""
+    blobs, source = CountingBlobStore(), InMemoryJobSource()
+    images = [data for _, data in samples(7, seed=9)]
+    contents = [
+        [("0.png", images[0]), ("0.cls", b"3"), ("1.png", b"no image"), ("2.png", images[1])],
+        [("3.png", images[2]), ("4.png", images[3] + b"\0" * 60_000)],
+        [(f"{n}.png", images[n]) for n in range(4, 7)],
+    ]
+    tars = []
+    for number, members in enumerate(contents):
+        tars.append(f"s3://bkt/tars/{number}.tar")
+        blobs.objects[tars[-1]] = tar_of(members)
+    job = Jobs(source, blobs).submit(
+        "s3://bkt/out/tars/", inputs=tars, tar=TarMembers(member_suffix=".png"), format="parquet"
+    )
+
+    run_until_drained(source, blobs, tmp_path, shard_tars=1, max_input_bytes=50_000)
+
+    summary = job.wait(timeout_s=5)
+    assert (summary["items"], summary["failed"], summary["shards"]["count"]) == (8, 2, 3)
+    assert {uri: blobs.reads[uri] for uri in tars} == dict.fromkeys(tars, 1)
+    rows = pa.Table.from_batches(list(job.batches())).to_pylist()
+    assert [(row["index"], row["input"], row["member"]) for row in rows] == [
+        (0, tars[0], "0.png"),
+        (0, tars[0], "1.png"),
+        (0, tars[0], "2.png"),
+        (1, tars[1], "3.png"),
+        (1, tars[1], "4.png"),
+        *((2, tars[2], f"{n}.png") for n in range(4, 7)),
+    ]
+    errors = {row["member"]: row["error"] for row in rows if row["error"]}
+    assert errors["1.png"]["type"] == "UnidentifiedImageError"
+    assert errors["4.png"] == {"type": "ObjectTooLarge", "message": errors["4.png"]["message"]}
+    assert "limit 50000" in errors["4.png"]["message"]
+    assert all(row["label"] for row in rows if not row["error"])
