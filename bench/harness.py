@@ -7,10 +7,12 @@ them (`run_daemon`).
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
 import random
 import statistics
+import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from stages.synthetic import samples
-from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.adapters.fakes import FAKE_CHUNK_BYTES, InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon
 from worker.ports import ObjectReader, ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
@@ -247,29 +249,61 @@ def load_jobs(
     pool: list[bytes],
     job_sizes: list[int],
     message: dict[str, Any] | None = None,
+    *,
+    tars: bool = False,
 ) -> list[list[str]]:
-    """Queue one job per size; inputs are pool images stored under distinct keys;
-    `message` joins each message's fields."""
+    """Queue one job per size; inputs are pool images stored under distinct keys (with
+    `tars`, as the members of one tar shard per job); `message` joins each message's
+    fields."""
     jobs, number = [], 0
     for job, size in enumerate(job_sizes):
-        uris = []
-        for _ in range(size):
-            uri = f"s3://bench/in/{number}.img"
-            blobs.objects[uri] = pool[number % len(pool)]
-            uris.append(uri)
-            number += 1
+        uris = [f"s3://bench/in/{n}.img" for n in range(number, number + size)]
+        images = [pool[n % len(pool)] for n in range(number, number + size)]
+        number += size
+        shape: dict[str, Any] = {}
+        if tars:
+            listed, shape = [f"s3://bench/in/job-{job}.tar"], {"tar": {}}
+            blobs.objects[listed[0]] = _tar_of(uris, images)
+        else:
+            listed = uris
+            for uri, image in zip(uris, images, strict=True):
+                blobs.objects[uri] = image
         source.send(
             json.dumps(
                 {
                     "job_id": f"job-{job}",
-                    "inputs": uris,
+                    "inputs": listed,
                     "output": f"s3://bench/out/job-{job}/",
+                    **shape,
                     **(message or {}),
                 }
             )
         )
         jobs.append(uris)
     return jobs
+
+
+def _tar_of(uris: list[str], images: list[bytes]) -> bytes:
+    """A tar shard of `images`, each member named by its URI's key."""
+    sink = io.BytesIO()
+    with tarfile.open(fileobj=sink, mode="w") as archive:
+        for uri, image in zip(uris, images, strict=True):
+            member = tarfile.TarInfo(S3Location.parse(uri).key)
+            member.size = len(image)
+            archive.addfile(member, io.BytesIO(image))
+    return sink.getvalue()
+
+
+class CountedReads(InMemoryBlobStore):
+    """Counts the reads of objects (GETs, whole or streamed) made in this process."""
+
+    def __init__(self, directory: Path | None = None, chunk_bytes: int = FAKE_CHUNK_BYTES):
+        super().__init__(directory, chunk_bytes)
+        self.gets = 0
+
+    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+        self.gets += 1  # `chunks` too: it reads the object with one `get`
+        return super().get(location, max_bytes)
 
 
 @dataclass
@@ -289,13 +323,14 @@ def run_daemon(
     pool: list[bytes] | None = None,
     *,
     message: dict[str, Any] | None = None,
+    tars: bool = False,
     **settings: Any,
 ) -> DaemonRun:
     """Run the daemon in this process over jobs of `job_sizes` (inputs from `pool`, the
-    bench's images by default; `message` joins their messages' fields), until drained
-    (or stopped)."""
+    bench's images by default, each job's in a tar shard with `tars`; `message` joins
+    their messages' fields), until drained (or stopped)."""
     source, timeline = TimedSource(), Timeline()
-    load_jobs(source, blobs, pool or image_pool(), job_sizes, message)
+    load_jobs(source, blobs, pool or image_pool(), job_sizes, message, tars=tars)
     defaults = {"batch_size": BATCH_SIZE, "log_dir": work_dir / "logs", "metrics_port": 0}
     config = Settings(
         queue_url="bench",

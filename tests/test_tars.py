@@ -5,7 +5,9 @@ tars runs across shards of tars and resumes member by member."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import tarfile
 from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
@@ -13,6 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from bench.harness import HOST_JOB_SIZE
+from bench.run import tar_shards
 from stages.synthetic import samples
 from tests.support.in_process import run_until_drained
 from tests.support.tars import tar_of
@@ -77,6 +81,48 @@ def test_a_tars_members_are_its_inputs_in_order_keeping_the_suffix_asked_for(
     assert [member.name for member in everything] == ["a.jpg", "a.cls", "b.jpg"]
     copies.remove()
     assert not copies.directory.exists()
+
+
+def _varied_tar(tar_format: int) -> bytes:
+    """Long names (over 100 bytes, and one not ASCII), a directory, links, an empty file,
+    and a global header in pax: what tar writers write, each in its own way."""
+    sink = io.BytesIO()
+    shared = {"comment": "a global header"} if tar_format == tarfile.PAX_FORMAT else None
+    with tarfile.open(fileobj=sink, mode="w", format=tar_format, pax_headers=shared) as archive:
+        for name, kind, data in [
+            ("top/", tarfile.DIRTYPE, b""),
+            ("top/short.jpg", tarfile.REGTYPE, b"a" * 513),
+            ("top/" + "d" * 90 + "/" + "e" * 60 + ".jpg", tarfile.REGTYPE, b"b" * 1000),
+            ("top/" + "ü" * 120 + ".jpg", tarfile.REGTYPE, b"c"),
+            ("top/link.jpg", tarfile.SYMTYPE, b""),
+            ("top/hard.jpg", tarfile.LNKTYPE, b""),
+            ("top/empty.jpg", tarfile.REGTYPE, b""),
+            ("top/last.cls", tarfile.REGTYPE, b"7" * 512),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.type, info.size = kind, len(data)
+            info.linkname = "top/short.jpg" if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE) else ""
+            archive.addfile(info, io.BytesIO(data) if data else None)
+    return sink.getvalue()
+
+
+@pytest.mark.parametrize(
+    "tar_format", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT]
+)
+def test_members_are_read_as_pythons_tarfile_reads_them(tmp_path: Path, tar_format: int) -> None:
+    """The headers are read here, not with `tarfile` (for speed): the same members, names,
+    places and sizes as `tarfile` gives, in each format tar writers use."""
+    if tar_format == tarfile.USTAR_FORMAT:  # no long names beyond its prefix field
+        data = tar_of([("top/" + "d" * 90 + "/" + "e" * 60 + ".jpg", b"b" * 700), ("x", b"")])
+    else:
+        data = _varied_tar(tar_format)
+    blobs = InMemoryBlobStore()
+    blobs.objects["s3://bkt/t.tar"] = data
+    members = _copies(tmp_path, blobs).members(["s3://bkt/t.tar"], TarMembers())
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        expected = [(e.name, e.offset_data, e.size) for e in archive if e.isfile()]
+    assert [(m.name, m.part.offset, m.part.size) for m in members] == expected
+    assert len(expected) >= 2
 
 
 def _cut_short() -> bytes:
@@ -183,3 +229,13 @@ def test_a_tar_job_runs_as_shards_of_tars_with_one_get_per_tar_and_a_result_per_
     assert errors["4.png"] == {"type": "ObjectTooLarge", "message": errors["4.png"]["message"]}
     assert "limit 50000" in errors["4.png"]["message"]
     assert all(row["label"] for row in rows if not row["error"])
+
+
+def test_the_tar_figure_runs_every_member_reading_each_tar_once(tmp_path: Path) -> None:
+    """The bench's tar-shard figure (`bench.run.tar_shards`) is a real run of both kinds
+    of input, every item of which succeeds (it raises otherwise): one GET per input
+    against one per tar of `HOST_JOB_SIZE` members."""
+    figures = tar_shards(tmp_path, HOST_JOB_SIZE)
+    assert figures["s3_gets_per_item_objects"] == 1.0
+    assert figures["s3_gets_per_item_tar_shards"] == 1 / HOST_JOB_SIZE
+    assert all(value > 0 for value in figures.values())

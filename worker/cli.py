@@ -177,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", default="bench-out", help="where the report and timeline go")
     bench.add_argument("--quick", action="store_true", help="smaller inputs, shorter runs")
+    bench.add_argument(
+        "--only",
+        action="append",
+        metavar="STEP",
+        help="run only this step's figures (repeat for more): overlap, tar_shards, fleet, ... "
+        "(a name it does not know lists them all)",
+    )
     own_model = bench.add_argument_group(
         "your own model",
         "With any of these, only the overlap figure runs, on that model and settings: "
@@ -234,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         chosen = {k: v for k, v in vars(args).items() if k in BENCH_MODEL_SETTINGS}
         if chosen or args.images is not None:
             sys.exit(own_model(Path(args.out), args.images or BENCH_MODEL_IMAGES, **chosen))
-        sys.exit(run_bench(Path(args.out), args.quick))
+        sys.exit(run_bench(Path(args.out), args.quick, args.only))
 
     if args.images < DEMO_SMALL_JOB_IMAGES:
         print(f"--images: at least {DEMO_SMALL_JOB_IMAGES}", file=sys.stderr)

@@ -248,11 +248,12 @@ class InMemoryBlobStore:
     store from it (`remote_reader`) as the preprocessing processes read S3: the speed
     figures then run the path the daemon takes against S3."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, chunk_bytes: int = FAKE_CHUNK_BYTES) -> None:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
         self.objects = _Objects(directory)
         self._directory = directory
+        self._chunk_bytes = chunk_bytes  # `chunks`' pieces: S3's size, for the speed figures
         self._lock = threading.Lock()
 
     def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
@@ -266,8 +267,8 @@ class InMemoryBlobStore:
 
     def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
         data = self.get(location, max_bytes)
-        for start in range(0, len(data), FAKE_CHUNK_BYTES):
-            yield data[start : start + FAKE_CHUNK_BYTES]
+        for start in range(0, len(data), self._chunk_bytes):
+            yield data[start : start + self._chunk_bytes]
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
