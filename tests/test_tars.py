@@ -18,7 +18,7 @@ import pytest
 from bench.harness import HOST_JOB_SIZE
 from bench.run import tar_shards
 from stages.synthetic import samples
-from tests.support.in_process import run_until_drained
+from tests.support.in_process import run_until_drained, sample_images
 from tests.support.tars import tar_of
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Jobs
@@ -229,6 +229,36 @@ def test_a_tar_job_runs_as_shards_of_tars_with_one_get_per_tar_and_a_result_per_
     assert errors["4.png"] == {"type": "ObjectTooLarge", "message": errors["4.png"]["message"]}
     assert "limit 50000" in errors["4.png"]["message"]
     assert all(row["label"] for row in rows if not row["error"])
+
+
+class RecordedPuts(InMemoryBlobStore):
+    """Keeps every object written, as written (a shard's commit marker goes at the merge)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[str, bytes]] = []
+
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
+        self.written.append((str(location), data))
+        return super().put(location, data, content_type, expect=expect)
+
+
+def test_a_job_of_objects_writes_its_plan_and_commits_as_workers_before_tars_did(
+    tmp_path: Path,
+) -> None:
+    """A rolling upgrade: a job that is no tar job is planned and committed without the
+    fields tar jobs add (`tar`, `items`), which workers from before tars refuse."""
+    blobs, source = RecordedPuts(), InMemoryJobSource()
+    inputs = sample_images(blobs, 3)
+    output = "s3://bkt/out/plain/"
+    source.send(json.dumps({"inputs": inputs, "output": output, "shard_items": 2}))
+    run_until_drained(source, blobs, tmp_path, batch_size=2, preprocess_workers=1)
+    plan = json.loads(blobs.objects[output + "plan.json"])
+    commits = [json.loads(data) for uri, data in blobs.written if uri.endswith(".commit")]
+    assert plan["items"] == 3 and "tar" not in plan
+    assert len(commits) == 2 and not any("items" in commit for commit in commits)
 
 
 def test_the_tar_figure_runs_every_member_reading_each_tar_once(tmp_path: Path) -> None:

@@ -123,7 +123,7 @@ class Planner:
 
     def _publish(self, spec: JobMessage, plan: Plan, replaces: str) -> Plan:
         """Write plan.json unless another planner was first; the plan that stands."""
-        data = plan.model_dump_json().encode()
+        data = plan.model_dump_json(exclude_none=True).encode()  # no "tar" but for a tar job
         try:
             self._blobs.put(spec.output_location(PLAN), data, "application/json", expect=replaces)
             return plan

@@ -104,8 +104,7 @@ class Commit(BaseModel):
     attempt: int = Field(ge=1)
     device_s: float = Field(ge=0)
     seconds: float = Field(ge=0)  # from the run's receive to its commit
-    # Its items: the plan's range, or the members of its tars (None: written before tars).
-    items: int | None = Field(default=None, ge=0)
+    items: int | None = Field(default=None, ge=0)  # a tar job's: the members of its tars
 
     @model_validator(mode="before")
     @classmethod
@@ -231,12 +230,16 @@ class Shards:
             attempt=job.attempt,
             device_s=job.device_s,
             seconds=time.time() - job.received_at,
-            items=len(job.inputs),
+            items=len(job.inputs) if plan.tar else None,
         )
         marker = shard_file(spec, digest, index, COMMIT_SUFFIX)
         try:
             self._blobs.put(
-                marker, commit.model_dump_json().encode(), "application/json", expect=ABSENT
+                # Without `items` but for a tar job: a worker of before tars reads it.
+                marker,
+                commit.model_dump_json(exclude_none=True).encode(),
+                "application/json",
+                expect=ABSENT,
             )
         except PreconditionFailed:
             if self.commit_at(shard_directory(spec, digest), _name(marker)).run != run:
