@@ -422,8 +422,7 @@ class Intake:
         inputs = items.inputs
         job_id = spec.job_id or job.message.job_message_id
         job.ids, job.members, job.places = items.ids, items.members, items.places
-        if plan is not None and spec.shard is not None:
-            job.plan, job.first_index = plan, plan.range(spec.shard.index).start
+        job.plan = plan
         log_dir = self._settings.log_dir
         job.model = self._model.result()
         job.request_digest, job.output_etags = prior.digest, prior.etags

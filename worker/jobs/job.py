@@ -169,9 +169,7 @@ class Job:
     progress_reported: int = 0
     timings: dict[str, StageTiming] = field(default_factory=dict)
     device_s: float = 0.0  # its share of the batches it was in, on the models' devices
-    # A shard of a planned job: the plan, and the job's index of its first input.
-    plan: Plan | None = None
-    first_index: int = 0
+    plan: Plan | None = None  # of the job it is a shard of
     committed: bool = False  # its commit marker is written: a finish tried again merges only
 
     def __post_init__(self) -> None:
