@@ -20,7 +20,7 @@ from worker.ports import S3Location
 @pytest.mark.e2e
 def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
     """A model that takes 0.1 s a batch of 16 runs at 160 images/s alone; the daemon
-    moves 300 images (3 jobs of 100) through it no faster than that, its ratio is the
+    moves 200 images (2 jobs of 100) through it no faster than that, its ratio is the
     one reported, and the timeline shows every image in batches of at most 16."""
     bench = subprocess.run(
         [
@@ -31,7 +31,7 @@ def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
                 "--batch-size",
                 "16",
             ),
-            *("--images", "300", "--device", "cpu"),
+            *("--images", "200", "--device", "cpu"),
         ],
         check=False,
         cwd=REPO,
@@ -42,7 +42,7 @@ def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
     assert bench.returncode == 0, bench.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["model"] == "tests.support.slow_model:tenth_of_a_second_on_any_batch"
-    assert (report["images"], report["batch_size"]) == (300, 16)
+    assert (report["images"], report["batch_size"]) == (200, 16)
     assert 130 <= report["model_only_images_per_s"] <= 161
     assert 0.3 <= report["overlap_ratio"] <= 1.01
     daemon_rate = report["overlap_ratio"] * report["model_only_images_per_s"]
@@ -50,7 +50,7 @@ def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
     assert 0.3 <= report["busy_fraction"] <= 1.0
     trace = json.loads((tmp_path / "timeline.json").read_text())
     batches = [e["args"]["items"] for e in trace["traceEvents"] if e["name"] == "inference"]
-    assert sum(batches) == 300 and max(batches) <= 16
+    assert sum(batches) == 200 and max(batches) <= 16
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
@@ -116,9 +116,11 @@ def test_the_array_output_figure_checks_every_row_it_wrote(tmp_path: Path) -> No
     assert report["array_output_ratio"] > 0
 
 
-# `bench.gpu` on the CPU, with a stand-in for nvJPEG (no GPU here).
+# `bench.gpu` on the CPU, with a stand-in for nvJPEG (no GPU here), and a model that
+# costs nothing: these tests are about the steps, not the speed of a model (the device
+# stand-in's sleeps, in its warm-ups and the model-only baselines, were most of their time).
 PHOTO_DECODER = "tests.support.faults:standin_photo_decoder"
-MODELLED = {"device": "cpu", "model": "bench.harness:device_model", "preprocess": PHOTO_DECODER}
+MODELLED = {"device": "cpu", "model": "bench.harness:noop_model", "preprocess": PHOTO_DECODER}
 
 
 def test_the_gpu_decode_figure_compares_runs_that_decoded_where_they_were_asked(
@@ -142,6 +144,7 @@ def test_the_gpu_overlap_figure_runs_one_and_two_inference_processes(tmp_path: P
 
 
 def test_the_gpu_end_to_end_figure_runs_the_daemon_against_moto(tmp_path: Path) -> None:
+    """One job of 16 photos (fewer than a job holds at most) through the daemon subprocess."""
     out = tmp_path / "out"
-    assert moto_end_to_end(tmp_path, 100, out, **MODELLED)["moto_images_per_s"] > 0
+    assert moto_end_to_end(tmp_path, 16, out, **MODELLED)["moto_images_per_s"] > 0
     assert (out / "moto/timeline.png").is_file()

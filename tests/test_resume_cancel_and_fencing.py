@@ -318,12 +318,13 @@ def test_a_running_job_is_cancelled_within_one_progress_interval(tmp_path: Path)
 def test_a_job_that_reaches_the_lease_ceiling_moving_forward_is_handed_over(
     tmp_path: Path,
 ) -> None:
-    """Each delivery may hold the job for 5 s (SQS's 12 h, shrunk): what it finished is
-    checkpointed and the job handed over, so deliveries add up to the whole job. (Few
-    fetch threads: items of a handed-over delivery already inside the stages still run,
-    and with a 5 s lease they would eat much of the next delivery's time.)"""
+    """Each delivery may hold the job for 3 s (SQS's 12 h, shrunk: a renewal may not pass
+    4 s, and each renews for 1 s): what it finished is checkpointed and the job handed
+    over, so deliveries add up to the whole job of 4 s of batches. (Few fetch threads:
+    items of a handed-over delivery already inside the stages still run, and with a 3 s
+    lease they would eat much of the next delivery's time.)"""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = sample_images(blobs, 60)
+    uris = sample_images(blobs, 40)
     send_job(source, "endless", uris)
     with capture_logs() as logs:
         run_until_drained(
@@ -334,7 +335,7 @@ def test_a_job_that_reaches_the_lease_ceiling_moving_forward_is_handed_over(
             batch_size=1,
             visibility_timeout_seconds=1,
             heartbeat_interval_seconds=0.2,
-            max_lease_seconds=6,
+            max_lease_seconds=4,
             fetch_concurrency=2,
             progress_interval_seconds=0.5,
         )

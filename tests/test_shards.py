@@ -254,11 +254,13 @@ def test_a_job_sent_again_in_the_other_format_is_another_request(tmp_path: Path)
     changes nothing; one asking for another format is poison."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     inputs = sample_images(blobs, 4)
+    # Three daemons started: small batches (a short warm-up) and one preprocessing process.
+    quick = {"batch_size": 2, "preprocess_workers": 1}
     _send(source, "twice", inputs, shard_items=2)
-    run_until_drained(source, blobs, tmp_path)
+    run_until_drained(source, blobs, tmp_path, **quick)
     as_lines = job_file(blobs, "twice", "job.json")
     _send(source, "twice", inputs, shard_items=2, format="parquet")
-    run_until_drained(source, blobs, tmp_path)
+    run_until_drained(source, blobs, tmp_path, **quick)
     as_table = job_file(blobs, "twice", "job.json")
     assert as_table["format"] == "parquet"
     assert as_table["request_digest"] != as_lines["request_digest"]
@@ -275,7 +277,7 @@ def test_a_job_sent_again_in_the_other_format_is_another_request(tmp_path: Path)
     source.send(json.dumps({**watch, "format": "parquet"}))
     source.send(json.dumps(watch))  # sent before watches carried the format: the plan's
     source.send(json.dumps({**watch, "format": "jsonl"}))
-    run_until_drained(source, blobs, tmp_path)
+    run_until_drained(source, blobs, tmp_path, **quick)
     ((_, reason),) = source.dead_letters
     assert "a jsonl message for a job planned as parquet" in reason
     assert {uri: data for uri, data in blobs.objects.items() if "progress" not in uri} == {

@@ -43,10 +43,9 @@ def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
     send_jobs(aws, stack, {"long": uris})
     args = daemon_args(stack, tmp_path, *slow_model_flags(1), "--grace-seconds", "0")
     first, again = FaultProxy(aws.endpoint), FaultProxy(aws.endpoint)
+    tenth = {"SLOW_MODEL_SECONDS_PER_BATCH": "0.1"}  # each daemon's model (not 1 s a batch)
     with first.serving() as first_url:
-        daemon = start_daemon(
-            args, env={**aws.with_endpoint(first_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.1"}
-        )
+        daemon = start_daemon(args, env={**aws.with_endpoint(first_url).env, **tenth})
         daemon.wait_for("job_received")
         time.sleep(2.5)
         daemon.send_signal(signal.SIGTERM)
@@ -55,7 +54,9 @@ def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
     assert "job.json" not in aws.names(output)
     assert any(name.startswith(CHECKPOINT_PREFIX) for name in aws.names(output))
     with again.serving() as again_url:
-        run = run_daemon(aws.with_endpoint(again_url), [*args, "--drain"])
+        # Short polls: it drains (two empty receives) without waiting 1 s on each.
+        short_polls = ["--drain", "--receive-wait-seconds", "0"]
+        run = run_daemon(aws.with_endpoint(again_url).with_env(**tenth), [*args, *short_polls])
     assert run.returncode == 0, run.stderr[-3000:]
     summary = aws.summary(output)
     assert (summary["status"], summary["attempt"]) == ("succeeded", 2)
@@ -105,6 +106,9 @@ def test_a_continuation_runs_alone_when_its_sender_died_before_deleting_the_old_
             "--drain",
             "--progress-interval-seconds",
             "0.5",
+            # Short polls: it drains (two empty receives) without waiting 1 s on each.
+            "--receive-wait-seconds",
+            "0",
         ],
         env={
             **aws.env,

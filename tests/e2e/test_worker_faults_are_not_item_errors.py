@@ -238,7 +238,9 @@ def test_an_input_that_breaks_workers_is_dead_lettered_alone_and_its_host_taken_
     send_jobs(aws, stack, {**jobs, "culprit": [uris[16], magenta, uris[17]]})
 
     def run(log_dir: Path, *more: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        # Five daemons started: one preprocessing process each is enough for 20 images.
         args = ["--drain", "--model", "tests.support.faults:poisonable_classifier", *more]
+        args += ["--preprocess-workers", "1"]
         daemon = start_daemon(daemon_args(stack, log_dir, "--batch-size", "4", *args), env=env)
         daemon.wait(120)
         return daemon
@@ -262,7 +264,8 @@ def test_an_input_that_breaks_workers_is_dead_lettered_alone_and_its_host_taken_
     assert restarted.process.returncode == 1
     assert restarted.events("host_out_of_service") and not restarted.events("job_received")
 
-    elsewhere = run(tmp_path / "host-b", "--protection", "off")
+    # Short polls: it drains (two empty receives) without waiting 1 s on each.
+    elsewhere = run(tmp_path / "host-b", "--protection", "off", "--receive-wait-seconds", "0")
     assert elsewhere.process.returncode == 0, elsewhere.stderr[-3000:]
     [dead] = aws.dead_letters(stack.dlq_url)
     assert '"culprit"' in dead["Body"]
