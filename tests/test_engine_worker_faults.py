@@ -392,7 +392,9 @@ def test_inputs_over_the_size_limit_are_their_own_errors_whatever_was_fetched_be
 ) -> None:
     """A request of inputs that are all over the size limit fails for their size alone
     (the store, or a tar's header, told it): their errors stand even when the inputs
-    fetched before cannot be read for now (a tar's local copy taken with its job)."""
+    fetched before cannot be read for now (a tar's local copy taken with its job). The
+    others of a request are judged as ever: with nothing to tell by, theirs are made
+    transient."""
     marker = tmp_path / "revoked"
     observer = RecordingObserver()
     with Pipeline([_fetching_stage(marker, 4)], observer) as pipeline:
@@ -402,9 +404,14 @@ def test_inputs_over_the_size_limit_are_their_own_errors_whatever_was_fetched_be
         (tmp_path / "gone-a").touch()
         (tmp_path / "gone-b").touch()
         huge = run_items(pipeline, [Item("j", 2 + i, "huge") for i in range(4)])
+        mixed = run_items(pipeline, [Item("k", i, v) for i, v in enumerate(["huge", "denied"])])
     assert [(r.error.type, r.error.transient) for r in huge if r.error] == [
         ("ObjectTooLarge", False)
     ] * 4
+    assert [(r.error.type, r.error.transient) for r in mixed if r.error] == [
+        ("ObjectTooLarge", False),
+        ("PermissionError", True),
+    ]
     assert observer.broken == []
 
 

@@ -32,7 +32,7 @@ from worker.jobs.tars import TarCopies
 from worker.plugins.identity import ModelIdentity
 from worker.ports import S3Location
 
-MAX_TAR_BYTES = 2**20
+MAX_TAR_BYTES = 4 * 2**20
 
 
 class CountingBlobStore(InMemoryBlobStore):
@@ -125,6 +125,27 @@ def test_members_are_read_as_pythons_tarfile_reads_them(tmp_path: Path, tar_form
     assert len(expected) >= 2
 
 
+def _sparse() -> bytes:
+    """A tar whose member is a GNU sparse file (type S: its map of holes would be read
+    as its bytes)."""
+    data = bytearray(tar_of([("a.jpg", b"A" * 600)]))
+    header = data[512:1024]  # after the directory's
+    header[156:157] = b"S"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    data[512:1024] = header
+    return bytes(data)
+
+
+def _huge_pax_header() -> bytes:
+    sink = io.BytesIO()
+    with tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        info = tarfile.TarInfo("a.jpg")
+        info.size, info.pax_headers = 1, {"comment": "x" * 2**21}
+        archive.addfile(info, io.BytesIO(b"A"))
+    return sink.getvalue()
+
+
 def _cut_short() -> bytes:
     whole = tar_of([("a.jpg", b"A" * 5000)])
     return whole[:2048]
@@ -139,7 +160,9 @@ def _cut_short() -> bytes:
         (_cut_short(), "is cut short in member a.jpg"),
         (tar_of([("a.jpg", b"A"), ("a.jpg", b"B")]), "holds member a.jpg twice"),
         (tar_of([("a.jpg", b"A" * MAX_TAR_BYTES)]), "is too large"),
-        (tar_of([(f"{n}.jpg", b"A") for n in range(4)]), "more than 3 inputs, over the limit"),
+        (tar_of([(f"{n}.jpg", b"A") for n in range(4)]), "hold more than 3 inputs, a shard's"),
+        (_sparse(), "member a.jpg is sparse"),
+        (_huge_pax_header(), "an extended header of 2097"),
     ],
 )
 def test_a_tar_that_cannot_be_used_is_poison_naming_it(
@@ -210,7 +233,10 @@ def test_a_tar_job_runs_as_shards_of_tars_with_one_get_per_tar_and_a_result_per_
         "s3://bkt/out/tars/", inputs=tars, tar=TarMembers(member_suffix=".png"), format="parquet"
     )
 
-    run_until_drained(source, blobs, tmp_path, shard_tars=1, max_input_bytes=50_000)
+    # A batch of one and one ahead: every daemon is full with one shard, and hands the
+    # others back unread.
+    settings = {"batch_size": 1, "prefetch_batches": 1}
+    run_until_drained(source, blobs, tmp_path, shard_tars=1, max_input_bytes=50_000, **settings)
 
     summary = job.wait(timeout_s=5)
     assert (summary["items"], summary["failed"], summary["shards"]["count"]) == (8, 2, 3)

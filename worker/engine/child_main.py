@@ -276,14 +276,17 @@ def _judged(
         return _Judged(failed, None, False)
     if not failed or any(error.transient for error in failed.values()):
         return _Judged(failed, None, False)
-    if any(error.type == ObjectTooLarge.__name__ for error in failed.values()):
-        return _Judged(failed, None, False)  # its size was told: the input's own fault
+    # The inputs over the size limit are their own fault for sure; the rest are judged.
+    sized = {p: e for p, e in failed.items() if e.type == ObjectTooLarge.__name__}
+    judged = {p: e for p, e in failed.items() if p not in sized}
+    if not judged:
+        return _Judged(failed, None, False)
     if not known_good.unprepared:
         never = f"no input passed {step.name} before, to tell the worker's fault from the input's"
-        return _Judged(_made_transient(failed, never), None, True)
+        return _Judged({**sized, **_made_transient(judged, never)}, None, True)
     fault, why = _prepared_again(known_good, prepare, step)
     if why is not None:
-        return _Judged(_made_transient(failed, why), None, False)
+        return _Judged({**sized, **_made_transient(judged, why)}, None, False)
     return _Judged(failed, fault, False)
 
 

@@ -120,6 +120,8 @@ class Intake:
         self._stopping = stopping
         self._on_drained = on_drained
         self._drained_readings = 0
+        self._claim_lock = threading.Lock()  # the admissions of a receive run side by side
+        self._tar_shard_claimed = False  # by an admission of this receive
         # Two progress intervals: a running delivery of a replaced message has seen the
         # mark and stopped by then (`_handed_over`).
         self._defer_s = min(
@@ -171,6 +173,7 @@ class Intake:
                         self._stopping.wait(SHORT_POLL_PAUSE_S)
                     continue
                 self._drained_readings = 0
+                self._tar_shard_claimed = False
                 held = [job for message in messages if (job := self._hold(message))]
                 self._admit_all(held, list(reading.map(self._read, held)))
 
@@ -191,6 +194,16 @@ class Intake:
         for job in held:
             if job.plan is not None and job.spec is not None and not job.settled:
                 self._shards.started(job.spec, job.plan)
+
+    def _claim_tar_shard(self) -> bool:
+        """Whether to copy a tar shard's tars and hold it: not while full of shards, and
+        one a receive at most (its members, how much work it is, are known only once its
+        tars are copied); the others are handed back unread."""
+        with self._claim_lock:
+            if self._tar_shard_claimed or self._full_of_shards():
+                return False
+            self._tar_shard_claimed = True
+            return True
 
     def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
         """The messages received, or None when the receive failed (not an empty queue)."""
@@ -275,12 +288,21 @@ class Intake:
             self._arrays.directory / f"{job.key}.tars",
             self._blobs,
             settings.max_tar_bytes,
-            settings.max_items_per_job,
+            settings.shard_items,
         )
         members = job.tar_copies.members(uris, tar)
         inputs = [uris[member.row] for member in members]
         member_ids = None if ids is None else [ids[member.row] for member in members]
         return _Items(inputs, member_ids, members, item_places(inputs, members, first_index))
+
+    def _finished(self, job: Job, spec: JobMessage, job_id: str, request: str) -> bool:
+        """Ack a job whose job.json is written for request `request` already."""
+        done = self._checkpoints.finished(spec, job_id, request)
+        if done is None:
+            return False
+        log.info("job_already_done", job_id=job_id, status=done.get("status"))
+        self._outcomes.ack(job)
+        return True
 
     def _done_already(self, job: Job, admission: _Admission, job_id: str) -> bool:
         """Ack a delivery of a job whose job.json is written for this same request."""
@@ -322,7 +344,11 @@ class Intake:
         if len(first) <= shard_items:
             whole = _split(first, _with_ids(spec))
             request = request_digest(*whole, spec, model)
+            if spec.tar and self._finished(job, spec, job_id, request):
+                return None  # before its tars are copied: they may be large
             items = self._items(job, spec.tar, whole, 0)
+            if spec.tar and not items.inputs:
+                raise PoisonMessage(f"its tars hold no members (ending {spec.tar.member_suffix!r})")
             prior = self._checkpoints.read(spec, job_id, request, items.places)
             return _Admission(spec, items, prior)
         # A chain's are not known: it may write arrays.
@@ -338,11 +364,12 @@ class Intake:
             count += 1
             digest.add(uri, input_id)
         request = digest.hexdigest(spec.params, model.as_dict(), spec.format, spec.tar)
-        done = self._checkpoints.finished(spec, job_id, request)
-        if done is not None:
-            log.info("job_already_done", job_id=job_id, status=done.get("status"))
-            self._outcomes.ack(job)
+        if self._finished(job, spec, job_id, request):
             return None
+        if spec.tar and count > shard_items * MAX_SHARDS:  # its shards would hold more tars
+            raise PoisonMessage(
+                f"{count} tars: over {MAX_SHARDS} shards of {shard_items} (--shard-tars)"
+            )
         plan = Plan(
             job_id=job_id,
             request_digest=request,
@@ -376,6 +403,9 @@ class Intake:
             if self._outcomes.ack(job) and merged is not None:
                 self._announce(merged, job.message.message_id)
             return None
+        if plan.tar is not None and not self._claim_tar_shard():
+            self._outcomes.hand_over(job, SPARE_SHARD, runs_may_overlap=True)
+            return None  # before its tars are copied
         span = plan.range(spec.shard.index)
         try:
             _check_breakages(job.message)

@@ -311,7 +311,11 @@ class Shards:
                 current = _json_object(self._blobs.get(location)) if etag != ABSENT else {}
                 counts = current.get("shards") if current.get("job_id") == plan.job_id else None
                 counts = counts if isinstance(counts, dict) else {}
-                counts[str(spec.shard.index)] = [job.finished_items, job.failed, len(job.inputs)]
+                # A tar job's third count: its members (a worker from before tars
+                # reads two; it reads no tar job's).
+                counts[str(spec.shard.index)] = [job.finished_items, job.failed] + (
+                    [len(job.inputs)] if plan.tar else []
+                )
                 # A tar job's items are its tars' members: those of the shards started.
                 items = sum(_count(c, 2) for c in counts.values()) if plan.tar else plan.items
                 progress = {

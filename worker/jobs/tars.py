@@ -18,10 +18,12 @@ import contextlib
 import mmap
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
+from worker.errors import TransientError
 from worker.jobs.inputs import unreadable_is_poison
 from worker.jobs.message import PoisonMessage, TarMembers
 from worker.ports import BlobStore, LocalPart, S3Location
@@ -30,7 +32,10 @@ BLOCK = 512  # a tar's headers, and its members' bytes, are in blocks of 512 byt
 ZERO_BLOCK = bytes(BLOCK)
 USTAR = b"ustar\0"  # POSIX's magic; GNU's is "ustar  \0", with no name prefix
 REGULAR_FILE = (b"0", b"\0", b"7")
-PAX_NEXT, PAX_GLOBAL, GNU_LONG_NAME = b"x", b"g", b"L"
+PAX_NEXT = (b"x", b"X")  # a pax header for the member after it (X: Solaris's)
+PAX_GLOBAL, GNU_LONG_NAME, GNU_LONG_LINK, GNU_SPARSE = b"g", b"L", b"K", b"S"
+EXTENDED = (*PAX_NEXT, PAX_GLOBAL, GNU_LONG_NAME, GNU_LONG_LINK)
+MAX_EXTENDED_BYTES = 2**20  # an extended header's most, as Go's archive/tar takes
 
 
 class Member(NamedTuple):
@@ -46,20 +51,28 @@ class TarCopies:
         self.directory = directory
         self._blobs = blobs
         self._max_tar_bytes = max_tar_bytes
-        self._max_members = max_members
+        self._max_members = max_members  # of all its tars: what the job holds at once
+        self._lock = threading.Lock()  # `remove` comes from whichever thread settles the job
+        self._removed = False
 
     def members(self, tars: list[str], spec: TarMembers) -> list[Member]:
         """Every member of `tars` that is an input, in order, once each tar is copied."""
         members: list[Member] = []
         for row, uri in enumerate(tars):
-            path = self._copy(uri, row)
-            members += _listed(path, uri, row, spec.member_suffix or "")
-            if len(members) > self._max_members:
-                raise PoisonMessage(f"more than {self._max_members} inputs, over the limit")
+            for member in _listed(self._copy(uri, row), uri, row, spec.member_suffix or ""):
+                members.append(member)
+                if len(members) > self._max_members:
+                    raise PoisonMessage(
+                        f"its tars hold more than {self._max_members} inputs, a shard's most "
+                        "(--shard-items): give fewer tars a shard ('shard_items')"
+                    )
         return members
 
     def _copy(self, uri: str, row: int) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            if self._removed:  # settled meanwhile (a shutdown): nothing will read it
+                raise TransientError("the job was settled while its tars were copied")
+            self.directory.mkdir(exist_ok=True)  # in the daemon's spool, there while it runs
         path = self.directory / f"{row:06d}.tar"
         chunks = self._blobs.chunks(S3Location.parse(uri), self._max_tar_bytes)
         with (
@@ -72,7 +85,9 @@ class TarCopies:
         return path
 
     def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        with self._lock:
+            self._removed = True
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _listed(path: Path, uri: str, row: int, suffix: str) -> Iterator[Member]:
@@ -119,15 +134,21 @@ def _entries(data: bytes | mmap.mmap, uri: str) -> Iterator[tuple[str, int, int]
             size = _number(extended["size"].encode(), uri, base=10)
         if start + size > len(data):
             raise PoisonMessage(f"tar {uri} is cut short in member {_name(header, extended)}")
+        if kind in EXTENDED and size > MAX_EXTENDED_BYTES:
+            raise _not_a_tar(
+                uri, f"an extended header of {size} bytes (at most {MAX_EXTENDED_BYTES})"
+            )
+        if kind == GNU_SPARSE or any(key.startswith("GNU.sparse.") for key in extended):
+            raise _not_a_tar(uri, f"member {_name(header, extended)} is sparse, not read here")
         offset = start + -(-size // BLOCK) * BLOCK
-        if kind == PAX_NEXT:
+        if kind in PAX_NEXT:
             extended = _pax_records(data[start : start + size])
         elif kind == GNU_LONG_NAME:
             extended = {"path": _text(bytes(data[start : start + size]).rstrip(b"\0"))}
-        elif kind in REGULAR_FILE:
+        elif kind in REGULAR_FILE and not _name(header, extended).endswith("/"):
             yield _name(header, extended), start, size
             extended = {}
-        elif kind != PAX_GLOBAL:
+        elif kind not in (PAX_GLOBAL, GNU_LONG_LINK):
             extended = {}  # a directory, a link, a device: not an input
 
 
@@ -169,16 +190,17 @@ def _pax_records(block: bytes | mmap.mmap) -> dict[str, str]:
     records: dict[str, str] = {}
     position, text = 0, bytes(block)
     while position < len(text):
-        length, space, _ = text[position:].partition(b" ")
-        if not space or not length.isdigit() or int(length) <= 0:
+        space = text.find(b" ", position, position + 20)
+        if space < 0 or not text[position:space].isdigit() or int(text[position:space]) <= 0:
             break
-        record = text[position : position + int(length)]
-        key, _, value = record[len(length) + 1 :].rstrip(b"\n").partition(b"=")
+        end = position + int(text[position:space])
+        key, _, value = text[space + 1 : end].rstrip(b"\n").partition(b"=")
         records[_text(key)] = _text(value)
-        position += int(length)
+        position = end
     return records
 
 
 def _text(name: bytes) -> str:
-    """A name as text (a result line's JSON holds it): bytes not UTF-8 are replaced."""
-    return name.decode(errors="replace")
+    """A name as text (a result line's JSON holds it): a byte that is not UTF-8 is
+    written as its escape (\\xe9), so that two such names stay two."""
+    return name.decode(errors="backslashreplace")
