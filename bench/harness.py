@@ -26,7 +26,7 @@ from torch import nn
 from stages.synthetic import samples
 from worker.adapters.fakes import FAKE_CHUNK_BYTES, InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon
-from worker.ports import ObjectReader, ReceivedMessage, RemoteReader, S3Location
+from worker.ports import ByteRange, ObjectReader, ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
 from worker.telemetry.timeline import Timeline
 
@@ -141,9 +141,14 @@ class LatentBlobStore(InMemoryBlobStore):
             delay_s = self._rng.lognormvariate(self._mu, self._sigma)
         time.sleep(delay_s)
 
-    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+    def get(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
         self._wait()
-        return super().get(location, max_bytes)
+        return super().get(location, max_bytes, byte_range)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
@@ -162,9 +167,11 @@ def _late_reads(
     """`open_reads(connections)`, each read after a lognormal wait (in another process)."""
     get, rng = open_reads(connections), random.Random()
 
-    def late_get(location: S3Location, max_bytes: int | None = None) -> bytes:
+    def late_get(
+        location: S3Location, max_bytes: int | None = None, byte_range: ByteRange | None = None
+    ) -> bytes:
         time.sleep(rng.lognormvariate(mu, sigma))
-        return get(location, max_bytes)
+        return get(location, max_bytes, byte_range)
 
     return late_get
 
@@ -301,9 +308,14 @@ class CountedReads(InMemoryBlobStore):
         super().__init__(directory, chunk_bytes)
         self.gets = 0
 
-    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+    def get(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
         self.gets += 1  # `chunks` too: it reads the object with one `get`
-        return super().get(location, max_bytes)
+        return super().get(location, max_bytes, byte_range)
 
 
 @dataclass

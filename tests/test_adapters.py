@@ -93,6 +93,23 @@ def test_an_object_over_the_readers_limit_is_refused_unread(
     assert (str(copied), copied.size, copied.limit) == (str(raised.value), 5, 4)
 
 
+def test_a_ranged_get_reads_those_bytes_alone(parts: tuple[Any, Any, Any], tmp_path: Path) -> None:
+    """`get` with a byte range (a tar member's, `worker.jobs.tars`) reads those bytes
+    alone, the limit applying to them; as does the reader another process opens."""
+    _, blobs, _ = parts
+    location = S3Location.parse("s3://bkt/in/shard.tar")
+    blobs.put(location, b"0123456789", "application/x-tar")
+    assert blobs.get(location, 4, (3, 4)) == b"3456"
+    assert blobs.get(location, None, (9, 0)) == b""
+    with pytest.raises(ObjectTooLarge, match="too large: 4 bytes, limit 3"):
+        blobs.get(location, 3, (3, 4))
+    on_disk = InMemoryBlobStore(tmp_path)
+    on_disk.put(location, b"0123456789", "application/x-tar")
+    reader = on_disk.remote_reader()
+    assert reader is not None
+    assert reader.open(1)(location, 4, (3, 4)) == b"3456"
+
+
 def test_extend_reports_stale_handles_and_ack_deletes(parts: tuple[Any, Any, Any]) -> None:
     """Renewing a deleted message's handle is reported per entry, not raised."""
     source, _, send = parts

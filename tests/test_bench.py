@@ -14,7 +14,7 @@ from bench.processes import exited_process_cpu_s, fetch_clients
 from bench.run import array_output, host_ceiling
 from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore
-from worker.ports import S3Location
+from worker.ports import ByteRange, S3Location
 
 
 @pytest.mark.e2e
@@ -81,9 +81,14 @@ class InputReadsCounted(InMemoryBlobStore):
         super().__init__(directory)
         self.input_reads = 0
 
-    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+    def get(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
         self.input_reads += location.key.startswith("in/")
-        return super().get(location, max_bytes)
+        return super().get(location, max_bytes, byte_range)
 
 
 def test_the_host_ceiling_moves_every_item_of_its_jobs(tmp_path: Path) -> None:

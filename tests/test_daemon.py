@@ -41,7 +41,7 @@ from worker.jobs import intake, results
 from worker.jobs.job import Job
 from worker.jobs.reporting import ProgressReporter
 from worker.plugins import PluginError
-from worker.ports import ReceivedMessage, S3Location
+from worker.ports import ByteRange, ReceivedMessage, S3Location
 from worker.retry import Backoff
 from worker.settings import Settings
 from worker.telemetry.timeline import Timeline
@@ -293,12 +293,17 @@ class RecordingBlobs(InMemoryBlobStore):
         self.failing_puts: dict[str, int] = {}
         self.before_failing_get: Callable[[], None] = lambda: None
 
-    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+    def get(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
         errors = self.failing_gets.get(str(location))
         if errors:
             self.before_failing_get()
             raise errors.pop()
-        return super().get(location, max_bytes)
+        return super().get(location, max_bytes, byte_range)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

@@ -41,13 +41,15 @@ class S3Location:
 
 class LocalPart(NamedTuple):
     """Bytes of a file on this machine: a member of a tar copied here
-    (`worker.jobs.tars`), which the fetchers read in place of an object. (A tuple: it
+    (`worker.jobs.tars`), which the fetchers read in place of an object, or, once the
+    copy is gone (its job settled), from the tar itself by a ranged GET. (A tuple: it
     crosses to the preprocessing processes with every member, and a frozen dataclass
     pickles field by field, several times slower.)"""
 
     path: str
     offset: int
     size: int
+    tar: str  # the tar's URI
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +168,19 @@ class JobSource(Protocol):
 
 ABSENT = ""  # `BlobStore.put(expect=ABSENT)`: the object must not exist yet
 RENEWAL_FAILED = "RenewalFailed"  # `JobSource.extend`'s code for a lease whose call failed
-# `BlobStore.get` in another process: (location, max_bytes) -> bytes.
-ObjectReader = Callable[[S3Location, int | None], bytes]
+# Bytes of an object from a first byte: (offset, size).
+ByteRange = tuple[int, int]
+
+
+class ObjectReader(Protocol):
+    """`BlobStore.get`, in another process."""
+
+    def __call__(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -186,10 +199,16 @@ class RemoteReader:
 class BlobStore(Protocol):
     """Object storage (S3)."""
 
-    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
-        """The object's bytes; raises `MissingObject`, `AccessDenied` or `TransientError`
-        (after its own retries), `ObjectTooLarge` (without reading it) if it is over
-        `max_bytes`, or another error that retrying will not cure."""
+    def get(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
+        """The object's bytes (those of `byte_range` only, a ranged GET, if given);
+        raises `MissingObject`, `AccessDenied` or `TransientError` (after its own
+        retries), `ObjectTooLarge` (without reading it) if they are over `max_bytes`, or
+        another error that retrying will not cure."""
 
     def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
         """The object's bytes in pieces as they are read, never more than `max_bytes` of

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import heapq
 import itertools
+import os
 import threading
 import time
 import urllib.parse
@@ -24,6 +25,7 @@ from typing import Any
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.ports import (
     ABSENT,
+    ByteRange,
     ObjectReader,
     QueueCounts,
     ReceivedMessage,
@@ -221,11 +223,17 @@ def _file_of(directory: Path, uri: str) -> Path:
 def read_files(directory: Path, connections: int) -> ObjectReader:
     """Another process's reader of an `InMemoryBlobStore` kept in `directory`."""
 
-    def get(location: S3Location, max_bytes: int | None = None) -> bytes:
+    def get(
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
         path = _file_of(directory, str(location))
         try:
-            _check_size(path.stat().st_size, max_bytes)
-            return path.read_bytes()
+            with open(path, "rb") as file:
+                first, size = byte_range or (0, os.fstat(file.fileno()).st_size)
+                _check_size(size, max_bytes)
+                return os.pread(file.fileno(), size, first)
         except FileNotFoundError:
             raise MissingObject(f"{location} does not exist") from None
 
@@ -256,12 +264,20 @@ class InMemoryBlobStore:
         self._chunk_bytes = chunk_bytes  # `chunks`' pieces: S3's size, for the speed figures
         self._lock = threading.Lock()
 
-    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+    def get(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
         with self._lock:
             try:
                 data = self.objects[str(location)]
             except KeyError:
                 raise MissingObject(f"{location} does not exist") from None
+        if byte_range is not None:
+            first, size = byte_range
+            data = data[first : first + size]
         _check_size(len(data), max_bytes)
         return data
 

@@ -159,24 +159,26 @@ def fetcher(get: ObjectReader, max_bytes: int) -> Callable[[str | LocalPart], by
 
     def fetch(source: str | LocalPart) -> bytes:
         if isinstance(source, LocalPart):
-            return _read_part(source, max_bytes)
+            return _read_part(source, get, max_bytes)
         return get(S3Location.parse(source), max_bytes)
 
     return fetch
 
 
-def _read_part(part: LocalPart, max_bytes: int) -> bytes:
+def _read_part(part: LocalPart, get: ObjectReader, max_bytes: int) -> bytes:
+    """A tar member's bytes from the tar's local copy; once that is gone with its job
+    (a known-good input read again, `worker.engine.child_main`), from the tar in S3."""
     if part.size > max_bytes:
         raise ObjectTooLarge(part.size, max_bytes)
-    # The copy is this machine's (its disk, or a job settled meanwhile that took it
-    # along): a failure to read it is never the input's.
     try:
         with open(part.path, "rb") as file:
             data = os.pread(file.fileno(), part.size, part.offset)
-    except OSError as error:
+    except FileNotFoundError:
+        data = get(S3Location.parse(part.tar), max_bytes, (part.offset, part.size))
+    except OSError as error:  # this machine's disk: never the input's fault
         raise TransientError(f"the local copy of its tar cannot be read: {error}") from error
     if len(data) != part.size:
-        raise TransientError(f"the local copy of its tar is cut short at {part.path}")
+        raise TransientError(f"{part.size} bytes asked of {part.tar}, {len(data)} read")
     return data
 
 

@@ -100,7 +100,7 @@ def _listed(path: Path, uri: str, row: int, suffix: str) -> Iterator[Member]:
             if name in names:
                 raise PoisonMessage(f"tar {uri} holds member {name} twice")
             names.add(name)
-            yield Member(row, name, LocalPart(os.fspath(path), offset, size))
+            yield Member(row, name, LocalPart(os.fspath(path), offset, size, uri))
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import structlog
 
 from worker.adapters.aws.calls import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Retrying, client_config
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
-from worker.ports import ABSENT, ObjectReader, RemoteReader, S3Location
+from worker.ports import ABSENT, ByteRange, ObjectReader, RemoteReader, S3Location
 from worker.retry import CALL_BACKOFF, DEFAULT_AWS_MAX_ATTEMPTS
 
 if TYPE_CHECKING:
@@ -82,12 +82,20 @@ class S3BlobStore(Retrying):
             imports=(__name__,),
         )
 
-    def get(self, location: S3Location, max_bytes: int | None = None) -> bytes:
+    def get(
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: ByteRange | None = None,
+    ) -> bytes:
+        if byte_range is not None and byte_range[1] == 0:
+            return b""  # no Range header asks for nothing
+
         def read() -> bytes:
             # Inside the retried call: a reset or a short read mid-body is as transient
             # as a failed request (botocore checks the length read against the size
             # S3 gave when the body is read whole).
-            body, size = self._opened(location, max_bytes)
+            body, size = self._opened(location, max_bytes, byte_range)
             with contextlib.closing(body):
                 if max_bytes is None or size is not None:
                     return body.read()  # type: ignore[no-any-return]
@@ -109,10 +117,18 @@ class S3BlobStore(Retrying):
                     raise ObjectTooLarge(None, max_bytes)
                 yield chunk
 
-    def _opened(self, location: S3Location, max_bytes: int | None) -> tuple[Any, int | None]:
-        """The object's body, unread, and its size if S3 gave it; `ObjectTooLarge` if
-        that is over `max_bytes` (the body's connection is closed, not drained)."""
-        reply = self._client.get_object(Bucket=location.bucket, Key=location.key)
+    def _opened(
+        self, location: S3Location, max_bytes: int | None, byte_range: ByteRange | None = None
+    ) -> tuple[Any, int | None]:
+        """The object's body (of `byte_range`), unread, and its size if S3 gave it;
+        `ObjectTooLarge` if that is over `max_bytes` (the body's connection is closed,
+        not drained)."""
+        if byte_range is None:
+            reply = self._client.get_object(Bucket=location.bucket, Key=location.key)
+        else:
+            first, size = byte_range
+            wanted = f"bytes={first}-{first + size - 1}"
+            reply = self._client.get_object(Bucket=location.bucket, Key=location.key, Range=wanted)
         body, size = reply["Body"], reply.get("ContentLength")
         if max_bytes is not None and size is not None and size > max_bytes:
             body.close()
