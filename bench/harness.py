@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from stages.synthetic import samples
-from worker.adapters.fakes import FAKE_CHUNK_BYTES, InMemoryBlobStore, InMemoryJobSource
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon
 from worker.ports import ByteRange, ObjectReader, ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
@@ -270,7 +270,8 @@ def load_jobs(
         shape: dict[str, Any] = {}
         if tars:
             listed, shape = [f"s3://bench/in/job-{job}.tar"], {"tar": {}}
-            blobs.objects[listed[0]] = _tar_of(uris, images)
+            keys = [S3Location.parse(uri).key for uri in uris]
+            blobs.objects[listed[0]] = tar_of(list(zip(keys, images, strict=True)))
         else:
             listed = uris
             for uri, image in zip(uris, images, strict=True):
@@ -290,32 +291,15 @@ def load_jobs(
     return jobs
 
 
-def _tar_of(uris: list[str], images: list[bytes]) -> bytes:
-    """A tar shard of `images`, each member named by its URI's key."""
+def tar_of(members: list[tuple[str, bytes]], tar_format: int = tarfile.PAX_FORMAT) -> bytes:
+    """A tar shard holding `members` (name, bytes) in order, as WebDataset writes them."""
     sink = io.BytesIO()
-    with tarfile.open(fileobj=sink, mode="w") as archive:
-        for uri, image in zip(uris, images, strict=True):
-            member = tarfile.TarInfo(S3Location.parse(uri).key)
-            member.size = len(image)
-            archive.addfile(member, io.BytesIO(image))
+    with tarfile.open(fileobj=sink, mode="w", format=tar_format) as archive:
+        for name, data in members:
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
     return sink.getvalue()
-
-
-class CountedReads(InMemoryBlobStore):
-    """Counts the reads of objects (GETs, whole or streamed) made in this process."""
-
-    def __init__(self, directory: Path | None = None, chunk_bytes: int = FAKE_CHUNK_BYTES):
-        super().__init__(directory, chunk_bytes)
-        self.gets = 0
-
-    def get(
-        self,
-        location: S3Location,
-        max_bytes: int | None = None,
-        byte_range: ByteRange | None = None,
-    ) -> bytes:
-        self.gets += 1  # `chunks` too: it reads the object with one `get`
-        return super().get(location, max_bytes, byte_range)
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,25 +23,15 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.jobs.checkpoints import CANCEL_MARKER, CHECKPOINT_PREFIX
 from worker.jobs.intake import WAITED_FOR_THE_REPLACED
-from worker.ports import ByteRange, S3Location
+from worker.ports import S3Location
 
 
 class CountingBlobs(InMemoryBlobStore):
-    """Counts reads of each object; can act just before a chosen object is written."""
+    """Can act just before a chosen object is written."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.reads: Counter[str] = Counter()
         self.before_put: dict[str, Callable[[], None]] = {}
-
-    def get(
-        self,
-        location: S3Location,
-        max_bytes: int | None = None,
-        byte_range: ByteRange | None = None,
-    ) -> bytes:
-        self.reads[str(location)] += 1
-        return super().get(location, max_bytes, byte_range)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

@@ -18,10 +18,10 @@ import pyarrow.dataset
 import pyarrow.parquet as pq
 import pytest
 
+from bench.harness import tar_of
 from tests.support.aws import Aws
 from tests.support.daemons import StartDaemon, daemon_args
 from tests.support.jobs import enqueue_command, job_output, upload
-from tests.support.tars import tar_of
 from worker.demo import upload_samples
 from worker.ports import S3Location
 

@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,6 +263,9 @@ class InMemoryBlobStore:
         self._directory = directory
         self._chunk_bytes = chunk_bytes  # `chunks`' pieces: S3's size, for the speed figures
         self._lock = threading.Lock()
+        # Each object's reads in this process (a GET each, whole, streamed or ranged),
+        # which tests and figures count.
+        self.reads: Counter[str] = Counter()
 
     def get(
         self,
@@ -271,6 +274,7 @@ class InMemoryBlobStore:
         byte_range: ByteRange | None = None,
     ) -> bytes:
         with self._lock:
+            self.reads[str(location)] += 1
             try:
                 data = self.objects[str(location)]
             except KeyError:

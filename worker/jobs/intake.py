@@ -38,13 +38,14 @@ from worker.jobs.planning import Planner
 from worker.jobs.shards import Shards
 from worker.jobs.stragglers import Stragglers
 from worker.jobs.tables import JSON_LINES
-from worker.jobs.tars import Member, TarCopies
+from worker.jobs.tars import TarCopies
 from worker.plugins.identity import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,
     SQS_MAX_MESSAGES_PER_RECEIVE,
     BlobStore,
     JobSource,
+    LocalPart,
     ReceivedMessage,
 )
 from worker.settings import Settings
@@ -77,7 +78,7 @@ class _Items(NamedTuple):
 
     inputs: list[str]  # each item's URI (a member's: its tar's)
     ids: list[Any] | None  # each item's id, where its table gives them
-    members: list[Member] | None  # each item's, where the inputs are tars
+    parts: list[LocalPart] | None  # each item's bytes, where the inputs are tars
     places: list[Place]
 
 
@@ -271,7 +272,7 @@ class Intake:
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
             return None
-        if admission is None or self._done_already(job, admission, job_id):
+        if admission is None or self._done_already(job, admission.prior.summary, job_id):
             return None
         if self._handed_over(job, spec, admission.prior, job_id):
             return None
@@ -293,20 +294,16 @@ class Intake:
         members = job.tar_copies.members(uris, tar)
         inputs = [uris[member.row] for member in members]
         member_ids = None if ids is None else [ids[member.row] for member in members]
-        return _Items(inputs, member_ids, members, item_places(inputs, members, first_index))
+        parts = [member.part for member in members]
+        return _Items(inputs, member_ids, parts, item_places(inputs, members, first_index))
 
     def _finished(self, job: Job, spec: JobMessage, job_id: str, request: str) -> bool:
         """Ack a job whose job.json is written for request `request` already."""
-        done = self._checkpoints.finished(spec, job_id, request)
-        if done is None:
-            return False
-        log.info("job_already_done", job_id=job_id, status=done.get("status"))
-        self._outcomes.ack(job)
-        return True
+        return self._done_already(job, self._checkpoints.finished(spec, job_id, request), job_id)
 
-    def _done_already(self, job: Job, admission: _Admission, job_id: str) -> bool:
-        """Ack a delivery of a job whose job.json is written for this same request."""
-        summary = admission.prior.summary
+    def _done_already(self, job: Job, summary: dict[str, Any] | None, job_id: str) -> bool:
+        """Ack a delivery of a job whose job.json (`summary`, if written) is for this
+        same request."""
         if summary is None:
             return False
         log.info("job_already_done", job_id=job_id, status=summary.get("status"))
@@ -451,7 +448,7 @@ class Intake:
         spec, items, prior, plan = admission
         inputs = items.inputs
         job_id = spec.job_id or job.message.job_message_id
-        job.ids, job.members, job.places = items.ids, items.members, items.places
+        job.ids, job.parts, job.places = items.ids, items.parts, items.places
         job.plan = plan
         log_dir = self._settings.log_dir
         job.model = self._model.result()

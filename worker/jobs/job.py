@@ -147,7 +147,7 @@ class Job:
     inputs: list[str] = field(default_factory=list)  # each item's (a member's: its tar)
     ids: list[Any] | None = None  # each item's id, where its table gives them
     places: list[Place] = field(default_factory=list)  # each item's
-    members: list[Member] | None = None  # each item's, where the inputs are tars
+    parts: list[LocalPart] | None = None  # each item's bytes, where the inputs are tars
     tar_copies: TarCopies | None = None  # from admission, where the inputs are tars
     log: JobLog | None = None
     results: list[Result | None] = field(default_factory=list)
@@ -178,7 +178,7 @@ class Job:
 
     def source(self, position: int) -> str | LocalPart:
         """Where the item's bytes are read: its object, or its member's in a tar's copy."""
-        return self.members[position].part if self.members else self.inputs[position]
+        return self.parts[position] if self.parts is not None else self.inputs[position]
 
     @property
     def attempt(self) -> int:

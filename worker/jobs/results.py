@@ -326,7 +326,7 @@ class Finisher:
         shard = job.spec.shard.index if job.spec.shard else 0
         directory = job.arrays.directory / PARQUET_DIR
         files = self._tables.write(
-            lines, arrays, directory, ids=job.ids is not None, members=job.members is not None
+            lines, arrays, directory, ids=job.ids is not None, members=job.parts is not None
         )
         return [
             (table_name(shard, number), path, PARQUET_CONTENT_TYPE)

@@ -11,12 +11,12 @@ of one shard: the names sort in input order, and job.json lists them in that ord
 Every file of a job has the same columns, whatever its rows, so that they read as one
 dataset: they are set by the model and the message, never by the values. The record's
 own (index, input, the member where the inputs are tars, the id where the job's table
-gives ids, model, error), then the
-postprocessor's fields with the types of its answer to the model's output for zeros,
-probed at start (`about["fields"]`). A field whose answer holds a null (None, an empty
-list) has no type to take from it: it is written as JSON text. Results that do not fit
-these columns (a field the probe did not give, an integer field holding 0.5) are the
-model's fault, found only at the finish: `UnfitResults`.
+gives ids, model, error), then the postprocessor's fields with the types of its answer
+to the model's output for zeros, probed at start (`about["fields"]`). A field whose
+answer holds a null (None, an empty list) has no type to take from it: it is written
+as JSON text. Results that do not fit these columns (a field the probe did not give, an
+integer field holding 0.5) are the model's fault, found only at the finish:
+`UnfitResults`.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ class TarCopies:
 def _listed(path: Path, uri: str, row: int, suffix: str) -> Iterator[Member]:
     """The members of the tar copied to `path` whose names end `suffix`, in order."""
     names: set[str] = set()
+    local = os.fspath(path)
     with open(path, "rb") as file, _mapped(file) as data:
         for name, offset, size in _entries(data, uri):
             if not name.endswith(suffix):
@@ -100,7 +101,7 @@ def _listed(path: Path, uri: str, row: int, suffix: str) -> Iterator[Member]:
             if name in names:
                 raise PoisonMessage(f"tar {uri} holds member {name} twice")
             names.add(name)
-            yield Member(row, name, LocalPart(os.fspath(path), offset, size, uri))
+            yield Member(row, name, LocalPart(local, offset, size, uri))
 
 
 @contextlib.contextmanager
