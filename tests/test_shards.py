@@ -25,12 +25,13 @@ from tests.support.in_process import (
 from tests.support.stagefns import GREY
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.client import Job, JobStalled, Phase
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
 from worker.jobs.checkpoints import request_digest
 from worker.jobs.inputs import Input, shard_line
 from worker.jobs.message import JobMessage, parse_job_message
-from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_body, shard_file
+from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_body, shard_file, watch_body
 from worker.jobs.results import FINISH_ATTEMPTS
 from worker.jobs.shards import Commit, RunFile
 from worker.plugins.identity import ModelIdentity
@@ -479,3 +480,58 @@ def test_a_job_whose_last_shard_is_lost_stops_being_watched(tmp_path: Path) -> N
     (stalled,) = [entry for entry in logs if entry["event"] == "job_stalled"]
     assert stalled["shards_left"] == [1] and "no run of shards [1]" in stalled["reason"]
     assert "s3://bkt/out/lost/job.json" not in blobs.objects and len(source) == 0
+
+
+def test_a_job_whose_shards_all_die_before_any_commit_says_it_stalled(tmp_path: Path) -> None:
+    """Both shards of a job break workers and are dead-lettered before either commits:
+    each death arms a watch, which says the job stalled, in the log and in its
+    progress.json, so the client stops waiting and says why (where nothing watched it,
+    and its producer waited for ever)."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    _send(source, "probe", inputs[:1])  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    spec, plan = _planned(blobs, "doomed", inputs, job_file(blobs, "probe", "job.json")["model"])
+    for shard in range(plan.shards):
+        source.send(shard_body(spec, plan, shard), broke_workers=3, breakage="CUDA error")
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path)
+    assert len(source.dead_letters) == 2 and len(source) == 0
+    (stalled,) = [entry for entry in logs if entry["event"] == "job_stalled"]
+    assert stalled["shards_left"] == [0, 1] and "3 workers broke" in stalled["reason"]
+    progress = json.loads(job_file(blobs, "doomed", "progress.json"))
+    assert progress["stalled"]["shards"] == [0, 1] and progress["job_id"] == "doomed"
+    job = Job(blobs, "s3://bkt/out/doomed/", "doomed")
+    status = job.status()
+    assert status.phase is Phase.STALLED and status.stalled is not None
+    assert "shards [0, 1] cannot run" in status.stalled and "CUDA error" in status.stalled
+    with pytest.raises(JobStalled, match="3 workers broke"):
+        job.wait(timeout_s=5, poll_s=0.01)
+
+
+def test_a_shard_whose_message_is_gone_before_it_starts_gets_a_duplicate(tmp_path: Path) -> None:
+    """A shard's message moved to the DLQ by the queue's redrive policy before any run
+    of it began (here: never sent), so no worker noted it. Once nothing else of the job
+    runs, a watch sends the shard again, and the job ends whole. Before, the watch
+    waited for every shard to start, and came back for ever. A watch found superseded
+    (the marker due later than it) ends, and a commit replaces a watch due later than
+    the one it arms (here: one due in 15 minutes, as before any commit)."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    _send(source, "probe", inputs[:1])  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    spec, plan = _planned(blobs, "gone", inputs, job_file(blobs, "probe", "job.json")["model"])
+    marker = f"s3://bkt/out/gone/shards/{plan.request_digest}/watch"
+    blobs.objects[marker] = json.dumps({"due": time.time() + 900}).encode()
+    source.send(watch_body(spec, plan))  # due now, so superseded
+    source.send(shard_body(spec, plan, 0))
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path)
+    events = [entry["event"] for entry in logs]
+    assert events.count("watch_superseded") == 1
+    (duplicated,) = [entry for entry in logs if entry["event"] == "shard_duplicated"]
+    assert (duplicated["shard"], duplicated["why"]) == (1, "never started")
+    summary = job_file(blobs, "gone", "job.json")
+    assert (summary["status"], summary["shards"]["count"]) == ("succeeded", 2)
+    assert [line["input"] for line in job_file(blobs, "gone", "results.jsonl")] == inputs
+    assert len(source) == 0 and not source.dead_letters

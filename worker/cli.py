@@ -21,6 +21,7 @@ from worker.client import (
     InvalidJob,
     Job,
     Jobs,
+    JobStalled,
     JobStatus,
     UnreadableOutput,
 )
@@ -397,7 +398,7 @@ def _wait(job: Job, timeout_s: float) -> int:
 
     try:
         summary = job.wait(timeout_s, WAIT_POLL_S, on_status=draw)
-    except (TimeoutError, UnreadableOutput) as error:
+    except (TimeoutError, UnreadableOutput, JobStalled) as error:
         print(f"\n{error}", file=sys.stderr)
         return 1
     print(file=sys.stderr)

@@ -77,6 +77,11 @@ class UnreadableOutput(Exception):
     """A file under the job's output is not what the daemon writes there."""
 
 
+class JobStalled(Exception):
+    """Nothing left of a job split across the fleet can run: its shards left were
+    dead-lettered, or their messages are gone. It ends once they are redriven."""
+
+
 class CancelRefused(Exception):
     """The job is finished already, or the output is another job's."""
 
@@ -84,6 +89,7 @@ class CancelRefused(Exception):
 class Phase(StrEnum):
     QUEUED = "queued"  # nothing under its output says it started
     RUNNING = "running"  # its progress.json is written
+    STALLED = "stalled"  # its progress.json says no shard left can run (`JobStatus.stalled`)
     FINISHED = "finished"  # its job.json is written
 
 
@@ -96,12 +102,20 @@ class JobStatus:
     finished: int  # items with a result, failed ones included
     failed: int
     summary: dict[str, Any] | None = None
+    stalled: str | None = None  # why, while the phase is STALLED
 
 
 class JobQueue(Protocol):
     """Where jobs are sent (`JobSource.send_many`)."""
 
     def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None: ...
+
+
+class _Stall(BaseModel):
+    """progress.json's note that a job split across the fleet stalled."""
+
+    shards: list[int]
+    reason: str
 
 
 class _Progress(BaseModel):
@@ -111,6 +125,7 @@ class _Progress(BaseModel):
     items: int = Field(ge=0)
     finished: int = Field(ge=0)
     failed: int = Field(ge=0)
+    stalled: _Stall | None = None
 
 
 class _Summary(BaseModel):
@@ -224,7 +239,12 @@ class Job:
         progress = self._progress()
         if progress is None or not self._ours(progress.job_id):
             return JobStatus(Phase.QUEUED, 0, 0, 0)
-        return JobStatus(Phase.RUNNING, progress.items, progress.finished, progress.failed)
+        counts = (progress.items, progress.finished, progress.failed)
+        if progress.stalled is not None:
+            stall = progress.stalled
+            why = f"shards {stall.shards} cannot run: {stall.reason}"
+            return JobStatus(Phase.STALLED, *counts, stalled=why)
+        return JobStatus(Phase.RUNNING, *counts)
 
     def wait(
         self,
@@ -233,7 +253,9 @@ class Job:
         on_status: Callable[[JobStatus], None] | None = None,
     ) -> dict[str, Any]:
         """Look at the job every `poll_s` (telling `on_status` what was seen) until it is
-        finished; its job.json. `TimeoutError` if it is not within `timeout_s`."""
+        finished; its job.json. `TimeoutError` if it is not within `timeout_s`;
+        `JobStalled` if nothing left of it can run (until its dead-lettered shards are
+        redriven: wait again then)."""
         deadline = time.monotonic() + timeout_s
         while True:
             status = self.status()
@@ -241,6 +263,8 @@ class Job:
                 on_status(status)
             if status.summary is not None:
                 return status.summary
+            if status.stalled is not None:
+                raise JobStalled(f"{self.output} stalled: {status.stalled}")
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise TimeoutError(

@@ -178,7 +178,7 @@ def test_a_straggling_shard_is_run_again_by_an_idle_daemon(
         assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
         time.sleep(0.5)
     fleet = [slow, *fast]
-    duplicated = [e for daemon in fleet for e in daemon.events("straggler_duplicated")]
+    duplicated = [e for daemon in fleet for e in daemon.events("shard_duplicated")]
     slow_shards = {e["shard"] for e in slow.events("shard_committed")}
     for daemon in fleet:
         daemon.send_signal(signal.SIGTERM)

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -71,6 +71,12 @@ S3_THREADS = 16  # requests at once while planning and merging
 PROGRESS_TRIES = 3  # a progress.json write that another shard beats is tried again
 MAX_COMMIT_BYTES = 64 * 1024
 WATCH_MIN_S = 2  # a watch of a job's stragglers is due at least this far apart
+# A watch not taken this long after it was due is lost (its message was dead-lettered):
+# the next commit or death arms another.
+WATCH_OVERDUE_S = SQS_MAX_DELAY_S
+# A watch is the one that counts if the marker says it is due by now, give or take the
+# clocks of the worker that armed it and the one that took it.
+WATCH_SLACK_S = 5.0
 RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log|parquet)$")
 
 
@@ -117,6 +123,21 @@ class Commit(BaseModel):
         results = {"name": fields.pop("results"), "bytes": fields.pop("results_bytes", None)}
         fields["log"] = {"name": fields.get("log"), "bytes": fields.pop("log_bytes", None)}
         return {**fields, "results": [results]}
+
+
+class ArmedWatch(NamedTuple):
+    """A job's watch marker: its ETag, and when the watch it names is due."""
+
+    etag: str
+    due: float | None  # None: written by a worker from before due times
+
+    def later_than(self, due: float) -> bool:
+        """Whether a watch due at `due` is to replace this one: this is due later, or
+        overdue for so long that its message is taken for lost."""
+        if self.due is None:
+            return False  # a chain from before due times: it watches on
+        now = time.time()
+        return self.due > due + WATCH_MIN_S or self.due < now - WATCH_OVERDUE_S
 
 
 class Shards:
@@ -254,7 +275,7 @@ class Shards:
         if self._checkpoints.finished(spec, plan.job_id, digest) is not None:
             self.remove(spec, plan)  # a late run: the job was merged before this commit
         else:
-            self.watch(spec, plan, commit.seconds)
+            self.watch(spec, plan, watch_delay_s(commit.seconds))
         return None
 
     def started(self, spec: JobMessage, plan: Plan) -> None:
@@ -270,9 +291,10 @@ class Shards:
             log.warning("shard_start_not_noted", job_id=plan.job_id, error=repr(error))
 
     def dead_lettered(self, spec: JobMessage, plan: Plan, reason: str) -> None:
-        """Note that the shard's message was dead-lettered, and why: a watch that finds
-        only such shards left stops (`worker.jobs.stragglers`) until one is redriven.
-        Never raises: without it, the job's watch goes on."""
+        """Note that the shard's message was dead-lettered, and why, and have the job
+        watched: a watch that finds only such shards left says the job stalled
+        (`worker.jobs.stragglers`) until one is redriven. Never raises: without the note,
+        the job's watch goes on."""
         assert spec.shard is not None
         dead = shard_file(spec, plan.request_digest, spec.shard.index, DEAD_SUFFIX)
         note = json.dumps({"at": time.time(), "reason": reason}).encode()
@@ -280,42 +302,84 @@ class Shards:
             self._blobs.put(dead, note, "application/json")
         except Exception as error:
             log.warning("shard_death_not_noted", job_id=plan.job_id, error=repr(error))
-
-    def watch(self, spec: JobMessage, plan: Plan, shard_s: float) -> None:
-        """Have a worker look for the job's stragglers about half a shard's time from now
-        (`worker.jobs.stragglers`), unless a watch is due already; never raises (without
-        one, a straggler only holds the job's end back)."""
-        watch = watch_file(spec, plan.request_digest)
-        try:
-            self._blobs.put(watch, b"", "text/plain", expect=ABSENT)
-        except PreconditionFailed:
-            return  # one is due
-        except Exception as error:
-            log.warning("watch_not_armed", job_id=plan.job_id, error=repr(error))
             return
+        # A watch finds whether every shard left is dead: none may have committed yet.
+        self.watch(spec, plan, WATCH_MIN_S)
+
+    def watch(self, spec: JobMessage, plan: Plan, delay_s: int) -> None:
+        """Have a worker look at the job's shards `delay_s` from now
+        (`worker.jobs.stragglers`), unless a watch is due no later; never raises (without
+        one, a straggler only holds the job's end back)."""
         try:
-            self._source.send_many([watch_body(spec, plan)], plan.job_id, watch_delay_s(shard_s))
+            armed = self.armed_watch(spec, plan)
+            if armed is not None and not armed.later_than(time.time() + delay_s):
+                return  # one is due
+            self.arm_watch(spec, plan, delay_s, armed.etag if armed else ABSENT)
+        except PreconditionFailed:
+            return  # another was armed meanwhile
         except Exception as error:
             log.warning("watch_not_armed", job_id=plan.job_id, error=repr(error))
-            self._blobs.delete([watch])
+
+    def armed_watch(self, spec: JobMessage, plan: Plan) -> ArmedWatch | None:
+        """The job's watch marker: its ETag and when the watch it names is due (None
+        for a marker a worker from before due times wrote); None if there is none."""
+        marker = watch_file(spec, plan.request_digest)
+        etag = self._blobs.objects_under(marker).get("", ABSENT)
+        if etag == ABSENT:
+            return None
+        try:
+            due = _json_object(self._blobs.get(marker)).get("due")
+        except MissingObject:
+            return None
+        if not isinstance(due, int | float) or isinstance(due, bool):
+            return ArmedWatch(etag, None)
+        return ArmedWatch(etag, float(due))
+
+    def arm_watch(self, spec: JobMessage, plan: Plan, delay_s: int, expect: str) -> None:
+        """Send a watch of the job due `delay_s` from now, then name it in the marker,
+        on condition that the marker is as read (`expect`): `PreconditionFailed` if
+        another was armed meanwhile (the one sent here then finds itself superseded);
+        raises if S3 or SQS fail."""
+        self._source.send_many([watch_body(spec, plan)], plan.job_id, delay_s)
+        note = json.dumps({"due": time.time() + delay_s}).encode()
+        marker = watch_file(spec, plan.request_digest)
+        self._blobs.put(marker, note, "application/json", expect=expect)
 
     def report(self, job: Job) -> None:
         """Put this shard's count in the job's one progress.json, on condition that it is
-        unchanged since read (shards on other workers write it too); never raises."""
+        unchanged since read (shards on other workers write it too); never raises. A
+        stall noted there goes: the job runs again."""
         spec, plan = job.spec, job.plan
         assert spec is not None and spec.shard is not None and plan is not None
+        index = str(spec.shard.index)
+        # A tar job's third count: its members (a worker from before tars reads two; it
+        # reads no tar job's).
+        count = [job.finished_items, job.failed] + ([len(job.inputs)] if plan.tar else [])
+        self._update_progress(spec, plan, lambda counts: {**counts, index: count})
+
+    def stalled(self, spec: JobMessage, plan: Plan, shards: list[int], reason: str) -> None:
+        """Say in the job's progress.json that nothing left of it can run (`shards`, and
+        why), for those who follow it (`worker.client`); never raises."""
+        stall = {"shards": shards, "reason": reason}
+        self._update_progress(spec, plan, lambda counts: counts, stall)
+
+    def _update_progress(
+        self,
+        spec: JobMessage,
+        plan: Plan,
+        change: Callable[[dict[str, Any]], dict[str, Any]],
+        stall: dict[str, Any] | None = None,
+    ) -> None:
+        """Write the job's progress.json with its shards' counts as `change` makes them,
+        on condition that it is unchanged since read, tried again if another shard wrote
+        first."""
         location = spec.output_location("progress.json")
         for _ in range(PROGRESS_TRIES):
             try:
                 etag = self._blobs.objects_under(location).get("", ABSENT)
                 current = _json_object(self._blobs.get(location)) if etag != ABSENT else {}
                 counts = current.get("shards") if current.get("job_id") == plan.job_id else None
-                counts = counts if isinstance(counts, dict) else {}
-                # A tar job's third count: its members (a worker from before tars
-                # reads two; it reads no tar job's).
-                counts[str(spec.shard.index)] = [job.finished_items, job.failed] + (
-                    [len(job.inputs)] if plan.tar else []
-                )
+                counts = change(counts if isinstance(counts, dict) else {})
                 # A tar job's items are its tars' members: those of the shards started.
                 items = sum(_count(c, 2) for c in counts.values()) if plan.tar else plan.items
                 progress = {
@@ -324,6 +388,7 @@ class Shards:
                     "finished": sum(_count(value, 0) for value in counts.values()),
                     "failed": sum(_count(value, 1) for value in counts.values()),
                     "shards": counts,
+                    **({"stalled": stall} if stall else {}),
                 }
                 self._blobs.put(
                     location, json.dumps(progress).encode(), "application/json", expect=etag
@@ -332,7 +397,7 @@ class Shards:
             except (PreconditionFailed, MissingObject):
                 continue  # another shard wrote it between the read and the write
             except Exception as error:
-                log.warning("progress_upload_failed", job_id=job.job_id, error=repr(error))
+                log.warning("progress_upload_failed", job_id=plan.job_id, error=repr(error))
                 return
 
     # Merging -----------------------------------------------------------------

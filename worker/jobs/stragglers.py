@@ -1,20 +1,35 @@
-"""Stragglers: a planned job's shards that run far longer than the others (a slow or
-stuck machine) get a duplicate that an idle worker runs, with no coordinator.
+"""Watching a planned job's shards, with no coordinator: stragglers (a slow or stuck
+machine) get a duplicate that an idle worker runs; shards whose messages are gone get
+one too; a job none of whose shards left can run is said to have stalled.
 
-Each commit that leaves shards to run has a watch sent: a message for the job, delayed
-by half a shard's time, one at a time per job (the `watch` marker under its shards).
-Whoever receives it looks at the shards: once every shard has started (nothing of the
-job waits in the queue: workers are coming free), a shard not committed whose run began
-more than `STRAGGLER_FACTOR` median shard times ago gets one duplicate message (marked
-`<n>.duplicated`, so once). An idle worker takes it and resumes from the straggler's
-checkpoints; the first of the two to commit counts, and the other stops
-(`Shards.committed_elsewhere`). While shards are left, the watch is sent again, but
-for a job whose every shard left was dead-lettered (`<n>.dead`): nothing can end it
-until one is redriven, whose commit sets a watch again.
+A watch is a message for the job, delayed, one due at a time per job: the `watch`
+marker under its shards says when the one that counts is due. Each commit arms one due
+half a shard's time later, and each shard dead-lettered one due at once, either
+replacing a watch due later (or one long overdue: its message was lost); a watch that
+finds the marker due later than itself was superseded and ends. Whoever receives the
+one that counts looks at the shards:
+
+- every shard left dead-lettered (`<n>.dead`): the job stalled (progress.json says so
+  and why), and the watch stops until one is redriven, whose commit or death arms one;
+- once every shard has started (nothing of the job waits in the queue: workers are
+  coming free), a shard not committed whose run began more than `STRAGGLER_FACTOR`
+  median shard times ago (before any commit: longer than a run can last) gets one
+  duplicate message (marked `<n>.duplicated`, so once). An idle worker takes it and
+  resumes from the straggler's checkpoints; the first of the two to commit counts, and
+  the other stops (`Shards.committed_elsewhere`);
+- a shard that never started, while nothing else of the job runs and the job was
+  planned longer ago than that, gets a duplicate too: its message was moved to the DLQ
+  by the queue's redrive policy before any run of it began, so no worker noted it;
+- duplicated shards none of whose runs started for longer than a run can last, with
+  nothing else left: their messages are gone too, and the job stalled.
+
+While shards are left, the watch is armed again: half a median shard time on, or,
+before any commit, `UNTIMED_WATCH_S`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -36,11 +51,10 @@ from worker.jobs.plan import (
     shard_directory,
     shard_file,
     shard_name,
-    watch_body,
     watch_file,
 )
-from worker.jobs.shards import Shards, each_at_once, watch_delay_s
-from worker.ports import ABSENT, BlobStore, JobSource, S3Location
+from worker.jobs.shards import WATCH_SLACK_S, Shards, each_at_once, watch_delay_s
+from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
 
 log = structlog.get_logger()
 
@@ -48,6 +62,8 @@ log = structlog.get_logger()
 # straggler.
 STRAGGLER_FACTOR = 2.0
 MEDIAN_SAMPLE = 51  # committed shards whose times give the median
+# Before any shard commits there is no shard time to pace watches by.
+UNTIMED_WATCH_S = SQS_MAX_DELAY_S
 
 
 class Stragglers:
@@ -72,9 +88,9 @@ class Stragglers:
         self._lost_after_s = lost_after_s
 
     def watch(self, job: Job, spec: JobMessage) -> None:
-        """Look at the job's shards once, send duplicates of its stragglers and the next
-        watch (or none, once every shard is committed), then delete the message. Raises
-        if S3 or SQS fail: the watch comes back later."""
+        """Look at the job's shards once: say it stalled, or send duplicates and the next
+        watch (none once every shard is committed), then delete the message. Raises if
+        S3 or SQS fail: the watch comes back later."""
         assert spec.watch is not None
         plan = self._shards.plan_for(spec, spec.watch)
         # A watch sent before watches carried the job's format (a rolling upgrade).
@@ -92,7 +108,14 @@ class Stragglers:
                 self._shards.remove(spec, plan)
             self._outcomes.ack(job)
             return
-        if all(has(shard, DEAD_SUFFIX) for shard in left):
+        armed = self._shards.armed_watch(spec, plan)
+        if armed is None or (armed.due is not None and armed.due > time.time() + WATCH_SLACK_S):
+            # Superseded by a watch due sooner, or the job stalled meanwhile.
+            log.info("watch_superseded", job_id=plan.job_id)
+            self._outcomes.ack(job)
+            return
+        alive = [shard for shard in left if not has(shard, DEAD_SUFFIX)]
+        if not alive:
             self._stall(spec, plan, left, self._dead_reason(spec, plan, left[0]))
             self._outcomes.ack(job)
             return
@@ -101,19 +124,29 @@ class Stragglers:
             lambda shard: self._shards.commit_at(directory, f"{shard_name(shard)}{COMMIT_SUFFIX}"),
             committed[:MEDIAN_SAMPLE],
         )
-        if not commits:  # a watch no commit set (forged): nothing to compare with
-            self._outcomes.ack(job)
-            return
-        shard_s = statistics.median(commit.seconds for commit in commits)
-        # A dead shard may never have started: it runs no more either way.
-        if all(has(s, STARTED_SUFFIX) or has(s, DEAD_SUFFIX) for s in range(plan.shards)):
-            running = self._running_s(spec, plan, [s for s in left if not has(s, DEAD_SUFFIX)])
-            lost = [
-                shard
-                for shard, running_s in running.items()
-                if has(shard, DUPLICATED_SUFFIX) and running_s > self._lost_after_s
-            ]
-            if lost and all(has(shard, DEAD_SUFFIX) or shard in lost for shard in left):
+        shard_s = statistics.median(commit.seconds for commit in commits) if commits else None
+        # How long a shard may take before it is taken for stuck: before any commit there
+        # is nothing to compare with, but a run's longest.
+        patience_s = STRAGGLER_FACTOR * shard_s if shard_s is not None else self._lost_after_s
+        ages = self._ages(spec, plan, [s for s in alive if has(s, STARTED_SUFFIX)], STARTED_SUFFIX)
+        waiting = [shard for shard in alive if shard not in ages]
+        duplicated = [shard for shard in alive if has(shard, DUPLICATED_SUFFIX)]
+        # A duplicate's age counts from when it was sent, if no run of it began since.
+        ages |= {
+            shard: age
+            for shard, age in self._ages(spec, plan, duplicated, DUPLICATED_SUFFIX).items()
+            if age < ages.get(shard, age + 1)
+        }
+        unsent = [shard for shard in waiting if shard not in duplicated]
+        if unsent:
+            planned_s = time.time() - plan.received_at
+            if len(unsent) == len(waiting) == len(alive) and planned_s > patience_s:
+                # Nothing of the job runs, yet a shard never started: its message is gone
+                # (dead-lettered by the queue's redrive policy before any run began).
+                self._duplicate(spec, plan, unsent[0], "never started")
+        else:
+            lost = [shard for shard in duplicated if ages.get(shard, 0) > self._lost_after_s]
+            if lost and set(lost) == set(alive):
                 reason = (
                     f"no run of shards {lost} started for over {self._lost_after_s:.0f} s, a "
                     "duplicate's included: their messages are gone (the queue's redrive policy)"
@@ -121,19 +154,22 @@ class Stragglers:
                 self._stall(spec, plan, left, reason)
                 self._outcomes.ack(job)
                 return
-            for shard, running_s in running.items():
-                late = running_s > STRAGGLER_FACTOR * shard_s
-                if late and not has(shard, DUPLICATED_SUFFIX):
-                    self._duplicate(spec, plan, shard, running_s, shard_s)
-        self._source.send_many([watch_body(spec, plan)], plan.job_id, watch_delay_s(shard_s))
+            for shard, age in ages.items():
+                if age > patience_s and shard not in duplicated:
+                    self._duplicate(spec, plan, shard, f"running {age:.0f} s")
+        delay_s = watch_delay_s(shard_s) if shard_s is not None else UNTIMED_WATCH_S
+        with contextlib.suppress(PreconditionFailed):  # another was armed meanwhile
+            self._shards.arm_watch(spec, plan, delay_s, armed.etag)
         self._outcomes.ack(job)
 
     def _stall(self, spec: JobMessage, plan: Plan, left: list[int], reason: str | None) -> None:
         """No shard left can run: they were dead-lettered, or their messages are gone.
         Nothing can end the job until one is redriven (or the job sent again), so the
-        watch stops; its marker goes, so that the next commit (a redriven shard's) sets
-        one again."""
+        watch stops, and progress.json says why; the marker goes, so that the next
+        commit or death (a redriven shard's) arms a watch again."""
+        reason = reason or "its shards left were dead-lettered"
         log.warning("job_stalled", job_id=plan.job_id, shards_left=left, reason=reason)
+        self._shards.stalled(spec, plan, left, reason)
         self._blobs.delete([watch_file(spec, plan.request_digest)])
 
     def _dead_reason(self, spec: JobMessage, plan: Plan, shard: int) -> str | None:
@@ -145,36 +181,32 @@ class Stragglers:
             return None  # removed meanwhile (redriven), or not what a worker writes
         return reason if isinstance(reason, str) else None
 
-    def _running_s(self, spec: JobMessage, plan: Plan, shards: list[int]) -> dict[int, float]:
-        """How long ago the latest run of each of `shards` started, where one noted it."""
+    def _ages(
+        self, spec: JobMessage, plan: Plan, shards: list[int], suffix: str
+    ) -> dict[int, float]:
+        """How long ago each of `shards` was last noted with `suffix` (its latest run
+        began, or a duplicate was sent), where the note says when."""
 
-        def since_start(shard: int) -> float | None:
-            marker = shard_file(spec, plan.request_digest, shard, STARTED_SUFFIX)
+        def since(shard: int) -> float | None:
+            marker = shard_file(spec, plan.request_digest, shard, suffix)
             try:
                 return time.time() - float(json.loads(self._blobs.get(marker))["at"])
             except MissingObject:
                 return None  # committed and removed meanwhile
             except (ValueError, KeyError, TypeError):
-                return None  # not what a run writes: nothing to go by
+                return None  # not what a worker writes (or before duplicates said when)
 
-        started = each_at_once(since_start, shards)
-        return {shard: s for shard, s in zip(shards, started, strict=True) if s is not None}
+        noted = each_at_once(since, shards)
+        return {shard: age for shard, age in zip(shards, noted, strict=True) if age is not None}
 
-    def _duplicate(
-        self, spec: JobMessage, plan: Plan, shard: int, running_s: float, shard_s: float
-    ) -> None:
+    def _duplicate(self, spec: JobMessage, plan: Plan, shard: int, why: str) -> None:
         digest = plan.request_digest
         # Sent, then marked: a watch that dies between the two sends another at most.
         self._source.send_many([shard_body(spec, plan, shard)], plan.job_id)
         marker: S3Location = shard_file(spec, digest, shard, DUPLICATED_SUFFIX)
+        note = json.dumps({"at": time.time()}).encode()
         try:
-            self._blobs.put(marker, b"", "text/plain", expect=ABSENT)
+            self._blobs.put(marker, note, "application/json", expect=ABSENT)
         except PreconditionFailed:
             return  # another watch sent one too: the commit keeps one result
-        log.info(
-            "straggler_duplicated",
-            job_id=plan.job_id,
-            shard=shard,
-            running_s=round(running_s, 1),
-            median_shard_s=round(shard_s, 1),
-        )
+        log.info("shard_duplicated", job_id=plan.job_id, shard=shard, why=why)
