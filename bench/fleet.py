@@ -41,11 +41,12 @@ FLEET_FLAGS = (
 )
 
 
-def fleet(work_dir: Path, items: int) -> dict[str, float]:
+def fleet(work_dir: Path, items: int, one_queue: bool = False) -> dict[str, float]:
     """`fleet_scaling`: one job of `items` inputs in shards of `SHARD_ITEMS`, its wall
     time (sent to job.json) on one daemon over that on `FLEET`. `small_job_wait_s`: a
     one-image job's wall time sent while the giant job runs on the fleet, and
-    `small_job_wait_idle_s` on the idle fleet."""
+    `small_job_wait_idle_s` on the idle fleet. The shards go to a queue of their own,
+    or, with `one_queue`, to the jobs queue."""
     with moto_stack("fleet") as (env, sqs, s3, stack):
         images = list(upload_samples(s3, stack.bucket, 40, seed=31))
         manifest = "\n".join(images[n % len(images)] for n in range(items)) + "\n"
@@ -66,9 +67,10 @@ def fleet(work_dir: Path, items: int) -> dict[str, float]:
                 "output": f"s3://{stack.bucket}/out/{job_id}/",
             }
 
-        with _daemons(env, stack, work_dir / "one", 1):
+        lanes = () if one_queue else ("--shard-queue-url", stack.shard_queue_url)
+        with _daemons(env, stack, work_dir / "one", 1, *lanes):
             one_s = _sent_until_done(sqs, s3, stack, giant("one"))
-        with _daemons(env, stack, work_dir / "fleet", FLEET):
+        with _daemons(env, stack, work_dir / "fleet", FLEET, *lanes):
             all_s = _sent_until_done(sqs, s3, stack, giant("all"))
             idle_s = _sent_until_done(sqs, s3, stack, small("idle"))
             _send(sqs, stack, giant("busy-giant"))
@@ -99,8 +101,11 @@ def _sent_until_done(sqs: Any, s3: Any, stack: Stack, job: dict[str, Any]) -> fl
 
 
 @contextlib.contextmanager
-def _daemons(env: dict[str, str], stack: Stack, log_dir: Path, count: int) -> Iterator[None]:
-    """`count` daemons on the stack's queue, started and ready; stopped after."""
+def _daemons(
+    env: dict[str, str], stack: Stack, log_dir: Path, count: int, *flags: str
+) -> Iterator[None]:
+    """`count` daemons on the stack's queue (with `flags`), started and ready; stopped
+    after."""
     processes = []
     ready = []
     try:
@@ -108,7 +113,7 @@ def _daemons(env: dict[str, str], stack: Stack, log_dir: Path, count: int) -> It
             process = subprocess.Popen(
                 [
                     *(sys.executable, "-m", "worker", "run", "--queue-url", stack.queue_url),
-                    *("--log-dir", str(log_dir / str(number)), *FLEET_FLAGS),
+                    *("--log-dir", str(log_dir / str(number)), *FLEET_FLAGS, *flags),
                 ],
                 env=env,
                 stdout=subprocess.PIPE,
@@ -225,15 +230,24 @@ def request_counts(work_dir: Path, items: int, shard_items: int) -> dict[str, An
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--items", type=int, default=3200, help="the giant job's inputs")
+    parser.add_argument(
+        "--one-queue",
+        action="store_true",
+        help="send shards to the jobs queue, as without --shard-queue-url",
+    )
     return parser
 
 
 def main() -> None:
-    """`python -m bench.fleet [--items N]`: the fleet's figures, as JSON on stdout."""
-    items = build_parser().parse_args().items
+    """`python -m bench.fleet [--items N] [--one-queue]`: the fleet's figures, as JSON
+    on stdout."""
+    args = build_parser().parse_args()
     configure_daemon_logging(io.StringIO())
     with tempfile.TemporaryDirectory() as scratch:
-        figures = {**fleet(Path(scratch), items), **request_counts(Path(scratch), 2000, 200)}
+        figures = {
+            **fleet(Path(scratch), args.items, args.one_queue),
+            **request_counts(Path(scratch), 2000, 200),
+        }
     print(json.dumps(figures, indent=2))
 
 

@@ -40,6 +40,22 @@ def _actions(statement: dict[str, Any]) -> list[str]:
     return [action] if isinstance(action, str) else list(action)
 
 
+def _expressions(metrics: list[dict[str, Any]]) -> dict[str, str]:
+    """A metric math query's expressions, by id."""
+    return {m["Id"]: " ".join(m["Expression"].split()) for m in metrics if "Expression" in m}
+
+
+def _queues(metrics: list[dict[str, Any]]) -> dict[str, str]:
+    """The queue (its logical id) that each SQS metric of a metric math query reads."""
+    queues = {}
+    for m in metrics:
+        metric = m.get("MetricStat", {}).get("Metric", {})
+        if metric.get("Namespace") == "AWS/SQS":
+            [dimension] = metric["Dimensions"]
+            queues[m["Id"]] = dimension["Value"]["Fn::GetAtt"][0]
+    return queues
+
+
 def test_dockerfile_passes_hadolint() -> None:
     lint = subprocess.run(
         [_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True, check=False
@@ -107,6 +123,7 @@ def test_template_locks_things_down() -> None:
     assert all(bucket["PublicAccessBlockConfiguration"].values())
     assert bucket["BucketEncryption"]["ServerSideEncryptionConfiguration"]
     assert resources["JobsQueue"]["Properties"]["SqsManagedSseEnabled"] is True
+    assert resources["ShardsQueue"]["Properties"]["SqsManagedSseEnabled"] is True
     assert resources["DeadLetterQueue"]["Properties"]["SqsManagedSseEnabled"] is True
     metadata = resources["LaunchTemplate"]["Properties"]["LaunchTemplateData"]["MetadataOptions"]
     assert metadata["HttpTokens"] == "required"
@@ -130,6 +147,9 @@ def test_template_locks_things_down() -> None:
         "logs:PutLogEvents",
     }
     assert all(statement["Resource"] != "*" for statement in statements)
+    [consume] = [s for s in statements if s.get("Sid") == "ConsumeJobs"]
+    queues = [{"Fn::GetAtt": ["JobsQueue", "Arn"]}, {"Fn::GetAtt": ["ShardsQueue", "Arn"]}]
+    assert consume["Resource"] == queues
     hosts_out = resources["HostsOutOfService"]["Properties"]
     assert '"host_out_of_service"' in hosts_out["FilterPattern"]
     [task_policy] = resources["TaskRole"]["Properties"]["Policies"]
@@ -147,6 +167,9 @@ def test_template_locks_things_down() -> None:
     stop_timeout = {"Name": "WORKER_STOP_TIMEOUT_SECONDS", "Value": {"Ref": "StopTimeoutSeconds"}}
     assert stop_timeout in container["Environment"]
     assert "WORKER_STOP_TIMEOUT_SECONDS=${StopTimeoutSeconds}" in json.dumps(user_data)
+    shard_queue = {"Name": "WORKER_SHARD_QUEUE_URL", "Value": {"Ref": "ShardsQueue"}}
+    assert shard_queue in container["Environment"]
+    assert "WORKER_SHARD_QUEUE_URL=${ShardsQueue}" in json.dumps(user_data)
     notify_topic = {"Name": "WORKER_NOTIFY_TOPIC_ARN", "Value": {"Ref": "JobsFinishedTopic"}}
     assert notify_topic in container["Environment"]
     assert "WORKER_NOTIFY_TOPIC_ARN=${JobsFinishedTopic}" in json.dumps(user_data)
@@ -192,10 +215,11 @@ def test_template_scopes_the_daemons_data_policy() -> None:
 
 
 def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runbooks() -> None:
-    """Backlog per worker stays defined at 0 workers, jobs waiting with none start one,
-    a job waiting too long adds one; ECS tasks go through a capacity provider that
-    grows the group and protects busy instances; Spot is an option with capacity
-    rebalancing; every operator alarm has a runbook in docs/operating.md."""
+    """Backlog per worker (jobs and shards queues both) stays defined at 0 workers, jobs
+    waiting with none start one, a job waiting too long (in either queue) adds one; ECS
+    tasks go through a capacity provider that grows the group and protects busy
+    instances; Spot is an option with capacity rebalancing; every operator alarm has a
+    runbook in docs/operating.md."""
     template, problems = decode(str(TEMPLATE))
     assert not problems and template is not None
     resources, parameters = template["Resources"], template["Parameters"]
@@ -205,15 +229,38 @@ def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runb
         ("ServiceBacklogScaling", "TargetTrackingScalingPolicyConfiguration", "tasks"),
     ):
         metrics = resources[policy]["Properties"][config]["CustomizedMetricSpecification"]
-        [expression] = [m["Expression"] for m in metrics["Metrics"] if "Expression" in m]
-        assert expression == f"IF({divisor} > 0, visible / {divisor}, visible)"
+        assert _expressions(metrics["Metrics"]) == {
+            "queued": "FILL(visible, 0) + FILL(visible_shards, 0)",
+            f"backlog_per_{divisor[:-1]}": f"IF({divisor} > 0, queued / {divisor}, queued)",
+        }
+        assert _queues(metrics["Metrics"]) == {
+            "visible": "JobsQueue",
+            "visible_shards": "ShardsQueue",
+        }
     from_zero = resources["ScaleFromZero"]["Properties"]
-    [condition] = [m["Expression"] for m in from_zero["Metrics"] if "Expression" in m]
-    assert condition == "IF(visible > 0 AND workers == 0, 1, 0)"
+    assert _expressions(from_zero["Metrics"]) == {
+        "queued": "FILL(visible, 0) + FILL(visible_shards, 0)",
+        "waiting_with_no_worker": "IF(queued > 0 AND workers == 0, 1, 0)",
+    }
+    assert _queues(from_zero["Metrics"]) == {
+        "visible": "JobsQueue",
+        "visible_shards": "ShardsQueue",
+    }
     adds_one = {"Fn::If": ["OnEc2", {"Ref": "GroupAddsOne"}, {"Ref": "ServiceAddsOne"}]}
     assert from_zero["AlarmActions"] == [adds_one]
     oldest = resources["OldestJobTooOld"]["Properties"]
-    assert oldest["MetricName"] == "ApproximateAgeOfOldestMessage"
+    assert _expressions(oldest["Metrics"]) == {
+        "oldest": "MAX([FILL(oldest_jobs, 0), FILL(oldest_shards, 0)])"
+    }
+    assert _queues(oldest["Metrics"]) == {
+        "oldest_jobs": "JobsQueue",
+        "oldest_shards": "ShardsQueue",
+    }
+    assert {
+        m["MetricStat"]["Metric"]["MetricName"] for m in oldest["Metrics"] if "MetricStat" in m
+    } == {"ApproximateAgeOfOldestMessage"}
+    no_progress = resources["NoProgress"]["Properties"]["Metrics"]
+    assert set(_queues(no_progress).values()) == {"JobsQueue", "ShardsQueue"}
     assert (
         oldest["Threshold"] == {"Ref": "MaxQueueWaitSeconds"} and adds_one in oldest["AlarmActions"]
     )

@@ -72,6 +72,35 @@ def test_get_batch_returns_partial_batch_after_wait() -> None:
     assert 0.04 <= time.monotonic() - started < 1
 
 
+def test_entries_ahead_pass_the_others_in_the_order_they_came() -> None:
+    """What `ahead` picks out is taken first, by `get_batch` and `take_now`, in the
+    order it came; the rest in theirs; both count against the capacity."""
+    channel: Channel[int] = Channel(6, ahead=lambda entry: entry >= 100)
+    for entry in (1, 2, 100, 3, 101):
+        channel.put(entry)
+    assert len(channel) == 5
+    assert channel.get_batch(3, 0) == [100, 101, 1]
+    channel.put(102)
+    assert channel.take_now(2) == [102, 2]
+    assert channel.take_now(2) is None and channel.get() == 3
+
+
+def test_an_urgent_item_passes_the_items_queued_before_it() -> None:
+    """An item the daemon waits for (`urgent`) is taken in a stage's next batch, before
+    the background items queued ahead of it: out of the pipeline before the last."""
+
+    def slow(values: list[int]) -> list[int]:
+        time.sleep(0.1)
+        return values
+
+    with Pipeline([ThreadStage("slow", slow, batch_size=4)], RecordingObserver()) as pipeline:
+        for index in range(8):  # the stage takes four; four wait
+            pipeline.submit(Item("background", index, index))
+        pipeline.submit(Item("waited-for", 0, 0, urgent=True))
+        out = [pipeline.next_result().job for _ in range(9)]
+    assert out.index("waited-for") < 8, out
+
+
 def test_isolate_failures_bisects_to_the_bad_items() -> None:
     """Only the items that fail on their own get errors; the rest get outputs."""
     calls: list[list[int]] = []

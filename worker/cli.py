@@ -267,6 +267,11 @@ def _run(args: argparse.Namespace) -> int:
     sqs = aws.sqs_client()
     attempts = settings.aws_max_attempts
     source = aws.SqsJobSource(sqs, settings.queue_url, settings.dlq_url, attempts)
+    shard_source = (
+        aws.SqsJobSource(sqs, settings.shard_queue_url, settings.dlq_url, attempts)
+        if settings.shard_queue_url
+        else None
+    )
     blobs = aws.S3BlobStore.from_environment(settings.s3_connections, attempts)
     notify: list[Callable[[str], None]] = []
     if settings.notify_queue_url:
@@ -286,7 +291,15 @@ def _run(args: argparse.Namespace) -> int:
             settings.asg_name,
             settings.aws_max_attempts,
         )
-        daemon = Daemon(settings, source, blobs, guard=guard, notices=notices, notify=notify)
+        daemon = Daemon(
+            settings,
+            source,
+            blobs,
+            shard_source=shard_source,
+            guard=guard,
+            notices=notices,
+            notify=notify,
+        )
         return daemon.run().code
     except StageSetupTimeout as error:
         print(

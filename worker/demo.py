@@ -52,11 +52,12 @@ DEMO_SMALL_JOB_IMAGES = sum(DEMO_SMALL_JOBS.values())
 
 @dataclass(frozen=True)
 class Stack:
-    """A jobs queue with its dead-letter queue, and a bucket."""
+    """A jobs queue and a shards queue with their dead-letter queue, and a bucket."""
 
     queue_url: str
     dlq_url: str
     bucket: str
+    shard_queue_url: str
 
 
 @contextmanager
@@ -81,21 +82,25 @@ def create_stack(
     visibility_timeout_s: int = 60,
     max_receive_count: int = DEMO_MAX_RECEIVE_COUNT,
 ) -> Stack:
-    """Queue, dead-letter queue (redrive after a few receives) and bucket named `name`."""
+    """Jobs and shards queues, their dead-letter queue (redrive after a few receives),
+    and a bucket, named after `name`."""
     dlq_url = sqs.create_queue(QueueName=f"{name}-dlq")["QueueUrl"]
     dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"][
         "QueueArn"
     ]
     redrive = {"deadLetterTargetArn": dlq_arn, "maxReceiveCount": str(max_receive_count)}
-    queue_url = sqs.create_queue(
-        QueueName=name,
-        Attributes={
-            "VisibilityTimeout": str(visibility_timeout_s),
-            "RedrivePolicy": json.dumps(redrive),
-        },
-    )["QueueUrl"]
+    queue_url, shard_queue_url = (
+        sqs.create_queue(
+            QueueName=queue_name,
+            Attributes={
+                "VisibilityTimeout": str(visibility_timeout_s),
+                "RedrivePolicy": json.dumps(redrive),
+            },
+        )["QueueUrl"]
+        for queue_name in (name, f"{name}-shards")
+    )
     s3.create_bucket(Bucket=name)
-    return Stack(queue_url, dlq_url, name)
+    return Stack(queue_url, dlq_url, name, shard_queue_url)
 
 
 def upload_samples(s3: S3Client, bucket: str, count: int, seed: int = 0) -> dict[str, str]:

@@ -49,6 +49,13 @@ class Settings(BaseSettings):
         description="Dead-letter queue URL for poison messages; without one they are left "
         "to the queue's redrive policy.",
     )
+    shard_queue_url: str | None = Field(
+        default=None,
+        description="SQS queue URL for the shards of jobs split across the fleet, and their "
+        "watches. With it, a daemon busy with a shard still takes jobs from --queue-url, one "
+        "at a time, so a small job is not stuck behind a giant one's shards; without it, "
+        "shards go to --queue-url, behind which a job sent later waits.",
+    )
     log_dir: Path = Field(
         default=Path("logs"),
         description="Where the logs of jobs in flight or given back are written "
@@ -419,7 +426,7 @@ class Settings(BaseSettings):
         """Connections for downloads, uploads of finished jobs and progress writes."""
         return 2 * self.fetch_concurrency + 1
 
-    @field_validator("queue_url", "dlq_url")
+    @field_validator("queue_url", "dlq_url", "shard_queue_url")
     @classmethod
     def _standard_queue(cls, value: str | None) -> str | None:
         if value is not None and value.endswith(".fifo"):

@@ -46,6 +46,8 @@ def _run_across_the_fleet(
     kills: int,
     timeout_s: float,
 ) -> None:
+    """The job's shards go to the stack's shards queue (`--shard-queue-url`), as the
+    template deploys it."""
     stack = aws.stack(visibility_timeout_s=6, max_receive_count=10)
     images = list(upload_samples(aws.s3, stack.bucket, 40, seed=24))
     inputs = [images[n % len(images)] for n in range(items)]
@@ -58,7 +60,10 @@ def _run_across_the_fleet(
     env = aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.05").env
 
     def started(number: int) -> DaemonProcess:
-        return start_daemon(daemon_args(stack, tmp_path / str(number), *FLEET_FLAGS), env=env)
+        lanes = ("--shard-queue-url", stack.shard_queue_url)
+        return start_daemon(
+            daemon_args(stack, tmp_path / str(number), *FLEET_FLAGS, *lanes), env=env
+        )
 
     fleet = [started(n) for n in range(daemons)]
     chance = random.Random(items)
@@ -72,7 +77,8 @@ def _run_across_the_fleet(
         fleet[victim].wait(30)
         fleet[victim] = started(daemons + kill)
     # Done when merged, and every message of the job (a watch's timer too) is gone.
-    while not ("job.json" in aws.names(output) and aws.queue_empty(stack.queue_url)):
+    queues = (stack.queue_url, stack.shard_queue_url)
+    while not ("job.json" in aws.names(output) and all(map(aws.queue_empty, queues))):
         assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
         time.sleep(1)
     for daemon in fleet:
@@ -97,7 +103,7 @@ def _run_across_the_fleet(
         "plan.json",
         "progress.json",
     }
-    assert aws.queue_depth(stack.queue_url) == (0, 0)
+    assert [aws.queue_depth(queue) for queue in queues] == [(0, 0), (0, 0)]
     assert aws.dead_letters(stack.dlq_url) == []
     merged = [e for daemon in fleet for e in daemon.events("job_merged")]
     assert len({e["job_id"] for e in merged}) <= 1

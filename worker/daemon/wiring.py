@@ -41,6 +41,7 @@ from worker.daemon.supervisor import Supervisor
 from worker.jobs.arrays import ARRAYS_DIR, ArraySpool
 from worker.jobs.checkpoints import Checkpointer, Checkpoints
 from worker.jobs.intake import Feeder, Intake
+from worker.jobs.lanes import Lanes
 from worker.jobs.leases import LeaseKeeper
 from worker.jobs.ledger import Ledger
 from worker.jobs.outcomes import Lifecycle, Outcomes
@@ -80,6 +81,7 @@ class Daemon:
         source: JobSource,
         blobs: BlobStore,
         *,
+        shard_source: JobSource | None = None,
         guard: ScaleInGuard | None = None,
         notices: NoticeSource | None = None,
         notify: Sequence[Callable[[str], None]] = (),
@@ -87,6 +89,10 @@ class Daemon:
     ):
         self._settings = settings
         self.shutdown_tail_s = settings.shutdown_tail_s()
+        # With a queue of shards, every part of the daemon settles a message on its own
+        # queue through the lanes, and sends shards and watches to that queue.
+        lanes = Lanes(source, shard_source) if shard_source is not None else None
+        source = lanes or source
         settings.log_dir.mkdir(parents=True, exist_ok=True)
         self._ledger = ledger = Ledger()
         self._metrics = metrics = Metrics()
@@ -220,9 +226,11 @@ class Daemon:
             announce=finisher.announce,
             on_drained=shutdown.drained,
             arrays=self._arrays,
+            lanes=lanes,
         )
         self._units: dict[str, Callable[[], object]] = {
             "intake": intake.run,
+            **({"shards-intake": intake.run_shards_lane} if lanes else {}),
             "feeder": Feeder(ledger, self._pipeline).run,
             "regrouper": Regrouper(
                 self._pipeline,

@@ -1,8 +1,11 @@
-"""A bounded, closable FIFO channel between pipeline stages.
+"""A bounded, closable FIFO channel between pipeline stages, with a lane ahead.
 
 `queue.Queue` cannot wake its blocked readers and writers on shutdown, so every stage
 would need sentinels or timeouts. Closing a `Channel` wakes them all with `Closed`,
 which is the one way threads of the engine learn that the pipeline is stopping.
+
+Entries that `ahead` picks out are taken before the others, in the order they came: an
+urgent item passes the background work queued before it at every stage.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ class Closed(Exception):
 
 
 class Channel(Generic[T]):
-    """A FIFO of at most `capacity` entries; `put` blocks when full, `get` when empty."""
+    """A FIFO of at most `capacity` entries, those `ahead` picks out first; `put` blocks
+    when full, `get` when empty."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, ahead: Callable[[T], bool] | None = None) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self._capacity = capacity
+        self._ahead = ahead
+        self._first: deque[T] = deque()  # the entries `ahead` picked out
         self._entries: deque[T] = deque()
         self._closed = False
         self._lock = threading.Lock()
@@ -35,16 +41,20 @@ class Channel(Generic[T]):
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries)
+            return self._held()
+
+    def _held(self) -> int:
+        return len(self._first) + len(self._entries)
 
     def put(self, entry: T) -> None:
         """Append `entry`, waiting for room; raises `Closed` once closed."""
         with self._not_full:
-            while len(self._entries) >= self._capacity and not self._closed:
+            while self._held() >= self._capacity and not self._closed:
                 self._not_full.wait()
             if self._closed:
                 raise Closed
-            self._entries.append(entry)
+            ahead = self._ahead is not None and self._ahead(entry)
+            (self._first if ahead else self._entries).append(entry)
             self._not_empty.notify()
 
     def get(self) -> T:
@@ -61,22 +71,20 @@ class Channel(Generic[T]):
         nothing if `unless()` holds while it waits for the first (checked on `wake`).
         """
         with self._not_empty:
-            while not self._entries and not self._closed:
+            while not self._held() and not self._closed:
                 if unless is not None and unless():
                     return []
                 self._not_empty.wait()
             deadline = time.monotonic() + max_wait_s
-            while len(self._entries) < max_entries and not self._closed:
+            while self._held() < max_entries and not self._closed:
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
                     break
                 self._not_empty.wait(remaining_s)
             if self._closed:
                 raise Closed
-            count = min(max_entries, len(self._entries))
-            batch = [self._entries.popleft() for _ in range(count)]
-            self._not_full.notify(count)
-            if self._entries:
+            batch = self._take(min(max_entries, self._held()))
+            if self._held():
                 self._not_empty.notify()
             return batch
 
@@ -85,11 +93,15 @@ class Channel(Generic[T]):
         with self._lock:
             if self._closed:
                 raise Closed
-            if len(self._entries) < count:
+            if self._held() < count:
                 return None
-            taken = [self._entries.popleft() for _ in range(count)]
-            self._not_full.notify(count)
-            return taken
+            return self._take(count)
+
+    def _take(self, count: int) -> list[T]:
+        """The first `count` entries, those ahead first (the lock held, `count` there)."""
+        taken = [(self._first if self._first else self._entries).popleft() for _ in range(count)]
+        self._not_full.notify(count)
+        return taken
 
     def wake(self) -> None:
         """Have every reader waiting for an entry check its `unless` again."""
@@ -100,6 +112,7 @@ class Channel(Generic[T]):
         """Wake every waiter with `Closed`; entries still inside are dropped."""
         with self._lock:
             self._closed = True
+            self._first.clear()
             self._entries.clear()
             self._not_empty.notify_all()
             self._not_full.notify_all()

@@ -88,6 +88,9 @@ class Item:
     attempts: int = 0
     part: Part | None = None
     part_slots: tuple[int, ...] = ()  # slots a fan-out holds for this item's parts
+    # Taken before the items that are not at every stage (its job is waited for; the
+    # others are background work).
+    urgent: bool = False
 
 
 # What a process stage runs once in each child: it makes the function the child runs.

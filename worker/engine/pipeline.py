@@ -49,7 +49,9 @@ class Pipeline:
         self._stages = list(stages)
         self._scaling = {"every_s": scale_every_s, "shrink_after_s": shrink_after_s}
         self._observer = observer
-        self._channels: list[Channel[Item]] = [Channel(stage.inbox_capacity) for stage in stages]
+        self._channels: list[Channel[Item]] = [
+            Channel(stage.inbox_capacity, _urgent) for stage in stages
+        ]
         self._channels.append(Channel(OUTPUT_CAPACITY))
         self._closing = threading.Event()
         self._wholes: dict[int, list[tuple[Part, Item]]] = {}  # parts come out in any order
@@ -162,6 +164,10 @@ class Pipeline:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _urgent(item: Item) -> bool:
+    return item.urgent
 
 
 def whole_of(parts: list[tuple[Part, Item]]) -> Item:

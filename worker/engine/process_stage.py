@@ -408,7 +408,10 @@ class ProcessStage(Stage):
             whole = next(WHOLES)
             for number, (about, slot) in enumerate(zip(abouts, slots, strict=False)):
                 part = Part(whole, number, len(abouts), about)
-                self._outbox.put(Item(item.job, item.index, about, slot=slot, part=part))
+                part_item = Item(
+                    item.job, item.index, about, slot=slot, part=part, urgent=item.urgent
+                )
+                self._outbox.put(part_item)
 
     def _recover(self, child: ChildProcess, in_flight: deque[list[Item]], lost: WorkerLost) -> None:
         """Replace the child, then redo what it held. Only the oldest batch was being

@@ -24,6 +24,7 @@ from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest, request_d
 from worker.jobs.inputs import Input, InputReader
 from worker.jobs.job import Job, JobState, Place, item_places
 from worker.jobs.joblog import JobLog, local_log_path
+from worker.jobs.lanes import Lanes
 from worker.jobs.ledger import Ledger
 from worker.jobs.message import (
     JobMessage,
@@ -102,10 +103,14 @@ class Intake:
         announce: Callable[[dict[str, Any], str], None],
         on_drained: Callable[[], None],
         arrays: ArraySpool,
+        lanes: Lanes | None = None,
     ):
+        """With `lanes` (the same queues as `source`), `run` reads its jobs lane and
+        `run_shards_lane` its shards lane; without, `run` reads the one queue."""
         self._settings = settings
         self._arrays = arrays  # where admitted jobs' array files go
         self._source = source
+        self._lanes = lanes
         self._blobs = blobs
         self._model = model  # known once the inference stage is set up, before the first receive
         self._checkpoints = checkpoints
@@ -137,35 +142,71 @@ class Intake:
         a time while a shard is held (the queue holds a planned job's shards: one may be
         more work than the prefetch, and the rest of the fleet is to share them)."""
         settings = self._settings
-        if self._ledger.outstanding_items() >= self._prefetch_items:
+        if self._full():
             return 0
         if self._ledger.shards_held():
             return 1
         return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
 
+    def room_for_jobs(self) -> int:
+        """How many messages the jobs lane may bring now, beside a lane of shards: as
+        many as there is room for; and while enough work is waiting, one at a time, when
+        every job held that is not a shard is fed whole (the rest waits for daemons with
+        room, while a small job is not stuck behind the shards held here)."""
+        settings = self._settings
+        if len(self._ledger) >= settings.max_jobs:
+            return 0
+        if not self._full():
+            return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
+        return 1 if self._ledger.seat_free() else 0
+
+    def _full(self) -> bool:
+        """Whether enough work is waiting here for the next few batches."""
+        return self._ledger.outstanding_items() >= self._prefetch_items
+
     def _full_of_shards(self) -> bool:
         """Whether a shard received now is more than this daemon is to hold: it holds one
         already, with enough work waiting."""
-        return (
-            self._ledger.shards_held() > 0
-            and self._ledger.outstanding_items() >= self._prefetch_items
-        )
+        return self._ledger.shards_held() > 0 and self._full()
 
     def run(self) -> None:
+        """Receive and admit from the jobs lane, or the one queue, until stopping (or
+        drained, with `--drain`)."""
+        if self._lanes is None:
+            self._serve(self._source.receive, self.room, drains=True, shards=True)
+        else:
+            self._serve(self._lanes.receive, self.room_for_jobs, drains=True, shards=False)
+
+    def run_shards_lane(self) -> None:
+        """Receive and admit from the shards lane until stopping."""
+        assert self._lanes is not None
+        self._serve(self._lanes.receive_shards, self.room, drains=False, shards=True)
+
+    def _serve(
+        self,
+        receive: Callable[[int, int, int], list[ReceivedMessage]],
+        room: Callable[[], int],
+        *,
+        drains: bool,
+        shards: bool,
+    ) -> None:
+        """Receive up to `room()` messages at a time, whenever there is room; `drains`:
+        this loop decides that the daemon is drained; `shards`: what it receives may be
+        tar shards, one a receive."""
         # Admitting reads S3 (the output prefix, a manifest): the messages of a receive
         # are read side by side, not one round trip after another, then admitted in the
         # order they came.
         with ThreadPoolExecutor(SQS_MAX_MESSAGES_PER_RECEIVE, "admit") as reading:
             while not self._stopping.is_set():
-                self._ledger.wait_until(lambda: self.room() > 0 or self._stopping.is_set())
+                self._ledger.wait_until(lambda: room() > 0 or self._stopping.is_set())
                 if self._stopping.is_set():
                     return
                 idle = not len(self._ledger)
-                messages = self._receive(self.room())
+                messages = self._receive(receive, room())
                 if messages is None:
                     continue
                 if not messages:
-                    if self._settings.drain and self._drained(idle):
+                    if drains and self._settings.drain and self._drained(idle):
                         self._on_drained()
                         return
                     if not self._settings.receive_wait_seconds:
@@ -174,7 +215,8 @@ class Intake:
                         self._stopping.wait(SHORT_POLL_PAUSE_S)
                     continue
                 self._drained_readings = 0
-                self._tar_shard_claimed = False
+                if shards:
+                    self._tar_shard_claimed = False
                 held = [job for message in messages if (job := self._hold(message))]
                 self._admit_all(held, list(reading.map(self._read, held)))
 
@@ -206,11 +248,13 @@ class Intake:
             self._tar_shard_claimed = True
             return True
 
-    def _receive(self, max_messages: int) -> list[ReceivedMessage] | None:
+    def _receive(
+        self, receive: Callable[[int, int, int], list[ReceivedMessage]], max_messages: int
+    ) -> list[ReceivedMessage] | None:
         """The messages received, or None when the receive failed (not an empty queue)."""
         settings = self._settings
         try:
-            return self._source.receive(
+            return receive(
                 max_messages, settings.receive_wait_seconds, settings.visibility_timeout_seconds
             )
         except Exception as error:
@@ -521,4 +565,6 @@ class Feeder:
             job, index = self._ledger.next_item()
             assert job.spec is not None
             # The params go with it to the model's process, which postprocesses (WithParams).
-            self._pipeline.submit(Item(job.key, index, (job.source(index), job.spec.params)))
+            # A shard is background work: the jobs users wait for go first.
+            value = (job.source(index), job.spec.params)
+            self._pipeline.submit(Item(job.key, index, value, urgent=job.plan is None))

@@ -57,6 +57,8 @@ class Ledger:
         self._inside: Counter[str] = Counter()
         self._suspects: set[Job] = set()  # feedable ones
         self._shards = 0  # unsettled jobs that are shards of a planned job
+        # Unsettled jobs, other than shards, not fed whole yet (admitted or not).
+        self._unfed_jobs: set[str] = set()
         self._apart: Job | None = None  # the suspect being fed, apart from the others
 
     def __len__(self) -> int:
@@ -74,6 +76,7 @@ class Ledger:
             job = Job(f"{message.message_id}#{next(self._deliveries)}", message)
             self._jobs[job.key] = job
             self._by_message[message.message_id] = job
+            self._unfed_jobs.add(job.key)
             self._changed.notify_all()
             return job
 
@@ -106,6 +109,8 @@ class Ledger:
             job.cancelled = cancelled
             self._shards += job.plan is not None
             job.unfed = 0 if cancelled else job.outstanding_items
+            if job.plan is not None or not job.unfed:
+                self._unfed_jobs.discard(job.key)
             if job.unfed:
                 self._outstanding += job.unfed
                 self._feeding.append(job)
@@ -121,6 +126,7 @@ class Ledger:
             if job.state not in FEEDABLE:
                 return False
             self._outstanding -= job.outstanding_items
+            self._unfed_jobs.discard(job.key)
             job.cancelled = True
             self._move(job, JobState.FINISHING)
             self._changed.notify_all()
@@ -167,15 +173,23 @@ class Ledger:
                 continue
             if job.state is JobState.ADMITTED:
                 self._move(job, JobState.RUNNING)
-            while job.results[job.fed] is not None:  # resumed from a checkpoint
-                job.fed += 1
-            index = job.fed
-            job.fed += 1
-            job.unfed -= 1
-            if job.unfed:
-                self._feeding.append(job)
-            return job, index
+            return job, self._feed_next(job)
         return None
+
+    def _feed_next(self, job: Job) -> int:
+        """The index of the job's next item, counted fed; the job back in turn if it has
+        more."""
+        while job.results[job.fed] is not None:  # resumed from a checkpoint
+            job.fed += 1
+        index = job.fed
+        job.fed += 1
+        job.unfed -= 1
+        if job.unfed:
+            self._feeding.append(job)
+        elif job.key in self._unfed_jobs:
+            self._unfed_jobs.discard(job.key)
+            self._changed.notify_all()  # the jobs lane may take one more
+        return index
 
     def _next_due_in_s(self) -> float | None:
         """How long until an item is due to be fed again (None: none is); one that is due
@@ -298,6 +312,7 @@ class Ledger:
             if was_feedable:
                 self._outstanding -= job.outstanding_items
             self._shards -= job.plan is not None
+            self._unfed_jobs.discard(job.key)
             if self._by_message.get(job.message.message_id) is job:
                 del self._by_message[job.message.message_id]
             self._changed.notify_all()
@@ -356,6 +371,12 @@ class Ledger:
         """How many unsettled jobs are shards of a planned job."""
         with self._changed:
             return self._shards
+
+    def seat_free(self) -> bool:
+        """Whether every unsettled job that is not a shard is fed whole (`Intake`'s jobs
+        lane takes one more while the pipeline is full, but not a second before)."""
+        with self._changed:
+            return not self._unfed_jobs
 
     def outstanding_items(self) -> int:
         """Items of unsettled jobs not yet back from the pipeline (fed or not)."""
