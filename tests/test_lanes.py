@@ -5,13 +5,18 @@ behind a giant one's shards."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+from structlog.testing import capture_logs
 
 from tests.support.in_process import job_file, run_while, sample_images, serving_settings
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.jobs.lanes import SHARDS_LANE, Lanes
+from worker.jobs.message import JobMessage
+from worker.jobs.plan import Plan, shard_body
 
 
 def test_each_message_is_settled_on_the_queue_it_came_from() -> None:
@@ -73,3 +78,28 @@ def test_a_small_job_sent_behind_a_giant_job_s_shards_ends_first(tmp_path: Path)
     assert [line["input"] for line in job_file(blobs, "giant", "results.jsonl")] == inputs
     assert job_file(blobs, "small", "job.json")["status"] == "succeeded"
     assert len(jobs) == 0 and not jobs.dead_letters and not shards.dead_letters
+
+
+def test_a_shard_on_the_jobs_queue_is_handed_back_with_a_delay(tmp_path: Path) -> None:
+    """A shard sent to the jobs queue (by a worker without the shards queue, during a
+    rollout), taken by a daemon full with a shard: handed back once, and not visible
+    again for a while, where the daemon took it again at once, round after round."""
+    jobs, shards, blobs = InMemoryJobSource(), InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 40)
+    giant = {"job_id": "giant", "inputs": inputs, "output": "s3://bkt/out/giant/"}
+    jobs.send(json.dumps({**giant, "shard_items": 10}))
+    daemon = Daemon(serving_settings(tmp_path), jobs, blobs, shard_source=shards)
+
+    def drive() -> None:
+        wait_until(lambda: any(uri.endswith(".started") for uri in list(blobs.objects)))
+        plan = Plan.model_validate_json(blobs.objects["s3://bkt/out/giant/plan.json"])
+        jobs.send(shard_body(JobMessage.model_validate(giant), plan, 3))
+        wait_until(lambda: len(jobs) == 1 and jobs.counts().visible == 0)
+        time.sleep(1)
+        daemon.stop()
+
+    with capture_logs() as logs:
+        assert run_while(daemon, drive) is ExitCode.SIGNALLED
+    spares = [e for e in logs if e["event"] == "job_released" and "another worker" in e["reason"]]
+    on_jobs_lane = [e for e in spares if e["retry_in_s"] > 0]
+    assert len(on_jobs_lane) == 1 and on_jobs_lane[0]["retry_in_s"] >= 10, spares

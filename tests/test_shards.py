@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 
 from tests.support.faults import png_bytes
 from tests.support.in_process import (
+    draining_settings,
     job_file,
     run_until_drained,
     run_while,
@@ -535,3 +536,32 @@ def test_a_shard_whose_message_is_gone_before_it_starts_gets_a_duplicate(tmp_pat
     assert (summary["status"], summary["shards"]["count"]) == ("succeeded", 2)
     assert [line["input"] for line in job_file(blobs, "gone", "results.jsonl")] == inputs
     assert len(source) == 0 and not source.dead_letters
+
+
+def test_every_shard_whose_message_is_gone_gets_a_duplicate_one_a_watch(tmp_path: Path) -> None:
+    """Two shards whose messages are gone, one of them duplicated already and its
+    duplicate gone too (the same crash before any run began): a watch still sends the
+    other once nothing of the job runs; it commits, and the job waits for the first."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 6)
+    _send(source, "probe", inputs[:1])  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    spec, plan = _planned(blobs, "gone2", inputs, job_file(blobs, "probe", "job.json")["model"])
+    duplicated = {"at": time.time()}
+    blobs.objects[str(shard_file(spec, plan.request_digest, 1, ".duplicated"))] = json.dumps(
+        duplicated
+    ).encode()
+    source.send(shard_body(spec, plan, 0))
+    # Of the probe's model; stopped here, as the job's watch comes back while it waits.
+    daemon = Daemon(draining_settings(tmp_path), source, blobs)
+    commit = str(shard_file(spec, plan.request_digest, 2, ".commit"))
+    with capture_logs() as logs:
+
+        def drive() -> None:
+            wait_until(lambda: commit in blobs.objects)
+            daemon.stop()
+
+        assert run_while(daemon, drive) is ExitCode.SIGNALLED
+    duplicates = [(e["shard"], e["why"]) for e in logs if e["event"] == "shard_duplicated"]
+    assert duplicates == [(2, "never started")]
+    assert "s3://bkt/out/gone2/job.json" not in blobs.objects

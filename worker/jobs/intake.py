@@ -62,6 +62,7 @@ DRAINED_READINGS = 2
 CLOCK_SKEW_S = 5.0
 WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
 SPARE_SHARD = "enough work is held here: another worker is to take this shard"
+SPARE_ON_JOBS_LANE_DELAY_S = 10
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
@@ -142,7 +143,7 @@ class Intake:
         a time while a shard is held (the queue holds a planned job's shards: one may be
         more work than the prefetch, and the rest of the fleet is to share them)."""
         settings = self._settings
-        if self._full():
+        if self._full() or len(self._ledger) >= settings.max_jobs:
             return 0
         if self._ledger.shards_held():
             return 1
@@ -173,14 +174,14 @@ class Intake:
         """Receive and admit from the jobs lane, or the one queue, until stopping (or
         drained, with `--drain`)."""
         if self._lanes is None:
-            self._serve(self._source.receive, self.room, drains=True, shards=True)
+            self._serve(self._source.receive, self.room, drains=True)
         else:
-            self._serve(self._lanes.receive, self.room_for_jobs, drains=True, shards=False)
+            self._serve(self._lanes.receive, self.room_for_jobs, drains=True)
 
     def run_shards_lane(self) -> None:
         """Receive and admit from the shards lane until stopping."""
         assert self._lanes is not None
-        self._serve(self._lanes.receive_shards, self.room, drains=False, shards=True)
+        self._serve(self._lanes.receive_shards, self.room, drains=False)
 
     def _serve(
         self,
@@ -188,11 +189,9 @@ class Intake:
         room: Callable[[], int],
         *,
         drains: bool,
-        shards: bool,
     ) -> None:
         """Receive up to `room()` messages at a time, whenever there is room; `drains`:
-        this loop decides that the daemon is drained; `shards`: what it receives may be
-        tar shards, one a receive."""
+        this loop decides that the daemon is drained."""
         # Admitting reads S3 (the output prefix, a manifest): the messages of a receive
         # are read side by side, not one round trip after another, then admitted in the
         # order they came.
@@ -215,8 +214,7 @@ class Intake:
                         self._stopping.wait(SHORT_POLL_PAUSE_S)
                     continue
                 self._drained_readings = 0
-                if shards:
-                    self._tar_shard_claimed = False
+                self._tar_shard_claimed = False
                 held = [job for message in messages if (job := self._hold(message))]
                 self._admit_all(held, list(reading.map(self._read, held)))
 
@@ -233,10 +231,18 @@ class Intake:
                 else:
                     self._admit(job, admission)
         for job in spare:  # not to hoard a planned job's shards
-            self._outcomes.hand_over(job, SPARE_SHARD, runs_may_overlap=True)
+            self._hand_back_spare(job)
         for job in held:
             if job.plan is not None and job.spec is not None and not job.settled:
                 self._shards.started(job.spec, job.plan)
+
+    def _hand_back_spare(self, job: Job) -> None:
+        """Hand back a shard this daemon is not to hold. One that came by the jobs lane
+        (sent there by a worker without the shards lane, during a rollout) waits a
+        while: this daemon, full, reads that lane on, and would take it again at once."""
+        on_jobs_lane = self._lanes is not None and not Lanes.of_shards(job.message)
+        delay_s = SPARE_ON_JOBS_LANE_DELAY_S if on_jobs_lane else 0
+        self._outcomes.hand_over(job, SPARE_SHARD, delay_s, runs_may_overlap=True)
 
     def _claim_tar_shard(self) -> bool:
         """Whether to copy a tar shard's tars and hold it: not while full of shards, and
@@ -282,7 +288,8 @@ class Intake:
         if self._ledger.adopt_redelivery(message):
             log.warning("job_redelivered_while_in_flight", message_id=message.message_id)
             return None
-        job = self._ledger.receive(message)
+        # A shard's message does not wait for a seat beside the shards held.
+        job = self._ledger.receive(message, seated=not Lanes.of_shards(message))
         if job is None:  # closed: nobody will renew its lease, so give it back now
             try:
                 self._source.release(message.receipt_handle)
@@ -445,7 +452,7 @@ class Intake:
                 self._announce(merged, job.message.message_id)
             return None
         if plan.tar is not None and not self._claim_tar_shard():
-            self._outcomes.hand_over(job, SPARE_SHARD, runs_may_overlap=True)
+            self._hand_back_spare(job)
             return None  # before its tars are copied
         span = plan.range(spec.shard.index)
         try:

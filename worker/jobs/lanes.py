@@ -89,6 +89,11 @@ class Lanes:
             jobs.delayed + shards.delayed,
         )
 
+    @staticmethod
+    def of_shards(message: ReceivedMessage) -> bool:
+        """Whether the message came from the shards lane."""
+        return message.receipt_handle.startswith(SHARDS_LANE)
+
     def _lane(self, receipt_handle: str) -> tuple[JobSource, str]:
         if receipt_handle.startswith(SHARDS_LANE):
             return self._shards, receipt_handle.removeprefix(SHARDS_LANE)

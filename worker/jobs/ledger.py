@@ -68,15 +68,18 @@ class Ledger:
 
     # Transitions -------------------------------------------------------------
 
-    def receive(self, message: ReceivedMessage) -> Job | None:
-        """Hold a message just received (RECEIVED); None once the ledger is closed."""
+    def receive(self, message: ReceivedMessage, *, seated: bool = True) -> Job | None:
+        """Hold a message just received (RECEIVED); None once the ledger is closed.
+        `seated`: until it is known to be a shard, it counts as a job not fed whole
+        (`seat_free`)."""
         with self._changed:
             if self._closed:
                 return None
             job = Job(f"{message.message_id}#{next(self._deliveries)}", message)
             self._jobs[job.key] = job
             self._by_message[message.message_id] = job
-            self._unfed_jobs.add(job.key)
+            if seated:
+                self._unfed_jobs.add(job.key)
             self._changed.notify_all()
             return job
 

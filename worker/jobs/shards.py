@@ -16,6 +16,7 @@ replaced by its shard's redelivery, which finds its marker written and merges.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -336,14 +337,20 @@ class Shards:
         return ArmedWatch(etag, float(due))
 
     def arm_watch(self, spec: JobMessage, plan: Plan, delay_s: int, expect: str) -> None:
-        """Send a watch of the job due `delay_s` from now, then name it in the marker,
-        on condition that the marker is as read (`expect`): `PreconditionFailed` if
-        another was armed meanwhile (the one sent here then finds itself superseded);
-        raises if S3 or SQS fail."""
-        self._source.send_many([watch_body(spec, plan)], plan.job_id, delay_s)
-        note = json.dumps({"due": time.time() + delay_s}).encode()
+        """Name a watch of the job due `delay_s` from now in the marker, on condition
+        that the marker is as read (`expect`), then send it: `PreconditionFailed` if
+        another was armed meanwhile; raises if S3 or SQS fail (a watch not sent is taken
+        out of the marker, so that the next commit or death arms one)."""
         marker = watch_file(spec, plan.request_digest)
+        # Due from before the send: the message is visible no sooner than the marker says.
+        note = json.dumps({"due": time.time() + delay_s}).encode()
         self._blobs.put(marker, note, "application/json", expect=expect)
+        try:
+            self._source.send_many([watch_body(spec, plan)], plan.job_id, delay_s)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self._blobs.delete([marker])
+            raise
 
     def report(self, job: Job) -> None:
         """Put this shard's count in the job's one progress.json, on condition that it is

@@ -140,9 +140,10 @@ class Stragglers:
         unsent = [shard for shard in waiting if shard not in duplicated]
         if unsent:
             planned_s = time.time() - plan.received_at
-            if len(unsent) == len(waiting) == len(alive) and planned_s > patience_s:
-                # Nothing of the job runs, yet a shard never started: its message is gone
-                # (dead-lettered by the queue's redrive policy before any run began).
+            if len(waiting) == len(alive) and planned_s > patience_s:
+                # Nothing of the job runs, yet shards never started: their messages are
+                # gone (dead-lettered by the queue's redrive policy before any run
+                # began). One a watch: a fleet merely busy loses little by it.
                 self._duplicate(spec, plan, unsent[0], "never started")
         else:
             lost = [shard for shard in duplicated if ages.get(shard, 0) > self._lost_after_s]
