@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from tests.support.in_process import run_until_drained, sample_images
-from worker import client
+from worker import cli, client
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import (
     CancelRefused,
@@ -21,6 +21,7 @@ from worker.client import (
     Job,
     JobNotFinished,
     Jobs,
+    JobStalled,
     JobStatus,
     Phase,
     UnreadableOutput,
@@ -118,6 +119,26 @@ def test_status_follows_progress_json_and_takes_no_other_job_s_files(
     _finished(blobs, b"", job_id="j0")
     assert job.status().phase is Phase.RUNNING
     assert Job(blobs, OUTPUT).status().phase is Phase.FINISHED  # no id: whatever is there
+
+
+def test_a_stalled_job_is_told_apart_and_enqueue_wait_says_why(
+    blobs: InMemoryBlobStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """progress.json's stall (a watch wrote it): the status says why, `wait` raises at
+    once rather than at its timeout, and `enqueue --wait` exits 1 with the reason; a
+    stall written for another job is not this one's."""
+    progress = {"job_id": "j1", "items": 9, "finished": 4, "failed": 0}
+    stall = {"shards": [2], "reason": "3 workers broke"}
+    _write(blobs, "progress.json", {**progress, "stalled": stall})
+    job = Job(blobs, OUTPUT, "j1")
+    assert job.status() == JobStatus(
+        Phase.STALLED, 9, 4, 0, stalled="shards [2] cannot run: 3 workers broke"
+    )
+    with pytest.raises(JobStalled, match="3 workers broke"):
+        job.wait(60, poll_s=0.01)
+    assert cli._wait(job, 60) == 1
+    assert "shards [2] cannot run: 3 workers broke" in capsys.readouterr().err
+    assert Job(blobs, OUTPUT, "j2").status().phase is Phase.QUEUED
 
 
 def test_wait_gives_up_at_its_timeout_naming_the_job_json_it_waited_for(

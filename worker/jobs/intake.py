@@ -161,6 +161,13 @@ class Intake:
             return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
         return 1 if self._ledger.seat_free() else 0
 
+    def room_for_a_shard(self) -> int:
+        """How many messages the shards lane may bring now: one, while there is room.
+        What it holds are shards and their watches: one is as much as a daemon is to
+        take of a planned job, where ten taken at once are nine handed back."""
+        settings = self._settings
+        return 0 if self._full() or len(self._ledger) >= settings.max_jobs else 1
+
     def _full(self) -> bool:
         """Whether enough work is waiting here for the next few batches."""
         return self._ledger.outstanding_items() >= self._prefetch_items
@@ -181,7 +188,7 @@ class Intake:
     def run_shards_lane(self) -> None:
         """Receive and admit from the shards lane until stopping."""
         assert self._lanes is not None
-        self._serve(self._lanes.receive_shards, self.room, drains=False)
+        self._serve(self._lanes.receive_shards, self.room_for_a_shard, drains=False)
 
     def _serve(
         self,
