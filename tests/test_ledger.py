@@ -20,7 +20,8 @@ from worker.engine.channel import Closed
 from worker.jobs.job import TRANSITIONS, Job, JobState, Result
 from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.ledger import IllegalTransition, Ledger
-from worker.jobs.message import parse_job_message
+from worker.jobs.message import TarMembers, parse_job_message
+from worker.jobs.plan import Plan
 from worker.ports import ReceivedMessage
 
 DONE = Result(b'{"label": "a"}\n', failed=False)
@@ -181,6 +182,49 @@ def test_the_feed_takes_jobs_in_turn(tmp_path: Path) -> None:
         (big.key, 1),
         (big.key, 2),
     ]
+
+
+def _shard(ledger: Ledger, number: int, items: int, log_dir: Path) -> Job:
+    """A held job that is a shard of a planned job of tars."""
+    job = ledger.receive(_message(number))
+    assert job is not None
+    job.plan = Plan(
+        job_id="planned",
+        request_digest="0123456789abcdef",
+        items=10,
+        shard_items=5,
+        model={},
+        params={},
+        received_at=0.0,
+        attempt=1,
+        tar=TarMembers(),
+    )
+    _admit(ledger, job, items, log_dir)
+    return job
+
+
+def test_shards_are_fed_one_after_another_and_other_jobs_in_turn(tmp_path: Path) -> None:
+    """A shard taken while another runs (a tar shard's, copied ahead) waits for the
+    first to be fed whole, while other jobs are fed in turn beside them; a shard settled
+    before it is fed whole gives the next its turn."""
+    ledger = Ledger()
+    first = _shard(ledger, 1, 2, tmp_path)
+    second = _shard(ledger, 2, 2, tmp_path)
+    other = _held(ledger, 3, 3, tmp_path)
+    assert (ledger.shards_held(), ledger.tar_shards_held()) == (2, 2)
+    fed = [ledger.next_item() for _ in range(5)]
+    assert [(job.key, index) for job, index in fed] == [
+        (first.key, 0),
+        (other.key, 0),
+        (first.key, 1),
+        (second.key, 0),
+        (other.key, 1),
+    ]
+    third = _shard(ledger, 4, 2, tmp_path)
+    ledger.release(second)
+    assert ledger.tar_shards_held() == 2
+    fed = [ledger.next_item() for _ in range(2)]
+    assert [(job.key, index) for job, index in fed] == [(other.key, 2), (third.key, 0)]
 
 
 def test_an_item_fed_again_comes_first_once_due(tmp_path: Path) -> None:

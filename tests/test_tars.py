@@ -8,6 +8,8 @@ import gzip
 import io
 import json
 import tarfile
+import time
+from collections.abc import Generator
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +30,8 @@ from worker.jobs.message import JobMessage, PoisonMessage, TarMembers
 from worker.jobs.tars import TarCopies
 from worker.plugins.identity import ModelIdentity
 from worker.ports import S3Location
+
+SLOW_MODEL = "tests.support.slow_model:tenth_of_a_second"
 
 MAX_TAR_BYTES = 4 * 2**20
 
@@ -245,6 +249,57 @@ def test_a_tar_job_runs_as_shards_of_tars_with_one_get_per_tar_and_a_result_per_
     assert errors["4.png"] == {"type": "ObjectTooLarge", "message": errors["4.png"]["message"]}
     assert "limit 50000" in errors["4.png"]["message"]
     assert all(row["label"] for row in rows if not row["error"])
+
+
+class SlowTars(InMemoryBlobStore):
+    """Reads a tar in `copy_s` (S3's bandwidth), noting when each copy began, and notes
+    when each commit marker is written."""
+
+    def __init__(self, copy_s: float) -> None:
+        super().__init__()
+        self.copy_s = copy_s
+        self.copied_at: dict[str, float] = {}
+        self.committed_at: dict[str, float] = {}
+
+    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+        if str(location).endswith(".tar"):
+            self.copied_at[str(location)] = time.monotonic()
+            time.sleep(self.copy_s)
+        yield from super().chunks(location, max_bytes)
+
+    def put(
+        self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
+    ) -> str:
+        if str(location).endswith(".commit"):
+            self.committed_at[str(location).rsplit("/", 1)[1]] = time.monotonic()
+        return super().put(location, data, content_type, expect=expect)
+
+
+def test_a_tar_shard_s_tars_are_copied_while_the_shard_before_it_runs(tmp_path: Path) -> None:
+    """Three tars a shard each, each copied in half a second, each shard a second of
+    work: a daemon running a tar shard takes the next one and copies its tars while the
+    first runs (and feeds it once the first is fed whole), so the device does not wait
+    for the copy. Before, the next shard was taken only as the first ended."""
+    blobs, source = SlowTars(copy_s=0.5), InMemoryJobSource()
+    images = sample_images(blobs, 10)
+    tars = []
+    for number in range(3):
+        tars.append(f"s3://bkt/tars/{number}.tar")
+        members = [(f"{n}.png", blobs.objects[uri]) for n, uri in enumerate(images)]
+        blobs.objects[tars[-1]] = tar_of(members)
+    job = Jobs(source, blobs).submit("s3://bkt/out/tars/", inputs=tars, tar=TarMembers())
+    run_until_drained(
+        source, blobs, tmp_path, shard_tars=1, batch_size=1, model=SLOW_MODEL, prefetch_batches=1
+    )
+    summary = job.wait(timeout_s=5)
+    assert (summary["items"], summary["failed"], summary["shards"]["count"]) == (30, 0, 3)
+    # The second tar's copy began well before the first shard's commit (its second of
+    # work less the copy's half), not as it ended.
+    assert blobs.copied_at[tars[1]] < blobs.committed_at["000000.commit"] - 0.3, (
+        blobs.copied_at,
+        blobs.committed_at,
+    )
+    assert {uri: blobs.reads[uri] for uri in tars} == dict.fromkeys(tars, 1)
 
 
 class RecordedPuts(InMemoryBlobStore):

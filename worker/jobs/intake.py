@@ -139,12 +139,16 @@ class Intake:
         self._prefetch_items = settings.prefetch_batches * first_batch
 
     def room(self) -> int:
-        """How many messages may be received now: 0 while enough work is waiting; one at
-        a time while a shard is held (the queue holds a planned job's shards: one may be
-        more work than the prefetch, and the rest of the fleet is to share them)."""
+        """How many messages may be received now: 0 while enough work is waiting (but
+        one while a lone tar shard runs, to copy the next one's tars, and every other job
+        held is fed whole); one at a time while a shard is held (the queue holds a
+        planned job's shards: one may be more work than the prefetch, and the rest of
+        the fleet is to share them)."""
         settings = self._settings
-        if self._full() or len(self._ledger) >= settings.max_jobs:
+        if len(self._ledger) >= settings.max_jobs:
             return 0
+        if self._full():
+            return 1 if self._copy_ahead() and self._ledger.seat_free() else 0
         if self._ledger.shards_held():
             return 1
         return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
@@ -165,8 +169,15 @@ class Intake:
         """How many messages the shards lane may bring now: one, while there is room.
         What it holds are shards and their watches: one is as much as a daemon is to
         take of a planned job, where ten taken at once are nine handed back."""
-        settings = self._settings
-        return 0 if self._full() or len(self._ledger) >= settings.max_jobs else 1
+        if len(self._ledger) >= self._settings.max_jobs:
+            return 0
+        return 0 if self._full() and not self._copy_ahead() else 1
+
+    def _copy_ahead(self) -> bool:
+        """Whether the one shard held is a tar shard: then the next is taken while it
+        runs, so that its tars are copied meanwhile, not while the device waits; it is
+        fed once the first is (`Ledger`'s turns of shards)."""
+        return self._ledger.shards_held() == 1 and self._ledger.tar_shards_held() == 1
 
     def _full(self) -> bool:
         """Whether enough work is waiting here for the next few batches."""
@@ -174,8 +185,8 @@ class Intake:
 
     def _full_of_shards(self) -> bool:
         """Whether a shard received now is more than this daemon is to hold: it holds one
-        already, with enough work waiting."""
-        return self._ledger.shards_held() > 0 and self._full()
+        already, with enough work waiting, and is not copying ahead."""
+        return self._ledger.shards_held() > 0 and self._full() and not self._copy_ahead()
 
     def run(self) -> None:
         """Receive and admit from the jobs lane, or the one queue, until stopping (or

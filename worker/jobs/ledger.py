@@ -57,6 +57,10 @@ class Ledger:
         self._inside: Counter[str] = Counter()
         self._suspects: set[Job] = set()  # feedable ones
         self._shards = 0  # unsettled jobs that are shards of a planned job
+        self._tar_shards = 0  # of which, shards of tars
+        # Shards with items to feed, in the order admitted: fed one after another (a tar
+        # shard taken while another runs, to copy its tars meanwhile, waits its turn).
+        self._shard_turns: deque[Job] = deque()
         # Unsettled jobs, other than shards, not fed whole yet (admitted or not).
         self._unfed_jobs: set[str] = set()
         self._apart: Job | None = None  # the suspect being fed, apart from the others
@@ -111,9 +115,12 @@ class Ledger:
             job.succeeded = job.resumed - job.failed
             job.cancelled = cancelled
             self._shards += job.plan is not None
+            self._tar_shards += job.plan is not None and job.plan.tar is not None
             job.unfed = 0 if cancelled else job.outstanding_items
             if job.plan is not None or not job.unfed:
                 self._unfed_jobs.discard(job.key)
+            if job.plan is not None and job.unfed:
+                self._shard_turns.append(job)
             if job.unfed:
                 self._outstanding += job.unfed
                 self._feeding.append(job)
@@ -130,6 +137,7 @@ class Ledger:
                 return False
             self._outstanding -= job.outstanding_items
             self._unfed_jobs.discard(job.key)
+            self._end_turn(job)
             job.cancelled = True
             self._move(job, JobState.FINISHING)
             self._changed.notify_all()
@@ -171,7 +179,7 @@ class Ledger:
             job = self._feeding.popleft()
             if job.state not in FEEDABLE:
                 continue  # released while it waited for its turn
-            if not self._may_feed(job):
+            if not self._may_feed(job) or not self._has_turn(job):
                 self._feeding.append(job)
                 continue
             if job.state is JobState.ADMITTED:
@@ -192,7 +200,19 @@ class Ledger:
         elif job.key in self._unfed_jobs:
             self._unfed_jobs.discard(job.key)
             self._changed.notify_all()  # the jobs lane may take one more
+        else:
+            self._end_turn(job)
         return index
+
+    def _has_turn(self, job: Job) -> bool:
+        """Whether the job may be fed now as far as the order of shards goes."""
+        return job.plan is None or not self._shard_turns or self._shard_turns[0] is job
+
+    def _end_turn(self, job: Job) -> None:
+        """The shard is fed whole, or settled: the next shard's turn."""
+        if job in self._shard_turns:
+            self._shard_turns.remove(job)
+            self._changed.notify_all()
 
     def _next_due_in_s(self) -> float | None:
         """How long until an item is due to be fed again (None: none is); one that is due
@@ -315,7 +335,9 @@ class Ledger:
             if was_feedable:
                 self._outstanding -= job.outstanding_items
             self._shards -= job.plan is not None
+            self._tar_shards -= job.plan is not None and job.plan.tar is not None
             self._unfed_jobs.discard(job.key)
+            self._end_turn(job)
             if self._by_message.get(job.message.message_id) is job:
                 del self._by_message[job.message.message_id]
             self._changed.notify_all()
@@ -374,6 +396,11 @@ class Ledger:
         """How many unsettled jobs are shards of a planned job."""
         with self._changed:
             return self._shards
+
+    def tar_shards_held(self) -> int:
+        """How many unsettled jobs are shards of a planned job of tars."""
+        with self._changed:
+            return self._tar_shards
 
     def seat_free(self) -> bool:
         """Whether every unsettled job that is not a shard is fed whole (`Intake`'s jobs
