@@ -184,9 +184,9 @@ def test_the_feed_takes_jobs_in_turn(tmp_path: Path) -> None:
     ]
 
 
-def _shard(ledger: Ledger, number: int, items: int, log_dir: Path) -> Job:
+def _shard(ledger: Ledger, number: int, items: int, log_dir: Path, broke_workers: int = 0) -> Job:
     """A held job that is a shard of a planned job of tars."""
-    job = ledger.receive(_message(number))
+    job = ledger.receive(dataclasses.replace(_message(number), broke_workers=broke_workers))
     assert job is not None
     job.plan = Plan(
         job_id="planned",
@@ -225,6 +225,19 @@ def test_shards_are_fed_one_after_another_and_other_jobs_in_turn(tmp_path: Path)
     assert ledger.tar_shards_held() == 2
     fed = [ledger.next_item() for _ in range(2)]
     assert [(job.key, index) for job, index in fed] == [(other.key, 2), (third.key, 0)]
+
+
+def test_a_suspect_shard_waiting_its_turn_is_fed_apart_all_the_same(tmp_path: Path) -> None:
+    """A shard taken while another runs, whose message broke a worker before (a
+    suspect): fed apart once the first shard's items are back, though it is not its turn
+    yet, where the turn and the suspect's apartness waited for each other for ever."""
+    ledger = Ledger()
+    first = _shard(ledger, 1, 2, tmp_path)
+    suspect = _shard(ledger, 2, 1, tmp_path, broke_workers=1)
+    fed: queue.Queue[tuple[Job, int]] = queue.Queue()
+    threading.Thread(target=lambda: fed.put(ledger.next_item()), daemon=True).start()
+    job, index = fed.get(timeout=5)
+    assert (job, index) == (suspect, 0) and first.fed == 0
 
 
 def test_an_item_fed_again_comes_first_once_due(tmp_path: Path) -> None:

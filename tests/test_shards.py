@@ -18,6 +18,7 @@ from tests.support.faults import png_bytes
 from tests.support.in_process import (
     draining_settings,
     job_file,
+    planned,
     run_until_drained,
     run_while,
     sample_images,
@@ -30,9 +31,8 @@ from worker.client import Job, JobStalled, Phase
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
 from worker.jobs.checkpoints import request_digest
-from worker.jobs.inputs import Input, shard_line
-from worker.jobs.message import JobMessage, parse_job_message
-from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_body, shard_file, watch_body
+from worker.jobs.message import JobMessage
+from worker.jobs.plan import Plan, shard_body, shard_file, watch_body
 from worker.jobs.results import FINISH_ATTEMPTS
 from worker.jobs.shards import Commit, RunFile
 from worker.plugins.identity import ModelIdentity
@@ -310,29 +310,6 @@ def test_a_commit_marker_written_before_parquet_results_still_reads() -> None:
         Commit.model_validate_json(json.dumps({**older, "results_bytes": -1}))
 
 
-def _planned(
-    blobs: InMemoryBlobStore, job_id: str, inputs: list[str], model: dict[str, Any]
-) -> tuple[JobMessage, Plan]:
-    """A plan of `inputs` in shards of two, for `model`, as a planner writes it."""
-    body = {"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/"}
-    spec = parse_job_message(json.dumps(body), frozenset())
-    plan = Plan(
-        job_id=job_id,
-        request_digest="0123456789abcdef",
-        items=len(inputs),
-        shard_items=2,
-        model=model,
-        params={},
-        received_at=time.time(),
-        attempt=1,
-    )
-    blobs.objects[f"s3://bkt/out/{job_id}/plan.json"] = plan.model_dump_json().encode()
-    for shard in range(plan.shards):
-        listed = b"".join(shard_line(Input(uri)) for uri in inputs[shard * 2 : shard * 2 + 2])
-        blobs.objects[str(shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX))] = listed
-    return spec, plan
-
-
 def test_a_shard_planned_for_another_model_is_left_for_a_worker_of_that_model(
     tmp_path: Path,
 ) -> None:
@@ -341,7 +318,7 @@ def test_a_shard_planned_for_another_model_is_left_for_a_worker_of_that_model(
     written."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     model = {"name": "next", "version": "2", "digest": "sha256:" + "0" * 64}
-    spec, plan = _planned(blobs, "rollout", sample_images(blobs, 4), model)
+    spec, plan = planned(blobs, "rollout", sample_images(blobs, 4), model)
     source.send(shard_body(spec, plan, 0))
     written = dict(blobs.objects)
     daemon = Daemon(serving_settings(tmp_path), source, blobs)
@@ -415,7 +392,7 @@ def test_a_shard_that_breaks_workers_is_dead_lettered_and_its_job_waits_for_it(
     _send(source, "probe", inputs[:1])  # for the worker's model identity
     run_until_drained(source, blobs, tmp_path)
     model = job_file(blobs, "probe", "job.json")["model"]
-    spec, plan = _planned(blobs, "breaks", inputs, model)
+    spec, plan = planned(blobs, "breaks", inputs, model)
     source.send(shard_body(spec, plan, 0))
     source.send(shard_body(spec, plan, 1), broke_workers=3, breakage="CUDA error: an illegal")
     with capture_logs() as logs:
@@ -469,7 +446,7 @@ def test_a_job_whose_last_shard_is_lost_stops_being_watched(tmp_path: Path) -> N
     inputs = sample_images(blobs, 4)
     _send(source, "probe", inputs[:1])  # for the worker's model identity
     run_until_drained(source, blobs, tmp_path)
-    spec, plan = _planned(blobs, "lost", inputs, job_file(blobs, "probe", "job.json")["model"])
+    spec, plan = planned(blobs, "lost", inputs, job_file(blobs, "probe", "job.json")["model"])
     long_ago = {"at": time.time() - 2 * SQS_MAX_VISIBILITY_TIMEOUT_S}  # the default lease ceiling
     blobs.objects[str(shard_file(spec, plan.request_digest, 1, ".started"))] = json.dumps(
         long_ago
@@ -492,7 +469,7 @@ def test_a_job_whose_shards_all_die_before_any_commit_says_it_stalled(tmp_path: 
     inputs = sample_images(blobs, 4)
     _send(source, "probe", inputs[:1])  # for the worker's model identity
     run_until_drained(source, blobs, tmp_path)
-    spec, plan = _planned(blobs, "doomed", inputs, job_file(blobs, "probe", "job.json")["model"])
+    spec, plan = planned(blobs, "doomed", inputs, job_file(blobs, "probe", "job.json")["model"])
     for shard in range(plan.shards):
         source.send(shard_body(spec, plan, shard), broke_workers=3, breakage="CUDA error")
     with capture_logs() as logs:
@@ -521,7 +498,7 @@ def test_a_shard_whose_message_is_gone_before_it_starts_gets_a_duplicate(tmp_pat
     inputs = sample_images(blobs, 4)
     _send(source, "probe", inputs[:1])  # for the worker's model identity
     run_until_drained(source, blobs, tmp_path)
-    spec, plan = _planned(blobs, "gone", inputs, job_file(blobs, "probe", "job.json")["model"])
+    spec, plan = planned(blobs, "gone", inputs, job_file(blobs, "probe", "job.json")["model"])
     marker = f"s3://bkt/out/gone/shards/{plan.request_digest}/watch"
     blobs.objects[marker] = json.dumps({"due": time.time() + 900}).encode()
     source.send(watch_body(spec, plan))  # due now, so superseded
@@ -546,7 +523,7 @@ def test_every_shard_whose_message_is_gone_gets_a_duplicate_one_a_watch(tmp_path
     inputs = sample_images(blobs, 6)
     _send(source, "probe", inputs[:1])  # for the worker's model identity
     run_until_drained(source, blobs, tmp_path)
-    spec, plan = _planned(blobs, "gone2", inputs, job_file(blobs, "probe", "job.json")["model"])
+    spec, plan = planned(blobs, "gone2", inputs, job_file(blobs, "probe", "job.json")["model"])
     duplicated = {"at": time.time()}
     blobs.objects[str(shard_file(spec, plan.request_digest, 1, ".duplicated"))] = json.dumps(
         duplicated

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -122,3 +125,19 @@ def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
     breakages.note("and again")
     assert breakages.too_many()
     assert not Breakages(tmp_path, limit=0, window_s=60, clock=lambda: now[0]).too_many()
+
+
+def test_a_daemon_stopped_while_its_modules_import_exits_0() -> None:
+    """SIGTERM a moment after `python -m worker run` starts (its imports take seconds,
+    torch's among them): it holds nothing yet, and exits 0, not killed by the signal (as
+    an orchestrator stopping a task that is still starting would see it)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.3)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-2000:]

@@ -11,22 +11,33 @@ import tarfile
 import time
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
+from structlog.testing import capture_logs
 
 from bench.harness import HOST_JOB_SIZE, tar_of
 from bench.run import tar_shards
 from stages.synthetic import samples
-from tests.support.in_process import run_until_drained, sample_images
+from tests.support.in_process import (
+    draining_settings,
+    planned,
+    run_until_drained,
+    run_while,
+    sample_images,
+)
+from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Jobs
+from worker.daemon import Daemon
 from worker.daemon.stages import fetcher
 from worker.errors import ObjectTooLarge
 from worker.jobs.checkpoints import Checkpoints, request_digest
 from worker.jobs.job import Place
 from worker.jobs.ledger import Ledger
 from worker.jobs.message import JobMessage, PoisonMessage, TarMembers
+from worker.jobs.plan import shard_body
 from worker.jobs.tars import TarCopies
 from worker.plugins.identity import ModelIdentity
 from worker.ports import S3Location
@@ -300,6 +311,40 @@ def test_a_tar_shard_s_tars_are_copied_while_the_shard_before_it_runs(tmp_path: 
         blobs.committed_at,
     )
     assert {uri: blobs.reads[uri] for uri in tars} == dict.fromkeys(tars, 1)
+
+
+def test_a_shard_not_of_tars_is_not_kept_in_the_room_for_copying_ahead(tmp_path: Path) -> None:
+    """A daemon running a lone tar shard keeps room for the next shard, to copy its tars;
+    a shard of another job, not of tars, taken through that room is handed back (with a
+    delay: the daemon would take it again at once), not held waiting its turn."""
+    blobs, source = InMemoryBlobStore(), InMemoryJobSource()
+    images = sample_images(blobs, 10)
+    tars = [f"s3://bkt/tars/{number}.tar" for number in range(2)]
+    for uri in tars:
+        blobs.objects[uri] = tar_of([(f"{n}.png", blobs.objects[i]) for n, i in enumerate(images)])
+    settings = draining_settings(tmp_path, model=SLOW_MODEL, batch_size=1, prefetch_batches=1)
+    source.send(json.dumps({"inputs": images[:1], "output": "s3://bkt/out/probe/"}))
+    Daemon(settings, source, blobs).run()  # for the worker's model identity
+    model = json.loads(blobs.objects["s3://bkt/out/probe/job.json"])["model"]
+    spec, plan = planned(blobs, "objects", images, model)
+    # A tar job's first shard only (the other's message is elsewhere): the room stays.
+    tar_spec, tar_plan = planned(blobs, "tars", tars, model, tar=TarMembers())
+    source.send(shard_body(tar_spec, tar_plan, 0))
+    daemon = Daemon(settings, source, blobs)
+
+    def drive() -> None:
+        wait_until(lambda: any(uri.endswith(".started") for uri in list(blobs.objects)))
+        source.send(shard_body(spec, plan, 0))
+        wait_until(spares)
+        daemon.stop()
+
+    def spares() -> list[dict[str, Any]]:
+        """Shards handed back unread."""
+        return [e for e in logs if e["event"] == "job_released" and "another" in e["reason"]]
+
+    with capture_logs() as logs:
+        run_while(daemon, drive)
+    assert spares()[0]["retry_in_s"] >= 10, spares()
 
 
 class RecordedPuts(InMemoryBlobStore):

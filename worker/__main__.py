@@ -1,3 +1,19 @@
-from worker.cli import main
+"""`python -m worker`, as the image runs it. A stop signal while the command line's
+modules import (seconds: torch, pyarrow, boto3) ends a daemon cleanly, exit 0, as one
+during the rest of its start-up does (`worker.cli.main`): it holds nothing yet."""
+
+import signal
+import sys
+
+
+def _stopped_while_importing(_signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
+if sys.argv[1:2] == ["run"]:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _stopped_while_importing)
+
+from worker.cli import main  # noqa: E402 (after the handlers: this import is the long part)
 
 main()

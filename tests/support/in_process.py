@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ from typing import Any
 from stages.synthetic import samples
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
+from worker.jobs.inputs import Input, shard_line
+from worker.jobs.message import JobMessage, TarMembers, parse_job_message
+from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_file
 from worker.settings import Settings
 
 
@@ -94,3 +98,33 @@ def run_while(daemon: Daemon, drive: Callable[[], None]) -> ExitCode:
     if failures:
         raise failures[0]
     return reason
+
+
+def planned(
+    blobs: InMemoryBlobStore,
+    job_id: str,
+    inputs: list[str],
+    model: dict[str, Any],
+    tar: TarMembers | None = None,
+) -> tuple[JobMessage, Plan]:
+    """A plan of `inputs` in shards of two (of one, with `tar`: the inputs are tars), for
+    `model`, as a planner writes it."""
+    body = {"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/"}
+    spec = parse_job_message(json.dumps(body), frozenset())
+    per_shard = 1 if tar else 2
+    plan = Plan(
+        job_id=job_id,
+        request_digest="0123456789abcdef",
+        items=len(inputs),
+        shard_items=per_shard,
+        model=model,
+        params={},
+        received_at=time.time(),
+        attempt=1,
+        tar=tar,
+    )
+    blobs.objects[f"s3://bkt/out/{job_id}/plan.json"] = plan.model_dump_json().encode()
+    for shard in range(plan.shards):
+        listed = b"".join(shard_line(Input(inputs[index])) for index in plan.range(shard))
+        blobs.objects[str(shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX))] = listed
+    return spec, plan

@@ -62,7 +62,7 @@ DRAINED_READINGS = 2
 CLOCK_SKEW_S = 5.0
 WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
 SPARE_SHARD = "enough work is held here: another worker is to take this shard"
-SPARE_ON_JOBS_LANE_DELAY_S = 10
+SPARE_WHILE_FULL_DELAY_S = 10
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
@@ -183,10 +183,12 @@ class Intake:
         """Whether enough work is waiting here for the next few batches."""
         return self._ledger.outstanding_items() >= self._prefetch_items
 
-    def _full_of_shards(self) -> bool:
-        """Whether a shard received now is more than this daemon is to hold: it holds one
-        already, with enough work waiting, and is not copying ahead."""
-        return self._ledger.shards_held() > 0 and self._full() and not self._copy_ahead()
+    def _full_of_shards(self, *, tar: bool) -> bool:
+        """Whether a shard received now (of tars, `tar`) is more than this daemon is to
+        hold: it holds one already, with enough work waiting, and it is not a tar shard
+        to copy ahead."""
+        copying_ahead = tar and self._copy_ahead()
+        return self._ledger.shards_held() > 0 and self._full() and not copying_ahead
 
     def run(self) -> None:
         """Receive and admit from the jobs lane, or the one queue, until stopping (or
@@ -238,28 +240,28 @@ class Intake:
 
     def _admit_all(self, held: list[Job], admissions: list[_Admission | None]) -> None:
         """Admit what a receive brought, in the order it came, all at once; hand back the
-        shards this daemon is not to hold, and note the start of those it runs."""
+        shards this daemon is not to hold."""
         spare = []
         with self._ledger.all_at_once():
             for job, admission in zip(held, admissions, strict=True):
                 if admission is None:
                     continue
-                if admission.plan is not None and self._full_of_shards():
+                plan = admission.plan
+                if plan is not None and self._full_of_shards(tar=plan.tar is not None):
                     spare.append(job)
                 else:
                     self._admit(job, admission)
         for job in spare:  # not to hoard a planned job's shards
             self._hand_back_spare(job)
-        for job in held:
-            if job.plan is not None and job.spec is not None and not job.settled:
-                self._shards.started(job.spec, job.plan)
 
     def _hand_back_spare(self, job: Job) -> None:
-        """Hand back a shard this daemon is not to hold. One that came by the jobs lane
-        (sent there by a worker without the shards lane, during a rollout) waits a
-        while: this daemon, full, reads that lane on, and would take it again at once."""
+        """Hand back a shard this daemon is not to hold. One taken while this daemon,
+        full, reads on (the jobs lane, where a worker without the shards lane sent it
+        during a rollout; or the room kept to copy a tar shard ahead) waits a while: it
+        would be taken again here at once."""
         on_jobs_lane = self._lanes is not None and not Lanes.of_shards(job.message)
-        delay_s = SPARE_ON_JOBS_LANE_DELAY_S if on_jobs_lane else 0
+        reads_on = on_jobs_lane or (self._full() and self._copy_ahead())
+        delay_s = SPARE_WHILE_FULL_DELAY_S if reads_on else 0
         self._outcomes.hand_over(job, SPARE_SHARD, delay_s, runs_may_overlap=True)
 
     def _claim_tar_shard(self) -> bool:
@@ -267,7 +269,7 @@ class Intake:
         one a receive at most (its members, how much work it is, are known only once its
         tars are copied); the others are handed back unread."""
         with self._claim_lock:
-            if self._tar_shard_claimed or self._full_of_shards():
+            if self._tar_shard_claimed or self._full_of_shards(tar=True):
                 return False
             self._tar_shard_claimed = True
             return True
@@ -581,14 +583,19 @@ class Feeder:
     """Feeds held jobs' items into the pipeline in the ledger's round-robin order; the
     one loop that waits on the pipeline."""
 
-    def __init__(self, ledger: Ledger, pipeline: Pipeline):
+    def __init__(self, ledger: Ledger, pipeline: Pipeline, shards: Shards):
         self._ledger = ledger
         self._pipeline = pipeline
+        self._shards = shards
 
     def run(self) -> None:
         while True:
             job, index = self._ledger.next_item()
             assert job.spec is not None
+            if job.started_at is None:
+                job.started_at = time.time()
+                if job.plan is not None:  # its run begins now, not when it was copied
+                    self._shards.started(job.spec, job.plan)
             # The params go with it to the model's process, which postprocesses (WithParams).
             # A shard is background work: the jobs users wait for go first.
             value = (job.source(index), job.spec.params)

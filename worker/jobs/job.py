@@ -140,6 +140,7 @@ class Job:
     state: JobState = JobState.RECEIVED
     receipt_handle: str = ""
     received_at: float = field(default_factory=time.time)
+    started_at: float | None = None  # when its first item was fed
     lease_lost: bool = False
     # Known once admitted:
     job_id: str = ""

@@ -205,8 +205,11 @@ class Ledger:
         return index
 
     def _has_turn(self, job: Job) -> bool:
-        """Whether the job may be fed now as far as the order of shards goes."""
-        return job.plan is None or not self._shard_turns or self._shard_turns[0] is job
+        """Whether the job may be fed now as far as the order of shards goes (a suspect
+        fed apart may: the others wait for it)."""
+        if job.plan is None or job is self._apart or not self._shard_turns:
+            return True
+        return self._shard_turns[0] is job
 
     def _end_turn(self, job: Job) -> None:
         """The shard is fed whole, or settled: the next shard's turn."""

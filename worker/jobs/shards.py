@@ -110,7 +110,7 @@ class Commit(BaseModel):
     resumed: int = Field(ge=0)
     attempt: int = Field(ge=1)
     device_s: float = Field(ge=0)
-    seconds: float = Field(ge=0)  # from the run's receive to its commit
+    seconds: float = Field(ge=0)  # from the run's first item fed to its commit
     items: int | None = Field(default=None, ge=0)  # a tar job's: the members of its tars
 
     @model_validator(mode="before")
@@ -251,7 +251,7 @@ class Shards:
             resumed=summary["resumed"],
             attempt=job.attempt,
             device_s=job.device_s,
-            seconds=time.time() - job.received_at,
+            seconds=time.time() - (job.started_at or job.received_at),
             items=len(job.inputs) if plan.tar else None,
         )
         marker = shard_file(spec, digest, index, COMMIT_SUFFIX)
