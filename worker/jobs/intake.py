@@ -129,6 +129,7 @@ class Intake:
         self._drained_readings = 0
         self._claim_lock = threading.Lock()  # the admissions of a receive run side by side
         self._tar_shard_claimed = False  # by an admission of this receive
+        self._copy_ahead_after = 0.0  # `time.monotonic()`: no copying ahead before
         # Two progress intervals: a running delivery of a replaced message has seen the
         # mark and stopped by then (`_handed_over`).
         self._defer_s = min(
@@ -176,7 +177,10 @@ class Intake:
     def _copy_ahead(self) -> bool:
         """Whether the one shard held is a tar shard: then the next is taken while it
         runs, so that its tars are copied meanwhile, not while the device waits; it is
-        fed once the first is (`Ledger`'s turns of shards)."""
+        fed once the first is (`Ledger`'s turns of shards). Not for a while after the
+        next was not of tars: the queue may hold many such, each handed back."""
+        if time.monotonic() < self._copy_ahead_after:
+            return False
         return self._ledger.shards_held() == 1 and self._ledger.tar_shards_held() == 1
 
     def _full(self) -> bool:
@@ -260,8 +264,10 @@ class Intake:
         during a rollout; or the room kept to copy a tar shard ahead) waits a while: it
         would be taken again here at once."""
         on_jobs_lane = self._lanes is not None and not Lanes.of_shards(job.message)
-        reads_on = on_jobs_lane or (self._full() and self._copy_ahead())
-        delay_s = SPARE_WHILE_FULL_DELAY_S if reads_on else 0
+        copying_ahead = self._full() and self._copy_ahead()
+        if copying_ahead:
+            self._copy_ahead_after = time.monotonic() + SPARE_WHILE_FULL_DELAY_S
+        delay_s = SPARE_WHILE_FULL_DELAY_S if on_jobs_lane or copying_ahead else 0
         self._outcomes.hand_over(job, SPARE_SHARD, delay_s, runs_may_overlap=True)
 
     def _claim_tar_shard(self) -> bool:
