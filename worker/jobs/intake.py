@@ -257,6 +257,9 @@ class Intake:
                     self._admit(job, admission)
         for job in spare:  # not to hoard a planned job's shards
             self._hand_back_spare(job)
+        for job in held:
+            if job.plan is not None and job.spec is not None and not job.settled:
+                self._shards.held(job.spec, job.plan)
 
     def _hand_back_spare(self, job: Job) -> None:
         """Hand back a shard this daemon is not to hold. One taken while this daemon,
@@ -593,6 +596,8 @@ class Feeder:
         self._ledger = ledger
         self._pipeline = pipeline
         self._shards = shards
+        # A shard's start is noted in S3 beside the feed, which a slow S3 must not stop.
+        self._notes = ThreadPoolExecutor(1, "start-notes")
 
     def run(self) -> None:
         while True:
@@ -601,7 +606,7 @@ class Feeder:
             if job.started_at is None:
                 job.started_at = time.time()
                 if job.plan is not None:  # its run begins now, not when it was copied
-                    self._shards.started(job.spec, job.plan)
+                    self._notes.submit(self._shards.started, job.spec, job.plan)
             # The params go with it to the model's process, which postprocesses (WithParams).
             # A shard is background work: the jobs users wait for go first.
             value = (job.source(index), job.spec.params)

@@ -279,16 +279,27 @@ class Shards:
             self.watch(spec, plan, watch_delay_s(commit.seconds))
         return None
 
+    def held(self, spec: JobMessage, plan: Plan) -> None:
+        """Note that a run holds the shard, admitted, its first item not fed yet (it may
+        wait for the shard before it: a watch does not take it for never started, and
+        gives it a shard's time more before it is a straggler), and that the shard is
+        alive again if it was dead-lettered (redriven). Never raises."""
+        self._note_run(spec, plan, {"at": time.time(), "held": True})
+
     def started(self, spec: JobMessage, plan: Plan) -> None:
-        """Note when this run of the shard began (a watch compares it with the others'),
-        and that the shard is alive again if it was dead-lettered (redriven)."""
+        """Note when this run of the shard began, its first item fed (a watch compares it
+        with the others'). Never raises: without it, the shard is not watched for
+        straggling."""
+        self._note_run(spec, plan, {"at": time.time()})
+
+    def _note_run(self, spec: JobMessage, plan: Plan, note: dict[str, Any]) -> None:
         assert spec.shard is not None
         started = shard_file(spec, plan.request_digest, spec.shard.index, STARTED_SUFFIX)
         dead = shard_file(spec, plan.request_digest, spec.shard.index, DEAD_SUFFIX)
         try:
-            self._blobs.put(started, json.dumps({"at": time.time()}).encode(), "application/json")
+            self._blobs.put(started, json.dumps(note).encode(), "application/json")
             self._blobs.delete([dead])
-        except Exception as error:  # without it, the shard is not watched for straggling
+        except Exception as error:
             log.warning("shard_start_not_noted", job_id=plan.job_id, error=repr(error))
 
     def dead_lettered(self, spec: JobMessage, plan: Plan, reason: str) -> None:

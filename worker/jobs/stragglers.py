@@ -128,13 +128,16 @@ class Stragglers:
         # How long a shard may take before it is taken for stuck: before any commit there
         # is nothing to compare with, but a run's longest.
         patience_s = STRAGGLER_FACTOR * shard_s if shard_s is not None else self._lost_after_s
-        ages = self._ages(spec, plan, [s for s in alive if has(s, STARTED_SUFFIX)], STARTED_SUFFIX)
+        runs = self._notes(spec, plan, [s for s in alive if has(s, STARTED_SUFFIX)], STARTED_SUFFIX)
+        ages = {shard: age for shard, (age, _) in runs.items()}
+        # A run holding a shard, not feeding it yet, waits for about one shard before it.
+        held = {shard for shard, (_, holding) in runs.items() if holding}
         waiting = [shard for shard in alive if shard not in ages]
         duplicated = [shard for shard in alive if has(shard, DUPLICATED_SUFFIX)]
         # A duplicate's age counts from when it was sent, if no run of it began since.
         ages |= {
             shard: age
-            for shard, age in self._ages(spec, plan, duplicated, DUPLICATED_SUFFIX).items()
+            for shard, (age, _) in self._notes(spec, plan, duplicated, DUPLICATED_SUFFIX).items()
             if age < ages.get(shard, age + 1)
         }
         unsent = [shard for shard in waiting if shard not in duplicated]
@@ -156,7 +159,8 @@ class Stragglers:
                 self._outcomes.ack(job)
                 return
             for shard, age in ages.items():
-                if age > patience_s and shard not in duplicated:
+                waited_s = (shard_s or 0.0) if shard in held else 0.0
+                if age > patience_s + waited_s and shard not in duplicated:
                     self._duplicate(spec, plan, shard, f"running {age:.0f} s")
         delay_s = watch_delay_s(shard_s) if shard_s is not None else UNTIMED_WATCH_S
         with contextlib.suppress(PreconditionFailed):  # another was armed meanwhile
@@ -182,23 +186,25 @@ class Stragglers:
             return None  # removed meanwhile (redriven), or not what a worker writes
         return reason if isinstance(reason, str) else None
 
-    def _ages(
+    def _notes(
         self, spec: JobMessage, plan: Plan, shards: list[int], suffix: str
-    ) -> dict[int, float]:
+    ) -> dict[int, tuple[float, bool]]:
         """How long ago each of `shards` was last noted with `suffix` (its latest run
-        began, or a duplicate was sent), where the note says when."""
+        began or took the shard, or a duplicate was sent), where the note says when; and
+        whether a run holds it without feeding it yet (`Shards.held`)."""
 
-        def since(shard: int) -> float | None:
+        def note(shard: int) -> tuple[float, bool] | None:
             marker = shard_file(spec, plan.request_digest, shard, suffix)
             try:
-                return time.time() - float(json.loads(self._blobs.get(marker))["at"])
+                fields = json.loads(self._blobs.get(marker))
+                return time.time() - float(fields["at"]), fields.get("held") is True
             except MissingObject:
                 return None  # committed and removed meanwhile
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 return None  # not what a worker writes (or before duplicates said when)
 
-        noted = each_at_once(since, shards)
-        return {shard: age for shard, age in zip(shards, noted, strict=True) if age is not None}
+        noted = each_at_once(note, shards)
+        return {shard: value for shard, value in zip(shards, noted, strict=True) if value}
 
     def _duplicate(self, spec: JobMessage, plan: Plan, shard: int, why: str) -> None:
         digest = plan.request_digest
