@@ -3,7 +3,7 @@
 The engine is generic (it moves items through stages and knows nothing of jobs, AWS or
 plug-ins); the adapters are thin (they make the ports real and know nothing of jobs,
 the daemon or pipelines); the plug-ins' contract rests on the engine alone. The job
-loops and the daemon sit on top; the command line (`cli`, `demo`, `__main__`) wires the
+loops and the daemon sit on top; the command line (`cli`, `demo`, `entry`, `__main__`) wires the
 adapters in and may import anything.
 """
 
@@ -29,7 +29,7 @@ MAY_IMPORT = {
     # A producer's side of the jobs' contract (the message, the outputs), over AWS.
     "client": {"adapters", "jobs", *KERNEL},
 }
-EDGE = {"cli", "demo", "__main__", "__init__"}  # the application: wires everything
+EDGE = {"cli", "demo", "entry", "__main__", "__init__"}  # the application: wires everything
 
 
 def _part(module: str) -> str:

@@ -1,20 +1,3 @@
-"""`python -m worker`, as the image runs it. A stop signal while the command line's
-modules import (seconds: torch, pyarrow, boto3) ends a daemon cleanly, exit 0, as one
-during the rest of its start-up does (`worker.cli.main`): it holds nothing yet."""
-
-import os
-import signal
-import sys
-
-
-def _stopped_while_importing(_signum: int, _frame: object) -> None:
-    os._exit(0)  # nothing to clean up, and no import's `except` may swallow the stop
-
-
-if sys.argv[1:2] == ["run"]:
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, _stopped_while_importing)
-
-from worker.cli import main  # noqa: E402 (after the handlers: this import is the long part)
+from worker.entry import main
 
 main()
