@@ -231,7 +231,7 @@ class Daemon:
         self._units: dict[str, Callable[[], object]] = {
             "intake": intake.run,
             **({"shards-intake": intake.run_shards_lane} if lanes else {}),
-            "feeder": Feeder(ledger, self._pipeline, shards).run,
+            "feeder": Feeder(ledger, self._pipeline).run,
             "regrouper": Regrouper(
                 self._pipeline,
                 lifecycle,

@@ -140,39 +140,35 @@ class Intake:
         self._prefetch_items = settings.prefetch_batches * first_batch
 
     def room(self) -> int:
-        """How many messages may be received now: 0 while enough work is waiting (but
+        """How many messages may be received now: none while enough work is waiting (but
         one while a lone tar shard runs, to copy the next one's tars, and every other job
         held is fed whole); one at a time while a shard is held (the queue holds a
         planned job's shards: one may be more work than the prefetch, and the rest of
         the fleet is to share them)."""
-        settings = self._settings
-        if len(self._ledger) >= settings.max_jobs:
-            return 0
         if self._full():
-            return 1 if self._copy_ahead() and self._ledger.seat_free() else 0
-        if self._ledger.shards_held():
-            return 1
-        return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
+            return self._one_if(self._copy_ahead() and self._ledger.seat_free())
+        return self._one_if(True) if self._ledger.shards_held() else self._free()
 
     def room_for_jobs(self) -> int:
         """How many messages the jobs lane may bring now, beside a lane of shards: as
         many as there is room for; and while enough work is waiting, one at a time, when
         every job held that is not a shard is fed whole (the rest waits for daemons with
         room, while a small job is not stuck behind the shards held here)."""
-        settings = self._settings
-        if len(self._ledger) >= settings.max_jobs:
-            return 0
-        if not self._full():
-            return min(settings.receive_batch, settings.max_jobs - len(self._ledger))
-        return 1 if self._ledger.seat_free() else 0
+        return self._one_if(self._ledger.seat_free()) if self._full() else self._free()
 
     def room_for_a_shard(self) -> int:
         """How many messages the shards lane may bring now: one, while there is room.
         What it holds are shards and their watches: one is as much as a daemon is to
         take of a planned job, where ten taken at once are nine handed back."""
-        if len(self._ledger) >= self._settings.max_jobs:
-            return 0
-        return 0 if self._full() and not self._copy_ahead() else 1
+        return self._one_if(not self._full() or self._copy_ahead())
+
+    def _free(self) -> int:
+        """As many messages as one receive brings, within `--max-jobs` held."""
+        settings = self._settings
+        return max(0, min(settings.receive_batch, settings.max_jobs - len(self._ledger)))
+
+    def _one_if(self, allowed: bool) -> int:
+        return min(1, self._free()) if allowed else 0
 
     def _copy_ahead(self) -> bool:
         """Whether the one shard held is a tar shard: then the next is taken while it
@@ -259,7 +255,7 @@ class Intake:
             self._hand_back_spare(job)
         for job in held:
             if job.plan is not None and job.spec is not None and not job.settled:
-                self._shards.held(job.spec, job.plan)
+                self._shards.started(job.spec, job.plan, held=self._ledger.waits_turn(job))
 
     def _hand_back_spare(self, job: Job) -> None:
         """Hand back a shard this daemon is not to hold. One taken while this daemon,
@@ -592,21 +588,16 @@ class Feeder:
     """Feeds held jobs' items into the pipeline in the ledger's round-robin order; the
     one loop that waits on the pipeline."""
 
-    def __init__(self, ledger: Ledger, pipeline: Pipeline, shards: Shards):
+    def __init__(self, ledger: Ledger, pipeline: Pipeline):
         self._ledger = ledger
         self._pipeline = pipeline
-        self._shards = shards
-        # A shard's start is noted in S3 beside the feed, which a slow S3 must not stop.
-        self._notes = ThreadPoolExecutor(1, "start-notes")
 
     def run(self) -> None:
         while True:
             job, index = self._ledger.next_item()
             assert job.spec is not None
-            if job.started_at is None:
+            if job.started_at is None:  # its run's time counts from now (`Commit.seconds`)
                 job.started_at = time.time()
-                if job.plan is not None:  # its run begins now, not when it was copied
-                    self._notes.submit(self._shards.started, job.spec, job.plan)
             # The params go with it to the model's process, which postprocesses (WithParams).
             # A shard is background work: the jobs users wait for go first.
             value = (job.source(index), job.spec.params)

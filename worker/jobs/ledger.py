@@ -400,6 +400,11 @@ class Ledger:
         with self._changed:
             return self._shards
 
+    def waits_turn(self, job: Job) -> bool:
+        """Whether the shard waits for another held here to be fed whole first."""
+        with self._changed:
+            return job in self._shard_turns and self._shard_turns[0] is not job
+
     def tar_shards_held(self) -> int:
         """How many unsettled jobs are shards of a planned job of tars."""
         with self._changed:

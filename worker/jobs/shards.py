@@ -279,23 +279,16 @@ class Shards:
             self.watch(spec, plan, watch_delay_s(commit.seconds))
         return None
 
-    def held(self, spec: JobMessage, plan: Plan) -> None:
-        """Note that a run holds the shard, admitted, its first item not fed yet (it may
-        wait for the shard before it: a watch does not take it for never started, and
-        gives it a shard's time more before it is a straggler), and that the shard is
-        alive again if it was dead-lettered (redriven). Never raises."""
-        self._note_run(spec, plan, {"at": time.time(), "held": True})
-
-    def started(self, spec: JobMessage, plan: Plan) -> None:
-        """Note when this run of the shard began, its first item fed (a watch compares it
-        with the others'). Never raises: without it, the shard is not watched for
-        straggling."""
-        self._note_run(spec, plan, {"at": time.time()})
-
-    def _note_run(self, spec: JobMessage, plan: Plan, note: dict[str, Any]) -> None:
+    def started(self, spec: JobMessage, plan: Plan, *, held: bool) -> None:
+        """Note when this run of the shard began, as admitted (a watch compares it with
+        the others'); `held`: it waits for a shard before it on this worker (whose tars
+        it was copied beside), and the watch gives it a shard's time more before it is a
+        straggler. And the shard is alive again if it was dead-lettered (redriven).
+        Never raises: without it, the shard is not watched for straggling."""
         assert spec.shard is not None
         started = shard_file(spec, plan.request_digest, spec.shard.index, STARTED_SUFFIX)
         dead = shard_file(spec, plan.request_digest, spec.shard.index, DEAD_SUFFIX)
+        note = {"at": time.time(), "held": held}
         try:
             self._blobs.put(started, json.dumps(note).encode(), "application/json")
             self._blobs.delete([dead])
@@ -323,7 +316,8 @@ class Shards:
         (`worker.jobs.stragglers`), unless a watch is due no later; never raises (without
         one, a straggler only holds the job's end back)."""
         try:
-            armed = self.armed_watch(spec, plan)
+            marker = watch_file(spec, plan.request_digest)
+            armed = self.armed_watch(spec, plan, self._blobs.objects_under(marker).get(""))
             if armed is not None and not armed.later_than(time.time() + delay_s):
                 return  # one is due
             self.arm_watch(spec, plan, delay_s, armed.etag if armed else ABSENT)
@@ -332,15 +326,14 @@ class Shards:
         except Exception as error:
             log.warning("watch_not_armed", job_id=plan.job_id, error=repr(error))
 
-    def armed_watch(self, spec: JobMessage, plan: Plan) -> ArmedWatch | None:
-        """The job's watch marker: its ETag and when the watch it names is due (None
-        for a marker a worker from before due times wrote); None if there is none."""
-        marker = watch_file(spec, plan.request_digest)
-        etag = self._blobs.objects_under(marker).get("", ABSENT)
-        if etag == ABSENT:
+    def armed_watch(self, spec: JobMessage, plan: Plan, etag: str | None) -> ArmedWatch | None:
+        """The job's watch marker, listed with `etag` (None: it is not there): its ETag
+        and when the watch it names is due (None for a marker a worker from before due
+        times wrote); None if there is none."""
+        if etag is None:
             return None
         try:
-            due = _json_object(self._blobs.get(marker)).get("due")
+            due = _json_object(self._blobs.get(watch_file(spec, plan.request_digest))).get("due")
         except MissingObject:
             return None
         if not isinstance(due, int | float) or isinstance(due, bool):

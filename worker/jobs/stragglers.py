@@ -46,6 +46,7 @@ from worker.jobs.plan import (
     DUPLICATED_SUFFIX,
     INPUTS_SUFFIX,
     STARTED_SUFFIX,
+    WATCH,
     Plan,
     shard_body,
     shard_directory,
@@ -108,7 +109,7 @@ class Stragglers:
                 self._shards.remove(spec, plan)
             self._outcomes.ack(job)
             return
-        armed = self._shards.armed_watch(spec, plan)
+        armed = self._shards.armed_watch(spec, plan, listing.get(WATCH))
         if armed is None or (armed.due is not None and armed.due > time.time() + WATCH_SLACK_S):
             # Superseded by a watch due sooner, or the job stalled meanwhile.
             log.info("watch_superseded", job_id=plan.job_id)
@@ -130,7 +131,7 @@ class Stragglers:
         patience_s = STRAGGLER_FACTOR * shard_s if shard_s is not None else self._lost_after_s
         runs = self._notes(spec, plan, [s for s in alive if has(s, STARTED_SUFFIX)], STARTED_SUFFIX)
         ages = {shard: age for shard, (age, _) in runs.items()}
-        # A run holding a shard, not feeding it yet, waits for about one shard before it.
+        # A run holding a shard behind another's turn waits for about one shard first.
         held = {shard for shard, (_, holding) in runs.items() if holding}
         waiting = [shard for shard in alive if shard not in ages]
         duplicated = [shard for shard in alive if has(shard, DUPLICATED_SUFFIX)]
@@ -191,7 +192,7 @@ class Stragglers:
     ) -> dict[int, tuple[float, bool]]:
         """How long ago each of `shards` was last noted with `suffix` (its latest run
         began or took the shard, or a duplicate was sent), where the note says when; and
-        whether a run holds it without feeding it yet (`Shards.held`)."""
+        whether the run holds it waiting for another shard's turn (`Shards.started`)."""
 
         def note(shard: int) -> tuple[float, bool] | None:
             marker = shard_file(spec, plan.request_digest, shard, suffix)
