@@ -101,6 +101,46 @@ def test_an_urgent_item_passes_the_items_queued_before_it() -> None:
     assert out.index("waited-for") < 8, out
 
 
+def test_an_urgent_item_goes_in_the_batch_after_the_one_a_device_runs() -> None:
+    """A model child gets its next batch near the end of the one it runs, not at its
+    start: an urgent item that comes meanwhile is in that next batch, where before it
+    waited behind a whole batch of background work already sent."""
+    arena = TensorArena((2, 2), slots=32)
+    stages = [
+        ProcessStage("preprocess", functools.partial(stagefns.sleepy_writer, 0), writes=arena),
+        ProcessStage(
+            "inference", functools.partial(stagefns.sleepy_reader, 0.2), batch_size=4, reads=arena
+        ),
+    ]
+    with Pipeline(stages, RecordingObserver()) as pipeline:
+        for index in range(16):  # the first batch, then three waiting behind it
+            pipeline.submit(Item("background", index, index))
+        for _ in range(4):  # the first is done: the second runs, the others wait
+            pipeline.next_result()
+        time.sleep(0.1)
+        pipeline.submit(Item("waited-for", 0, 0, urgent=True))
+        out = []
+        while not out or out[-1] != "waited-for":
+            out.append(pipeline.next_result().job)
+    assert out.count("background") < 8, out
+
+
+def test_background_room_leaves_a_batch_of_the_arena_to_urgent_items() -> None:
+    """What the ledger may feed of background work: the first arena's slots less a
+    batch of the stage that reads it; and that stage's inbox holds every slot, so a
+    stage in front of it never waits with items that are ready."""
+    arena = TensorArena((2, 2), slots=40)
+    reader = ProcessStage("inference", stagefns.echo_model, batch_size=8, reads=arena)
+    pipeline = Pipeline(
+        [ProcessStage("preprocess", stagefns.echo_model, writes=arena), reader],
+        RecordingObserver(),
+    )
+    assert pipeline.background_room() == 32
+    assert reader.inbox_capacity == 40
+    plain = Pipeline([ThreadStage("slow", lambda values: values)], RecordingObserver())
+    assert plain.background_room() is None
+
+
 def test_isolate_failures_bisects_to_the_bad_items() -> None:
     """Only the items that fail on their own get errors; the rest get outputs."""
     calls: list[list[int]] = []

@@ -227,6 +227,27 @@ def test_shards_are_fed_one_after_another_and_other_jobs_in_turn(tmp_path: Path)
     assert [(job.key, index) for job, index in fed] == [(other.key, 2), (third.key, 0)]
 
 
+def test_background_items_are_fed_only_while_there_is_room_for_them(tmp_path: Path) -> None:
+    """With room for two background items (a shard's), a third waits until one is back
+    from the pipeline, while a job users wait for is fed meanwhile: background work
+    never fills the pipeline in front of it."""
+    ledger = Ledger()
+    ledger.bound_background(2)
+    shard = _shard(ledger, 1, 5, tmp_path)
+    fed = [ledger.next_item() for _ in range(2)]
+    assert [(job.key, index) for job, index in fed] == [(shard.key, 0), (shard.key, 1)]
+    waited_for = _held(ledger, 2, 2, tmp_path)
+    fed = [ledger.next_item() for _ in range(2)]
+    assert [(job.key, index) for job, index in fed] == [(waited_for.key, 0), (waited_for.key, 1)]
+    later: queue.Queue[tuple[Job, int]] = queue.Queue()
+    threading.Thread(target=lambda: later.put(ledger.next_item()), daemon=True).start()
+    ledger.back_from_pipeline(waited_for.key)  # not background: no room made
+    with pytest.raises(queue.Empty):
+        later.get(timeout=0.2)
+    ledger.back_from_pipeline(shard.key)
+    assert later.get(timeout=5) == (shard, 2)
+
+
 def test_a_suspect_shard_waiting_its_turn_is_fed_apart_all_the_same(tmp_path: Path) -> None:
     """A shard taken while another runs, whose message broke a worker before (a
     suspect): fed apart once the first shard's items are back, though it is not its turn

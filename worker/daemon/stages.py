@@ -50,13 +50,15 @@ def build_pipeline(
     fan_out = spec.fan_out
     # Enough decoded images, for each process of the model that reads them, for the
     # batch being inferred and the next two being assembled, and two in the hands of
-    # each worker that writes or (a fan-out) still reads them; and for the inputs that
-    # the floor's preprocessing processes fetch ahead, several requests each.
+    # each worker that writes or (a fan-out) still reads them; for the inputs that
+    # the floor's preprocessing processes fetch ahead, several requests each; and a
+    # batch that background work leaves to urgent items (`Pipeline.background_room`).
     image_arena = TensorArena(
         images,
         3 * first.batch_size * len(_devices(first, settings))
         + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0))
-        + PIPELINED_PREPARING * settings.fetch_concurrency,
+        + PIPELINED_PREPARING * settings.fetch_concurrency
+        + first.batch_size,
     )
     reader = _remote_reader(settings, blobs)
     log.info("inputs_fetched_in", where="preprocess" if reader else "threads")

@@ -132,6 +132,7 @@ class Daemon:
             batching_stages=spec.model_stage_names(),
         )
         self._pipeline = build_pipeline(spec, settings, blobs, observer)
+        ledger.bound_background(self._pipeline.background_room())
         worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
         shards = Shards(
             blobs,

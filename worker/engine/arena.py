@@ -33,6 +33,7 @@ class TensorArena:
     ):
         needed = slots * math.prod(slot_shape) * dtype.itemsize
         _check_shared_memory(shared_memory, needed, f"{slots} slots of {tuple(slot_shape)}")
+        self.slots = slots
         self.tensor = torch.empty((slots, *slot_shape), dtype=dtype).share_memory_()
         self._free: Channel[int] = Channel(slots)
         for slot in range(slots):

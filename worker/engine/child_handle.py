@@ -179,6 +179,14 @@ class ChildProcess:
             return str(lost)
         return fault
 
+    def answers_within(self, timeout_s: float) -> bool:
+        """Whether the child says something (or exits) within `timeout_s`: `receive`
+        then returns, or raises, at once."""
+        conn, process = self._conn, self._process
+        if conn is None or process is None:
+            return True
+        return bool(wait([conn, process.sentinel], timeout_s))
+
     def receive(self, timeout_s: float | None) -> Any:
         """The child's next message (about the oldest unanswered request); raises
         `WorkerLost` if the child died or hung."""

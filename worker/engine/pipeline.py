@@ -128,6 +128,20 @@ class Pipeline:
         """Stages with a worker down (crashed, or being restarted right now)."""
         return [stage.name for stage in self._stages if not stage.alive()]
 
+    def background_room(self) -> int | None:
+        """How many items that are not urgent may be inside at once: the slots of the
+        first arena, less a batch of the stage that reads it, kept for urgent items.
+        Background work within that never fills the arena or a stage's inbox, so an
+        urgent item waits only for the batches a device already has. None: no arena,
+        no bound."""
+        for number, stage in enumerate(self._stages):
+            if not isinstance(stage, ProcessStage) or stage.writes is None:
+                continue
+            for reader in self._stages[number + 1 :]:
+                if isinstance(reader, ProcessStage) and reader.reads is stage.writes:
+                    return max(1, stage.writes.slots - reader.batch_size)
+        return None
+
     def submit(self, item: Item) -> None:
         """Feed an item in, waiting while the first stage is full; `Closed` when stopping."""
         self._channels[0].put(item)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,15 @@ MAX_ITEM_ATTEMPTS = 3
 
 
 PIPELINED_BATCHES = 2
+
+
+# The batch ahead goes to a child working on a batch once this share of the batch's
+# expected time is left (or at once where that is under `AHEAD_MIN_LEAD_S`): the child
+# still has it before it is done, and an urgent item that comes meanwhile is in it.
+AHEAD_LEAD = 0.2
+
+
+AHEAD_MIN_LEAD_S = 0.02
 
 
 # A stage that prepares (fetches) keeps more requests in each child, which starts
@@ -133,8 +143,17 @@ class ProcessStage(Stage):
         self._children: list[ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
+        self._last_batch_s = 0.0  # the last request's time in its child
         self._lessons = StageLessons(prepare, reads if self.mode == "fan-out" else None)
         self._lock = threading.Lock()  # the above; drivers and the scaler share them
+
+    @property
+    def inbox_capacity(self) -> int:
+        """Room for every slot of the arena it reads: each item waiting holds one, so the
+        arena bounds them already, and a smaller inbox would only hold up the stage
+        before it with items that are ready (and an urgent one behind them)."""
+        floor = super().inbox_capacity
+        return max(floor, self.reads.slots) if self.reads is not None else floor
 
     def start(
         self,
@@ -238,20 +257,41 @@ class ProcessStage(Stage):
         thread to file results and gather the next batch: the GPU never idles on the
         host's bookkeeping. A batch is queued ahead only when a full one is waiting;
         otherwise the next is gathered once the child is free, and is fuller for it.
+        Without a prepare step, it is queued near the end of the batch before it
+        (`_ahead_due`), so that an urgent item passes all but the batch being run.
         """
         in_flight: deque[list[Item]] = deque()  # batches sent, oldest first
+        started = 0.0  # when the child began the oldest batch, as seen from here
         while True:
             if not in_flight:
                 if child.retiring.is_set():
                     self._retire(child)
                     return
                 self._dispatch(child, in_flight, self._next_batch(child.retiring.is_set), [])
+                started = time.monotonic()
                 continue
-            ahead = self._batch_ahead() if len(in_flight) < self.pipelined else None
+            ahead = None
+            if len(in_flight) < self.pipelined and self._ahead_due(child, started):
+                ahead = self._batch_ahead()
             if ahead is None:
                 self._complete_oldest(child, in_flight)
+                started = time.monotonic()
             else:
                 self._dispatch(child, in_flight, *ahead)
+
+    def _ahead_due(self, child: ChildProcess, started: float) -> bool:
+        """Whether a batch may be sent ahead now: at once for a stage that prepares (its
+        children fetch what they are sent meanwhile), else once the batch the child
+        began at `started` has `AHEAD_LEAD` of its expected time (the last batch's)
+        left, waiting till then; False if the child answers first."""
+        if self.prepare is not None:
+            return True
+        with self._lock:
+            expected_s = self._last_batch_s
+        wait_s = started + expected_s * (1 - AHEAD_LEAD) - time.monotonic()
+        if expected_s * AHEAD_LEAD < AHEAD_MIN_LEAD_S or wait_s <= 0:
+            return True
+        return not child.answers_within(wait_s)
 
     def _batch_ahead(self) -> tuple[list[Item], list[int]] | None:
         """A full batch, and its slots, to send ahead of replies this driver has yet to
@@ -366,6 +406,7 @@ class ProcessStage(Stage):
     def _file_reply(self, live: list[Item], reply: Reply) -> None:
         with self._lock:
             self._busy_s += reply.duration_s
+            self._last_batch_s = reply.duration_s
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
         untold = self._lessons.learn(live, reply)

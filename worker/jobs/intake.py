@@ -599,6 +599,5 @@ class Feeder:
             if job.started_at is None:  # its run's time counts from now (`Commit.seconds`)
                 job.started_at = time.time()
             # The params go with it to the model's process, which postprocesses (WithParams).
-            # A shard is background work: the jobs users wait for go first.
             value = (job.source(index), job.spec.params)
-            self._pipeline.submit(Item(job.key, index, value, urgent=job.plan is None))
+            self._pipeline.submit(Item(job.key, index, value, urgent=not job.background))

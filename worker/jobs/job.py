@@ -186,6 +186,12 @@ class Job:
         return self.message.attempt
 
     @property
+    def background(self) -> bool:
+        """A shard of a planned job: work nobody waits on item by item, which the jobs
+        users wait for pass (`Item.urgent`, `Ledger.bound_background`)."""
+        return self.plan is not None
+
+    @property
     def suspect(self) -> bool:
         """Whether it was in the failing work of a worker that broke: it is run apart."""
         return self.message.broke_workers > 0

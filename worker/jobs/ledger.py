@@ -55,6 +55,9 @@ class Ledger:
         # Items fed and not yet back, by job key: counted until they come back, whether
         # their job is still held or not.
         self._inside: Counter[str] = Counter()
+        # Of those, background ones (`Job.background`): at most `_background_room`.
+        self._background_inside: Counter[str] = Counter()
+        self._background_room: int | None = None
         self._suspects: set[Job] = set()  # feedable ones
         self._shards = 0  # unsettled jobs that are shards of a planned job
         self._tar_shards = 0  # of which, shards of tars
@@ -153,6 +156,8 @@ class Ledger:
                 if picked is not None:
                     job, index = picked
                     self._inside[job.key] += 1
+                    if job.background:
+                        self._background_inside[job.key] += 1
                     return job, index
                 self._changed.wait(self._next_due_in_s())
             raise Closed
@@ -224,9 +229,21 @@ class Ledger:
         future = [due for due, *_ in self._again if due > now]
         return min(future) - now if future else None
 
+    def bound_background(self, items: int | None) -> None:
+        """Feed at most `items` background items at a time (None: any number), so that
+        no stage is full of background work when an urgent item comes: the pipeline's
+        room less what it keeps for urgent ones (`Pipeline.background_room`)."""
+        with self._changed:
+            self._background_room = items
+            self._changed.notify_all()
+
     def _may_feed(self, job: Job) -> bool:
-        """Whether the job's items may go into the pipeline now: while a suspect is held,
-        only its own, and those only once the others' are all back."""
+        """Whether the job's items may go into the pipeline now: background ones while
+        there is room for them; while a suspect is held, only its own, and those only
+        once the others' are all back."""
+        room = self._background_room
+        if job.background and room is not None and self._background_inside.total() >= room:
+            return False
         if self._apart is None:
             if not self._suspects:
                 return True
@@ -243,7 +260,12 @@ class Ledger:
             self._inside[key] -= 1
             if self._inside[key] <= 0:
                 del self._inside[key]
-            if self._suspects:  # only a suspect waits for the others' items to be back
+            if key in self._background_inside:
+                self._background_inside[key] -= 1
+                if self._background_inside[key] <= 0:
+                    del self._background_inside[key]
+                self._changed.notify_all()  # room for a background item
+            elif self._suspects:  # only a suspect waits for the others' items to be back
                 self._changed.notify_all()
 
     def retry_item(self, job: Job, index: int, delay_s: float) -> None:
