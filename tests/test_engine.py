@@ -127,8 +127,9 @@ def test_an_urgent_item_goes_in_the_batch_after_the_one_a_device_runs() -> None:
 
 def test_background_room_leaves_a_batch_of_the_arena_to_urgent_items() -> None:
     """What the ledger may feed of background work: the first arena's slots less a
-    batch of the stage that reads it; and that stage's inbox holds every slot, so a
-    stage in front of it never waits with items that are ready."""
+    batch of the stage that reads it, and in a chain the later arenas' slots, where the
+    items past the first wait; the reading stage's inbox holds every slot, so a stage
+    in front of it never waits with items that are ready."""
     arena = TensorArena((2, 2), slots=40)
     reader = ProcessStage("inference", stagefns.echo_model, batch_size=8, reads=arena)
     pipeline = Pipeline(
@@ -137,6 +138,17 @@ def test_background_room_leaves_a_batch_of_the_arena_to_urgent_items() -> None:
     )
     assert pipeline.background_room() == 32
     assert reader.inbox_capacity == 40
+    parts = TensorArena((2, 2), slots=24)
+    chain = Pipeline(
+        [
+            ProcessStage("preprocess", stagefns.echo_model, writes=arena),
+            ProcessStage("first", stagefns.echo_model, batch_size=8, reads=arena, keeps_slots=True),
+            ProcessStage("cut", stagefns.echo_model, reads=arena, writes=parts, max_parts=3),
+            ProcessStage("second", stagefns.echo_model, batch_size=16, reads=parts),
+        ],
+        RecordingObserver(),
+    )
+    assert chain.background_room() == 32 + 24  # the parts past the first arena wait in
     plain = Pipeline([ThreadStage("slow", lambda values: values)], RecordingObserver())
     assert plain.background_room() is None
 
@@ -332,11 +344,13 @@ def test_a_driver_that_loses_the_batch_it_saw_collects_its_replies_first() -> No
 
 def test_a_finish_step_runs_beside_the_next_request_and_keeps_errors_apart() -> None:
     """A stage's `finish` makes each output into the item's outcome on a thread of the
-    child while the next request runs (0.2 s of run and 0.2 s of finish a request, six
-    requests: well under the 2.4 s one after the other). An item whose run failed
-    keeps its error and is not finished; a finish gives an item an error of its own, and
-    one that raises gives its request's items its error; replies stay in order."""
-    values = ["a", "bad-run", "b", "bad", "explode", "c"]
+    child while the next request runs (0.2 s of run and 0.2 s of finish a request,
+    twelve requests: 2.6 s when the runs follow each other, against 4.8 s one after the
+    other, and 3.4 s when the request ahead was sent by when the reply came, which the
+    finish holds back). An item whose run failed keeps its error and is not finished; a
+    finish gives an item an error of its own, and one that raises gives its request's
+    items its error; replies stay in order."""
+    values = ["a", "bad-run", "b", "bad", "explode", "c", *"defghi"]
     stage = ProcessStage(
         "inference", functools.partial(stagefns.finishing_runner, 0.2, 0.2), batch_size=1
     )
@@ -344,15 +358,15 @@ def test_a_finish_step_runs_beside_the_next_request_and_keeps_errors_apart() -> 
         started = time.perf_counter()
         results = run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
         elapsed_s = time.perf_counter() - started
-    assert [r.index for r in results] == list(range(6))
-    assert [r.value for r in results if r.error is None] == ["ran:a+", "ran:b+", "ran:c+"]
+    assert [r.index for r in results] == list(range(12))
+    assert [r.value for r in results if r.error is None] == [f"ran:{v}+" for v in "abcdefghi"]
     errors = {r.index: (r.error.type, r.error.stage) for r in results if r.error}
     assert errors == {
         1: ("ValueError", "inference"),
         3: ("ValueError", "postprocess"),
         4: ("RuntimeError", "inference"),
     }
-    assert elapsed_s < 2.0, elapsed_s
+    assert elapsed_s < 3.0, elapsed_s
 
 
 class EventsByItem(RecordingObserver):

@@ -221,6 +221,7 @@ def _run_request(
         fitting_batch_size,
         duration_s,
         fault,
+        ended_at=time.monotonic(),
     )
 
 

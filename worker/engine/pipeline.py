@@ -130,17 +130,20 @@ class Pipeline:
 
     def background_room(self) -> int | None:
         """How many items that are not urgent may be inside at once: the slots of the
-        first arena, less a batch of the stage that reads it, kept for urgent items.
-        Background work within that never fills the arena or a stage's inbox, so an
-        urgent item waits only for the batches a device already has. None: no arena,
-        no bound."""
-        for number, stage in enumerate(self._stages):
-            if not isinstance(stage, ProcessStage) or stage.writes is None:
-                continue
-            for reader in self._stages[number + 1 :]:
-                if isinstance(reader, ProcessStage) and reader.reads is stage.writes:
-                    return max(1, stage.writes.slots - reader.batch_size)
-        return None
+        first arena, less a batch of the stage that reads it, kept for urgent items;
+        and, in a chain, the slots of each arena after it, where the items past the
+        first wait (as parts, a slot each), so the later model has its batches too.
+        Background work within that never fills the first arena or its reader's inbox,
+        so an urgent item waits only for the batches a device already has (in a chain
+        whose items make several parts each, it may take some of the slots kept).
+        None: no arena, no bound."""
+        processes = [stage for stage in self._stages if isinstance(stage, ProcessStage)]
+        arenas = [stage.writes for stage in processes if stage.writes is not None]
+        if not arenas:
+            return None
+        first, *later = arenas
+        reader = next(stage for stage in processes if stage.reads is first)
+        return max(1, first.slots - reader.batch_size) + sum(arena.slots for arena in later)
 
     def submit(self, item: Item) -> None:
         """Feed an item in, waiting while the first stage is full; `Closed` when stopping."""

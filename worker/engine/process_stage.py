@@ -143,7 +143,6 @@ class ProcessStage(Stage):
         self._children: list[ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
-        self._last_batch_s = 0.0  # the last request's time in its child
         self._lessons = StageLessons(prepare, reads if self.mode == "fan-out" else None)
         self._lock = threading.Lock()  # the above; drivers and the scaler share them
 
@@ -261,7 +260,10 @@ class ProcessStage(Stage):
         (`_ahead_due`), so that an urgent item passes all but the batch being run.
         """
         in_flight: deque[list[Item]] = deque()  # batches sent, oldest first
-        started = 0.0  # when the child began the oldest batch, as seen from here
+        started = 0.0  # when the child began the oldest batch
+        # Its last runs' times: the shorter is the next one's expected time, so one
+        # slow batch (a warm-up, an out-of-memory retry) does not delay the next.
+        recent: deque[float] = deque(maxlen=2)
         while True:
             if not in_flight:
                 if child.retiring.is_set():
@@ -271,23 +273,24 @@ class ProcessStage(Stage):
                 started = time.monotonic()
                 continue
             ahead = None
-            if len(in_flight) < self.pipelined and self._ahead_due(child, started):
+            expected_s = min(recent, default=0.0)
+            if len(in_flight) < self.pipelined and self._ahead_due(child, started, expected_s):
                 ahead = self._batch_ahead()
             if ahead is None:
-                self._complete_oldest(child, in_flight)
-                started = time.monotonic()
+                reply = self._complete_oldest(child, in_flight)
+                if reply is not None:
+                    recent.append(reply.duration_s)
+                    started = reply.ended_at
             else:
                 self._dispatch(child, in_flight, *ahead)
 
-    def _ahead_due(self, child: ChildProcess, started: float) -> bool:
+    def _ahead_due(self, child: ChildProcess, started: float, expected_s: float) -> bool:
         """Whether a batch may be sent ahead now: at once for a stage that prepares (its
         children fetch what they are sent meanwhile), else once the batch the child
-        began at `started` has `AHEAD_LEAD` of its expected time (the last batch's)
-        left, waiting till then; False if the child answers first."""
+        began at `started` has `AHEAD_LEAD` of its `expected_s` left, waiting till then;
+        False if the child answers first."""
         if self.prepare is not None:
             return True
-        with self._lock:
-            expected_s = self._last_batch_s
         wait_s = started + expected_s * (1 - AHEAD_LEAD) - time.monotonic()
         if expected_s * AHEAD_LEAD < AHEAD_MIN_LEAD_S or wait_s <= 0:
             return True
@@ -353,16 +356,19 @@ class ProcessStage(Stage):
         except WorkerLost as lost:
             self._recover(child, in_flight, lost)
 
-    def _complete_oldest(self, child: ChildProcess, in_flight: deque[list[Item]]) -> None:
+    def _complete_oldest(self, child: ChildProcess, in_flight: deque[list[Item]]) -> Reply | None:
+        """File the child's reply to the oldest batch and hand the batch on; None if the
+        child was lost instead (what it held is redone, and nothing is in flight)."""
         live = live_items(in_flight[0])
         try:
             reply = self._reply(child, live)
         except WorkerLost as lost:
             self._recover(child, in_flight, lost)
-            return
+            return None
         items = in_flight.popleft()
         self._file_reply(live, reply)
         self._forward(items)
+        return reply
 
     def _reply(self, child: ChildProcess, live: list[Item]) -> Reply:
         """The child's reply to the request of `live`; first, with a prepare step, its
@@ -406,7 +412,6 @@ class ProcessStage(Stage):
     def _file_reply(self, live: list[Item], reply: Reply) -> None:
         with self._lock:
             self._busy_s += reply.duration_s
-            self._last_batch_s = reply.duration_s
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
         untold = self._lessons.learn(live, reply)

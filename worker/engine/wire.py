@@ -88,6 +88,10 @@ class Reply(NamedTuple):
     # Every item failed its prepare step, and nothing was prepared before to tell a
     # worker's fault from the inputs' (their errors are made transient).
     untold: bool = False
+    # When the run ended (`time.monotonic`, one clock for every process of the host):
+    # the child began the request queued behind it then, though a finish step may
+    # hold this reply back for a while longer.
+    ended_at: float = 0.0
 
 
 @dataclass
