@@ -313,6 +313,30 @@ def test_a_tar_shard_s_tars_are_copied_while_the_shard_before_it_runs(tmp_path: 
     assert {uri: blobs.reads[uri] for uri in tars} == dict.fromkeys(tars, 1)
 
 
+def test_a_job_s_tars_are_copied_at_once_and_their_members_kept_in_order(
+    tmp_path: Path,
+) -> None:
+    """Three tars of one job, each copied in half a second: copied side by side, not one
+    after another (a second and a half before its first member could run), their
+    members still in the order of the tars."""
+    blobs, source = SlowTars(copy_s=0.5), InMemoryJobSource()
+    images = sample_images(blobs, 4)
+    tars = []
+    for number in range(3):
+        tars.append(f"s3://bkt/tars/{number}.tar")
+        members = [(f"{number}-{n}.png", blobs.objects[uri]) for n, uri in enumerate(images)]
+        blobs.objects[tars[-1]] = tar_of(members)
+    job = Jobs(source, blobs).submit("s3://bkt/out/side/", inputs=tars, tar=TarMembers())
+    run_until_drained(source, blobs, tmp_path)
+    assert job.wait(timeout_s=5)["succeeded"] == 12
+    began = sorted(blobs.copied_at[uri] for uri in tars)
+    assert began[-1] - began[0] < 0.25, began
+    rows = [
+        json.loads(line) for line in blobs.objects["s3://bkt/out/side/results.jsonl"].splitlines()
+    ]
+    assert [row["member"] for row in rows] == [f"{t}-{n}.png" for t in range(3) for n in range(4)]
+
+
 def test_a_shard_not_of_tars_is_not_kept_in_the_room_for_copying_ahead(tmp_path: Path) -> None:
     """A daemon running a lone tar shard keeps room for the next shard, to copy its tars;
     a shard of another job, not of tars, taken through that room is handed back (with a

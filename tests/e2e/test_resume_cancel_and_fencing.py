@@ -94,7 +94,11 @@ def test_a_continuation_runs_alone_when_its_sender_died_before_deleting_the_old_
             env={**aws.with_endpoint(proxy_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.1"},
         )
         first.wait_for("job_received")
-        time.sleep(1.5)
+        # Some results to hand over (with none, the job is released, not continued):
+        # inputs read, then a few of the model's tenth-of-a-second batches, however
+        # loaded the machine.
+        wait_until(lambda: _gets_of(proxy, uris) >= 5)
+        time.sleep(1.0)
         first.send_signal(signal.SIGTERM)
         wait_until(lambda: proxy.requests("SendMessage") and proxy.requests("DeleteMessage"))
         first.send_signal(signal.SIGKILL)
