@@ -292,12 +292,7 @@ def test_a_tar_shard_s_tars_are_copied_while_the_shard_before_it_runs(tmp_path: 
     first runs (and feeds it once the first is fed whole), so the device does not wait
     for the copy. Before, the next shard was taken only as the first ended."""
     blobs, source = SlowTars(copy_s=0.5), InMemoryJobSource()
-    images = sample_images(blobs, 10)
-    tars = []
-    for number in range(3):
-        tars.append(f"s3://bkt/tars/{number}.tar")
-        members = [(f"{n}.png", blobs.objects[uri]) for n, uri in enumerate(images)]
-        blobs.objects[tars[-1]] = tar_of(members)
+    tars = _three_tars(blobs, sample_images(blobs, 10))
     job = Jobs(source, blobs).submit("s3://bkt/out/tars/", inputs=tars, tar=TarMembers())
     run_until_drained(
         source, blobs, tmp_path, shard_tars=1, batch_size=1, model=SLOW_MODEL, prefetch_batches=1
@@ -320,12 +315,7 @@ def test_a_job_s_tars_are_copied_at_once_and_their_members_kept_in_order(
     after another (a second and a half before its first member could run), their
     members still in the order of the tars."""
     blobs, source = SlowTars(copy_s=0.5), InMemoryJobSource()
-    images = sample_images(blobs, 4)
-    tars = []
-    for number in range(3):
-        tars.append(f"s3://bkt/tars/{number}.tar")
-        members = [(f"{number}-{n}.png", blobs.objects[uri]) for n, uri in enumerate(images)]
-        blobs.objects[tars[-1]] = tar_of(members)
+    tars = _three_tars(blobs, sample_images(blobs, 4))
     job = Jobs(source, blobs).submit("s3://bkt/out/side/", inputs=tars, tar=TarMembers())
     run_until_drained(source, blobs, tmp_path)
     assert job.wait(timeout_s=5)["succeeded"] == 12
@@ -335,6 +325,15 @@ def test_a_job_s_tars_are_copied_at_once_and_their_members_kept_in_order(
         json.loads(line) for line in blobs.objects["s3://bkt/out/side/results.jsonl"].splitlines()
     ]
     assert [row["member"] for row in rows] == [f"{t}-{n}.png" for t in range(3) for n in range(4)]
+
+
+def _three_tars(blobs: InMemoryBlobStore, images: list[str]) -> list[str]:
+    """Three tars of `images` each (named `<tar>-<n>.png`), stored; their URIs."""
+    tars = [f"s3://bkt/tars/{number}.tar" for number in range(3)]
+    for number, uri in enumerate(tars):
+        members = [(f"{number}-{n}.png", blobs.objects[image]) for n, image in enumerate(images)]
+        blobs.objects[uri] = tar_of(members)
+    return tars
 
 
 def test_a_shard_not_of_tars_is_not_kept_in_the_room_for_copying_ahead(tmp_path: Path) -> None:
