@@ -6,6 +6,8 @@ refuses what it refuses; files under an output that are not the daemon's are nam
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,17 @@ def _finished(blobs: InMemoryBlobStore, results: bytes, **fields: Any) -> None:
     _write(blobs, "results.jsonl", results)
     summary = {"job_id": "j1", "status": "succeeded", "items": 3, "succeeded": 3, "failed": 0}
     _write(blobs, "job.json", {**summary, "outputs": {"results.jsonl": '"e"'}, **fields})
+
+
+def test_a_producer_imports_the_client_and_the_command_line_without_torch() -> None:
+    """A service that sends jobs imports the client (and `enqueue`'s command line)
+    without loading torch, which is the daemon's: 2.3 s and hundreds of MB before."""
+    probe = (
+        "import sys, worker.client, worker.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]", run.stdout
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,8 @@ from typing import Any
 from cfnlint.decode import decode
 
 from tests.support.paths import REPO, TEMPLATE
-from worker.jobs.checkpoints import (
-    CANCEL_MARKER,
-    CHECKPOINT_PREFIX,
-    FINAL_OUTPUTS,
-    SUPERSEDED_PREFIX,
-)
+from worker.jobs.checkpoints import CHECKPOINT_PREFIX, FINAL_OUTPUTS, SUPERSEDED_PREFIX
+from worker.jobs.message import CANCEL_MARKER
 
 DOCKERFILE = REPO / "Dockerfile"
 # checkov pins boto3, botocore, packaging and networkx to older releases than the

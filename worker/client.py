@@ -34,8 +34,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from worker.adapters import aws
 from worker.errors import MissingObject
-from worker.jobs.checkpoints import CANCEL_MARKER
 from worker.jobs.message import (
+    CANCEL_MARKER,
     PoisonMessage,
     TableSource,
     TarMembers,

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from worker.plugins.encoding import ArrayLayout, ArrayLayouts, check_field_name
+from worker.plugins.fields import ArrayLayout, ArrayLayouts, check_field_name
 
 ARRAY_FILE_SUFFIX = ".npy"
 ARRAYS_DIR = "arrays"  # under --log-dir

@@ -38,7 +38,7 @@ from worker.errors import MissingObject
 from worker.jobs.arrays import ARRAY_FILE_SUFFIX
 from worker.jobs.job import Job, JobState, Place, Result
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import JobMessage, TarMembers
+from worker.jobs.message import CANCEL_MARKER, JobMessage, TarMembers
 from worker.jobs.tables import (
     JSON_LINES,
     NDJSON,
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 
 FINAL_OUTPUTS = ("results.jsonl", "job.log", "job.json")
-CANCEL_MARKER = "cancel"
 CHECKPOINT_PREFIX = "checkpoint-"
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
 Halt = Literal["superseded", "cancelled"]

@@ -19,6 +19,9 @@ DIGEST_PATTERN = r"^[0-9a-f]{16}$"
 
 T = TypeVar("T")
 INPUT_SOURCES = ("inputs", "manifest", "inputs_prefix", "table", "inventory")
+# The object under a job's output that cancels it: a producer writes it, every run of
+# the job (each of its shards) looks for it (`worker.jobs.checkpoints`).
+CANCEL_MARKER = "cancel"
 
 
 class PoisonMessage(Exception):

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from worker.plugins.encoding import ArrayLayouts
+from worker.plugins.fields import ArrayLayouts
 
 PARQUET = "parquet"
 JSON_LINES = "jsonl"

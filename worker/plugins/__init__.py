@@ -2,17 +2,19 @@
 
 The rest of the package: `loading` (references to objects, the model), `setups` (what
 each stage's process runs at its start), `encoding` (a postprocessor's fields as
-written), `identity` (which model produced a result), `device_decoding` (`--decode gpu`)
-and `spec` (a pipeline of models).
+written), `fields` (what its array fields may be called, and their layouts),
+`identity` (which model produced a result), `device_decoding` (`--decode gpu`) and
+`spec` (a pipeline of models).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # the contract names tensors; a producer's client imports it without torch
+    import torch
 
 POSTPROCESS_STAGE = "postprocess"  # what an item error of the postprocessor names
 PREPROCESS_STAGE = "preprocess"  # ... and of the preprocessor, wherever it ran
@@ -76,7 +78,7 @@ class FanOut(Protocol):
 
 
 Postprocessor = Callable[[Any, dict[str, Any]], dict[str, Any]]
-InferenceFn = Callable[[torch.Tensor, Sequence[Any]], list[Any]]
+InferenceFn = Callable[["torch.Tensor", Sequence[Any]], list[Any]]
 
 # An item's value on its way to the model, with its job's params, which the
 # postprocessor in the model's process is given: (payload, params), the payload being

@@ -3,8 +3,6 @@ and its array fields apart (`worker.jobs.arrays`)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -13,6 +11,7 @@ import torch
 
 from worker.engine import ItemError
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
+from worker.plugins.fields import ArrayLayout, array_layouts, check_field_name
 
 ARRAY_TYPES = (np.ndarray, torch.Tensor)
 # numpy scalars (and 0-d arrays) as numbers; non-str keys as strings, as `json` does.
@@ -20,29 +19,6 @@ JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 # results.jsonl's own fields on every line (`id` where a job's table gives ids); a
 # postprocessor's fields go between them.
 RECORD_FIELDS = frozenset({"index", "input", "member", "id", "model", "error"})
-# It names a file under the job's output, where names starting "checkpoint-" are the
-# checkpoints' (`worker.jobs.checkpoints`), removed once the job is finished.
-_FIELD_NAME = re.compile(r"^(?!checkpoint-)[A-Za-z0-9_-]{1,100}$")
-
-
-def check_field_name(field: object) -> str:
-    """The array field's name, if it can name its file; ValueError if not."""
-    if not isinstance(field, str) or not _FIELD_NAME.match(field):
-        raise ValueError(
-            f"the array field {field!r} cannot name a file: use letters, digits, _ and -, "
-            "not starting checkpoint-"
-        )
-    return field
-
-
-ArrayLayout = tuple[np.dtype[Any], tuple[int, ...]]
-ArrayLayouts = Mapping[str, ArrayLayout]
-
-
-def array_layouts(
-    arrays: Mapping[str, np.ndarray],
-) -> dict[str, ArrayLayout]:
-    return {field: (array.dtype, array.shape) for field, array in arrays.items()}
 
 
 # What the model's process sends for an item: its fields, JSON-encoded (`encoded_fields`),
