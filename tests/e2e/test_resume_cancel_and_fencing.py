@@ -31,6 +31,14 @@ def _gets_of(proxy: FaultProxy, uris: list[str]) -> int:
     return sum(path in paths for path in proxy.paths("GET"))
 
 
+def _finished(aws: Aws, output: str) -> int:
+    """The items its progress.json counts finished (0 before there is one)."""
+    try:
+        return int(json.loads(aws.read(output, "progress.json"))["finished"])
+    except aws.s3.exceptions.NoSuchKey:
+        return 0
+
+
 def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
@@ -88,17 +96,17 @@ def test_a_continuation_runs_alone_when_its_sender_died_before_deleting_the_old_
     proxy.add(held)
     with proxy.serving() as proxy_url:
         first = start_daemon(
-            daemon_args(
-                stack, tmp_path / "first", *slow_model_flags(1), *common, "--grace-seconds", "0"
-            ),
+            [
+                *daemon_args(
+                    stack, tmp_path / "first", *slow_model_flags(1), *common, "--grace-seconds", "0"
+                ),
+                *("--progress-interval-seconds", "0.2"),
+            ],
             env={**aws.with_endpoint(proxy_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.1"},
         )
-        first.wait_for("job_received")
-        # Some results to hand over (with none, the job is released, not continued):
-        # inputs read, then a few of the model's tenth-of-a-second batches, however
-        # loaded the machine.
-        wait_until(lambda: _gets_of(proxy, uris) >= 5)
-        time.sleep(1.0)
+        # Some results to hand over (with none, the job is released, not continued), as
+        # its progress.json says, however loaded the machine.
+        wait_until(lambda: _finished(aws, job_output(stack, "split")) >= 3)
         first.send_signal(signal.SIGTERM)
         wait_until(lambda: proxy.requests("SendMessage") and proxy.requests("DeleteMessage"))
         first.send_signal(signal.SIGKILL)
