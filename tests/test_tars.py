@@ -8,6 +8,7 @@ import gzip
 import io
 import json
 import tarfile
+import threading
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -32,7 +33,7 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Jobs
 from worker.daemon import Daemon
 from worker.daemon.stages import fetcher
-from worker.errors import ObjectTooLarge
+from worker.errors import ObjectTooLarge, TransientError
 from worker.jobs.checkpoints import Checkpoints, request_digest
 from worker.jobs.job import Place
 from worker.jobs.ledger import Ledger
@@ -260,6 +261,62 @@ def test_a_tar_job_runs_as_shards_of_tars_with_one_get_per_tar_and_a_result_per_
     assert errors["4.png"] == {"type": "ObjectTooLarge", "message": errors["4.png"]["message"]}
     assert "limit 50000" in errors["4.png"]["message"]
     assert all(row["label"] for row in rows if not row["error"])
+
+
+class TrickledTars(InMemoryBlobStore):
+    """Streams each object in 4 KiB chunks, `chunk_s` apart (a slow network)."""
+
+    def __init__(self, chunk_s: float) -> None:
+        super().__init__(chunk_bytes=4096)
+        self.chunk_s = chunk_s
+
+    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+        for chunk in super().chunks(location, max_bytes):
+            time.sleep(self.chunk_s)
+            yield chunk
+
+
+def _trickled(tmp_path: Path, tars: int) -> tuple[TrickledTars, list[str]]:
+    """`tars` tars of about 40 KiB each, each taking about a second to copy."""
+    blobs = TrickledTars(chunk_s=0.1)
+    uris = [f"s3://bkt/tars/{number}.tar" for number in range(tars)]
+    for number, uri in enumerate(uris):
+        blobs.objects[uri] = tar_of([(f"{number}-{n}.bin", bytes(4000)) for n in range(9)])
+    return blobs, uris
+
+
+def test_a_tar_that_cannot_be_used_stops_the_copies_of_the_others(tmp_path: Path) -> None:
+    """Four tars copied side by side, the second missing: the message is poison naming
+    it within a chunk of the others' copies, not once they have all been read whole."""
+    blobs, tars = _trickled(tmp_path, 4)
+    del blobs.objects[tars[1]]
+    started = time.monotonic()
+    with pytest.raises(PoisonMessage, match=f"tar {tars[1]} does not exist"):
+        _copies(tmp_path, blobs).members(tars, TarMembers())
+    assert time.monotonic() - started < 0.6
+
+
+def test_settling_a_job_stops_its_tars_copies_and_takes_them_away(tmp_path: Path) -> None:
+    """A job settled while its tars are copied (a shutdown): the copies stop within a
+    chunk, with an error that is not the input's, and nothing is left on disk."""
+    blobs, tars = _trickled(tmp_path, 4)
+    copies = _copies(tmp_path, blobs)
+    outcome: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            copies.members(tars, TarMembers())
+        except BaseException as error:
+            outcome.append(error)
+
+    copying = threading.Thread(target=copy)
+    copying.start()
+    wait_until(lambda: len(list(copies.directory.glob("*.tar"))) == 4)
+    copies.remove()
+    copying.join(timeout=0.6)
+    assert not copying.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransientError), outcome
+    assert not copies.directory.exists()
 
 
 class SlowTars(InMemoryBlobStore):

@@ -104,6 +104,7 @@ def test_a_continuation_runs_alone_when_its_sender_died_before_deleting_the_old_
             ],
             env={**aws.with_endpoint(proxy_url).env, "SLOW_MODEL_SECONDS_PER_BATCH": "0.1"},
         )
+        first.wait_for("job_received")  # (a daemon that died at start says why here)
         # Some results to hand over (with none, the job is released, not continued), as
         # its progress.json says, however loaded the machine.
         wait_until(lambda: _finished(aws, job_output(stack, "split")) >= 3)

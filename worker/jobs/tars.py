@@ -21,7 +21,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
@@ -63,49 +63,73 @@ class TarCopies:
         self._max_members = max_members  # of all its tars: what the job holds at once
         self._lock = threading.Lock()  # `remove` comes from whichever thread settles the job
         self._removed = False
+        # Set by `remove`, or by a copy that failed: the copies still running stop at
+        # their next chunk rather than read whole tars nobody will use.
+        self._stop = threading.Event()
 
     def members(self, tars: list[str], spec: TarMembers) -> list[Member]:
         """Every member of `tars` that is an input, in order, once every tar is copied
-        (`TARS_COPIED_AT_ONCE` at a time); a tar that cannot be, the first in order."""
+        (`TARS_COPIED_AT_ONCE` at a time) and read; what is wrong with a tar, the first
+        in order of those that were read, makes the message poison."""
+        suffix = spec.member_suffix or ""
         with ThreadPoolExecutor(max(1, min(len(tars), TARS_COPIED_AT_ONCE))) as copying:
-            copies = [copying.submit(self._copy, uri, row) for row, uri in enumerate(tars)]
-            try:
-                paths = [copy.result() for copy in copies]
-            except BaseException:
+            copies = [
+                copying.submit(self._copied_members, uri, row, suffix)
+                for row, uri in enumerate(tars)
+            ]
+            wait(copies, return_when=FIRST_EXCEPTION)
+            if any(copy.done() and copy.exception() for copy in copies):
+                self._stop.set()
                 for copy in copies:
-                    copy.cancel()  # those not begun; the begun ones end before it raises
-                raise
-        members: list[Member] = []
-        for row, (uri, path) in enumerate(zip(tars, paths, strict=True)):
-            for member in _listed(path, uri, row, spec.member_suffix or ""):
-                members.append(member)
-                if len(members) > self._max_members:
-                    raise PoisonMessage(
-                        f"its tars hold more than {self._max_members} inputs, a shard's most "
-                        "(--shard-items): give fewer tars a shard ('shard_items')"
-                    )
+                    copy.cancel()  # those not begun
+        failures = [None if copy.cancelled() else copy.exception() for copy in copies]
+        failure = next((f for f in failures if f and not isinstance(f, _Stopped)), None)
+        if failure is None:
+            failure = next((f for f in failures if f), None)
+        if failure is not None:
+            raise failure
+        members = [member for copy in copies for member in copy.result()]
+        self._check_count(len(members))
         return members
 
+    def _copied_members(self, uri: str, row: int, suffix: str) -> list[Member]:
+        """The members of one tar, once it is copied: for `members`, on its own thread."""
+        members = list(_listed(self._copy(uri, row), uri, row, suffix))
+        self._check_count(len(members))
+        return members
+
+    def _check_count(self, members: int) -> None:
+        if members > self._max_members:
+            raise PoisonMessage(
+                f"its tars hold more than {self._max_members} inputs, a shard's most "
+                "(--shard-items): give fewer tars a shard ('shard_items')"
+            )
+
     def _copy(self, uri: str, row: int) -> Path:
-        with self._lock:
-            if self._removed:  # settled meanwhile (a shutdown): nothing will read it
-                raise TransientError("the job was settled while its tars were copied")
-            self.directory.mkdir(exist_ok=True)  # in the daemon's spool, there while it runs
         path = self.directory / f"{row:06d}.tar"
+        with self._lock:  # the file is made before `remove` can take the directory away
+            if self._removed:  # settled meanwhile (a shutdown): nothing will read it
+                raise _Stopped("the job was settled while its tars were copied")
+            self.directory.mkdir(exist_ok=True)  # in the daemon's spool, there while it runs
+            copy = open(path, "wb")  # noqa: SIM115 (closed below, whatever happens)
         chunks = self._blobs.chunks(S3Location.parse(uri), self._max_tar_bytes)
-        with (
-            unreadable_is_poison(f"tar {uri}"),
-            contextlib.closing(chunks),
-            open(path, "wb") as copy,
-        ):
+        with unreadable_is_poison(f"tar {uri}"), contextlib.closing(chunks), copy:
             for chunk in chunks:
+                if self._stop.is_set():
+                    raise _Stopped(f"tar {uri} was not copied whole: the job's copying stopped")
                 copy.write(chunk)
         return path
 
     def remove(self) -> None:
+        self._stop.set()
         with self._lock:
             self._removed = True
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class _Stopped(TransientError):
+    """A copy cut short: another tar of the job could not be used, or the job was
+    settled meanwhile (a shutdown)."""
 
 
 def _listed(path: Path, uri: str, row: int, suffix: str) -> Iterator[Member]:
