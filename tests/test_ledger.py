@@ -52,6 +52,11 @@ def _held(ledger: Ledger, number: int, items: int, log_dir: Path) -> Job:
     return job
 
 
+def _fed(ledger: Ledger, items: int) -> list[tuple[str, int]]:
+    """The next `items` the ledger feeds, as (job key, index)."""
+    return [(job.key, index) for job, index in (ledger.next_item() for _ in range(items))]
+
+
 def test_a_job_goes_through_its_lifecycle_leased_until_settled(tmp_path: Path) -> None:
     """received (leased at once) -> admitted -> running (first item fed) -> finishing
     (last result) -> acked; the lease ends when the job is settled, and the job leaves
@@ -175,8 +180,7 @@ def test_the_feed_takes_jobs_in_turn(tmp_path: Path) -> None:
     small = _held(ledger, 2, 1, tmp_path)
     gone = _held(ledger, 3, 5, tmp_path)
     ledger.release(gone)
-    fed = [ledger.next_item() for _ in range(4)]
-    assert [(job.key, index) for job, index in fed] == [
+    assert _fed(ledger, 4) == [
         (big.key, 0),
         (small.key, 0),
         (big.key, 1),
@@ -212,8 +216,7 @@ def test_shards_are_fed_one_after_another_and_other_jobs_in_turn(tmp_path: Path)
     second = _shard(ledger, 2, 2, tmp_path)
     other = _held(ledger, 3, 3, tmp_path)
     assert (ledger.shards_held(), ledger.tar_shards_held()) == (2, 2)
-    fed = [ledger.next_item() for _ in range(5)]
-    assert [(job.key, index) for job, index in fed] == [
+    assert _fed(ledger, 5) == [
         (first.key, 0),
         (other.key, 0),
         (first.key, 1),
@@ -223,8 +226,7 @@ def test_shards_are_fed_one_after_another_and_other_jobs_in_turn(tmp_path: Path)
     third = _shard(ledger, 4, 2, tmp_path)
     ledger.release(second)
     assert ledger.tar_shards_held() == 2
-    fed = [ledger.next_item() for _ in range(2)]
-    assert [(job.key, index) for job, index in fed] == [(other.key, 2), (third.key, 0)]
+    assert _fed(ledger, 2) == [(other.key, 2), (third.key, 0)]
 
 
 def test_background_items_are_fed_only_while_there_is_room_for_them(tmp_path: Path) -> None:
@@ -234,11 +236,9 @@ def test_background_items_are_fed_only_while_there_is_room_for_them(tmp_path: Pa
     ledger = Ledger()
     ledger.bound_background(2)
     shard = _shard(ledger, 1, 5, tmp_path)
-    fed = [ledger.next_item() for _ in range(2)]
-    assert [(job.key, index) for job, index in fed] == [(shard.key, 0), (shard.key, 1)]
+    assert _fed(ledger, 2) == [(shard.key, 0), (shard.key, 1)]
     waited_for = _held(ledger, 2, 2, tmp_path)
-    fed = [ledger.next_item() for _ in range(2)]
-    assert [(job.key, index) for job, index in fed] == [(waited_for.key, 0), (waited_for.key, 1)]
+    assert _fed(ledger, 2) == [(waited_for.key, 0), (waited_for.key, 1)]
     later: queue.Queue[tuple[Job, int]] = queue.Queue()
     threading.Thread(target=lambda: later.put(ledger.next_item()), daemon=True).start()
     ledger.back_from_pipeline(waited_for.key)  # not background: no room made

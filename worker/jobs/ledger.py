@@ -55,8 +55,10 @@ class Ledger:
         # Items fed and not yet back, by job key: counted until they come back, whether
         # their job is still held or not.
         self._inside: Counter[str] = Counter()
-        # Of those, background ones (`Job.background`): at most `_background_room`.
-        self._background_inside: Counter[str] = Counter()
+        # Of those, how many are background ones (`Job.background`), at most
+        # `_background_room`, and the keys of their jobs.
+        self._background_inside = 0
+        self._background_keys: set[str] = set()
         self._background_room: int | None = None
         self._suspects: set[Job] = set()  # feedable ones
         self._shards = 0  # unsettled jobs that are shards of a planned job
@@ -157,7 +159,8 @@ class Ledger:
                     job, index = picked
                     self._inside[job.key] += 1
                     if job.background:
-                        self._background_inside[job.key] += 1
+                        self._background_inside += 1
+                        self._background_keys.add(job.key)
                     return job, index
                 self._changed.wait(self._next_due_in_s())
             raise Closed
@@ -242,7 +245,7 @@ class Ledger:
         there is room for them; while a suspect is held, only its own, and those only
         once the others' are all back."""
         room = self._background_room
-        if job.background and room is not None and self._background_inside.total() >= room:
+        if job.background and room is not None and self._background_inside >= room:
             return False
         if self._apart is None:
             if not self._suspects:
@@ -260,12 +263,14 @@ class Ledger:
             self._inside[key] -= 1
             if self._inside[key] <= 0:
                 del self._inside[key]
-            if key in self._background_inside:
-                self._background_inside[key] -= 1
-                if self._background_inside[key] <= 0:
-                    del self._background_inside[key]
-                self._changed.notify_all()  # room for a background item
-            elif self._suspects:  # only a suspect waits for the others' items to be back
+            room_made = False
+            if key in self._background_keys:
+                self._background_inside -= 1
+                room_made = self._background_inside + 1 == self._background_room
+                if key not in self._inside:
+                    self._background_keys.discard(key)
+            # A suspect waits for the others' items to be back, background work for room.
+            if self._suspects or room_made:
                 self._changed.notify_all()
 
     def retry_item(self, job: Job, index: int, delay_s: float) -> None:

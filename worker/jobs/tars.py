@@ -82,10 +82,9 @@ class TarCopies:
                 self._stop.set()
                 for copy in copies:
                     copy.cancel()  # those not begun
-        failures = [None if copy.cancelled() else copy.exception() for copy in copies]
-        failure = next((f for f in failures if f and not isinstance(f, _Stopped)), None)
-        if failure is None:
-            failure = next((f for f in failures if f), None)
+        failures = [copy.exception() for copy in copies if not copy.cancelled()]
+        # The first in order that is not a copy cut short by another's failure.
+        failure = min(filter(None, failures), key=lambda f: isinstance(f, _Stopped), default=None)
         if failure is not None:
             raise failure
         members = [member for copy in copies for member in copy.result()]
