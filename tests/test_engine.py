@@ -63,6 +63,17 @@ def test_channel_close_wakes_blocked_reader() -> None:
     assert outcome == ["closed"]
 
 
+def test_a_batch_put_larger_than_the_channel_goes_in_as_the_reader_makes_room() -> None:
+    """The reader waiting for entries is woken for those put before the writer waits
+    for room, and gets every one in order."""
+    channel: Channel[int] = Channel(2)
+    writer = threading.Thread(target=channel.put_all, args=(range(7),))
+    writer.start()
+    taken = [channel.get() for _ in range(7)]
+    writer.join(5)
+    assert taken == list(range(7))
+
+
 def test_get_batch_returns_partial_batch_after_wait() -> None:
     """A lone item is handed out after max_wait, not held until the batch fills."""
     channel: Channel[int] = Channel(10)
@@ -242,6 +253,15 @@ def test_process_stages_move_tensors_through_the_arena() -> None:
     assert sorted(r.value for r in results) == sorted((i * 7, (i * 7) % 256) for i in range(40))
 
 
+def test_children_start_with_openmps_idle_threads_asleep() -> None:
+    """A child's torch threads do not spin on the cores the other children need, unless
+    the environment the daemon was started with says otherwise."""
+    stage = ProcessStage("inference", stagefns.environment_reader)
+    with Pipeline([stage], RecordingObserver()) as pipeline:
+        (result,) = run_items(pipeline, [Item("j", 0, "OMP_WAIT_POLICY")])
+    assert result.value == os.environ.get("OMP_WAIT_POLICY", "PASSIVE") == "PASSIVE"
+
+
 def test_a_prepare_step_runs_in_the_child_first_and_its_errors_are_the_items() -> None:
     """Each item is fetched in the child, then written. A fetch's error is that item's,
     named after the step, transient where the error is; the others' go on. The stage's
@@ -395,6 +415,31 @@ def test_what_a_finish_step_logs_goes_with_its_own_request() -> None:
     assert observer.calls_and_events
     for indices, named in observer.calls_and_events:
         assert named == indices
+
+
+def test_values_at_hand_are_prepared_as_their_request_comes_in_with_their_own_errors() -> None:
+    """A value the set-up says is at hand is prepared on the child's reader thread, not
+    handed to a thread of its own; its error is still the item's, named after the step."""
+    arena = TensorArena((2, 2), slots=16)
+    preprocess = ProcessStage(
+        "preprocess",
+        stagefns.local_fetching_writer,
+        batch_size=4,
+        writes=arena,
+        prepare=PrepareStep("fetch", 30.0),
+    )
+    reader = ProcessStage(
+        "inference", functools.partial(stagefns.sleepy_reader, 0.0), batch_size=4, reads=arena
+    )
+    values = ["local:a", "b", "local:missing", "local:c", "d"]
+    with Pipeline([preprocess, reader], RecordingObserver()) as pipeline:
+        results = {
+            r.index: r for r in run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
+        }
+    threads = {index: results[index].value[0][1] for index in (0, 1, 3, 4)}
+    assert not any(threads[index].startswith("ThreadPoolExecutor") for index in (0, 3))
+    assert all(threads[index].startswith("ThreadPoolExecutor") for index in (1, 4))
+    assert results[2].error == ItemError("FileNotFoundError", "no object missing", "fetch", False)
 
 
 def test_a_stage_that_prepares_needs_a_set_up_that_gives_the_step() -> None:

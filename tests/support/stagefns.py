@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -270,6 +271,25 @@ def fetching_writer(slow_fetch_s: float) -> StageFunction:
     return StageFunction(write, prepare=fetch)
 
 
+def local_fetching_writer() -> StageFunction:
+    """`fetching_writer` whose values that start `local:` are at hand; each output says
+    which thread of the child fetched it."""
+    fetching = fetching_writer(0.0)
+    assert fetching.prepare is not None
+    fetch = fetching.prepare
+
+    def fetch_saying_where(value: str) -> tuple[str, str]:
+        return fetch(value.removeprefix("local:")), threading.current_thread().name
+
+    def write(value: tuple[str, str], out: torch.Tensor) -> tuple[str, str]:
+        out.fill_(7)
+        return value
+
+    return StageFunction(
+        write, prepare=fetch_saying_where, at_hand=lambda value: value.startswith("local:")
+    )
+
+
 class PixelEmbedder(torch.nn.Module):
     """An embedding model's stand-in: each image's first 32 pixel values, as float32."""
 
@@ -422,3 +442,9 @@ def float_for_grey(output: Any, _params: dict[str, Any]) -> dict[str, Any]:
 def float_always(output: Any, _params: dict[str, Any]) -> dict[str, Any]:
     """`float_for_grey` mended: its `score` always a float."""
     return {"score": 0.5 if (np.asarray(output) == GREY).all() else 0.0}
+
+
+def environment_reader() -> Callable[[Sequence[str]], list[str | None]]:
+    """A stage whose items are names of environment variables, and their outputs the
+    child's values of them."""
+    return lambda names: [os.environ.get(name) for name in names]

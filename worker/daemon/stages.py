@@ -87,6 +87,7 @@ def build_pipeline(
                 functools.partial(open_fetch, reader.open, per_process, max_input_bytes)
                 if reader
                 else None,
+                local=on_this_machine,
                 defer_to_device=on_device,
             ),
             workers=settings.preprocess_workers,
@@ -153,6 +154,12 @@ def open_fetch(
     """A preprocessing process's fetcher, with a reader of its own for `connections`
     reads at once."""
     return fetcher(open_reader(connections), max_bytes)
+
+
+def on_this_machine(source: str | LocalPart) -> bool:
+    """Whether `fetcher` reads the input from this machine's disk (a member of a tar
+    copied here), not from S3."""
+    return isinstance(source, LocalPart)
 
 
 def fetcher(get: ObjectReader, max_bytes: int) -> Callable[[str | LocalPart], bytes]:

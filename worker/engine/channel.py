@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -48,14 +48,24 @@ class Channel(Generic[T]):
 
     def put(self, entry: T) -> None:
         """Append `entry`, waiting for room; raises `Closed` once closed."""
+        self.put_all((entry,))
+
+    def put_all(self, entries: Iterable[T]) -> None:
+        """Append `entries` in order, each once there is room for it, under one lock
+        while there is (a batch handed on at once); raises `Closed` once closed."""
+        added = 0
         with self._not_full:
-            while self._held() >= self._capacity and not self._closed:
-                self._not_full.wait()
-            if self._closed:
-                raise Closed
-            ahead = self._ahead is not None and self._ahead(entry)
-            (self._first if ahead else self._entries).append(entry)
-            self._not_empty.notify()
+            for entry in entries:
+                while self._held() >= self._capacity and not self._closed:
+                    self._not_empty.notify(added)  # the readers take what is in first
+                    added = 0
+                    self._not_full.wait()
+                if self._closed:
+                    raise Closed
+                ahead = self._ahead is not None and self._ahead(entry)
+                (self._first if ahead else self._entries).append(entry)
+                added += 1
+            self._not_empty.notify(added)
 
     def get(self) -> T:
         """Take the oldest entry, waiting for one; raises `Closed` once closed."""

@@ -4,6 +4,7 @@ waiting for its answers and its death, replacing it; and why a child was lost.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -262,7 +263,14 @@ def write_requests(conn: Connection, requests: queue.SimpleQueue[Any]) -> None:
 def process_context() -> Any:
     """Children are forked from a server process that has imported torch once (CUDA is
     not initialised there, so forking is safe): a crashed child is replaced in a
-    fraction of a second, where a fresh interpreter importing torch takes seconds."""
+    fraction of a second, where a fresh interpreter importing torch takes seconds.
+
+    The server, and so every child, starts with OpenMP's idle threads asleep, unless the
+    environment says otherwise: by default each spins on a core for a while after every
+    parallel region, and the children share the host's cores with each other and with
+    this process. The model's process spun away a fifth of all the CPU the daemon spent
+    in the host ceiling run (docs/performance.md)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return torch_mp.get_context("forkserver")
 
 

@@ -34,6 +34,7 @@ from worker.engine.wire import (
     ChildPlan,
     KnownGood,
     Prepared,
+    PreparedAtOnce,
     Ready,
     Received,
     Reply,
@@ -86,7 +87,7 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
 
     conn.send(Ready(os.getpid(), stage_fn.about))
     threading.Thread(
-        target=_read_requests, args=(conn, requests, stage_fn.prepare, threads), daemon=True
+        target=_read_requests, args=(conn, requests, stage_fn, threads), daemon=True
     ).start()
     while True:
         request, preparations, started = requests.get()
@@ -171,7 +172,7 @@ def _finished(
 def _read_requests(
     conn: Connection,
     requests: queue.SimpleQueue[Received],
-    prepare: Callable[[Any], Any] | None,
+    stage_fn: StageFunction,
     threads: ThreadPoolExecutor | None,
 ) -> None:
     """Take requests off the pipe as they come and start preparing each at once, so the
@@ -185,11 +186,24 @@ def _read_requests(
         preparations = None
         if isinstance(request, list):
             request = [Task._make(task) for task in request]
-            if prepare is not None and threads is not None:
-                preparations = [threads.submit(prepare, task.value) for task in request]
+            if stage_fn.prepare is not None and threads is not None:
+                preparations = [_preparation(stage_fn, threads, task.value) for task in request]
         requests.put(Received(request, preparations, time.perf_counter()))
         if request is None:
             return
+
+
+def _preparation(
+    stage_fn: StageFunction, threads: ThreadPoolExecutor, value: Any
+) -> Future[Any] | PreparedAtOnce:
+    """A value's preparation: done here if the value is at hand, else under way on a thread."""
+    assert stage_fn.prepare is not None
+    if stage_fn.at_hand is None or not stage_fn.at_hand(value):
+        return threads.submit(stage_fn.prepare, value)
+    try:
+        return PreparedAtOnce(stage_fn.prepare(value))
+    except Exception as error:
+        return PreparedAtOnce(None, error)
 
 
 def _run_request(
@@ -235,7 +249,7 @@ def _sent(conn: Connection, message: Any) -> bool:
 
 
 def _prepared(
-    request: list[Task], preparations: list[Future[Any]], step: PrepareStep
+    request: list[Task], preparations: list[Future[Any] | PreparedAtOnce], step: PrepareStep
 ) -> tuple[list[Task], dict[int, ItemError]]:
     """The request with each item's value prepared, and the errors of those that could
     not be, by position."""

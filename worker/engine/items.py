@@ -43,6 +43,9 @@ class StageFunction:
     probe: Callable[[], object] | None = None
     about: Mapping[str, Any] = field(default_factory=dict)
     prepare: Callable[[Any], Any] | None = None  # per item, before `run`: `PrepareStep`
+    # The values `prepare` takes no time for (their bytes are on this machine): prepared
+    # as their request comes in, not handed to a thread each (which costs more than that).
+    at_hand: Callable[[Any], bool] | None = None
     # `finish(outputs, values) -> outcomes`: each request's outputs (its errors apart) made
     # into what the items carry on, on a thread of the child while the next request runs,
     # so work that does not need the device (postprocessing) never keeps it waiting.

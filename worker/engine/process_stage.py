@@ -435,8 +435,8 @@ class ProcessStage(Stage):
                 item.slot = None
             if self.mode == "fan-out":
                 self._fan_out(item)
-            else:
-                self._outbox.put(item)
+        if self.mode != "fan-out":
+            self._outbox.put_all(items)
 
     def _fan_out(self, item: Item) -> None:
         """Hand the item on as its parts, each in one of the slots taken for them."""

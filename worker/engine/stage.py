@@ -135,8 +135,7 @@ class ThreadStage(Stage):
             live = live_items(items)
             if live:
                 self._run(live)
-            for item in items:
-                self._outbox.put(item)
+            self._outbox.put_all(items)
 
     def _run(self, items: list[Item]) -> None:
         started = time.perf_counter()

@@ -118,9 +118,22 @@ class KnownGood:
         return replace(self, unprepared=list(self.unprepared))
 
 
+class PreparedAtOnce(NamedTuple):
+    """A value prepared as its request came in (`StageFunction.at_hand`), read as its
+    future would be: what it became, or the error preparing it raised."""
+
+    value: Any
+    error: Exception | None = None
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class Received(NamedTuple):
     """A request as a child's reader took it: its items' preparations under way."""
 
     request: Any
-    preparations: list[Future[Any]] | None
+    preparations: list[Future[Any] | PreparedAtOnce] | None
     started: float

@@ -23,7 +23,7 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 
 from worker.engine.channel import Closed
@@ -417,6 +417,11 @@ class Ledger:
     def get(self, key: str) -> Job | None:
         with self._changed:
             return self._jobs.get(key)
+
+    def get_all(self, keys: Iterable[str]) -> list[Job | None]:
+        """`get` of each key, under one lock."""
+        with self._changed:
+            return [self._jobs.get(key) for key in keys]
 
     def unsettled(self) -> list[Job]:
         with self._changed:

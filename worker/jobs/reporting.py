@@ -49,8 +49,11 @@ class JobObserver:
 
     def _jobs_of(self, items: Sequence[Item]) -> list[tuple[Job, int]]:
         counts = Counter(item.job for item in items)
-        jobs = ((self._ledger.get(key), count) for key, count in counts.items())
-        return [(job, count) for job, count in jobs if job is not None and job.log is not None]
+        return [
+            (job, counts[job.key])
+            for job in self._ledger.get_all(counts)
+            if job is not None and job.log is not None
+        ]
 
     def stage_ran(
         self, stage: str, items: Sequence[Item], duration_s: float, events: Sequence[dict[str, Any]]
@@ -59,12 +62,17 @@ class JobObserver:
         if self._timeline is not None:
             self._timeline.record(stage, len(items), duration_s)
         self._metrics.stage_ran(stage, len(items), duration_s)
-        for job, count in self._jobs_of(items):
-            assert job.log is not None
-            with self._timings:
-                job.timings.setdefault(stage, StageTiming()).add(count, duration_s)
+        jobs = self._jobs_of(items)
+        with self._timings:
+            for job, count in jobs:
+                timing = job.timings.get(stage)
+                if timing is None:
+                    timing = job.timings[stage] = StageTiming()
+                timing.add(count, duration_s)
                 if stage in self._batching_stages:
                     job.device_s += duration_s * count / len(items)
+        for job, count in jobs:
+            assert job.log is not None
             if stage in self._batching_stages:
                 job.log.info(
                     "batch_done",

@@ -155,18 +155,21 @@ def fan_out_setup(reference: str) -> StageFunction:
 
 def preprocess_setup(
     reference: str,
-    open_fetch: Callable[[], Callable[[str], bytes]] | None = None,
+    open_fetch: Callable[[], Callable[[Any], bytes]] | None = None,
     *,
+    local: Callable[[Any], bool] | None = None,
     defer_to_device: bool = False,
 ) -> StageFunction:
     """Runs once in each preprocessing process: load the preprocessor and decode its
     samples, which are its probe; with `open_fetch`, make the process's own fetcher of
-    an input's bytes by its URI, which prepares each item. Both work on the payload of
-    the item's `WithParams`. With `defer_to_device`, the inputs the device decodes are
+    an input's bytes by its URI, which prepares each item (those that `local` says are
+    on this machine's disk as their request comes in). They work on the payload of the
+    item's `WithParams`. With `defer_to_device`, the inputs the device decodes are
     left undecoded in their slots (`decode_or_defer`)."""
     torch.set_num_threads(1)
     preprocessor = load_preprocessor(reference)
     fetch = on_payload(open_fetch()) if open_fetch is not None else None
+    at_hand = functools.partial(_payload_is, local) if local is not None else None
     decode = (
         functools.partial(decode_or_defer, load_device_decoder(reference))
         if defer_to_device
@@ -175,7 +178,7 @@ def preprocess_setup(
     preprocess = on_payload(decode)
     samples = tuple(getattr(preprocessor, "samples", ()))
     if not samples:
-        return StageFunction(preprocess, prepare=fetch)
+        return StageFunction(preprocess, prepare=fetch, at_hand=at_hand)
     scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
 
     def probe() -> None:
@@ -188,4 +191,8 @@ def preprocess_setup(
         raise PluginError(
             f"{reference} cannot decode its own samples ({type(error).__name__}: {error})"
         ) from error
-    return StageFunction(preprocess, probe, prepare=fetch)
+    return StageFunction(preprocess, probe, prepare=fetch, at_hand=at_hand)
+
+
+def _payload_is(test: Callable[[Any], bool], value: WithParams) -> bool:
+    return test(value[0])
