@@ -442,6 +442,33 @@ def test_values_at_hand_are_prepared_as_their_request_comes_in_with_their_own_er
     assert results[2].error == ItemError("FileNotFoundError", "no object missing", "fetch", False)
 
 
+@pytest.mark.parametrize(("item_s", "items"), [(0.0, 300), (0.02, 16)])
+def test_a_stage_sized_by_time_sends_cheap_items_in_large_requests_and_costly_ones_few_at_a_time(
+    item_s: float, items: int
+) -> None:
+    """Requests of what a child gets through in about `request_s`: items that cost
+    nothing go many at a time, up to `max_request_items`; items that take 20 ms each go
+    two at a time (the batch size) in 50 ms."""
+    observer = RecordingObserver()
+    arena = TensorArena((2, 2), slots=128)
+    writer = ProcessStage(
+        "preprocess",
+        functools.partial(stagefns.sleepy_writer, item_s),
+        batch_size=2,
+        writes=arena,
+        request_s=0.05,
+        max_request_items=32,
+    )
+    reader = ProcessStage(
+        "inference", functools.partial(stagefns.sleepy_reader, 0.0), batch_size=32, reads=arena
+    )
+    with Pipeline([writer, reader], observer) as pipeline:
+        results = run_items(pipeline, [Item("j", i, i) for i in range(items)])
+    assert sorted(result.index for result in results) == list(range(items))
+    sizes = [count for stage, count in observer.calls if stage == "preprocess"]
+    assert max(sizes) == (32 if item_s == 0 else 2)
+
+
 def test_a_stage_that_prepares_needs_a_set_up_that_gives_the_step() -> None:
     pipeline = Pipeline(
         [

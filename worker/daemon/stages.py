@@ -37,6 +37,13 @@ from worker.settings import Settings
 log = structlog.get_logger()
 
 
+# A preprocessing request holds what a process gets through in about this long, from a
+# request's arrival to its answer, up to a model's batch: a tar's members, read from this
+# machine's disk, thousands a second; objects fetched from S3 or JPEGs decoded on the
+# CPU, a few at a time. It is about what an urgent item waits in a process at most.
+PREPROCESS_REQUEST_S = 0.04
+
+
 def build_pipeline(
     spec: PipelineSpec, settings: Settings, blobs: BlobStore, observer: StageObserver
 ) -> Pipeline:
@@ -93,6 +100,8 @@ def build_pipeline(
             workers=settings.preprocess_workers,
             max_workers=decode_ceiling,
             batch_size=per_process,
+            request_s=PREPROCESS_REQUEST_S,
+            max_request_items=first.batch_size,
             timeout_s=settings.preprocess_timeout_seconds,
             setup_timeout_s=settings.setup_timeout_seconds,
             writes=image_arena,

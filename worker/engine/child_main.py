@@ -115,6 +115,7 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
                 request,
                 failed=failed,
                 known_good=known_good,
+                arrived=started,
             )
             answer = answer._replace(events=list(logs.events))
             if judged is not None:
@@ -183,12 +184,12 @@ def _read_requests(
             request = conn.recv()
         except (EOFError, OSError):  # the daemon is gone: nobody is left to answer
             request = None
-        preparations = None
+        preparations, started = None, time.perf_counter()
         if isinstance(request, list):
             request = [Task._make(task) for task in request]
             if stage_fn.prepare is not None and threads is not None:
                 preparations = [_preparation(stage_fn, threads, task.value) for task in request]
-        requests.put(Received(request, preparations, time.perf_counter()))
+        requests.put(Received(request, preparations, started))
         if request is None:
             return
 
@@ -214,9 +215,11 @@ def _run_request(
     *,
     failed: Mapping[int, ItemError],
     known_good: KnownGood,
+    arrived: float,
 ) -> Reply:
     """Run the request's items but those that `failed` to be prepared; if every item
-    run fails, run the probe too. A fan-out keeps an item it cut up as its known good."""
+    run fails, run the probe too. A fan-out keeps an item it cut up as its known good.
+    The request came in at `arrived` (`time.perf_counter`)."""
     started = time.perf_counter()
     runnable = [task for position, task in enumerate(request) if position not in failed]
     ran, fitting_batch_size = _serve_request(stage_fn.run, plan, gatherer, runnable)
@@ -236,6 +239,7 @@ def _run_request(
         duration_s,
         fault,
         ended_at=time.monotonic(),
+        queued_s=started - arrived,
     )
 
 

@@ -98,6 +98,14 @@ class ProcessStage(Stage):
     With `prepare`, the set-up's `StageFunction.prepare` turns each value into what the
     function takes, in the child, before it runs (`PrepareStep`). `imports` are modules
     its set-up imports: imported once for every child, not by each as it starts.
+
+    With `request_s`, a request holds as many items as would take about that long in a
+    child, from their arrival there to their answer, at the pace of the latest request
+    (at least `batch_size`, at most `max_request_items`): a stage whose items take
+    microseconds each (tar members read from this machine's disk) is not held to
+    requests of a few, each costing this process more than their items cost the child,
+    while one whose items take milliseconds, or wait for slow fetches, keeps its small
+    requests, and an urgent item sent to a child waits about `request_s` at most.
     """
 
     def __init__(
@@ -118,6 +126,8 @@ class ProcessStage(Stage):
         imports: Sequence[str] = (),
         setup_timeout_s: float = 300,
         oom_cooldown_s: float = OOM_COOLDOWN_S,
+        request_s: float | None = None,
+        max_request_items: int | None = None,
     ):
         setups = list(setup) if isinstance(setup, Sequence) else None
         if setups is not None:
@@ -140,6 +150,9 @@ class ProcessStage(Stage):
         self.pipelined = PIPELINED_PREPARING if prepare else PIPELINED_BATCHES
         self.setup_timeout_s = setup_timeout_s
         self.oom_cooldown_s = oom_cooldown_s
+        self.request_s = request_s
+        self.max_request_items = max(batch_size, max_request_items or batch_size)
+        self._item_s: float | None = None  # the latest request's time in a child, an item
         self._children: list[ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
@@ -148,11 +161,21 @@ class ProcessStage(Stage):
 
     @property
     def inbox_capacity(self) -> int:
-        """Room for every slot of the arena it reads: each item waiting holds one, so the
-        arena bounds them already, and a smaller inbox would only hold up the stage
-        before it with items that are ready (and an urgent one behind them)."""
-        floor = super().inbox_capacity
+        """Room for two of its largest requests, and for every slot of the arena it
+        reads: each item waiting holds one, so the arena bounds them already, and a
+        smaller inbox would only hold up the stage before it with items that are ready
+        (and an urgent one behind them)."""
+        floor = max(super().inbox_capacity, 2 * self.max_request_items)
         return max(floor, self.reads.slots) if self.reads is not None else floor
+
+    def current_batch_size(self) -> int:
+        """The items of its next request: its batch size (lowered after an out-of-memory
+        error), or with `request_s`, what a child gets through in that long."""
+        batch_size = super().current_batch_size()
+        item_s = self._item_s
+        if self.request_s is None or not item_s or batch_size < self.batch_size:
+            return batch_size
+        return max(batch_size, min(self.max_request_items, int(self.request_s / item_s)))
 
     def start(
         self,
@@ -412,6 +435,8 @@ class ProcessStage(Stage):
     def _file_reply(self, live: list[Item], reply: Reply) -> None:
         with self._lock:
             self._busy_s += reply.duration_s
+        if live:
+            self._item_s = (reply.queued_s + reply.duration_s) / len(live)
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
         untold = self._lessons.learn(live, reply)

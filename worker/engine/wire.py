@@ -92,6 +92,9 @@ class Reply(NamedTuple):
     # the child began the request queued behind it then, though a finish step may
     # hold this reply back for a while longer.
     ended_at: float = 0.0
+    # How long the request waited in the child before it ran: behind the requests sent
+    # before it, and for its items to be prepared.
+    queued_s: float = 0.0
 
 
 @dataclass
