@@ -24,6 +24,7 @@ from tests.support.pipelines import (
     RecordingObserver,
     fetching_pipeline,
     process_pipeline,
+    results_out,
     run_items,
 )
 from tests.support.timing import wait_until
@@ -108,7 +109,7 @@ def test_an_urgent_item_passes_the_items_queued_before_it() -> None:
         for index in range(8):  # the stage takes four; four wait
             pipeline.submit(Item("background", index, index))
         pipeline.submit(Item("waited-for", 0, 0, urgent=True))
-        out = [pipeline.next_result().job for _ in range(9)]
+        out = [item.job for item in results_out(pipeline, 9)]
     assert out.index("waited-for") < 8, out
 
 
@@ -126,14 +127,13 @@ def test_an_urgent_item_goes_in_the_batch_after_the_one_a_device_runs() -> None:
     with Pipeline(stages, RecordingObserver()) as pipeline:
         for index in range(16):  # the first batch, then three waiting behind it
             pipeline.submit(Item("background", index, index))
-        for _ in range(4):  # the first is done: the second runs, the others wait
-            pipeline.next_result()
+        results_out(pipeline, 4)  # the first is done: the second runs, the others wait
         time.sleep(0.1)
         pipeline.submit(Item("waited-for", 0, 0, urgent=True))
-        out = []
-        while not out or out[-1] != "waited-for":
-            out.append(pipeline.next_result().job)
-    assert out.count("background") < 8, out
+        out: list[str] = []
+        while "waited-for" not in out:
+            out += [item.job for item in pipeline.next_results()]
+    assert out[: out.index("waited-for")].count("background") < 8, out
 
 
 def test_background_room_leaves_a_batch_of_the_arena_to_urgent_items() -> None:
@@ -566,7 +566,7 @@ def test_a_stage_grows_while_the_next_one_waits_and_shrinks_back_once_idle() -> 
     with pipeline:
         feeder = threading.Thread(target=lambda: [pipeline.submit(i) for i in items])
         feeder.start()
-        results = [pipeline.next_result() for _ in items]
+        results = results_out(pipeline, len(items))
         feeder.join()
         assert ("preprocess", 3) in observer.workers
         # A shrink counts at once; the scaler reports it to the observer just after.

@@ -54,7 +54,18 @@ def _held(ledger: Ledger, number: int, items: int, log_dir: Path) -> Job:
 
 def _fed(ledger: Ledger, items: int) -> list[tuple[str, int]]:
     """The next `items` the ledger feeds, as (job key, index)."""
-    return [(job.key, index) for job, index in (ledger.next_item() for _ in range(items))]
+    return [(job.key, index) for job, index in (ledger.next_items(1)[0] for _ in range(items))]
+
+
+def test_items_taken_many_at_a_time_come_in_the_same_turns_as_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """The feeder takes several items a lock: in the jobs' turns, as many as are there."""
+    ledger = Ledger()
+    first, second = _held(ledger, 1, 3, tmp_path), _held(ledger, 2, 2, tmp_path)
+    fed = [(job.key, index) for job, index in ledger.next_items(10)]
+    assert fed == [(first.key, 0), (second.key, 0), (first.key, 1), (second.key, 1), (first.key, 2)]
+    assert ledger.outstanding_items() == 5
 
 
 def test_a_job_goes_through_its_lifecycle_leased_until_settled(tmp_path: Path) -> None:
@@ -67,8 +78,8 @@ def test_a_job_goes_through_its_lifecycle_leased_until_settled(tmp_path: Path) -
     assert ledger.leases() == {job.key: "m1#handle"}
     _admit(ledger, job, 2, tmp_path)
     assert job.state is JobState.ADMITTED and ledger.outstanding_items() == 2
-    assert ledger.next_item() == (job, 0) and job.state is JobState.RUNNING
-    assert ledger.next_item() == (job, 1)
+    assert ledger.next_items(1)[0] == (job, 0) and job.state is JobState.RUNNING
+    assert ledger.next_items(1)[0] == (job, 1)
     assert ledger.record(job.key, 1, DONE) is None
     assert ledger.record(job.key, 0, FAILED) is job
     assert job.state is JobState.FINISHING and (job.succeeded, job.failed) == (1, 1)
@@ -95,7 +106,7 @@ def test_illegal_moves_raise_and_settling_is_won_once(tmp_path: Path) -> None:
     body = json.dumps({"inputs": ["s3://bkt/k"], "output": "s3://bkt/o/"})
     spec = parse_job_message(body, frozenset())
     assert not ledger.admit(late, spec, ["s3://bkt/k"], JobLog(tmp_path / "late.log", "late"))
-    ledger.next_item()
+    ledger.next_items(1)[0]
     with pytest.raises(IllegalTransition):
         ledger.dead_letter(job)
     with pytest.raises(IllegalTransition):
@@ -117,7 +128,7 @@ def test_a_resumed_job_is_fed_only_what_is_left_and_counts_what_it_resumed(
     assert ledger.admit(job, spec, inputs, JobLog(tmp_path / "j.log", "j"), resumed)
     assert (job.resumed, job.succeeded, job.failed) == (2, 1, 1)
     assert ledger.outstanding_items() == 2
-    assert [ledger.next_item()[1] for _ in range(2)] == [1, 3]
+    assert [ledger.next_items(1)[0][1] for _ in range(2)] == [1, 3]
     assert ledger.record(job.key, 3, DONE) is None
     assert ledger.take_unsaved(job) == [(3, DONE)]  # resumed ones are saved
     assert ledger.record(job.key, 1, DONE) is job
@@ -135,7 +146,7 @@ def test_results_with_array_rows_are_not_checkpointed(tmp_path: Path) -> None:
     only) is not taken for a checkpoint: a later delivery computes it again."""
     ledger = Ledger()
     job = _held(ledger, 1, 2, tmp_path)
-    ledger.next_item(), ledger.next_item()
+    ledger.next_items(1)[0], ledger.next_items(1)[0]
     assert ledger.record(job.key, 0, Result(b"{}\n", failed=False, has_arrays=True)) is None
     assert ledger.record(job.key, 1, DONE) is job
     assert ledger.take_unsaved(job) == [(1, DONE)]
@@ -144,7 +155,7 @@ def test_results_with_array_rows_are_not_checkpointed(tmp_path: Path) -> None:
 def test_a_cancelled_job_stops_feeding_and_drops_late_results(tmp_path: Path) -> None:
     ledger = Ledger()
     job = _held(ledger, 1, 3, tmp_path)
-    assert ledger.next_item() == (job, 0)
+    assert ledger.next_items(1)[0] == (job, 0)
     assert ledger.cancel(job) and not ledger.cancel(job)
     assert job.state is JobState.FINISHING and job.status.value == "cancelled"
     assert ledger.outstanding_items() == 0
@@ -153,7 +164,7 @@ def test_a_cancelled_job_stops_feeding_and_drops_late_results(tmp_path: Path) ->
     ledger.forget(job)
     ledger.close()
     with pytest.raises(Closed):
-        ledger.next_item()  # nothing of it left to feed
+        ledger.next_items(1)[0]  # nothing of it left to feed
 
 
 def test_a_job_whose_last_result_lands_while_it_is_found_superseded_finishes(
@@ -165,7 +176,7 @@ def test_a_job_whose_last_result_lands_while_it_is_found_superseded_finishes(
     stop the daemon and charge every held job a receive)."""
     ledger = Ledger()
     job = _held(ledger, 1, 1, tmp_path)
-    assert ledger.next_item() == (job, 0)
+    assert ledger.next_items(1)[0] == (job, 0)
     assert job.state is JobState.RUNNING  # what the progress loop saw
     assert ledger.record(job.key, 0, DONE) is job
     assert not ledger.supersede(job)
@@ -240,7 +251,7 @@ def test_background_items_are_fed_only_while_there_is_room_for_them(tmp_path: Pa
     waited_for = _held(ledger, 2, 2, tmp_path)
     assert _fed(ledger, 2) == [(waited_for.key, 0), (waited_for.key, 1)]
     later: queue.Queue[tuple[Job, int]] = queue.Queue()
-    threading.Thread(target=lambda: later.put(ledger.next_item()), daemon=True).start()
+    threading.Thread(target=lambda: later.put(ledger.next_items(1)[0]), daemon=True).start()
     ledger.back_from_pipeline(waited_for.key)  # not background: no room made
     with pytest.raises(queue.Empty):
         later.get(timeout=0.2)
@@ -256,7 +267,7 @@ def test_a_suspect_shard_waiting_its_turn_is_fed_apart_all_the_same(tmp_path: Pa
     first = _shard(ledger, 1, 2, tmp_path)
     suspect = _shard(ledger, 2, 1, tmp_path, broke_workers=1)
     fed: queue.Queue[tuple[Job, int]] = queue.Queue()
-    threading.Thread(target=lambda: fed.put(ledger.next_item()), daemon=True).start()
+    threading.Thread(target=lambda: fed.put(ledger.next_items(1)[0]), daemon=True).start()
     job, index = fed.get(timeout=5)
     assert (job, index) == (suspect, 0) and first.fed == 0
 
@@ -267,19 +278,19 @@ def test_an_item_fed_again_comes_first_once_due(tmp_path: Path) -> None:
     ledger = Ledger()
     job = _held(ledger, 1, 3, tmp_path)
     other = _held(ledger, 2, 1, tmp_path)
-    assert ledger.next_item() == (job, 0)
+    assert ledger.next_items(1)[0] == (job, 0)
     ledger.retry_item(job, 0, delay_s=0.2)
-    assert ledger.next_item() == (other, 0)
-    assert ledger.next_item() == (job, 1)
-    assert ledger.next_item() == (job, 2)
+    assert ledger.next_items(1)[0] == (other, 0)
+    assert ledger.next_items(1)[0] == (job, 1)
+    assert ledger.next_items(1)[0] == (job, 2)
     started = time.monotonic()
-    assert ledger.next_item() == (job, 0)  # waited for it to be due
+    assert ledger.next_items(1)[0] == (job, 0)  # waited for it to be due
     assert time.monotonic() - started > 0.1 and job.item_retries == {0: 1}
     ledger.retry_item(job, 2, delay_s=0)
     ledger.release(job)
     ledger.close()
     with pytest.raises(Closed):
-        ledger.next_item()
+        ledger.next_items(1)[0]
 
 
 def test_the_feed_stops_when_the_ledger_closes(tmp_path: Path) -> None:
@@ -288,7 +299,7 @@ def test_the_feed_stops_when_the_ledger_closes(tmp_path: Path) -> None:
     ledger.close()
     assert ledger.receive(_message(1)) is None
     with pytest.raises(Closed):
-        ledger.next_item()
+        ledger.next_items(1)[0]
 
 
 def test_a_redelivery_of_a_held_message_renews_its_handle(tmp_path: Path) -> None:
@@ -337,7 +348,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule()
     def feed(self) -> None:
         if any(job.fed < len(job.inputs) and not job.settled for job in self.jobs):
-            self.fed.append(self.ledger.next_item())
+            self.fed.append(self.ledger.next_items(1)[0])
 
     @rule(number=st.integers(0, 50), failed=st.booleans())
     def result(self, number: int, failed: bool) -> None:
@@ -351,7 +362,7 @@ class LedgerMachine(RuleBasedStateMachine):
             job, index = self.fed.pop(number % len(self.fed))
             self.ledger.retry_item(job, index, delay_s=0)
             if job.state is JobState.RUNNING:
-                self.fed.append(self.ledger.next_item())
+                self.fed.append(self.ledger.next_items(1)[0])
 
     @rule(number=st.integers(0, 50), state=st.sampled_from(sorted(SETTLE)))
     def settle(self, number: int, state: JobState) -> None:
@@ -439,7 +450,7 @@ def test_a_suspect_is_fed_apart_once_the_others_items_are_back(tmp_path: Path) -
     def feed() -> None:
         with contextlib.suppress(Closed):
             while True:
-                fed.put(ledger.next_item())
+                fed.put(ledger.next_items(1)[0])
 
     def fed_within(timeout_s: float) -> tuple[Job, int] | None:
         try:
@@ -454,7 +465,7 @@ def test_a_suspect_is_fed_apart_once_the_others_items_are_back(tmp_path: Path) -
         else:
             ledger.record(job.key, index, result)
 
-    assert ledger.next_item() == (plain, 0)  # fed before the suspect came
+    assert ledger.next_items(1)[0] == (plain, 0)  # fed before the suspect came
     _admit(ledger, suspect, 2, tmp_path)
     threading.Thread(target=feed, daemon=True).start()
     assert fed_within(0.2) is None  # plain's item is inside: the suspect waits, others too

@@ -42,9 +42,16 @@ class RecordingObserver:
 
 
 def run_items(pipeline: Pipeline, items: list[Item]) -> list[Item]:
-    for item in items:
-        pipeline.submit(item)
-    return [pipeline.next_result() for _ in items]
+    pipeline.submit(*items)
+    return results_out(pipeline, len(items))
+
+
+def results_out(pipeline: Pipeline, count: int) -> list[Item]:
+    """Items out of the pipeline, in the order they came, once at least `count` are."""
+    out: list[Item] = []
+    while len(out) < count:
+        out += pipeline.next_results()
+    return out
 
 
 def process_pipeline(

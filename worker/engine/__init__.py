@@ -24,7 +24,7 @@ functions and knows nothing of images, models, S3 or SQS.
   numbers travel through pipes.
 - A fan-out stage turns each item into parts (an image into crops of what a detector
   found), each in a slot of another arena; later stages run the parts as items, and
-  `Pipeline.next_result` puts each item back together from its parts, in order.
+  `Pipeline.next_results` puts each item back together from its parts, in order.
 
 What runs where. In the daemon's process: `pipeline` (the stages and channels),
 `stage` (thread stages, and what all stages share), `process_stage` (a process stage's

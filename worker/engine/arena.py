@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -36,20 +36,23 @@ class TensorArena:
         self.slots = slots
         self.tensor = torch.empty((slots, *slot_shape), dtype=dtype).share_memory_()
         self._free: Channel[int] = Channel(slots)
-        for slot in range(slots):
-            self._free.put(slot)
+        self._free.put_all(range(slots))
 
-    def acquire(self) -> int:
-        """A free slot's number, waiting for one; raises `Closed` after `close`."""
-        return self._free.get()
+    def acquire(self, count: int) -> list[int]:
+        """`count` free slots' numbers, each taken as it comes free; raises `Closed`
+        after `close`."""
+        slots: list[int] = []
+        while len(slots) < count:
+            slots += self._free.get_batch(count - len(slots), 0.0)
+        return slots
 
     def try_acquire(self, count: int) -> list[int] | None:
         """`count` free slots if there are that many now, else None (none taken)."""
         return self._free.take_now(count)
 
-    def release(self, slot: int) -> None:
-        """Give a slot back once its reader is done with it."""
-        self._free.put(slot)
+    def release(self, slots: Iterable[int]) -> None:
+        """Give slots back once their reader is done with them."""
+        self._free.put_all(slots)
 
     def close(self) -> None:
         """Wake everyone waiting for a slot."""

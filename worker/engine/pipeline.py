@@ -36,7 +36,7 @@ def logging_failures(run: Callable[[], None], name: str) -> None:
 
 
 class Pipeline:
-    """Stages joined by bounded channels: `submit` items in, take `next_result` out."""
+    """Stages joined by bounded channels: `submit` items in, take `next_results` out."""
 
     def __init__(
         self,
@@ -145,22 +145,26 @@ class Pipeline:
         reader = next(stage for stage in processes if stage.reads is first)
         return max(1, first.slots - reader.batch_size) + sum(arena.slots for arena in later)
 
-    def submit(self, item: Item) -> None:
-        """Feed an item in, waiting while the first stage is full; `Closed` when stopping."""
-        self._channels[0].put(item)
+    def submit(self, *items: Item) -> None:
+        """Feed items in, in order, waiting while the first stage is full; `Closed` when
+        stopping."""
+        self._channels[0].put_all(items)
 
-    def next_result(self) -> Item:
-        """The next item out of the last stage, in completion order, an item made of
-        parts once all of them are out; `Closed` when stopping."""
-        while True:
-            item = self._channels[-1].get()
-            if item.part is None:
-                return item
-            parts = self._wholes.setdefault(item.part.whole, [])
-            parts.append((item.part, item))
-            if len(parts) == item.part.count:
-                del self._wholes[item.part.whole]
-                return whole_of(parts)
+    def next_results(self) -> list[Item]:
+        """The items out of the last stage by now, waiting for one, in completion order,
+        an item made of parts once all of them are out; `Closed` when stopping."""
+        results: list[Item] = []
+        while not results:
+            for item in self._channels[-1].get_batch(OUTPUT_CAPACITY, 0.0):
+                if item.part is None:
+                    results.append(item)
+                    continue
+                parts = self._wholes.setdefault(item.part.whole, [])
+                parts.append((item.part, item))
+                if len(parts) == item.part.count:
+                    del self._wholes[item.part.whole]
+                    results.append(whole_of(parts))
+        return results
 
     def close(self) -> None:
         """Stop every stage and child process, all at once, within about two

@@ -417,20 +417,25 @@ class ProcessStage(Stage):
         a writing stage gives them slots first, `reserved` ones or else as they come
         free (waiting while none is)."""
         spare = list(reserved)
-        for item in live:
-            if self.mode == "write" and item.slot is None:
-                assert self.writes is not None
-                item.slot = spare.pop() if spare else self.writes.acquire()
-            elif self.mode == "fan-out" and not item.part_slots:
-                assert self.writes is not None
-                item.part_slots = tuple(self.writes.acquire() for _ in range(self.max_parts))
+        if self.mode == "write":
+            assert self.writes is not None
+            unslotted = [item for item in live if item.slot is None]
+            slots = spare + self.writes.acquire(len(unslotted) - len(spare))
+            for item, slot in zip(unslotted, slots, strict=False):
+                item.slot = slot
+            spare = slots[len(unslotted) :]
+        elif self.mode == "fan-out":
+            assert self.writes is not None
+            for item in live:
+                if not item.part_slots:
+                    item.part_slots = tuple(self.writes.acquire(self.max_parts))
         self._give_back(spare)
         return [(item.slot, item.value, item.part_slots) for item in live]
 
     def _give_back(self, slots: Sequence[int]) -> None:
-        for slot in slots:
+        if slots:
             assert self.writes is not None
-            self.writes.release(slot)
+            self.writes.release(slots)
 
     def _file_reply(self, live: list[Item], reply: Reply) -> None:
         with self._lock:
@@ -453,13 +458,17 @@ class ProcessStage(Stage):
     def _forward(self, items: list[Item]) -> None:
         """Hand the batch on, giving back the arena slots a reading stage is done with.
         An item's tries are this stage's: the next stage gives it as many again."""
+        done_with: list[int] = []
         for item in items:
             item.attempts = 0
             if self.reads is not None and not self.keeps_slots and item.slot is not None:
-                self.reads.release(item.slot)
+                done_with.append(item.slot)
                 item.slot = None
             if self.mode == "fan-out":
                 self._fan_out(item)
+        if done_with:
+            assert self.reads is not None
+            self.reads.release(done_with)
         if self.mode != "fan-out":
             self._outbox.put_all(items)
 
@@ -468,8 +477,7 @@ class ProcessStage(Stage):
         assert self.writes is not None
         abouts: list[Any] = [] if item.error is not None else item.value
         slots, item.part_slots = item.part_slots, ()
-        for slot in slots[len(abouts) :]:
-            self.writes.release(slot)
+        self._give_back(slots[len(abouts) :])
         if item.error is not None:
             self._outbox.put(item)
         elif not abouts:

@@ -584,6 +584,11 @@ def _check_breakages(message: ReceivedMessage) -> None:
         )
 
 
+# Items the feeder takes from the ledger, and feeds in, at a time: a lock each, not one
+# an item; a job admitted meanwhile waits for at most these to go in before its own.
+FED_AT_ONCE = 32
+
+
 class Feeder:
     """Feeds held jobs' items into the pipeline in the ledger's round-robin order; the
     one loop that waits on the pipeline."""
@@ -594,10 +599,12 @@ class Feeder:
 
     def run(self) -> None:
         while True:
-            job, index = self._ledger.next_item()
-            assert job.spec is not None
-            if job.started_at is None:  # its run's time counts from now (`Commit.seconds`)
-                job.started_at = time.time()
-            # The params go with it to the model's process, which postprocesses (WithParams).
-            value = (job.source(index), job.spec.params)
-            self._pipeline.submit(Item(job.key, index, value, urgent=not job.background))
+            items = []
+            for job, index in self._ledger.next_items(FED_AT_ONCE):
+                assert job.spec is not None
+                if job.started_at is None:  # its run's time counts from now (`Commit.seconds`)
+                    job.started_at = time.time()
+                # The params go with it to the model's process, which postprocesses (WithParams).
+                value = (job.source(index), job.spec.params)
+                items.append(Item(job.key, index, value, urgent=not job.background))
+            self._pipeline.submit(*items)

@@ -148,25 +148,28 @@ class Ledger:
             self._changed.notify_all()
             return True
 
-    def next_item(self) -> tuple[Job, int]:
-        """The next item to feed: one due to be fed again, else the next of the jobs in
-        turn, so a small job is not stuck behind a big one; its job moves ADMITTED ->
-        RUNNING with its first item. Waits for one; raises `Closed` once closed."""
+    def next_items(self, most: int) -> list[tuple[Job, int]]:
+        """The next items to feed, up to `most`, in turn: one due to be fed again, else
+        the next of the jobs in turn, so a small job is not stuck behind a big one; a
+        job moves ADMITTED -> RUNNING with its first item. Waits for one; raises
+        `Closed` once closed."""
+        picked: list[tuple[Job, int]] = []
         with self._changed:
             while not self._closed:
-                picked = self._pick()
-                if picked is not None:
-                    job, index = picked
+                while len(picked) < most and (pick := self._pick()) is not None:
+                    job = pick[0]
                     self._inside[job.key] += 1
                     if job.background:
                         self._background_inside += 1
                         self._background_keys.add(job.key)
-                    return job, index
+                    picked.append(pick)
+                if picked:
+                    return picked
                 self._changed.wait(self._next_due_in_s())
             raise Closed
 
     def _pick(self) -> tuple[Job, int] | None:
-        """The next item `next_item` may feed now, if any."""
+        """The next item `next_items` may feed now, if any."""
         now = time.monotonic()
         held_back = []  # items due again whose job may not be fed now (a suspect is)
         picked = None
@@ -257,18 +260,20 @@ class Ledger:
             self._apart = suspect
         return job is self._apart
 
-    def back_from_pipeline(self, key: str) -> None:
-        """An item the feeder gave out came back (its job may be settled by now)."""
+    def back_from_pipeline(self, *keys: str) -> None:
+        """Items the feeder gave out came back, of these jobs' keys (one for each; the
+        jobs may be settled by now)."""
         with self._changed:
-            self._inside[key] -= 1
-            if self._inside[key] <= 0:
-                del self._inside[key]
             room_made = False
-            if key in self._background_keys:
-                self._background_inside -= 1
-                room_made = self._background_inside + 1 == self._background_room
-                if key not in self._inside:
-                    self._background_keys.discard(key)
+            for key in keys:
+                self._inside[key] -= 1
+                if self._inside[key] <= 0:
+                    del self._inside[key]
+                if key in self._background_keys:
+                    self._background_inside -= 1
+                    room_made |= self._background_inside + 1 == self._background_room
+                    if key not in self._inside:
+                        self._background_keys.discard(key)
             # A suspect waits for the others' items to be back, background work for room.
             if self._suspects or room_made:
                 self._changed.notify_all()

@@ -77,19 +77,25 @@ class Regrouper:
 
     def run(self) -> None:
         while True:
-            item = self._pipeline.next_result()
+            items = self._pipeline.next_results()
             self._progress.beat()
-            self._ledger.back_from_pipeline(item.job)
-            job = self._ledger.get(item.job)
-            if job is None or job.state is not JobState.RUNNING:
-                continue  # released while its items were inside
-            result = self._result(job, item)
-            if result is None:
-                continue  # fed again, or its job given back
-            self._metrics.item_finished(failed=result.failed)
-            finished = self._ledger.record(item.job, item.index, result)
-            if finished is not None:
-                self._finisher.submit(finished)
+            self._ledger.back_from_pipeline(*(item.job for item in items))
+            for item in items:
+                self._file(item)
+
+    def _file(self, item: Item) -> None:
+        """Record an item's result in its job, and have the job finished if it was its
+        last."""
+        job = self._ledger.get(item.job)
+        if job is None or job.state is not JobState.RUNNING:
+            return  # released while its items were inside
+        result = self._result(job, item)
+        if result is None:
+            return  # fed again, or its job given back
+        self._metrics.item_finished(failed=result.failed)
+        finished = self._ledger.record(item.job, item.index, result)
+        if finished is not None:
+            self._finisher.submit(finished)
 
     def _retry(self, job: Job, item: Item, error: ItemError) -> None:
         """Feed the item again after a backoff; once it has had `INPUT_RETRIES` tries,
