@@ -58,8 +58,9 @@ def build_pipeline(
     # Enough decoded images, for each process of the model that reads them, for the
     # batch being inferred and the next two being assembled, and two in the hands of
     # each worker that writes or (a fan-out) still reads them; for the inputs that
-    # the floor's preprocessing processes fetch ahead, several requests each; and a
-    # batch that background work leaves to urgent items (`Pipeline.background_room`).
+    # the floor's preprocessing processes fetch ahead, several requests each (larger
+    # requests, of cheap items, wait for slots as they come free); and a batch that
+    # background work leaves to urgent items (`Pipeline.background_room`).
     image_arena = TensorArena(
         images,
         3 * first.batch_size * len(_devices(first, settings))
