@@ -259,6 +259,25 @@ def test_background_items_are_fed_only_while_there_is_room_for_them(tmp_path: Pa
     assert later.get(timeout=5) == (shard, 2)
 
 
+def test_items_taken_many_at_a_time_keep_within_the_room_and_come_back_together(
+    tmp_path: Path,
+) -> None:
+    """Taken several at a time, background items stop at the room there is; given back
+    several at a time, they make room as given back one by one would."""
+    ledger = Ledger()
+    ledger.bound_background(3)
+    shard = _shard(ledger, 1, 8, tmp_path)
+    assert [index for _, index in ledger.next_items(32)] == [0, 1, 2]
+    later: queue.Queue[list[int]] = queue.Queue()
+    threading.Thread(
+        target=lambda: later.put([index for _, index in ledger.next_items(32)]), daemon=True
+    ).start()
+    with pytest.raises(queue.Empty):
+        later.get(timeout=0.2)
+    ledger.back_from_pipeline(shard.key, shard.key)
+    assert later.get(timeout=5) == [3, 4]
+
+
 def test_a_suspect_shard_waiting_its_turn_is_fed_apart_all_the_same(tmp_path: Path) -> None:
     """A shard taken while another runs, whose message broke a worker before (a
     suspect): fed apart once the first shard's items are back, though it is not its turn

@@ -16,6 +16,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from bench.harness import HOST_JOB_SIZE, tar_of
@@ -39,7 +41,7 @@ from worker.jobs.job import Place
 from worker.jobs.ledger import Ledger
 from worker.jobs.message import JobMessage, PoisonMessage, TarMembers
 from worker.jobs.plan import shard_body
-from worker.jobs.tars import TarCopies
+from worker.jobs.tars import TarCopies, _checksum
 from worker.plugins.identity import ModelIdentity
 from worker.ports import S3Location
 
@@ -179,6 +181,15 @@ def test_a_tar_that_cannot_be_used_is_poison_naming_it(
         blobs.objects["s3://bkt/t.tar"] = data
     with pytest.raises(PoisonMessage, match=reason):
         _copies(tmp_path, blobs, max_members=3).members(["s3://bkt/t.tar"], TarMembers())
+
+
+@given(st.binary(min_size=512, max_size=512))
+@example(b"\xff" * 512)
+@example(bytes(512))
+def test_a_headers_checksum_is_the_sum_of_its_bytes_its_field_taken_as_spaces(
+    header: bytes,
+) -> None:
+    assert _checksum(header) == sum(header[:148]) + 8 * ord(" ") + sum(header[156:])
 
 
 def test_a_tar_job_is_another_request_than_one_of_the_same_objects() -> None:

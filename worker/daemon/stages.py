@@ -168,8 +168,8 @@ def open_fetch(
 
 def on_this_machine(source: str | LocalPart) -> bool:
     """Whether `fetcher` reads the input from this machine's disk (a member of a tar
-    copied here), not from S3."""
-    return isinstance(source, LocalPart)
+    copied here, the copy still there), not from S3."""
+    return isinstance(source, LocalPart) and os.path.exists(source.path)
 
 
 def fetcher(get: ObjectReader, max_bytes: int) -> Callable[[str | LocalPart], bytes]:

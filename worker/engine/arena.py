@@ -39,12 +39,10 @@ class TensorArena:
         self._free.put_all(range(slots))
 
     def acquire(self, count: int) -> list[int]:
-        """`count` free slots' numbers, each taken as it comes free; raises `Closed`
-        after `close`."""
-        slots: list[int] = []
-        while len(slots) < count:
-            slots += self._free.get_batch(count - len(slots), 0.0)
-        return slots
+        """`count` free slots' numbers, taken together once that many are free: a
+        taker that held some while it waited for the rest could, with others doing the
+        same, hold every slot with none of them done. Raises `Closed` after `close`."""
+        return self._free.take(count) if count > 0 else []
 
     def try_acquire(self, count: int) -> list[int] | None:
         """`count` free slots if there are that many now, else None (none taken)."""

@@ -35,6 +35,7 @@ class Channel(Generic[T]):
         self._first: deque[T] = deque()  # the entries `ahead` picked out
         self._entries: deque[T] = deque()
         self._closed = False
+        self._taking = 0  # readers waiting in `take`
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._not_full = threading.Condition(self._lock)
@@ -57,7 +58,7 @@ class Channel(Generic[T]):
         with self._not_full:
             for entry in entries:
                 while self._held() >= self._capacity and not self._closed:
-                    self._not_empty.notify(added)  # the readers take what is in first
+                    self._wake_readers(added)  # they take what is in first
                     added = 0
                     self._not_full.wait()
                 if self._closed:
@@ -65,6 +66,14 @@ class Channel(Generic[T]):
                 ahead = self._ahead is not None and self._ahead(entry)
                 (self._first if ahead else self._entries).append(entry)
                 added += 1
+            self._wake_readers(added)
+
+    def _wake_readers(self, added: int) -> None:
+        """After `added` entries came in: a reader each, or every reader while one waits
+        for several (`take`), which a wake-up meant for another could leave waiting."""
+        if self._taking:
+            self._not_empty.notify_all()
+        elif added:
             self._not_empty.notify(added)
 
     def get(self) -> T:
@@ -97,6 +106,25 @@ class Channel(Generic[T]):
             if self._held():
                 self._not_empty.notify()
             return batch
+
+    def take(self, count: int) -> list[T]:
+        """Take `count` entries together, waiting until that many are in (none taken
+        meanwhile); raises `Closed` once closed."""
+        if count > self._capacity:
+            raise ValueError(f"{count} entries asked of a channel of {self._capacity}")
+        with self._not_empty:
+            self._taking += 1
+            try:
+                while self._held() < count and not self._closed:
+                    self._not_empty.wait()
+            finally:
+                self._taking -= 1
+            if self._closed:
+                raise Closed
+            taken = self._take(count)
+            if self._held():
+                self._not_empty.notify()
+            return taken
 
     def take_now(self, count: int) -> list[T] | None:
         """Take `count` entries if that many are in now, else none: never waits."""

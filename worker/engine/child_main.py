@@ -197,14 +197,16 @@ def _read_requests(
 def _preparation(
     stage_fn: StageFunction, threads: ThreadPoolExecutor, value: Any
 ) -> Future[Any] | PreparedAtOnce:
-    """A value's preparation: done here if the value is at hand, else under way on a thread."""
+    """A value's preparation: done here if the value is at hand, else under way on a
+    thread. What `at_hand` or the step raises here is the item's error."""
     assert stage_fn.prepare is not None
-    if stage_fn.at_hand is None or not stage_fn.at_hand(value):
-        return threads.submit(stage_fn.prepare, value)
-    try:
-        return PreparedAtOnce(stage_fn.prepare(value))
-    except Exception as error:
-        return PreparedAtOnce(None, error)
+    if stage_fn.at_hand is not None:
+        try:
+            if stage_fn.at_hand(value):
+                return PreparedAtOnce(stage_fn.prepare(value))
+        except Exception as error:
+            return PreparedAtOnce(None, error)
+    return threads.submit(stage_fn.prepare, value)
 
 
 def _run_request(

