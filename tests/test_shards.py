@@ -4,6 +4,7 @@ and whoever commits the last merges what an unsharded run writes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -225,6 +226,35 @@ class _ComposeFails(InMemoryBlobStore):
             self.failures -= 1
             raise TransientError("SlowDown (fake)")
         return super().compose(location, sources, content_type, **kwargs)
+
+
+class _ComposesTimed(InMemoryBlobStore):
+    """A store whose composes take a tenth of a second each, and that keeps when each
+    began and ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.composes: list[tuple[float, float]] = []
+
+    def compose(self, location: Any, sources: Any, content_type: str, **kwargs: Any) -> str:
+        began = time.monotonic()
+        time.sleep(0.1)
+        etag = super().compose(location, sources, content_type, **kwargs)
+        self.composes.append((began, time.monotonic()))
+        return etag
+
+
+def test_a_merge_writes_its_outputs_one_after_another(tmp_path: Path) -> None:
+    """A merge's outputs are written one after another: two mergers at once (the last
+    two shards committed together) writing them side by side could each win one file
+    and lose the other, and both stop with the job never finished (seen in CI)."""
+    source, blobs = InMemoryJobSource(), _ComposesTimed()
+    _send(source, "in-turn", sample_images(blobs, 4), shard_items=2)
+    run_until_drained(source, blobs, tmp_path)
+    assert job_file(blobs, "in-turn", "job.json")["status"] == "succeeded"
+    spans = sorted(blobs.composes)
+    assert len(spans) == 2  # results.jsonl, job.log
+    assert all(ended <= began for (_, ended), (began, _) in itertools.pairwise(spans))
 
 
 def test_a_merge_that_fails_is_done_by_the_last_shards_redelivery(tmp_path: Path) -> None:

@@ -415,9 +415,10 @@ class Shards:
 
     def merge_if_complete(self, spec: JobMessage, plan: Plan) -> dict[str, Any] | None:
         """If every shard is committed and the job is not merged yet: its results.jsonl
-        and job.log, the shards' parts in input order, then its job.json, each written
-        on condition that it is as listed (another merger that wrote first fences this
-        one off); then the shards' files and every checkpoint under the output go.
+        and job.log, the shards' parts in input order, then its job.json, one after
+        another, each written on condition that it is as listed (another merger that
+        wrote first fences this one off); then the shards' files and every checkpoint
+        under the output go.
         Returns the job.json written, or None."""
         directory = shard_directory(spec, plan.request_digest)
         listing = self._blobs.objects_under(directory)
@@ -459,7 +460,11 @@ class Shards:
             ]
         logs = ("job.log", [commit.log for commit in commits], NDJSON)
         try:
-            outputs = dict(each_at_once(lambda output: compose(*output), [*results, logs]))
+            # One after another, in this order: of two mergers at once, each writing on
+            # condition that a file is as it listed it, the first fenced off stops, and
+            # the other is fenced by nothing it did after; side by side, each could
+            # win a file the other lost, and both stop with no job.json written.
+            outputs = dict(compose(*output) for output in [*results, logs])
             summary = self._summary(plan, commits)
             summary["outputs"] = outputs
             self._blobs.put(
