@@ -157,7 +157,7 @@ class ProcessStage(Stage):
         # The latest two requests' (time in a child, items): together they size the
         # next, so that a short request, whose time is mostly its wait behind a long
         # one, does not swing the size of the next.
-        self._recent: deque[tuple[float, int]] = deque(maxlen=2)
+        self._request_times: deque[tuple[float, int]] = deque(maxlen=2)
         self._children: list[ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
@@ -177,7 +177,7 @@ class ProcessStage(Stage):
         """The items of its next request: its batch size (lowered after an out-of-memory
         error), or with `request_s`, what a child gets through in that long."""
         batch_size = super().current_batch_size()
-        recent = list(self._recent)
+        recent = list(self._request_times)
         items = sum(count for _, count in recent)
         if self.request_s is None or not items or batch_size < self.batch_size:
             return batch_size
@@ -450,7 +450,7 @@ class ProcessStage(Stage):
         with self._lock:
             self._busy_s += reply.duration_s
         if live:
-            self._recent.append((reply.queued_s + reply.duration_s, len(live)))
+            self._request_times.append((reply.queued_s + reply.duration_s, len(live)))
         if reply.fitting_batch_size is not None:
             self.lower_batch_size(reply.fitting_batch_size, self.oom_cooldown_s)
         untold = self._lessons.learn(live, reply)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -168,7 +169,7 @@ class Job:
     output_etags: dict[str, str] = field(default_factory=dict)  # as seen at admission
     checkpoint: CheckpointState = field(default_factory=CheckpointState)
     progress_reported: int = 0
-    timings: dict[str, StageTiming] = field(default_factory=dict)
+    timings: defaultdict[str, StageTiming] = field(default_factory=lambda: defaultdict(StageTiming))
     device_s: float = 0.0  # its share of the batches it was in, on the models' devices
     plan: Plan | None = None  # of the job it is a shard of
     committed: bool = False  # its commit marker is written: a finish tried again merges only

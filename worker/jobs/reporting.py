@@ -13,7 +13,7 @@ import structlog
 
 from worker.engine import Item
 from worker.jobs.checkpoints import Checkpoints, Halt
-from worker.jobs.job import FEEDABLE, Job, StageTiming
+from worker.jobs.job import FEEDABLE, Job
 from worker.jobs.ledger import Ledger
 from worker.jobs.shards import Shards
 from worker.ports import BlobStore
@@ -62,18 +62,15 @@ class JobObserver:
         if self._timeline is not None:
             self._timeline.record(stage, len(items), duration_s)
         self._metrics.stage_ran(stage, len(items), duration_s)
-        jobs = self._jobs_of(items)
+        jobs, batching = self._jobs_of(items), stage in self._batching_stages
         with self._timings:
             for job, count in jobs:
-                timing = job.timings.get(stage)
-                if timing is None:
-                    timing = job.timings[stage] = StageTiming()
-                timing.add(count, duration_s)
-                if stage in self._batching_stages:
+                job.timings[stage].add(count, duration_s)
+                if batching:
                     job.device_s += duration_s * count / len(items)
         for job, count in jobs:
             assert job.log is not None
-            if stage in self._batching_stages:
+            if batching:
                 job.log.info(
                     "batch_done",
                     stage=stage,

@@ -79,14 +79,14 @@ class Regrouper:
         while True:
             items = self._pipeline.next_results()
             self._progress.beat()
-            self._ledger.back_from_pipeline(*(item.job for item in items))
-            for item in items:
-                self._file(item)
+            keys = [item.job for item in items]
+            self._ledger.back_from_pipeline(*keys)
+            for item, job in zip(items, self._ledger.get_all(keys), strict=True):
+                self._file(item, job)
 
-    def _file(self, item: Item) -> None:
-        """Record an item's result in its job, and have the job finished if it was its
-        last."""
-        job = self._ledger.get(item.job)
+    def _file(self, item: Item, job: Job | None) -> None:
+        """Record an item's result in its job (None: no longer held), and have the job
+        finished if it was its last."""
         if job is None or job.state is not JobState.RUNNING:
             return  # released while its items were inside
         result = self._result(job, item)
