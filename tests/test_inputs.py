@@ -3,10 +3,13 @@ in-memory store: what each yields, in order, and what makes its message poison."
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gzip
 import io
 import json
+import tracemalloc
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -14,8 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from worker.adapters.fakes import FAKE_LIST_PAGE, InMemoryBlobStore
-from worker.jobs.inputs import Input, InputReader
+from worker.jobs.inputs import MAX_ID_BYTES, Input, InputReader
 from worker.jobs.message import PoisonMessage, parse_job_message
+from worker.ports import S3_MAX_KEY_BYTES
 
 NO_LIMIT: frozenset[str] = frozenset()
 
@@ -197,3 +201,137 @@ def test_a_shard_inputs_file_an_older_planner_wrote_still_reads() -> None:
         Input("s3://pix/b", "7"),
         Input("s3://pix/c", "x"),
     ]
+
+
+# A URI of a million characters, as a table's cell may hold: about 1 KB gzipped.
+MEGABYTE_URI = "s3://pix/" + "a" * (10**6 - len("s3://pix/"))
+OVER_A_KEY = "k" * (S3_MAX_KEY_BYTES + 1)
+
+
+def _manifest_of(*lines: str) -> bytes:
+    return "".join(f"{line}\n" for line in lines).encode()
+
+
+def _inventory(blobs: InMemoryBlobStore, rows: bytes) -> str:
+    """An S3 Inventory report of one gzipped CSV file of `rows`; its manifest's URI."""
+    blobs.objects["s3://tbl/inv/1.csv.gz"] = gzip.compress(rows)
+    manifest = {
+        "destinationBucket": "arn:aws:s3:::tbl",
+        "fileFormat": "CSV",
+        "fileSchema": "Bucket, Key",
+        "files": [{"key": "inv/1.csv.gz"}],
+    }
+    blobs.objects["s3://tbl/inv/manifest.json"] = json.dumps(manifest).encode()
+    return "s3://tbl/inv/manifest.json"
+
+
+@pytest.mark.parametrize(
+    ("key", "where"),
+    [
+        (OVER_A_KEY, "row 3"),
+        ("é" * (S3_MAX_KEY_BYTES // 2 + 1), "row 3"),  # 513 characters, 1,026 bytes of UTF-8
+        (MEGABYTE_URI.removeprefix("s3://pix/"), "row 3"),
+    ],
+    ids=["1025-bytes", "1026-bytes-of-utf8", "a-megabyte"],
+)
+def test_a_table_row_whose_key_is_over_s3s_limit_makes_the_message_poison_naming_row_and_limit(
+    key: str, where: str
+) -> None:
+    """A CSV row, a Parquet row and an inventory row whose key is over 1,024 bytes of
+    UTF-8 (S3's most) are refused at that row, with the limit named."""
+    blobs = InMemoryBlobStore()
+    uris = ["s3://pix/a", "s3://pix/b", f"s3://pix/{key}"]
+    blobs.objects["s3://tbl/a.csv"] = _manifest_of("uri", *uris)
+    blobs.objects["s3://tbl/a.parquet"] = _parquet(pa.table({"uri": uris}))
+    inventory = _inventory(blobs, _manifest_of(*(f'"pix","{uri[9:]}"' for uri in uris)))
+    for source in (
+        {"table": {"uri": "s3://tbl/a.csv"}},
+        {"table": {"uri": "s3://tbl/a.parquet"}},
+        {"inventory": inventory},
+    ):
+        with pytest.raises(PoisonMessage, match=f"{where}[: ].*limit.* 1024 bytes") as refused:
+            _read(blobs, **source)
+        assert len(str(refused.value)) < 500  # the URI is not quoted whole
+
+
+def test_a_manifest_line_or_shard_inputs_line_whose_key_is_over_s3s_limit_is_poison() -> None:
+    blobs = InMemoryBlobStore()
+    blobs.objects["s3://tbl/m.txt"] = _manifest_of("s3://pix/a", f"s3://pix/{OVER_A_KEY}")
+    blobs.objects["s3://out/job/0.inputs"] = _manifest_of(
+        '["s3://pix/a", null]', f'["s3://pix/{OVER_A_KEY}", null]'
+    )
+    with pytest.raises(PoisonMessage, match="manifest line 2: a key over S3's limit of 1024"):
+        _read(blobs, manifest="s3://tbl/m.txt")
+    with pytest.raises(PoisonMessage, match="line 2: a key over S3's limit of 1024"):
+        InputReader(blobs, NO_LIMIT, 2**30).shard("s3://out/job/0.inputs")
+
+
+def test_an_id_over_its_limit_makes_the_message_poison_naming_row_and_limit() -> None:
+    """In a CSV, in a Parquet file (read as a dictionary there: measured before it is
+    copied to each row), and in a shard's inputs file."""
+    blobs = InMemoryBlobStore()
+    long_id = "i" * (MAX_ID_BYTES + 1)
+    blobs.objects["s3://tbl/a.csv"] = _manifest_of(
+        "uri,id", "s3://pix/a,1", f"s3://pix/b,{long_id}"
+    )
+    ids = pa.DictionaryArray.from_arrays(pa.array([0, 1, 1], pa.int32()), ["1", long_id])
+    table = pa.table({"uri": ["s3://pix/a"] * 3, "id": ids})
+    blobs.objects["s3://tbl/a.parquet"] = _parquet(table)
+    blobs.objects["s3://out/job/0.inputs"] = _manifest_of(f'["s3://pix/a", "{long_id}"]')
+    for name in ("a.csv", "a.parquet"):
+        with pytest.raises(PoisonMessage, match="row 2: its id is over the limit of 1024 bytes"):
+            _read(blobs, table={"uri": f"s3://tbl/{name}", "id_column": "id"})
+    with pytest.raises(PoisonMessage, match="line 1: its id is over the limit of 1024 bytes"):
+        InputReader(blobs, NO_LIMIT, 2**30).shard("s3://out/job/0.inputs")
+
+
+_COUNTING_POOLS: list[pa.MemoryPool] = []
+
+
+@contextlib.contextmanager
+def _peak_bytes() -> Iterator[list[int]]:
+    """The most bytes held meanwhile by Arrow (its default pool) and by Python's objects,
+    the two peaks added: `[bytes]` once the block is left."""
+    default = pa.default_memory_pool()
+    counted = pa.proxy_memory_pool(default)
+    _COUNTING_POOLS.append(counted)  # arrays it gave may be freed through it later
+    pa.set_memory_pool(counted)
+    tracemalloc.start()
+    peak = [0]
+    try:
+        yield peak
+    finally:
+        peak[0] = counted.max_memory() + tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        pa.set_memory_pool(default)
+
+
+def _table_bombs() -> dict[str, bytes]:
+    """The review's table bomb, a thousand rows each a megabyte-long URI: as a gzipped CSV
+    (a gzip member a row, about 1 MB in all), as a Parquet file that writes the value
+    once in its dictionary (4 KB), and, each URI its own, as a plain-encoded one."""
+    row = gzip.compress(f"{MEGABYTE_URI}\n".encode())
+    csv_gz = gzip.compress(b"uri\n") + row * 1000
+    repeated = pa.DictionaryArray.from_arrays(pa.array([0] * 1000, pa.int32()), [MEGABYTE_URI])
+    dictionary = io.BytesIO()  # without Arrow's schema: read as text unless asked otherwise
+    pq.write_table(pa.table({"uri": repeated}), dictionary, store_schema=False, compression="zstd")
+    distinct = pa.table({"uri": [f"{MEGABYTE_URI[:-6]}{n:06d}" for n in range(64)]})
+    plain = io.BytesIO()
+    pq.write_table(distinct, plain, use_dictionary=False, compression="zstd")
+    return {"csv.gz": csv_gz, "parquet": dictionary.getvalue(), "plain.parquet": plain.getvalue()}
+
+
+@pytest.mark.parametrize("kind", ["csv.gz", "parquet", "plain.parquet"])
+def test_a_table_of_megabyte_uris_is_refused_holding_a_few_megabytes(kind: str) -> None:
+    """The review's table bomb (1,000 rows of 1,000,000-character URIs, 1 MB gzipped) is
+    poison at its first row, with the daemon's memory grown by a few MB, not the GB it
+    held before: a CSV is read a 1 MiB block at a time, a Parquet file's dictionary
+    value is measured once, a row group of long rows is refused from its footer."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[f"s3://tbl/bomb.{kind}"] = _table_bombs()[kind]
+    reason = "row 1: its URI's key is over S3's limit of 1024 bytes"
+    if kind == "plain.parquet":
+        reason = r"rows 1-64 take \d+ bytes of uri, over \d+ a row: .* 1024 bytes"
+    with _peak_bytes() as peak, pytest.raises(PoisonMessage, match=reason):
+        _read(blobs, table={"uri": f"s3://tbl/bomb.{kind}"})
+    assert peak[0] < 16 * 2**20, f"{peak[0] / 2**20:.0f} MiB"

@@ -18,6 +18,13 @@ SQS_MAX_DELAY_S = 15 * 60
 # What a name that reaches a file path (a job id, a message id naming a job) may be.
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _S3_URI = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])/(?P<key>.*)$")
+# S3's longest key, in bytes of UTF-8
+# (https://docs.aws.amazon.com/AmazonS3/latest/userguide/object-keys.html), and so the
+# longest URI (a bucket name is at most 63 characters): a longer one names no object.
+S3_MAX_KEY_BYTES = 1024
+S3_MAX_URI_BYTES = len("s3://") + 63 + len("/") + S3_MAX_KEY_BYTES
+# How much of a URI that is refused its message quotes (it may be a megabyte long).
+_SHOWN_CHARS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +36,26 @@ class S3Location:
 
     @classmethod
     def parse(cls, uri: str) -> S3Location:
-        """Split `s3://bucket/key`; raises ValueError for anything else."""
+        """Split `s3://bucket/key`; raises ValueError for anything else, a key over
+        `S3_MAX_KEY_BYTES` included (the message quotes the URI's start only)."""
         match = _S3_URI.match(uri)
         if not match:
-            raise ValueError(f"not an s3://bucket/key URI: {uri!r}")
-        return cls(match["bucket"], match["key"])
+            raise ValueError(f"not an s3://bucket/key URI: {_shown(uri)}")
+        key = match["key"]
+        # Counted in characters first: a long one is not encoded to be measured.
+        if len(key) > S3_MAX_KEY_BYTES or len(key.encode()) > S3_MAX_KEY_BYTES:
+            raise ValueError(f"a key over S3's limit of {S3_MAX_KEY_BYTES} bytes: {_shown(uri)}")
+        return cls(match["bucket"], key)
 
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.key}"
+
+
+def _shown(text: str) -> str:
+    """`text` as an error quotes it: its start, and its length if that is cut."""
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text)
+    return f"{text[:_SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 
 class LocalPart(NamedTuple):

@@ -12,7 +12,10 @@ of `Input`s (a URI, and the id its table gives it), never held whole:
 
 Everything read is untrusted: a listing that cannot be read, lacks a column, names a
 bucket outside the allow-list or something that is not an S3 URI makes the message
-poison, with the row or line named. Each file read is at most `--max-manifest-bytes`.
+poison, with the row or line named. Each file read is at most `--max-manifest-bytes`,
+and no value is held before its size is checked: a URI's key is at most S3's 1,024
+bytes, an id `MAX_ID_BYTES`; a Parquet file's row groups are weighed from its footer
+first, and read a bounded batch at a time.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import tempfile
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
@@ -39,10 +43,22 @@ from worker.jobs.message import (
     check_buckets,
     manifest_uris,
 )
-from worker.ports import BlobStore, S3Location
+from worker.ports import S3_MAX_KEY_BYTES, S3_MAX_URI_BYTES, BlobStore, S3Location
 
-# Rows of a table read at a time (a record batch).
+# Rows of a table read at a time (a record batch), at most.
 TABLE_BATCH_ROWS = 65_536
+# An id goes into every result line of its input: a longer one is refused.
+MAX_ID_BYTES = 1024
+# What a row of the columns read of a Parquet file (a URI and an id, or an inventory's
+# bucket, key and flags) can take within their limits, with room for each value's
+# framing; a row group whose footer says its rows take more on average holds a value
+# over its limit, and is refused before it is read. (A batch of 65,536 rows of a value
+# repeated on each would otherwise hold it 65,536 times.)
+MAX_PARQUET_ROW_BYTES = S3_MAX_URI_BYTES + MAX_ID_BYTES + 64
+PARQUET_GROUP_SLACK_BYTES = 2**16  # a row group's own headers, however few its rows
+# A Parquet record batch holds about this many bytes of those columns at most: fewer
+# rows than TABLE_BATCH_ROWS where they are long.
+PARQUET_BATCH_BYTES = 8 * 2**20
 # A CSV row longer than this is no input's: pyarrow reads blocks of this size.
 CSV_BLOCK_BYTES = 2**20
 MAX_INVENTORY_MANIFEST_BYTES = 16 * 2**20
@@ -50,6 +66,27 @@ GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's way of asking for a gzip header
 # An S3 Inventory's columns that keep a row out: a delete marker, an older version (by
 # their names in lower case without "_": a CSV's IsLatest is a Parquet file's is_latest).
 INVENTORY_SKIPS = {"isdeletemarker": True, "islatest": False}
+INVENTORY_COLUMNS = {"bucket", "key", *INVENTORY_SKIPS}
+MAX_BUCKET_CHARS = 63
+MAX_FLAG_BYTES = 16  # an inventory's "true" or "false"
+# Which of a file's columns to read: those named, or those a function of the file's own
+# column names picks (an inventory's, whose Parquet files name them their own way).
+Columns = list[str] | Callable[[list[str]], list[str]]
+
+
+class _Bound(NamedTuple):
+    """The most bytes a column's values may have, and what a value over it is."""
+
+    most: int
+    over: str
+
+
+URI_BOUND = _Bound(
+    S3_MAX_URI_BYTES, f"its URI's key is over S3's limit of {S3_MAX_KEY_BYTES} bytes"
+)
+ID_BOUND = _Bound(MAX_ID_BYTES, f"its id is over the limit of {MAX_ID_BYTES} bytes")
+BUCKET_BOUND = _Bound(MAX_BUCKET_CHARS, f"its bucket is over {MAX_BUCKET_CHARS} characters")
+FLAG_BOUND = _Bound(MAX_FLAG_BYTES, f"a flag of its is over {MAX_FLAG_BYTES} bytes")
 
 
 class Input(NamedTuple):
@@ -113,8 +150,8 @@ class InputReader:
         columns = [table.uri_column, *([table.id_column] if table.id_column else [])]
         rows = 0
         for batch in self._batches(table.uri, table.file_format(), columns, header=True):
-            uris = batch.column(table.uri_column).to_pylist()
-            ids = _ids_as_text(table, batch) if table.id_column else [None] * len(uris)
+            uris = _bounded(batch.column(table.uri_column), URI_BOUND, table.uri, rows)
+            ids = _ids_as_text(table, batch, rows) if table.id_column else [None] * len(uris)
             for number, (uri, input_id) in enumerate(zip(uris, ids, strict=True), rows + 1):
                 self._check(uri, f"{table.uri} row {number}")
                 yield Input(uri, input_id)
@@ -128,7 +165,7 @@ class InputReader:
         check_buckets({report.bucket}, self._allowed)
         for key in report.files:
             uri = f"s3://{report.bucket}/{key}"
-            columns = report.columns if report.file_format == "csv" else None
+            columns = report.columns if report.file_format == "csv" else _inventory_columns
             rows = 0
             for batch in self._batches(uri, report.file_format, columns, header=False):
                 csv = report.file_format == "csv"
@@ -138,15 +175,21 @@ class InputReader:
     def _inventory_rows(
         self, uri: str, batch: pa.RecordBatch, rows_before: int, suffix: str, url_encoded: bool
     ) -> Iterator[Input]:
-        names = {name.lower().replace("_", ""): name for name in batch.schema.names}
+        names = {_inventory_name(name): name for name in batch.schema.names}
         if not {"bucket", "key"} <= names.keys():
             raise PoisonMessage(f"inventory file {uri} has no Bucket and Key columns")
-        buckets = batch.column(names["bucket"]).to_pylist()
-        keys = batch.column(names["key"]).to_pylist()
+        where = f"inventory file {uri}"
+        # A key is URL-encoded in a CSV inventory: up to three bytes a byte.
+        key_bound = URI_BOUND._replace(most=S3_MAX_KEY_BYTES * (3 if url_encoded else 1))
+
+        def column(name: str, bound: _Bound) -> list[Any]:
+            return _bounded(batch.column(names[name]), bound, where, rows_before)
+
+        buckets, keys = column("bucket", BUCKET_BOUND), column("key", key_bound)
         skips = [
-            (batch.column(names[column]).to_pylist(), value)
-            for column, value in INVENTORY_SKIPS.items()
-            if column in names
+            (column(name, FLAG_BOUND), value)
+            for name, value in INVENTORY_SKIPS.items()
+            if name in names
         ]
         for row, (bucket, listed_key) in enumerate(zip(buckets, keys, strict=True)):
             if any(_truthy(values[row]) == value for values, value in skips):
@@ -161,30 +204,29 @@ class InputReader:
                 yield Input(input_uri)
 
     def _batches(
-        self, uri: str, file_format: str, columns: list[str] | None, *, header: bool
+        self, uri: str, file_format: str, columns: Columns, *, header: bool
     ) -> Iterator[pa.RecordBatch]:
-        """A CSV or Parquet file's record batches: the `columns` named (all, if None;
-        without a `header` they name the CSV's columns), each read as strings in a CSV."""
+        """A CSV or Parquet file's record batches, of its `columns` (a CSV's are named;
+        without a `header` they name its columns), each read as strings in a CSV."""
         location = S3Location.parse(uri)
         with unreadable_is_poison(f"table {uri}"):
             if file_format == "parquet":
                 yield from self._parquet_batches(location, columns)
             else:
+                assert isinstance(columns, list)
                 yield from self._csv_batches(location, columns, header)
 
-    def _parquet_batches(
-        self, location: S3Location, columns: list[str] | None
-    ) -> Iterator[pa.RecordBatch]:
+    def _parquet_batches(self, location: S3Location, columns: Columns) -> Iterator[pa.RecordBatch]:
         # A Parquet file is read from its end (the footer) first: it is spooled to a
         # local file, which its reader then reads a batch at a time.
         with tempfile.TemporaryFile() as spool:
             for chunk in self._blobs.chunks(location, self._max_file_bytes):
                 spool.write(chunk)
             spool.seek(0)
-            yield from pq.ParquetFile(spool).iter_batches(TABLE_BATCH_ROWS, columns=columns)
+            yield from _parquet_file_batches(spool, columns, str(location))
 
     def _csv_batches(
-        self, location: S3Location, columns: list[str] | None, header: bool
+        self, location: S3Location, columns: list[str], header: bool
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         with contextlib.closing(chunks):
@@ -198,7 +240,7 @@ class InputReader:
             )
             convert = pa_csv.ConvertOptions(
                 include_columns=columns if header else None,
-                column_types=dict.fromkeys(columns or [], pa.string()),
+                column_types=dict.fromkeys(columns, pa.string()),
             )
             # A quoted value of another column (a caption) may hold a line break.
             parse = pa_csv.ParseOptions(newlines_in_values=True)
@@ -241,20 +283,105 @@ def _inventory_report(uri: str, data: bytes) -> _InventoryReport:
     return _InventoryReport(bucket, file_format, columns, files)
 
 
-def _ids_as_text(table: TableSource, batch: pa.RecordBatch) -> list[str | None]:
+def _parquet_file_batches(file: IO[bytes], columns: Columns, uri: str) -> Iterator[pa.RecordBatch]:
+    """The record batches of a Parquet file's `columns`, weighed before any is read:
+    poison at a row group whose footer says they take over `MAX_PARQUET_ROW_BYTES` a row;
+    then batches of about `PARQUET_BATCH_BYTES`, text read as a dictionary (each value
+    once, however many rows repeat it: `_bounded` checks it before any row copies it)."""
+    metadata = pq.read_metadata(file)
+    names = metadata.schema.to_arrow_schema().names
+    wanted = columns(names) if callable(columns) else columns
+    missing = [name for name in wanted if name not in names]
+    if missing:
+        raise PoisonMessage(f"table {uri} has no column {missing[0]!r}")
+    leaves = [metadata.schema.column(leaf).path for leaf in range(metadata.num_columns)]
+    read = [
+        leaf
+        for leaf, path in enumerate(leaves)
+        if any(path == name or path.startswith(f"{name}.") for name in wanted)
+    ]
+    widest_row_bytes, first_row = 1.0, 1
+    for number in range(metadata.num_row_groups):
+        group = metadata.row_group(number)
+        size = sum(group.column(leaf).total_uncompressed_size for leaf in read)
+        if size > group.num_rows * MAX_PARQUET_ROW_BYTES + PARQUET_GROUP_SLACK_BYTES:
+            raise PoisonMessage(
+                f"table {uri} {_rows(first_row, group.num_rows)} take "
+                f"{size} bytes of {', '.join(wanted)}, over {MAX_PARQUET_ROW_BYTES} a row: "
+                f"some value is over its limit (a URI's key {S3_MAX_KEY_BYTES} bytes, an "
+                f"id {MAX_ID_BYTES})"
+            )
+        widest_row_bytes = max(widest_row_bytes, size / max(1, group.num_rows))
+        first_row += group.num_rows
+    batch_rows = max(1, min(TABLE_BATCH_ROWS, int(PARQUET_BATCH_BYTES / widest_row_bytes)))
+    dictionaries = [leaves[leaf] for leaf in read if leaves[leaf] in wanted]
+    parquet = pq.ParquetFile(file, metadata=metadata, read_dictionary=dictionaries)
+    yield from parquet.iter_batches(batch_rows, columns=wanted)
+
+
+def _rows(first: int, count: int) -> str:
+    return f"row {first}" if count == 1 else f"rows {first}-{first + count - 1}"
+
+
+def _inventory_name(name: str) -> str:
+    """An inventory's column name as the reader knows it: a CSV's IsLatest is a Parquet
+    file's is_latest."""
+    return name.lower().replace("_", "")
+
+
+def _inventory_columns(names: list[str]) -> list[str]:
+    """The columns of an inventory's Parquet file that are read."""
+    return [name for name in names if _inventory_name(name) in INVENTORY_COLUMNS]
+
+
+def _bounded(column: pa.Array, bound: _Bound, where: str, rows_before: int) -> list[Any]:
+    """A column's values, once none is over `bound`: poison naming the first row (after
+    `rows_before` of the file `where`) that is, before any value is made a Python object."""
+    over = _first_over(column, bound.most)
+    if over is not None:
+        row, size = over
+        raise PoisonMessage(f"{where} row {rows_before + row + 1}: {bound.over} ({size} bytes)")
+    values: list[Any] = column.to_pylist()
+    return values
+
+
+def _first_over(column: pa.Array, most: int) -> tuple[int, int] | None:
+    """The first row of a column of text (or bytes) whose value is over `most` bytes,
+    and its size; None if there is none, or the column is not text. A dictionary's
+    values are measured once each."""
+    dictionary = pa.types.is_dictionary(column.type)
+    values = column.dictionary if dictionary else column
+    kind = values.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)) and not (
+        pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+    ):
+        return None
+    lengths = pc.binary_length(values)
+    if dictionary:
+        lengths = lengths.take(column.indices)
+    row: int = pc.index(pc.greater(lengths, most), True).as_py()
+    return None if row < 0 else (row, lengths[row].as_py())
+
+
+def _ids_as_text(table: TableSource, batch: pa.RecordBatch, rows_before: int) -> list[str | None]:
     """A batch's ids as text, whatever their column's type (an integer, a date, a
     decimal): every file of a job's results then has the same `id` column, and every id
-    can be written on a JSON line."""
+    can be written on a JSON line. Each is at most `MAX_ID_BYTES`."""
     assert table.id_column is not None
     column = batch.column(table.id_column)
     try:
-        ids: list[str | None] = column.cast(pa.string()).to_pylist()
+        if pa.types.is_dictionary(column.type):  # its values cast, not copied to each row
+            text = pa.DictionaryArray.from_arrays(
+                column.indices, column.dictionary.cast(pa.string())
+            )
+        else:
+            text = column.cast(pa.string())
     except pa.ArrowException as error:
         raise PoisonMessage(
             f"table {table.uri}: its id column {table.id_column} ({column.type}) cannot be "
             f"read as text: {error}"
         ) from error
-    return ids
+    return _bounded(text, ID_BOUND, table.uri, rows_before)
 
 
 def _manifest(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
@@ -277,6 +404,8 @@ def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[
             input_id = str(input_id)  # as planners wrote a number before ids were text
         if not isinstance(input_id, str | None):
             raise PoisonMessage(f"shard inputs line {number}: its id is not text")
+        if input_id is not None and len(input_id.encode(errors="replace")) > MAX_ID_BYTES:
+            raise PoisonMessage(f"shard inputs line {number}: {ID_BOUND.over}")
         try:
             bucket = S3Location.parse(uri).bucket
         except (ValueError, AttributeError) as error:
