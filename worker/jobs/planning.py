@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
@@ -90,9 +91,9 @@ class Planner:
         inputs: Callable[[], Iterator[Input]],
         shards: frozenset[int],
     ) -> None:
-        """The inputs files of `shards`, one each, as the job's inputs stream past; the
-        stream must still be the request planned (a manifest changed meanwhile is
-        planned again on the next delivery)."""
+        """The inputs files of `shards`, one each, as the job's inputs stream past (two
+        shards' inputs held at most); the stream must still be the request planned (a
+        manifest changed meanwhile is planned again on the next delivery)."""
         digest = RequestDigest()
 
         def taken(stream: Iterator[Input]) -> Iterator[Input]:
@@ -100,22 +101,25 @@ class Planner:
                 digest.add(*listed)
                 yield listed
 
-        stream = taken(inputs())
-        files = (
-            (shard, list(itertools.islice(stream, plan.shard_items)))
-            for shard in range(plan.shards)
-        )
-
-        def write(shard_inputs: tuple[int, list[Input]]) -> None:
-            shard, listed = shard_inputs
-            if shard not in shards:
-                return
+        def write(shard: int, listed: list[Input]) -> None:
             data = b"".join(map(shard_line, listed))
             location = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
             self._blobs.put(location, data, "text/plain")
             self._progress.beat()
 
-        each_at_once(write, files)
+        stream = taken(inputs())
+        # A shard's file is written while the next shard's inputs are read: two shards'
+        # inputs held at most (writers side by side held one each, up to 17), and
+        # reading, the slower (a listing's pages), never waits for more than one write.
+        with ThreadPoolExecutor(1, thread_name_prefix="shard-inputs") as writer:
+            writing: Future[None] | None = None
+            for shard in range(plan.shards):
+                listed = list(itertools.islice(stream, plan.shard_items))
+                if writing is not None:
+                    writing.result()
+                writing = writer.submit(write, shard, listed) if shard in shards else None
+            if writing is not None:
+                writing.result()
         leftover = next(stream, None)
         listed_digest = digest.hexdigest(spec.params, plan.model, plan.format, plan.tar)
         if leftover is not None or listed_digest != plan.request_digest:

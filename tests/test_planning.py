@@ -1,0 +1,78 @@
+"""Planning a job into shards (`worker.jobs.planning`): what the planner holds while it
+writes the shards' inputs files."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.jobs.checkpoints import RequestDigest
+from worker.jobs.inputs import Input
+from worker.jobs.message import parse_job_message
+from worker.jobs.plan import INPUTS_SUFFIX, Plan
+from worker.jobs.planning import Planner
+from worker.ports import S3Location
+
+
+class _SlowInputsFiles(InMemoryBlobStore):
+    """A store whose writes of shards' inputs files take a while, counting the inputs
+    they hold once each is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs_written = 0
+        self._count_lock = threading.Lock()
+
+    def put(self, location: S3Location, data: bytes, content_type: str, **kwargs: Any) -> str:
+        etag = super().put(location, data, content_type, **kwargs)
+        if location.key.endswith(INPUTS_SUFFIX):
+            time.sleep(0.005)
+            with self._count_lock:
+                self.inputs_written += data.count(b"\n")
+        return etag
+
+
+def test_a_planner_holds_at_most_two_shards_inputs_while_it_writes_them(tmp_path: Path) -> None:
+    """The inputs read but not yet in a written file are at most two shards' worth (one
+    shard's file written while the next is read), however many shards there are and
+    however slow the writes; every file is written, in order."""
+    shard_items, shards = 50, 20
+    blobs, source = _SlowInputsFiles(), InMemoryJobSource()
+    uris = [f"s3://pix/{number:05d}.jpg" for number in range(shard_items * shards)]
+    body = {"job_id": "big", "inputs": uris[:1], "output": "s3://bkt/out/big/"}
+    spec = parse_job_message(json.dumps(body), frozenset())
+    digest = RequestDigest()
+    for uri in uris:
+        digest.add(uri, None)
+    model = {"name": "m", "version": "1", "digest": "d"}
+    plan = Plan(
+        job_id="big",
+        request_digest=digest.hexdigest({}, model, "jsonl", None),
+        items=len(uris),
+        shard_items=shard_items,
+        model=model,
+        params={},
+        received_at=time.time(),
+        attempt=1,
+    )
+    most_held = 0
+
+    def listed() -> Iterator[Input]:
+        nonlocal most_held
+        for number, uri in enumerate(uris, start=1):
+            most_held = max(most_held, number - blobs.inputs_written)
+            yield Input(uri)
+
+    outcomes, progress = SimpleNamespace(ack=lambda job: None), SimpleNamespace(beat=lambda: None)
+    lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=progress)
+    job: Any = SimpleNamespace(message=SimpleNamespace(message_id="m"))
+    Planner(blobs, source, lifecycle).plan(job, spec, plan, listed)
+
+    assert most_held <= 2 * shard_items, most_held
+    assert blobs.inputs_written == len(uris) and len(source) == shards
