@@ -31,11 +31,10 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Job, JobStalled, Phase
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
-from worker.jobs.checkpoints import request_digest
+from worker.jobs.checkpoints import part_prefix, request_digest
 from worker.jobs.message import JobMessage
-from worker.jobs.plan import Plan, shard_body, shard_file, watch_body
+from worker.jobs.plan import Commit, Plan, RunFile, shard_body, shard_file, watch_body
 from worker.jobs.results import FINISH_ATTEMPTS
-from worker.jobs.shards import Commit, RunFile
 from worker.plugins.identity import ModelIdentity
 from worker.ports import SQS_MAX_VISIBILITY_TIMEOUT_S
 
@@ -572,3 +571,26 @@ def test_every_shard_whose_message_is_gone_gets_a_duplicate_one_a_watch(tmp_path
     duplicates = [(e["shard"], e["why"]) for e in logs if e["event"] == "shard_duplicated"]
     assert duplicates == [(2, "never started")]
     assert "s3://bkt/out/gone2/job.json" not in blobs.objects
+
+
+def test_a_shards_checkpoint_parts_are_its_own(tmp_path: Path) -> None:
+    """Each shard reads and removes its own checkpoint parts alone: shard 1 runs first
+    (its finish removed every shard's parts), then shard 0, sent by the watch shard 1's
+    commit armed, resumes from what its earlier run saved; the job's log holds what
+    that run logged once (every shard folded in every other's)."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    _send(source, "probe", inputs[:1])  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    probed = job_file(blobs, "probe", "results.jsonl")[0]
+    spec, plan = planned(blobs, "own", inputs, job_file(blobs, "probe", "job.json")["model"])
+    part = f"s3://bkt/out/own/{part_prefix(plan.request_digest, 0)}0001-earlier-00001"
+    blobs.objects[f"{part}.jsonl"] = json.dumps(probed).encode() + b"\n"  # input 0's result
+    blobs.objects[f"{part}.log"] = b'{"event": "SHARD_ZERO_EARLIER_RUN"}\n'
+    source.send(shard_body(spec, plan, 1))
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path)
+    assert [e["resumed"] for e in logs if e["event"] == "job_received"] == [0, 1]
+    assert job_file(blobs, "own", "job.json")["resumed"] == 1
+    assert job_file(blobs, "own", "job.log").count("SHARD_ZERO_EARLIER_RUN") == 1
+    assert job_file(blobs, "own", "results.jsonl")[0] == probed

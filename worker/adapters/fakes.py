@@ -254,12 +254,26 @@ class InMemoryBlobStore:
 
     With a `directory`, every object is also a file there, and other processes read the
     store from it (`remote_reader`) as the preprocessing processes read S3: the speed
-    figures then run the path the daemon takes against S3."""
+    figures then run the path the daemon takes against S3.
 
-    def __init__(self, directory: Path | None = None, chunk_bytes: int = FAKE_CHUNK_BYTES) -> None:
+    Its ETags are the MD5s of the bytes, as S3's are under SSE-S3; with `opaque_etags`,
+    each write's is new, even of the same bytes, as under SSE-KMS (and in other
+    S3-compatible stores): two writes of the same bytes are then told apart, as a
+    protocol must expect."""
+
+    def __init__(
+        self,
+        directory: Path | None = None,
+        chunk_bytes: int = FAKE_CHUNK_BYTES,
+        *,
+        opaque_etags: bool = False,
+    ) -> None:
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
         self.objects = _Objects(directory)
+        # Where ETags are opaque: each object's bytes as written, and its ETag, by URI.
+        self._etags: dict[str, tuple[bytes, str]] | None = {} if opaque_etags else None
+        self._writes = 0
         self._directory = directory
         self._chunk_bytes = chunk_bytes  # `chunks`' pieces: S3's size, for the speed figures
         self._lock = threading.Lock()
@@ -293,12 +307,18 @@ class InMemoryBlobStore:
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
     ) -> str:
+        uri = str(location)
         with self._lock:
-            current = self.objects.get(str(location))
-            if expect is not None and expect != (ABSENT if current is None else _etag(current)):
+            current = ABSENT if uri not in self.objects else self._etag(uri)
+            if expect is not None and expect != current:
                 raise PreconditionFailed(f"{location} changed since it was read")
-            self.objects[str(location)] = data
-            return _etag(data)
+            self.objects[uri] = data
+            if self._etags is None:
+                return _etag(data)
+            self._writes += 1
+            etag = f'"{_etag(data)[1:-1]}-w{self._writes}"'
+            self._etags[uri] = (data, etag)
+            return etag
 
     def put_file(
         self, location: S3Location, path: Path, content_type: str, *, expect: str | None = None
@@ -321,7 +341,7 @@ class InMemoryBlobStore:
         folder = start.rsplit("/", 1)[0] + "/"
         with self._lock:
             return {
-                uri[len(start) :]: _etag(self.objects[uri])
+                uri[len(start) :]: self._etag(uri)
                 for uri in self.objects.under[folder]
                 if uri.startswith(start)
             }
@@ -339,6 +359,12 @@ class InMemoryBlobStore:
             for location in locations:
                 if str(location) in self.objects:
                     del self.objects[str(location)]
+
+    def _etag(self, uri: str) -> str:
+        """An object's ETag (of one a test wrote into `objects` directly: its MD5)."""
+        data = self.objects[uri]
+        written, etag = (self._etags or {}).get(uri, (None, ""))
+        return etag if written is data else _etag(data)
 
     def remote_reader(self) -> RemoteReader | None:
         """Reads of the files in its directory; None without one (the objects live in

@@ -44,6 +44,7 @@ from worker.jobs.intake import Feeder, Intake
 from worker.jobs.lanes import Lanes
 from worker.jobs.leases import LeaseKeeper
 from worker.jobs.ledger import Ledger
+from worker.jobs.merging import Merger
 from worker.jobs.outcomes import Lifecycle, Outcomes
 from worker.jobs.planning import Planner
 from worker.jobs.reporting import JobObserver, ProgressReporter
@@ -139,8 +140,12 @@ class Daemon:
             source,
             checkpoints,
             lifecycle,
-            worker_info=worker_info,
-            device_hour_price=settings.device_hour_price,
+            Merger(
+                blobs,
+                checkpoints,
+                worker_info=worker_info,
+                device_hour_price=settings.device_hour_price,
+            ),
         )
         self._tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
         self._finisher = finisher = Finisher(
@@ -221,6 +226,7 @@ class Daemon:
                 source,
                 shards,
                 self._outcomes,
+                announce=finisher.announce,
                 lost_after_s=settings.max_lease_seconds + SQS_MAX_DELAY_S,
             ),
             finish=finisher.submit,

@@ -8,10 +8,13 @@ the next.
       cancel                                 a request to cancel the job (`worker cancel`)
       checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
       checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
+      checkpoint-<request>-s<shard>-<delivery>-<n>.{jsonl,log}  the same, of one shard
       checkpoint-superseded-<message id>     that message was handed over, but not deleted
 
 `<request>` is a digest of the job's inputs (in order) and params, so what was written
-for another request (an output prefix used again) is never taken for this one's. One
+for another request (an output prefix used again) is never taken for this one's; a
+shard of a job split across the fleet (`worker.jobs.shards`) reads and removes its own
+parts alone. One
 listing of the prefix, at admission, says all of it: whether the job is done already,
 whether it is to be cancelled, which results to resume from, and the ETag of each final
 output, which the finish then writes on condition that it is unchanged (another
@@ -20,6 +23,9 @@ job.json records the ETags of the outputs it completes (array files, results.jso
 Parquet files, job.log):
 a job counts as done only if they are still the ones under the prefix, and a mix left by
 two deliveries racing is redone whole. Checkpoint parts go once the job's job.json is written.
+
+Anyone who may write the job's output may write anything there: everything read from
+it is read within a bound, and what is over it is not this daemon's.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
-from worker.errors import MissingObject
+from worker.errors import MissingObject, ObjectTooLarge
 from worker.jobs.arrays import ARRAY_FILE_SUFFIX
 from worker.jobs.job import Job, JobState, Place, Result
 from worker.jobs.ledger import Ledger
@@ -67,6 +73,13 @@ COMPLETED_OUTPUTS = {
 }
 # How often the checkpointer looks for jobs due a checkpoint.
 CHECK_EVERY_S = 1.0
+# The most read of each object under a job's output: larger ones are not this daemon's.
+MAX_SUMMARY_BYTES = 16 * 2**20  # job.json (the client reads it within the same)
+MAX_MARKER_BYTES = 64 * 2**10  # `cancel`, and the shards' small notes
+# A part holds at most `--checkpoint-items` results, and their log lines; a line of
+# results over MAX_RESUMED_LINE_BYTES is not resumed (the item is run again).
+MAX_PART_BYTES = 256 * 2**20
+MAX_RESUMED_LINE_BYTES = 2**20
 
 
 def request_digest(
@@ -137,24 +150,35 @@ class Checkpoints:
         self._blobs = blobs
         self._ledger = ledger
 
-    def read(self, spec: JobMessage, job_id: str, digest: str, places: list[Place]) -> Prior:
+    def read(
+        self,
+        spec: JobMessage,
+        job_id: str,
+        digest: str,
+        places: list[Place],
+        shard: int | None = None,
+    ) -> Prior:
         """One listing of the output prefix, then job.json, `cancel` and checkpoint parts
-        as needed, for request `digest`, whose items are at `places` (a shard's, its
-        part of its job's)."""
+        as needed, for request `digest`, whose items are at `places` (a shard's, `shard`,
+        its part of its job's: its own parts alone are read)."""
         positions = {place: position for position, place in enumerate(places)}
         listing = self.outputs(spec)
         cancelled = self._cancel_stands(spec, job_id, listing)
         summary = self._completed(spec, digest, listing, cancelled)
-        own_parts = sorted(name for name in listing if name.startswith(_part_prefix(digest)))
+        own_parts = sorted(name for name in listing if name.startswith(part_prefix(digest, shard)))
         resumed: dict[int, Result] = {}
         earlier_log = []
         for name in own_parts:
-            data = self._blobs.get(spec.output_location(name))
+            try:
+                data = self._blobs.get(spec.output_location(name), MAX_PART_BYTES)
+            except (MissingObject, ObjectTooLarge) as error:  # removed since, or not ours
+                log.warning("checkpoint_part_skipped", name=name, error=str(error))
+                continue
             if name.endswith(".log"):
                 earlier_log.append(data)
                 continue
             for line in data.splitlines():
-                record = _json(line, name) or {}
+                record = (len(line) <= MAX_RESUMED_LINE_BYTES and _json(line, name)) or {}
                 place = _place(record)
                 position = None if place is None else positions.get(place)
                 if position is not None:
@@ -176,7 +200,13 @@ class Checkpoints:
 
     def finished(self, spec: JobMessage, job_id: str, digest: str) -> dict[str, Any] | None:
         """The job.json under the output if it completes request `digest`."""
-        listing = self.outputs(spec)
+        return self.completed(spec, job_id, digest, self.outputs(spec))
+
+    def completed(
+        self, spec: JobMessage, job_id: str, digest: str, listing: dict[str, str]
+    ) -> dict[str, Any] | None:
+        """The job.json of the outputs `listing` (`outputs`) if it completes request
+        `digest`."""
         return self._completed(spec, digest, listing, self._cancel_stands(spec, job_id, listing))
 
     def outputs(self, spec: JobMessage) -> dict[str, str]:
@@ -193,7 +223,11 @@ class Checkpoints:
     ) -> dict[str, Any] | None:
         if "job.json" not in listing:
             return None
-        written = _json(self._blobs.get(spec.output_location("job.json")), "job.json")
+        try:
+            data = self._blobs.get(spec.output_location("job.json"), MAX_SUMMARY_BYTES)
+        except (MissingObject, ObjectTooLarge):  # replaced since, or not ours
+            return None
+        written = _json(data, "job.json")
         if not written or not _completes(written, spec.format, digest, listing, cancelled):
             return None
         return written
@@ -211,14 +245,17 @@ class Checkpoints:
             log.warning("stale_results_not_removed", output=spec.output, error=repr(error))
 
     def halt(self, job: Job) -> Halt | None:
-        """Why a running job must stop, if it must, from one listing of its output: its
-        message was handed over (marked superseded: a continuation runs the job), or a
-        `cancel` object for it has appeared."""
+        """Why a running job must stop, if it must: its message was handed over (marked
+        superseded: a continuation runs the job), or a `cancel` object for it has
+        appeared."""
         assert job.spec is not None
-        listing = self._blobs.objects_under(job.spec.output_location(""))
-        if f"{SUPERSEDED_PREFIX}{job.message.message_id}" in listing:
+        # Two listings of a name each, not one of the whole output: a job split across
+        # the fleet has every running shard's checkpoint parts there.
+        superseded = f"{SUPERSEDED_PREFIX}{job.message.message_id}"
+        if self._blobs.objects_under(job.spec.output_location(superseded)):
             return "superseded"
-        if self._cancel_stands(job.spec, job.job_id, listing):
+        cancel = self._blobs.objects_under(job.spec.output_location(CANCEL_MARKER)).get("")
+        if cancel and self._cancel_stands(job.spec, job.job_id, {CANCEL_MARKER: cancel}):
             return "cancelled"
         return None
 
@@ -228,9 +265,12 @@ class Checkpoints:
         if CANCEL_MARKER not in listing:
             return False
         try:
-            request = _json(self._blobs.get(spec.output_location(CANCEL_MARKER)), CANCEL_MARKER)
+            data = self._blobs.get(spec.output_location(CANCEL_MARKER), MAX_MARKER_BYTES)
         except MissingObject:  # withdrawn since the listing
             return False
+        except ObjectTooLarge:  # not what `worker cancel` writes: for whatever job is there
+            data = b""
+        request = _json(data, CANCEL_MARKER) if data else None
         meant_for = (request or {}).get("job_id")
         if meant_for not in (None, job_id):
             log.warning("cancel_for_another_job", job_id=job_id, cancel_job_id=meant_for)
@@ -251,7 +291,8 @@ class Checkpoints:
             log_lines, log_mark = job.log.since(job.checkpoint.log_mark)
             part = job.checkpoint.parts + 1
             delivery = f"a{job.attempt:04d}-{job.message.message_id}"
-            name = f"{_part_prefix(job.request_digest)}{delivery}-{part:05d}"
+            prefix = part_prefix(job.request_digest, _shard(job.spec))
+            name = f"{prefix}{delivery}-{part:05d}"
             try:
                 self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
                 records = b"".join(result.line for _, result in results)
@@ -284,11 +325,10 @@ class Checkpoints:
             job.checkpoint.removed = True
             if not (job.checkpoint.parts or job.checkpoint.leftovers):
                 return
-            output = job.spec.output_location("")
-            listing = self._blobs.objects_under(output)
-            own = CHECKPOINT_PREFIX if job.plan is None else _part_prefix(job.request_digest)
-            parts = [name for name in listing if name.startswith(own)]
-            self._blobs.delete([job.spec.output_location(name) for name in parts])
+            shard = _shard(job.spec)
+            own = CHECKPOINT_PREFIX if shard is None else part_prefix(job.request_digest, shard)
+            parts = self._blobs.objects_under(job.spec.output_location(own))
+            self._blobs.delete([job.spec.output_location(own + name) for name in parts])
 
 
 class Checkpointer:
@@ -363,5 +403,13 @@ def _place(record: dict[str, Any]) -> Place | None:
     return Place(index, uri, member) if isinstance(member, str | None) else None
 
 
-def _part_prefix(digest: str) -> str:
-    return f"{CHECKPOINT_PREFIX}{digest}-"
+def part_prefix(digest: str, shard: int | None) -> str:
+    """What the names of a request's checkpoint parts start with: a shard's own, or,
+    unsharded, the job's (which no shard's part name starts with)."""
+    if shard is None:
+        return f"{CHECKPOINT_PREFIX}{digest}-a"
+    return f"{CHECKPOINT_PREFIX}{digest}-s{shard:06d}-a"
+
+
+def _shard(spec: JobMessage) -> int | None:
+    return None if spec.shard is None else spec.shard.index

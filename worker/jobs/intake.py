@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import structlog
 
 from worker.engine import Item, Pipeline
+from worker.errors import TransientError
 from worker.jobs.arrays import ArrayFiles, ArraySpool
 from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest, request_digest
 from worker.jobs.inputs import Input, InputReader
@@ -66,6 +67,11 @@ SPARE_WHILE_FULL_DELAY_S = 10
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
+
+
+class ShardTooLarge(TransientError):
+    """A shard whose plan holds more inputs a shard than this worker holds of a job: left
+    for a worker that does, or to the queue's redrive."""
 
 
 class _Admission(NamedTuple):
@@ -465,14 +471,23 @@ class Intake:
         job is merged, if this run was to merge it and died), or its job done."""
         assert spec.shard is not None
         plan = self._shards.open(spec, model.as_dict())
+        if plan.shard_items > self._largest_shard(plan):
+            # A plan under the output may be anyone's who writes there: this worker
+            # holds no more of a job than its own shard size (a rollout's larger shards
+            # are left to the workers that take them).
+            raise ShardTooLarge(
+                f"its plan's shards hold {plan.shard_items} inputs, over the "
+                f"{self._largest_shard(plan)} this worker holds of a job (--shard-items, "
+                "--shard-tars)"
+            )
         if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
             log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
-            self._shards.remove(spec, plan)  # what a merger that died left
+            self._shards.merger.remove(spec, plan)  # what a merger that died left
             self._outcomes.ack(job)
             return None
         if self._shards.committed(spec, plan):
             log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
-            merged = self._shards.merge_if_complete(spec, plan)
+            merged = self._shards.merge(spec, plan, job.message.job_message_id)
             if self._outcomes.ack(job) and merged is not None:
                 self._announce(merged, job.message.message_id)
             return None
@@ -495,8 +510,18 @@ class Intake:
                 return None
             self._shards.dead_lettered(spec, plan, str(poison))
             raise
-        prior = self._checkpoints.read(spec, plan.job_id, plan.request_digest, items.places)
+        prior = self._checkpoints.read(
+            spec, plan.job_id, plan.request_digest, items.places, spec.shard.index
+        )
         return _Admission(spec, items, prior, plan)
+
+    def _largest_shard(self, plan: Plan) -> int:
+        """The most inputs of a planned job this worker holds: its shard size, or, where
+        a job of the most inputs it takes needs larger shards to fit `MAX_SHARDS`, theirs."""
+        settings = self._settings
+        if plan.tar is not None:
+            return settings.shard_tars  # a tar job of more tars is refused at planning
+        return max(settings.shard_items, math.ceil(settings.max_items_per_job / MAX_SHARDS))
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:
         """Settle a delivery that is not to run: its message was handed over already

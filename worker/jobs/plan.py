@@ -11,6 +11,7 @@
         <n>.duplicated                 a duplicate of shard n was sent (a straggler)
         <n>.dead                       shard n's message was dead-lettered, and why
         watch                          a watch of the job's shards is due (`worker.jobs.stragglers`)
+        merge                          who merges the shards, until when (`worker.jobs.merging`)
 
 `<request>` is the whole job's request digest, `<n>` the shard's number (six digits)
 and `<run>` one delivery of its message. Everything under `shards/<request>/` goes once
@@ -21,12 +22,18 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+import re
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from worker.jobs.message import DIGEST_PATTERN, JobMessage, PoisonMessage, TarMembers
-from worker.ports import JOB_ID_PATTERN, S3Location
+from worker.ports import JOB_ID_PATTERN, BlobStore, S3Location
+
+T = TypeVar("T")
 
 PLAN = "plan.json"
 # A plan is a few hundred bytes and the job's params (at most a message's size).
@@ -41,6 +48,10 @@ STARTED_SUFFIX = ".started"
 DUPLICATED_SUFFIX = ".duplicated"
 DEAD_SUFFIX = ".dead"
 WATCH = "watch"
+MERGE = "merge"
+MAX_COMMIT_BYTES = 64 * 1024
+RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log|parquet)$")
+S3_THREADS = 16  # requests at once while planning and merging
 
 
 class Plan(BaseModel):
@@ -126,3 +137,72 @@ def watch_body(spec: JobMessage, plan: Plan) -> str:
             "watch": plan.request_digest,
         }
     )
+
+
+class RunFile(BaseModel):
+    """A file one run of a shard wrote, in the shards' directory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=RUN_FILE.pattern)
+    bytes: int = Field(ge=0)
+
+
+class Commit(BaseModel):
+    """A shard's commit marker: the run whose files count, and what it counted. Read
+    back from S3 by the merger, so checked: its files must be its shard's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str
+    results: list[RunFile]  # its results.jsonl, or its Parquet files in order
+    log: RunFile
+    cancelled: bool
+    succeeded: int = Field(ge=0)
+    failed: int = Field(ge=0)
+    resumed: int = Field(ge=0)
+    attempt: int = Field(ge=1)
+    device_s: float = Field(ge=0)
+    seconds: float = Field(ge=0)  # from the run's first item fed to its commit
+    items: int | None = Field(default=None, ge=0)  # a tar job's: the members of its tars
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_before_parquet(cls, fields: Any) -> Any:
+        """A marker a worker wrote before there were Parquet results (a rolling upgrade):
+        one results file, and each file's size beside its name."""
+        if not isinstance(fields, dict) or not isinstance(fields.get("results"), str):
+            return fields
+        fields = dict(fields)
+        results = {"name": fields.pop("results"), "bytes": fields.pop("results_bytes", None)}
+        fields["log"] = {"name": fields.get("log"), "bytes": fields.pop("log_bytes", None)}
+        return {**fields, "results": [results]}
+
+
+def read_commit(blobs: BlobStore, directory: S3Location, name: str) -> Commit:
+    """The commit marker `name` in a job's shards' `directory`; poison if it is not one."""
+    data = blobs.get(S3Location(directory.bucket, directory.key + name), MAX_COMMIT_BYTES)
+    try:
+        return Commit.model_validate_json(data)
+    except ValidationError as error:
+        raise PoisonMessage(f"commit marker {name} is not one: {error}") from error
+
+
+def each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list[T]:
+    """`function` of each argument, `S3_THREADS` at a time, taking arguments only as
+    threads free up (a planner's stream of shards is never held whole); raises the
+    first error."""
+    results: list[T] = []
+    with ThreadPoolExecutor(S3_THREADS, thread_name_prefix="shards") as pool:
+        pending: deque[Future[T]] = deque()
+        for argument in arguments:
+            if len(pending) == S3_THREADS:
+                results.append(pending.popleft().result())
+            pending.append(pool.submit(function, argument))
+        results.extend(future.result() for future in pending)
+    return results
+
+
+def merge_file(spec: JobMessage, request_digest: str) -> S3Location:
+    directory = shard_directory(spec, request_digest)
+    return S3Location(directory.bucket, directory.key + MERGE)

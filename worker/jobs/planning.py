@@ -24,12 +24,12 @@ from worker.jobs.plan import (
     PLAN,
     SENT_SUFFIX,
     Plan,
+    each_at_once,
     shard_body,
     shard_directory,
     shard_file,
     shard_name,
 )
-from worker.jobs.shards import each_at_once
 from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource
 
 log = structlog.get_logger()

@@ -11,27 +11,33 @@ finds the marker there, removes what it wrote and stops. Whoever commits the las
 sees every marker (S3 lists what is written, at once) and merges: the parts in input
 order into results.jsonl and job.log (copied by S3 where it can), then job.json, fenced
 like any job's final writes, then removes the shards' files. A merger that dies is
-replaced by its shard's redelivery, which finds its marker written and merges.
+replaced by its shard's redelivery, which finds its marker written and merges
+(`worker.jobs.merging`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import re
+import math
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import structlog
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from worker.errors import MissingObject, PreconditionFailed, TransientError
-from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
+from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed, TransientError
+from worker.jobs.checkpoints import MAX_MARKER_BYTES, Checkpoints
 from worker.jobs.job import Job
+from worker.jobs.merging import (
+    AlreadyMerged,
+    Fenced,
+    Incomplete,
+    Merged,
+    Merger,
+    MergingElsewhere,
+)
 from worker.jobs.message import JobMessage, PoisonMessage
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
@@ -41,36 +47,24 @@ from worker.jobs.plan import (
     MAX_PLAN_BYTES,
     PLAN,
     STARTED_SUFFIX,
+    Commit,
     Plan,
+    RunFile,
+    each_at_once,
+    read_commit,
     shard_directory,
     shard_file,
-    shard_name,
     watch_body,
     watch_file,
 )
-from worker.jobs.summary import job_summary
-from worker.jobs.tables import (
-    JSON_LINES,
-    NDJSON,
-    PARQUET,
-    PARQUET_CONTENT_TYPE,
-    Output,
-    table_name,
-)
-from worker.ports import (
-    ABSENT,
-    SQS_MAX_DELAY_S,
-    BlobStore,
-    JobSource,
-    S3Location,
-)
+from worker.jobs.tables import JSON_LINES, NDJSON, PARQUET, Output
+from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
 
 log = structlog.get_logger()
 
-T = TypeVar("T")
-S3_THREADS = 16  # requests at once while planning and merging
 PROGRESS_TRIES = 3  # a progress.json write that another shard beats is tried again
-MAX_COMMIT_BYTES = 64 * 1024
+# progress.json holds a count for each shard: at most MAX_SHARDS of about 30 bytes each.
+MAX_PROGRESS_BYTES = 4 * 2**20
 WATCH_MIN_S = 2  # a watch of a job's stragglers is due at least this far apart
 # A watch not taken this long after it was due is lost (its message was dead-lettered):
 # the next commit or death arms another.
@@ -78,52 +72,11 @@ WATCH_OVERDUE_S = SQS_MAX_DELAY_S
 # A watch is the one that counts if the marker says it is due by now, give or take the
 # clocks of the worker that armed it and the one that took it.
 WATCH_SLACK_S = 5.0
-RUN_FILE = re.compile(r"^[0-9]{6}\.[A-Za-z0-9._-]{1,200}\.(jsonl|log|parquet)$")
 
 
 class ModelMismatch(TransientError):
     """A shard planned for another model than this worker's (a rollout): another worker
     runs it, or its redrive ends it in the DLQ."""
-
-
-class RunFile(BaseModel):
-    """A file one run of a shard wrote, in the shards' directory."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(pattern=RUN_FILE.pattern)
-    bytes: int = Field(ge=0)
-
-
-class Commit(BaseModel):
-    """A shard's commit marker: the run whose files count, and what it counted. Read
-    back from S3 by the merger, so checked: its files must be its shard's."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    run: str
-    results: list[RunFile]  # its results.jsonl, or its Parquet files in order
-    log: RunFile
-    cancelled: bool
-    succeeded: int = Field(ge=0)
-    failed: int = Field(ge=0)
-    resumed: int = Field(ge=0)
-    attempt: int = Field(ge=1)
-    device_s: float = Field(ge=0)
-    seconds: float = Field(ge=0)  # from the run's first item fed to its commit
-    items: int | None = Field(default=None, ge=0)  # a tar job's: the members of its tars
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_before_parquet(cls, fields: Any) -> Any:
-        """A marker a worker wrote before there were Parquet results (a rolling upgrade):
-        one results file, and each file's size beside its name."""
-        if not isinstance(fields, dict) or not isinstance(fields.get("results"), str):
-            return fields
-        fields = dict(fields)
-        results = {"name": fields.pop("results"), "bytes": fields.pop("results_bytes", None)}
-        fields["log"] = {"name": fields.get("log"), "bytes": fields.pop("log_bytes", None)}
-        return {**fields, "results": [results]}
 
 
 class ArmedWatch(NamedTuple):
@@ -142,8 +95,9 @@ class ArmedWatch(NamedTuple):
 
 
 class Shards:
-    """Checks a shard against its plan, commits a shard's run, merges a job whose shards
-    are all committed, and keeps its one progress.json (planning: `Planner`)."""
+    """Checks a shard against its plan, commits a shard's run, has a job whose shards
+    are all committed merged (`Merger`), and keeps its one progress.json (planning:
+    `Planner`)."""
 
     def __init__(
         self,
@@ -151,17 +105,14 @@ class Shards:
         source: JobSource,
         checkpoints: Checkpoints,
         lifecycle: Lifecycle,
-        *,
-        worker_info: dict[str, Any],
-        device_hour_price: float | None,
+        merger: Merger,
     ):
         self._blobs = blobs
         self._source = source
         self._checkpoints = checkpoints
         self._outcomes = lifecycle.outcomes
         self._progress = lifecycle.progress
-        self._worker_info = worker_info
-        self._device_hour_price = device_hour_price
+        self.merger = merger
 
     # Running a shard ---------------------------------------------------------
 
@@ -223,8 +174,9 @@ class Shards:
         spec, plan = job.spec, job.plan
         assert spec is not None and spec.shard is not None and plan is not None
         assert job.log is not None
+        merger = job.message.job_message_id
         if job.committed:  # a finish tried again after its merge failed
-            return self.merge_if_complete(spec, plan)
+            return self.merge(spec, plan, merger)
         index, digest = spec.shard.index, plan.request_digest
         run = f"a{job.attempt:04d}-{job.message.message_id}"
         suffixes = [
@@ -264,19 +216,35 @@ class Shards:
                 expect=ABSENT,
             )
         except PreconditionFailed:
-            if self.commit_at(shard_directory(spec, digest), _name(marker)).run != run:
+            # Either another run's marker, or our own: a try whose answer was lost.
+            if read_commit(self._blobs, shard_directory(spec, digest), _name(marker)).run != run:
                 log.info("shard_duplicate", job_id=job.job_id, shard=index, run=run)
                 self._blobs.delete([location for location, _, _ in outputs])
-                return None  # our try's answer was lost
+                return None
         job.committed = True
         log.info("shard_committed", job_id=job.job_id, shard=index, run=run, items=len(job.inputs))
-        merged = self.merge_if_complete(spec, plan)
-        if merged is not None:
-            return merged
-        if self._checkpoints.finished(spec, plan.job_id, digest) is not None:
-            self.remove(spec, plan)  # a late run: the job was merged before this commit
-        else:
-            self.watch(spec, plan, watch_delay_s(commit.seconds))
+        return self.merge(spec, plan, merger, watch_in_s=watch_delay_s(commit.seconds))
+
+    def merge(
+        self, spec: JobMessage, plan: Plan, merger: str, *, watch_in_s: int = WATCH_MIN_S
+    ) -> dict[str, Any] | None:
+        """Merge the job if every shard is committed (`Merger.merge`, as `merger`), and
+        see to what the answer leaves: the job.json this merge wrote, to announce; a
+        watch due in `watch_in_s` while shards are left, or when another merger's claim
+        runs out (should it be lost); the shards' files removed once the job is done; a
+        merge fenced off leaves everything to the one that fenced it."""
+        outcome = self.merger.merge(spec, plan, merger)
+        match outcome:
+            case Merged(summary):
+                return summary
+            case AlreadyMerged():
+                self.merger.remove(spec, plan)  # what a merger that died, or a late run, left
+            case Incomplete():
+                self.watch(spec, plan, watch_in_s)
+            case MergingElsewhere(until):
+                self.watch(spec, plan, claim_watch_delay_s(until))
+            case Fenced():
+                pass
         return None
 
     def started(self, spec: JobMessage, plan: Plan, *, held: bool) -> None:
@@ -333,9 +301,12 @@ class Shards:
         if etag is None:
             return None
         try:
-            due = _json_object(self._blobs.get(watch_file(spec, plan.request_digest))).get("due")
+            marker = self._blobs.get(watch_file(spec, plan.request_digest), MAX_MARKER_BYTES)
         except MissingObject:
             return None
+        except ObjectTooLarge:  # not what a worker writes
+            marker = b""
+        due = _json_object(marker).get("due")
         if not isinstance(due, int | float) or isinstance(due, bool):
             return ArmedWatch(etag, None)
         return ArmedWatch(etag, float(due))
@@ -388,7 +359,7 @@ class Shards:
         for _ in range(PROGRESS_TRIES):
             try:
                 etag = self._blobs.objects_under(location).get("", ABSENT)
-                current = _json_object(self._blobs.get(location)) if etag != ABSENT else {}
+                current = {} if etag == ABSENT else self._progress_read(location)
                 counts = current.get("shards") if current.get("job_id") == plan.job_id else None
                 counts = change(counts if isinstance(counts, dict) else {})
                 # A tar job's items are its tars' members: those of the shards started.
@@ -411,75 +382,13 @@ class Shards:
                 log.warning("progress_upload_failed", job_id=plan.job_id, error=repr(error))
                 return
 
-    # Merging -----------------------------------------------------------------
-
-    def merge_if_complete(self, spec: JobMessage, plan: Plan) -> dict[str, Any] | None:
-        """If every shard is committed and the job is not merged yet: its results.jsonl
-        and job.log, the shards' parts in input order, then its job.json, one after
-        another, each written on condition that it is as listed (another merger that
-        wrote first fences this one off); then the shards' files and every checkpoint
-        under the output go.
-        Returns the job.json written, or None."""
-        directory = shard_directory(spec, plan.request_digest)
-        listing = self._blobs.objects_under(directory)
-        names = [f"{shard_name(shard)}{COMMIT_SUFFIX}" for shard in range(plan.shards)]
-        if not all(name in listing for name in names):
-            return None
-        if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
-            self.remove(spec, plan)
-            return None
+    def _progress_read(self, location: S3Location) -> dict[str, Any]:
+        """The job's progress.json as an object; empty if it is not one a worker wrote
+        (over a size no count of its shards reaches)."""
         try:
-            return self._merge(spec, plan, directory, names)
-        except MissingObject:
-            if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is None:
-                raise
-            return None  # another merger was done first, and removed the parts
-
-    def _merge(
-        self, spec: JobMessage, plan: Plan, directory: S3Location, names: list[str]
-    ) -> dict[str, Any] | None:
-        commits = each_at_once(lambda name: self.commit_at(directory, name), names)
-        for name, commit in zip(names, commits, strict=True):
-            shard = name.removesuffix(COMMIT_SUFFIX)
-            if not all(file.name.startswith(f"{shard}.") for file in [*commit.results, commit.log]):
-                raise PoisonMessage(f"commit marker {name} names another shard's files")
-        top = self._checkpoints.outputs(spec)
-
-        def compose(name: str, files: list[RunFile], content_type: str) -> tuple[str, str]:
-            parts = [(S3Location(directory.bucket, directory.key + f.name), f.bytes) for f in files]
-            location, expect = spec.output_location(name), top.get(name, ABSENT)
-            return name, self._blobs.compose(location, parts, content_type, expect=expect)
-
-        if plan.format == JSON_LINES:
-            results = [("results.jsonl", [file for c in commits for file in c.results], NDJSON)]
-        else:  # each shard's files copied as they are, in order
-            results = [
-                (table_name(shard, number), [file], PARQUET_CONTENT_TYPE)
-                for shard, commit in enumerate(commits)
-                for number, file in enumerate(commit.results)
-            ]
-        logs = ("job.log", [commit.log for commit in commits], NDJSON)
-        try:
-            # One after another, in this order: of two mergers at once, each writing on
-            # condition that a file is as it listed it, the first fenced off stops, and
-            # the other is fenced by nothing it did after; side by side, each could
-            # win a file the other lost, and both stop with no job.json written.
-            outputs = dict(compose(*output) for output in [*results, logs])
-            summary = self._summary(plan, commits)
-            summary["outputs"] = outputs
-            self._blobs.put(
-                spec.output_location("job.json"),
-                json.dumps(summary).encode() + b"\n",
-                "application/json",
-                expect=top.get("job.json", ABSENT),
-            )
-        except PreconditionFailed as error:
-            log.info("merge_fenced", job_id=plan.job_id, error=str(error))
-            return None
-        log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
-        self._checkpoints.remove_stale(spec, top, outputs)
-        self.remove(spec, plan)
-        return summary
+            return _json_object(self._blobs.get(location, MAX_PROGRESS_BYTES))
+        except ObjectTooLarge:
+            return {}
 
     def _put(self, location: S3Location, data: bytes | Path, content_type: str) -> int:
         """Write one file of a run; its size."""
@@ -488,72 +397,6 @@ class Shards:
             return data.stat().st_size
         self._blobs.put(location, data, content_type)
         return len(data)
-
-    def commit_at(self, directory: S3Location, name: str) -> Commit:
-        data = self._blobs.get(S3Location(directory.bucket, directory.key + name), MAX_COMMIT_BYTES)
-        try:
-            return Commit.model_validate_json(data)
-        except ValidationError as error:
-            raise PoisonMessage(f"commit marker {name} is not one: {error}") from error
-
-    def _summary(self, plan: Plan, commits: list[Commit]) -> dict[str, Any]:
-        summary = job_summary(
-            job_id=plan.job_id,
-            cancelled=any(commit.cancelled for commit in commits),
-            items=_items(plan, commits),
-            succeeded=sum(commit.succeeded for commit in commits),
-            failed=sum(commit.failed for commit in commits),
-            resumed=sum(commit.resumed for commit in commits),
-            request_digest=plan.request_digest,
-            model=plan.model,
-            received_at=plan.received_at,
-            attempt=plan.attempt,
-            worker=self._worker_info,
-            device_s=sum(commit.device_s for commit in commits),
-            device_hour_price=self._device_hour_price,
-            format=plan.format,
-        )
-        summary["shards"] = {
-            "count": plan.shards,
-            "attempts": sum(commit.attempt for commit in commits),
-        }
-        return summary
-
-    def remove(self, spec: JobMessage, plan: Plan) -> None:
-        """The shards' files and every checkpoint under the output (the job is done);
-        never raises: whoever finds the job done next removes what is left."""
-        try:
-            self._remove(spec, plan)
-        except Exception as error:
-            log.warning("shards_not_removed", job_id=plan.job_id, error=repr(error))
-
-    def _remove(self, spec: JobMessage, plan: Plan) -> None:
-        directory = shard_directory(spec, plan.request_digest)
-        names = self._blobs.objects_under(directory)
-        checkpoints = [
-            name
-            for name in self._blobs.objects_under(spec.output_location(""))
-            if name.startswith(CHECKPOINT_PREFIX)
-        ]
-        self._blobs.delete(
-            [S3Location(directory.bucket, directory.key + name) for name in names]
-            + [spec.output_location(name) for name in checkpoints]
-        )
-
-
-def each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list[T]:
-    """`function` of each argument, `S3_THREADS` at a time, taking arguments only as
-    threads free up (a planner's stream of shards is never held whole); raises the
-    first error."""
-    results: list[T] = []
-    with ThreadPoolExecutor(S3_THREADS, thread_name_prefix="shards") as pool:
-        pending: deque[Future[T]] = deque()
-        for argument in arguments:
-            if len(pending) == S3_THREADS:
-                results.append(pending.popleft().result())
-            pending.append(pool.submit(function, argument))
-        results.extend(future.result() for future in pending)
-    return results
 
 
 def _name(location: S3Location) -> str:
@@ -576,14 +419,14 @@ def _count(value: Any, position: int) -> int:
     return max(0, count) if isinstance(count, int) and not isinstance(count, bool) else 0
 
 
+def claim_watch_delay_s(until: float) -> int:
+    """How long from now a watch is due that finds whether a merge claim held until
+    `until` (epoch seconds) ended in a merge: just after it runs out, within SQS's
+    delays."""
+    return min(SQS_MAX_DELAY_S, max(WATCH_MIN_S, math.ceil(until - time.time()) + 1))
+
+
 def watch_delay_s(shard_s: float) -> int:
     """How long after a commit, or a watch, the next watch of the job is due: half a
     shard's time, within SQS's delays."""
     return min(SQS_MAX_DELAY_S, max(WATCH_MIN_S, round(shard_s / 2)))
-
-
-def _items(plan: Plan, commits: list[Commit]) -> int:
-    """A merged job's items: its plan's, or the members of every shard's tars."""
-    if plan.tar is None:
-        return plan.items
-    return sum(commit.items or 0 for commit in commits)

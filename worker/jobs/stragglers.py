@@ -33,10 +33,13 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 
 from worker.errors import MissingObject, PreconditionFailed
+from worker.jobs.checkpoints import MAX_MARKER_BYTES
 from worker.jobs.job import Job
 from worker.jobs.message import JobMessage
 from worker.jobs.outcomes import Outcomes
@@ -48,13 +51,15 @@ from worker.jobs.plan import (
     STARTED_SUFFIX,
     WATCH,
     Plan,
+    each_at_once,
+    read_commit,
     shard_body,
     shard_directory,
     shard_file,
     shard_name,
     watch_file,
 )
-from worker.jobs.shards import WATCH_SLACK_S, Shards, each_at_once, watch_delay_s
+from worker.jobs.shards import WATCH_SLACK_S, Shards, watch_delay_s
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
 
 log = structlog.get_logger()
@@ -77,6 +82,7 @@ class Stragglers:
         shards: Shards,
         outcomes: Outcomes,
         *,
+        announce: Callable[[dict[str, Any], str], None],
         lost_after_s: float,
     ):
         """A duplicated shard none of whose runs started for `lost_after_s` (longer than
@@ -86,6 +92,7 @@ class Stragglers:
         self._source = source
         self._shards = shards
         self._outcomes = outcomes
+        self._announce = announce  # a job merged here (`Finisher.announce`)
         self._lost_after_s = lost_after_s
 
     def watch(self, job: Job, spec: JobMessage) -> None:
@@ -105,9 +112,9 @@ class Stragglers:
         left = [shard for shard in range(plan.shards) if not has(shard, COMMIT_SUFFIX)]
         if not left or not any(name.endswith(INPUTS_SUFFIX) for name in listing):
             # Merged, or to merge: the last committer's merge may have failed for good.
-            if self._shards.merge_if_complete(spec, plan) is None:
-                self._shards.remove(spec, plan)
-            self._outcomes.ack(job)
+            merged = self._shards.merge(spec, plan, job.message.job_message_id)
+            if self._outcomes.ack(job) and merged is not None:
+                self._announce(merged, job.message.message_id)
             return
         armed = self._shards.armed_watch(spec, plan, listing.get(WATCH))
         if armed is None or (armed.due is not None and armed.due > time.time() + WATCH_SLACK_S):
@@ -122,7 +129,9 @@ class Stragglers:
             return
         committed = [shard for shard in range(plan.shards) if has(shard, COMMIT_SUFFIX)]
         commits = each_at_once(
-            lambda shard: self._shards.commit_at(directory, f"{shard_name(shard)}{COMMIT_SUFFIX}"),
+            lambda shard: read_commit(
+                self._blobs, directory, f"{shard_name(shard)}{COMMIT_SUFFIX}"
+            ),
             committed[:MEDIAN_SAMPLE],
         )
         shard_s = statistics.median(commit.seconds for commit in commits) if commits else None
@@ -181,10 +190,12 @@ class Stragglers:
     def _dead_reason(self, spec: JobMessage, plan: Plan, shard: int) -> str | None:
         """Why a worker dead-lettered the shard, as it noted it."""
         try:
-            dead = self._blobs.get(shard_file(spec, plan.request_digest, shard, DEAD_SUFFIX))
+            marker = shard_file(spec, plan.request_digest, shard, DEAD_SUFFIX)
+            dead = self._blobs.get(marker, MAX_MARKER_BYTES)
             reason = json.loads(dead).get("reason")
         except (MissingObject, ValueError, AttributeError):
-            return None  # removed meanwhile (redriven), or not what a worker writes
+            # Removed meanwhile (redriven), or not what a worker writes (too large too).
+            return None
         return reason if isinstance(reason, str) else None
 
     def _notes(
@@ -197,12 +208,13 @@ class Stragglers:
         def note(shard: int) -> tuple[float, bool] | None:
             marker = shard_file(spec, plan.request_digest, shard, suffix)
             try:
-                fields = json.loads(self._blobs.get(marker))
+                fields = json.loads(self._blobs.get(marker, MAX_MARKER_BYTES))
                 return time.time() - float(fields["at"]), fields.get("held") is True
             except MissingObject:
                 return None  # committed and removed meanwhile
             except (ValueError, KeyError, TypeError, AttributeError):
-                return None  # not what a worker writes (or before duplicates said when)
+                # Not what a worker writes (too large too), or before duplicates said when.
+                return None
 
         noted = each_at_once(note, shards)
         return {shard: value for shard, value in zip(shards, noted, strict=True) if value}

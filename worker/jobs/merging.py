@@ -1,0 +1,285 @@
+"""Merging a job's committed shards into the outputs an unsharded run writes.
+
+Whoever sees every shard committed may merge: the last committer, a watch, a committed
+shard's redelivery. Only one merges at a time: a merge first takes the job's `merge`
+claim (written on condition that there is none, or that it is as read: a claim
+expired, or the merger's own from an earlier delivery of the same message), renews it
+before each write, and a merger whose claim was taken over is fenced off by that
+renewal. So two mergers never interleave their writes: with ETags that are not MD5s of
+the bytes (SSE-KMS buckets, other S3 stores), the same bytes written twice would leave
+job.json naming ETags no longer there, and the job would never count as done.
+
+A merger then lists the outputs, and writes results.jsonl (or the Parquet files) and
+job.log, joined from the shards' files in shard order, then job.json, each on
+condition that it is as listed: a write of another request to the same output fences
+the merge off. Only a merge that wrote job.json (or finds it written) removes the
+shards' files; a merge fenced off, or one that finds another merging, leaves
+everything for the one that can finish. Each answer is a type of its own: a `None`
+that means three things is where such protocols lose data.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from worker.errors import MissingObject, PreconditionFailed
+from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
+from worker.jobs.message import JobMessage, PoisonMessage
+from worker.jobs.plan import (
+    COMMIT_SUFFIX,
+    Commit,
+    Plan,
+    RunFile,
+    each_at_once,
+    merge_file,
+    read_commit,
+    shard_directory,
+    shard_name,
+)
+from worker.jobs.summary import job_summary
+from worker.jobs.tables import JSON_LINES, NDJSON, PARQUET_CONTENT_TYPE, table_name
+from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, S3Location
+
+log = structlog.get_logger()
+
+# A merge claim lasts this long past its latest renewal (each write of the merge renews
+# it; one compose of thousands of parts takes minutes): a merger that died is replaced
+# by its message's redelivery at once, and by anyone once its claim has run out.
+MERGE_CLAIM_S = SQS_MAX_DELAY_S
+MAX_CLAIM_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Merged:
+    """This merge wrote the job's job.json."""
+
+    summary: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AlreadyMerged:
+    """The job's job.json was written (by another merge) for this same request."""
+
+    summary: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Incomplete:
+    """Not every shard is committed yet."""
+
+
+@dataclass(frozen=True)
+class MergingElsewhere:
+    """Another merger holds the job's claim, until `until` (epoch seconds) unless renewed."""
+
+    until: float
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """A write of this merge was refused: another request wrote to the job's output, or
+    another merger took the claim over. Nothing is removed."""
+
+    reason: str
+
+
+MergeOutcome = Merged | AlreadyMerged | Incomplete | MergingElsewhere | Fenced
+
+
+class _ClaimLost(Exception):
+    """The merge claim is no longer this merger's."""
+
+
+class Merger:
+    """Merges a job whose shards are all committed, one merger at a time."""
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        checkpoints: Checkpoints,
+        *,
+        worker_info: dict[str, Any],
+        device_hour_price: float | None,
+    ):
+        self._blobs = blobs
+        self._checkpoints = checkpoints
+        self._worker_info = worker_info
+        self._device_hour_price = device_hour_price
+
+    def merge(self, spec: JobMessage, plan: Plan, merger: str) -> MergeOutcome:
+        """Merge the job if every shard is committed, as `merger` (what names the message
+        chain doing it: its redeliveries and continuations resume its claim)."""
+        directory = shard_directory(spec, plan.request_digest)
+        listing = self._blobs.objects_under(directory)
+        names = [f"{shard_name(shard)}{COMMIT_SUFFIX}" for shard in range(plan.shards)]
+        if not all(name in listing for name in names):
+            done = self._checkpoints.finished(spec, plan.job_id, plan.request_digest)
+            return Incomplete() if done is None else AlreadyMerged(done)
+        claim = _Claim(self._blobs, merge_file(spec, plan.request_digest), merger)
+        holder = claim.take(listing.get(claim.name))
+        if holder is not None:
+            return holder
+        try:
+            return self._merge(spec, plan, directory, names, claim)
+        except _ClaimLost as lost:
+            log.info("merge_fenced", job_id=plan.job_id, error=str(lost))
+            return Fenced(str(lost))
+        except MissingObject:
+            # A shard's file gone: a merger that took the claim over finished and
+            # removed them.
+            done = self._checkpoints.finished(spec, plan.job_id, plan.request_digest)
+            if done is None:
+                raise
+            return AlreadyMerged(done)
+
+    def _merge(
+        self, spec: JobMessage, plan: Plan, directory: S3Location, names: list[str], claim: _Claim
+    ) -> MergeOutcome:
+        # Listed once, under the claim, before anything is read: what is written after
+        # this is another's, and fences this merge off.
+        top = self._checkpoints.outputs(spec)
+        done = self._checkpoints.completed(spec, plan.job_id, plan.request_digest, top)
+        if done is not None:
+            self.remove(spec, plan)
+            return AlreadyMerged(done)
+        commits = each_at_once(lambda name: read_commit(self._blobs, directory, name), names)
+        for name, commit in zip(names, commits, strict=True):
+            shard = name.removesuffix(COMMIT_SUFFIX)
+            if not all(file.name.startswith(f"{shard}.") for file in [*commit.results, commit.log]):
+                raise PoisonMessage(f"commit marker {name} names another shard's files")
+
+        def compose(name: str, files: list[RunFile], content_type: str) -> tuple[str, str]:
+            parts = [(S3Location(directory.bucket, directory.key + f.name), f.bytes) for f in files]
+            claim.renew()
+            location, expect = spec.output_location(name), top.get(name, ABSENT)
+            return name, self._blobs.compose(location, parts, content_type, expect=expect)
+
+        if plan.format == JSON_LINES:
+            results = [("results.jsonl", [file for c in commits for file in c.results], NDJSON)]
+        else:  # each shard's files copied as they are, in order
+            results = [
+                (table_name(shard, number), [file], PARQUET_CONTENT_TYPE)
+                for shard, commit in enumerate(commits)
+                for number, file in enumerate(commit.results)
+            ]
+        logs = ("job.log", [commit.log for commit in commits], NDJSON)
+        try:
+            outputs = dict(compose(*output) for output in [*results, logs])
+            summary = self._summary(plan, commits)
+            summary["outputs"] = outputs
+            claim.renew()
+            self._blobs.put(
+                spec.output_location("job.json"),
+                json.dumps(summary).encode() + b"\n",
+                "application/json",
+                expect=top.get("job.json", ABSENT),
+            )
+        except PreconditionFailed as error:
+            log.info("merge_fenced", job_id=plan.job_id, error=str(error))
+            return Fenced(str(error))
+        log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
+        self._checkpoints.remove_stale(spec, top, outputs)
+        self.remove(spec, plan)
+        return Merged(summary)
+
+    def _summary(self, plan: Plan, commits: list[Commit]) -> dict[str, Any]:
+        summary = job_summary(
+            job_id=plan.job_id,
+            cancelled=any(commit.cancelled for commit in commits),
+            items=_items(plan, commits),
+            succeeded=sum(commit.succeeded for commit in commits),
+            failed=sum(commit.failed for commit in commits),
+            resumed=sum(commit.resumed for commit in commits),
+            request_digest=plan.request_digest,
+            model=plan.model,
+            received_at=plan.received_at,
+            attempt=plan.attempt,
+            worker=self._worker_info,
+            device_s=sum(commit.device_s for commit in commits),
+            device_hour_price=self._device_hour_price,
+            format=plan.format,
+        )
+        summary["shards"] = {
+            "count": plan.shards,
+            "attempts": sum(commit.attempt for commit in commits),
+        }
+        return summary
+
+    def remove(self, spec: JobMessage, plan: Plan) -> None:
+        """The shards' files (the claim with them) and every checkpoint under the output:
+        the job is done. Never raises: whoever finds the job done next removes what is
+        left."""
+        try:
+            directory = shard_directory(spec, plan.request_digest)
+            names = self._blobs.objects_under(directory)
+            checkpoints = self._blobs.objects_under(spec.output_location(CHECKPOINT_PREFIX))
+            self._blobs.delete(
+                [S3Location(directory.bucket, directory.key + name) for name in names]
+                + [spec.output_location(CHECKPOINT_PREFIX + name) for name in checkpoints]
+            )
+        except Exception as error:
+            log.warning("shards_not_removed", job_id=plan.job_id, error=repr(error))
+
+
+class _Claim:
+    """A job's merge claim: `{"merger", "until"}`, its ETag kept to renew it."""
+
+    def __init__(self, blobs: BlobStore, location: S3Location, merger: str):
+        self._blobs = blobs
+        self._location = location
+        self._merger = merger
+        self._etag = ABSENT
+        self.name = location.key.rsplit("/", 1)[1]
+
+    def take(self, listed: str | None) -> MergingElsewhere | None:
+        """Take the claim (`listed`: its ETag as listed, None if there was none): None
+        once it is this merger's; else who holds it, until when."""
+        expect = ABSENT
+        if listed is not None:
+            try:
+                fields = _json_object(self._blobs.get(self._location, MAX_CLAIM_BYTES))
+                expect = listed  # expired, not one, or ours from an earlier delivery
+            except MissingObject:
+                fields = {}  # the merge it named ended and removed it: taken anew
+            until = fields.get("until")
+            ours = fields.get("merger") == self._merger
+            if not ours and isinstance(until, int | float) and until > time.time():
+                return MergingElsewhere(float(until))
+        try:
+            self._write(expect)
+        except PreconditionFailed:
+            return MergingElsewhere(time.time() + MERGE_CLAIM_S)  # taken meanwhile
+        return None
+
+    def renew(self) -> None:
+        """Renew the claim on condition that it is still this merger's; `_ClaimLost` if
+        another took it over."""
+        try:
+            self._write(self._etag)
+        except PreconditionFailed as error:
+            raise _ClaimLost(f"another merger took the merge over: {error}") from error
+
+    def _write(self, expect: str) -> None:
+        note = {"merger": self._merger, "until": time.time() + MERGE_CLAIM_S}
+        data = json.dumps(note).encode()
+        self._etag = self._blobs.put(self._location, data, "application/json", expect=expect)
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _items(plan: Plan, commits: list[Commit]) -> int:
+    """A merged job's items: its plan's, or the members of every shard's tars."""
+    if plan.tar is None:
+        return plan.items
+    return sum(commit.items or 0 for commit in commits)
