@@ -7,9 +7,11 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import tarfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from structlog.testing import capture_logs
 from bench.harness import HOST_JOB_SIZE, tar_of
 from bench.run import tar_shards
 from stages.synthetic import samples
+from tests.support.hostile import tar_of_empty_members
 from tests.support.in_process import (
     draining_settings,
     planned,
@@ -169,6 +172,15 @@ def _cut_short() -> bytes:
         (tar_of([(f"{n}.jpg", b"A") for n in range(4)]), "hold more than 3 inputs, a shard's"),
         (_sparse(), "member a.jpg is sparse"),
         (_huge_pax_header(), "an extended header of 2097"),
+        (tar_of([("n" * 4097, b"A")]), r"a member's name of 4097 bytes \(at most 4096\)"),
+        (
+            tar_of([("g" * 5000, b"A")], tarfile.GNU_FORMAT),
+            r"a member's name of 5000 bytes \(at most 4096\)",
+        ),
+        (  # the review's: a name near 1 MiB, an extended header's most
+            tar_of([("m" * (2**20 - 100), b"A")]),
+            r"a member's name of 1048476 bytes \(at most 4096\)",
+        ),
     ],
     # Each case by its reason: the bytes make ids that pytest-xdist's workers must agree on.
     ids=lambda value: value if isinstance(value, str) else "",
@@ -176,6 +188,8 @@ def _cut_short() -> bytes:
 def test_a_tar_that_cannot_be_used_is_poison_naming_it(
     tmp_path: Path, data: bytes | None, reason: str
 ) -> None:
+    """Each thing that makes a tar unusable, its limit named where it is one: a member's
+    name over 4 KiB (a pax name, a GNU long name, a megabyte-long one) among them."""
     blobs = InMemoryBlobStore()
     if data is not None:
         blobs.objects["s3://bkt/t.tar"] = data
@@ -216,7 +230,7 @@ def test_checkpointed_members_resume_by_their_tar_and_name(tmp_path: Path) -> No
         {"index": 0, "input": "s3://bkt/0.tar", "label": "no member"},
         {"index": True, "input": "s3://bkt/0.tar", "member": "a.jpg", "label": "forged"},
     ]
-    blobs.objects["s3://bkt/out/checkpoint-0123456789abcdef-m1-0001.jsonl"] = b"\n".join(
+    blobs.objects["s3://bkt/out/checkpoint-0123456789abcdef-a0001-m1-00001.jsonl"] = b"\n".join(
         json.dumps(line).encode() for line in lines
     )
     places = [Place(0, "s3://bkt/0.tar", "new.jpg"), Place(0, "s3://bkt/0.tar", "b.jpg")]
@@ -476,3 +490,55 @@ def test_the_tar_figure_runs_every_member_reading_each_tar_once(tmp_path: Path) 
     assert figures["s3_gets_per_item_objects"] == 1.0
     assert figures["s3_gets_per_item_tar_shards"] == 1 / HOST_JOB_SIZE
     assert all(value > 0 for value in figures.values())
+
+
+def test_members_past_the_limit_are_not_listed(tmp_path: Path) -> None:
+    """A tar of 20,000 empty members where a shard holds 100: poison at the 101st, the
+    rest never listed (Python's heap peaked at 56 KB, where listing all 20,000 first
+    took 7.6 MB: a 16 GiB tar of 33 million, about 10 GB)."""
+    blobs = InMemoryBlobStore()
+    blobs.objects["s3://bkt/t.tar"] = tar_of_empty_members(20_000)
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100)
+    tracemalloc.start()
+    try:
+        with pytest.raises(PoisonMessage, match="hold more than 100 inputs, a shard's most"):
+            copies.members(["s3://bkt/t.tar"], TarMembers())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        os.urandom(3 * 2**20),
+        gzip.compress(tar_of([(f"{n}.jpg", os.urandom(2**14)) for n in range(200)])),
+    ],
+    ids=["random-bytes", "a-gzipped-tar"],
+)
+def test_an_object_that_is_not_a_tar_is_refused_after_its_first_chunk(
+    tmp_path: Path, data: bytes
+) -> None:
+    """Another tenant's video or a gzipped tar named as a tar: poison once its first
+    512 bytes are in, the rest neither read nor copied (before, the whole object, up to
+    --max-tar-bytes, was copied first)."""
+    blobs = InMemoryBlobStore(chunk_bytes=2**16)
+    blobs.objects["s3://bkt/t.tar"] = data
+    copies = _copies(tmp_path, blobs)
+    with pytest.raises(PoisonMessage, match=r"is not a tar this worker reads: .*header"):
+        copies.members(["s3://bkt/t.tar"], TarMembers())
+    assert (copies.directory / "000000.tar").stat().st_size == 2**16
+
+
+def test_a_tar_whose_first_block_is_zeros_has_no_members_and_is_read_no_further(
+    tmp_path: Path,
+) -> None:
+    """As before, a tar ends at a zero block, so one that starts with one has no members
+    (the job's message is poison if none of its tars has any); what follows is not
+    copied."""
+    blobs = InMemoryBlobStore(chunk_bytes=2**16)
+    blobs.objects["s3://bkt/t.tar"] = bytes(512) + tar_of([("a.jpg", os.urandom(2**20))])
+    copies = _copies(tmp_path, blobs)
+    assert copies.members(["s3://bkt/t.tar"], TarMembers()) == []
+    assert (copies.directory / "000000.tar").stat().st_size == 2**16

@@ -196,6 +196,16 @@ class Settings(BaseSettings):
         "message poison. A job's tars are copied whole to --log-dir while it runs: its "
         "disk holds --shard-tars of them for each shard held.",
     )
+    tar_disk_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most bytes of disk the local copies of tars may take at once, all "
+        "jobs' together (whole tar jobs and tar shards alike), claimed as they are copied: "
+        "a job that finds no room now is handed back to run later, uncharged; one whose "
+        "tars alone take more is poison. Default: three quarters of the space free on "
+        "--log-dir's disk at start (daemons sharing a disk should each be given their "
+        "share).",
+    )
     parquet_file_bytes: int = Field(
         default=256 * 2**20,
         ge=1,

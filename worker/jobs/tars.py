@@ -9,8 +9,13 @@ then read each member from the copy (`LocalPart`), so a member costs no request 
 own. The copies go with the job's other local files when it is settled.
 
 A tar that is missing, unreadable, over `--max-tar-bytes`, cut short or not a tar (a
-compressed one included), or that holds a member name twice, makes the message poison,
-named; a member over `--max-input-bytes` is that member's error, as an object over it is.
+compressed one included), or that holds a member name twice or one over
+`MAX_NAME_BYTES`, makes the message poison, named; a member over `--max-input-bytes` is
+that member's error, as an object over it is. What an untrusted tar costs is bounded
+before it is paid: its first header is checked as soon as it has arrived (a video named
+as a tar is refused after its first chunk, not read whole); the copies of all jobs claim
+their bytes of one `DiskBudget` as they grow; members are counted as they are listed, and
+listing stops once the job's tars hold more than `--shard-items`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from worker.errors import TransientError
+from worker.jobs.disk import DiskBudget
 from worker.jobs.inputs import unreadable_is_poison
 from worker.jobs.message import PoisonMessage, TarMembers
 from worker.ports import BlobStore, LocalPart, S3Location
@@ -39,6 +45,7 @@ PAX_NEXT = (b"x", b"X")  # a pax header for the member after it (X: Solaris's)
 PAX_GLOBAL, GNU_LONG_NAME, GNU_LONG_LINK, GNU_SPARSE = b"g", b"L", b"K", b"S"
 EXTENDED = (*PAX_NEXT, PAX_GLOBAL, GNU_LONG_NAME, GNU_LONG_LINK)
 MAX_EXTENDED_BYTES = 2**20  # an extended header's most, as Go's archive/tar takes
+MAX_NAME_BYTES = 4096  # a member's name, in UTF-8: every result line of it carries it
 
 
 # A job's (or shard's) tars are copied this many at a time: AWS's performance
@@ -55,13 +62,24 @@ class Member(NamedTuple):
 
 
 class TarCopies:
-    """One job's local copies of its tars, in `directory` (made as they are copied)."""
+    """One job's local copies of its tars, in `directory` (made as they are copied),
+    their bytes claimed of the daemon's `disk` budget (none: no limit) as they are
+    written, and given back by `remove`."""
 
-    def __init__(self, directory: Path, blobs: BlobStore, max_tar_bytes: int, max_members: int):
+    def __init__(
+        self,
+        directory: Path,
+        blobs: BlobStore,
+        max_tar_bytes: int,
+        max_members: int,
+        disk: DiskBudget | None = None,
+    ):
         self.directory = directory
         self._blobs = blobs
         self._max_tar_bytes = max_tar_bytes
         self._max_members = max_members  # of all its tars: what the job holds at once
+        self._members = 0  # listed so far, by the copies' threads together
+        self._claim = disk.claim() if disk is not None else None
         self._lock = threading.Lock()  # `remove` comes from whichever thread settles the job
         self._removed = False
         # Set by `remove`, or by a copy that failed: the copies still running stop at
@@ -71,8 +89,10 @@ class TarCopies:
     def members(self, tars: list[str], spec: TarMembers) -> list[Member]:
         """Every member of `tars` that is an input, in order, once every tar is copied
         (`TARS_COPIED_AT_ONCE` at a time) and read; what is wrong with a tar, the first
-        in order of those that were read, makes the message poison."""
+        in order of those that were read, makes the message poison. `NoDiskRoom` if the
+        disk budget has no room for them now (and none of them is poison)."""
         suffix = spec.member_suffix or ""
+        self._members = 0
         with ThreadPoolExecutor(max(1, min(len(tars), TARS_COPIED_AT_ONCE))) as copying:
             copies = [
                 copying.submit(self._copied_members, uri, row, suffix)
@@ -84,26 +104,29 @@ class TarCopies:
                 for copy in copies:
                     copy.cancel()  # those not begun
         failures = [copy.exception() for copy in copies if not copy.cancelled()]
-        # The first in order that is not a copy cut short by another's failure.
-        failure = min(filter(None, failures), key=lambda f: isinstance(f, _Stopped), default=None)
+        # The first in order of what is wrong with a tar; else of what failed for now
+        # (no room on the disk); else of the copies cut short by another's failure.
+        failure = min(filter(None, failures), key=_rank, default=None)
         if failure is not None:
             raise failure
-        members = [member for copy in copies for member in copy.result()]
-        self._check_count(len(members))
-        return members
+        return [member for copy in copies for member in copy.result()]
 
     def _copied_members(self, uri: str, row: int, suffix: str) -> list[Member]:
-        """The members of one tar, once it is copied: for `members`, on its own thread."""
-        members = list(_listed(self._copy(uri, row), uri, row, suffix))
-        self._check_count(len(members))
+        """The members of one tar, once it is copied: for `members`, on its own thread;
+        poison as soon as the job's tars hold more than it may hold, before the rest of
+        its members are listed."""
+        members = []
+        for member in _listed(self._copy(uri, row), uri, row, suffix):
+            with self._lock:
+                self._members += 1
+                over = self._members > self._max_members
+            if over:
+                raise PoisonMessage(
+                    f"its tars hold more than {self._max_members} inputs, a shard's most "
+                    "(--shard-items): give fewer tars a shard ('shard_items')"
+                )
+            members.append(member)
         return members
-
-    def _check_count(self, members: int) -> None:
-        if members > self._max_members:
-            raise PoisonMessage(
-                f"its tars hold more than {self._max_members} inputs, a shard's most "
-                "(--shard-items): give fewer tars a shard ('shard_items')"
-            )
 
     def _copy(self, uri: str, row: int) -> Path:
         path = self.directory / f"{row:06d}.tar"
@@ -113,23 +136,46 @@ class TarCopies:
             self.directory.mkdir(exist_ok=True)  # in the daemon's spool, there while it runs
             copy = open(path, "wb")  # noqa: SIM115 (closed below, whatever happens)
         chunks = self._blobs.chunks(S3Location.parse(uri), self._max_tar_bytes)
+        first = b""  # the first header, checked as soon as it is here
         with unreadable_is_poison(f"tar {uri}"), contextlib.closing(chunks), copy:
             for chunk in chunks:
-                if self._stop.is_set():
-                    raise _Stopped(f"tar {uri} was not copied whole: the job's copying stopped")
+                self._claim_room(len(chunk), uri)
                 copy.write(chunk)
+                if len(first) < BLOCK:
+                    first += chunk[: BLOCK - len(first)]
+                    if len(first) == BLOCK and _ends_at_first(first, uri):
+                        break  # nothing after its first block is read: not copied either
         return path
 
+    def _claim_room(self, size: int, uri: str) -> None:
+        """Claim `size` bytes of the disk budget for a copy's next piece; `_Stopped` if
+        the job's copying stopped, or it was settled (its claim given back)."""
+        if self._stop.is_set():
+            raise _Stopped(f"tar {uri} was not copied whole: the job's copying stopped")
+        with self._lock:
+            if self._removed:
+                raise _Stopped(f"tar {uri} was not copied whole: the job was settled")
+            if self._claim is not None:
+                self._claim.grow(size)
+
     def remove(self) -> None:
+        """Take the copies away, and give their disk back."""
         self._stop.set()
         with self._lock:
             self._removed = True
             shutil.rmtree(self.directory, ignore_errors=True)
+            if self._claim is not None:
+                self._claim.release()
 
 
 class _Stopped(TransientError):
     """A copy cut short: another tar of the job could not be used, or the job was
     settled meanwhile (a shutdown)."""
+
+
+def _rank(failure: BaseException) -> tuple[bool, bool]:
+    """A tar's failure before one for now, and a copy cut short by another's last."""
+    return isinstance(failure, _Stopped), isinstance(failure, TransientError)
 
 
 def _listed(path: Path, uri: str, row: int, suffix: str) -> Iterator[Member]:
@@ -169,8 +215,7 @@ def _entries(data: bytes | mmap.mmap, uri: str) -> Iterator[tuple[str, int, int]
             raise _not_a_tar(uri, "it ends mid-header" if header else "it is empty")
         if not header or header == ZERO_BLOCK:  # the end (two zero blocks, or none)
             return
-        if _checksum(header) != _number(header[148:156], uri):
-            raise _not_a_tar(uri, f"the header at byte {offset} is not one (its checksum)")
+        _check_header(header, offset, uri)
         kind, start = header[156:157], offset + BLOCK
         size = _number(header[124:136], uri)
         if kind in REGULAR_FILE and "size" in extended:  # over 8 GiB: pax gives it
@@ -182,7 +227,7 @@ def _entries(data: bytes | mmap.mmap, uri: str) -> Iterator[tuple[str, int, int]
         elif kind == GNU_LONG_NAME:
             extended = {"path": _text(bytes(data[start : start + size]).rstrip(b"\0"))}
         elif kind in REGULAR_FILE:
-            name = _name(header, extended)
+            name = _member_name(header, extended, uri)
             if not name.endswith("/"):  # an old writer's directory
                 yield name, start, size
             extended = {}
@@ -202,6 +247,31 @@ def _check_entry(
         raise _not_a_tar(uri, f"an extended header of {size} bytes (at most {MAX_EXTENDED_BYTES})")
     if kind == GNU_SPARSE or (extended and any(k.startswith("GNU.sparse.") for k in extended)):
         raise _not_a_tar(uri, f"member {_name(header, extended)} is sparse, not read here")
+
+
+def _member_name(header: bytes | mmap.mmap, extended: dict[str, str], uri: str) -> str:
+    """A regular file's name; poison if it is over `MAX_NAME_BYTES` (a pax or GNU name
+    may be up to an extended header's 1 MiB)."""
+    name = _name(header, extended)
+    size = len(name.encode())
+    if size > MAX_NAME_BYTES:
+        raise _not_a_tar(uri, f"a member's name of {size} bytes (at most {MAX_NAME_BYTES})")
+    return name
+
+
+def _ends_at_first(header: bytes, uri: str) -> bool:
+    """Whether a tar whose first block is `header` ends there (a zero block: no member
+    after it is read); poison if that block is no tar header."""
+    if header == ZERO_BLOCK:
+        return True
+    _check_header(header, 0, uri)
+    return False
+
+
+def _check_header(header: bytes | mmap.mmap, offset: int, uri: str) -> None:
+    """Poison if the block at `offset` is no tar header (its checksum)."""
+    if _checksum(header) != _number(header[148:156], uri):
+        raise _not_a_tar(uri, f"the header at byte {offset} is not one (its checksum)")
 
 
 def _not_a_tar(uri: str, why: str) -> PoisonMessage:

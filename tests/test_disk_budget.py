@@ -1,0 +1,139 @@
+"""The disk a daemon's tar copies take (`worker.jobs.disk`): claims grow within one
+budget shared by every job's copies, are given back when the copies are removed, and
+a job that cannot fit now is told apart from one that can never fit."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from bench.harness import tar_of
+from worker.adapters.fakes import InMemoryBlobStore
+from worker.errors import TransientError
+from worker.jobs.disk import DiskBudget, NoDiskRoom
+from worker.jobs.message import PoisonMessage, TarMembers
+from worker.jobs.tars import TarCopies
+
+CHUNK_BYTES = 2**16
+
+
+def test_claims_share_the_budget_and_give_it_back_when_released() -> None:
+    """A claim that others leave no room for is `NoDiskRoom` (transient: for later),
+    taking nothing; released room is claimable again."""
+    budget = DiskBudget(1000)
+    first, second = budget.claim(), budget.claim()
+    first.grow(600)
+    second.grow(300)
+    with pytest.raises(NoDiskRoom, match="other jobs' copies hold 600 of its 1000 bytes"):
+        second.grow(200)
+    assert isinstance(NoDiskRoom("x"), TransientError)
+    assert (budget.held_bytes, second.held_bytes) == (900, 300)
+    first.release()
+    second.grow(200)
+    assert (budget.held_bytes, first.held_bytes, second.held_bytes) == (500, 0, 500)
+    second.release()
+    second.release()  # twice: nothing more given back
+    assert budget.held_bytes == 0
+
+
+def test_a_claim_over_the_whole_budget_is_poison_naming_the_limit() -> None:
+    """Its tars could never fit on this machine, however long it waits."""
+    budget = DiskBudget(1000)
+    claim = budget.claim()
+    claim.grow(900)
+    with pytest.raises(PoisonMessage, match=r"--tar-disk-bytes, 1000 bytes"):
+        claim.grow(101)
+    assert budget.held_bytes == 900
+
+
+def test_claims_at_once_never_hold_more_than_the_budget() -> None:
+    """Eight claimers growing by random amounts at once, each releasing when it is
+    refused (no room now, or its claim alone over the budget): what is held never passes
+    the budget, and all of it comes back."""
+    budget = DiskBudget(10_000)
+    most_held = 0
+    start = threading.Barrier(8)
+
+    def claimer(seed: int) -> None:
+        nonlocal most_held
+        chooser, claim = random.Random(seed), budget.claim()
+        start.wait()
+        for _ in range(2000):
+            try:
+                claim.grow(chooser.randint(1, 700))
+            except (NoDiskRoom, PoisonMessage):
+                claim.release()
+            most_held = max(most_held, budget.held_bytes)
+        claim.release()
+
+    claimers = [threading.Thread(target=claimer, args=(seed,)) for seed in range(8)]
+    for thread in claimers:
+        thread.start()
+    for thread in claimers:
+        thread.join()
+    assert 0 < most_held <= 10_000
+    assert budget.held_bytes == 0
+
+
+def _tars(blobs: InMemoryBlobStore, *sizes: int) -> list[str]:
+    """Tars of one member of about `size` bytes each, stored; their URIs."""
+    uris = [f"s3://bkt/{number}.tar" for number in range(len(sizes))]
+    for uri, size in zip(uris, sizes, strict=True):
+        blobs.objects[uri] = tar_of([("a.jpg", bytes(size))])
+    return uris
+
+
+def test_every_jobs_tar_copies_claim_one_budget_until_they_are_removed(tmp_path: Path) -> None:
+    """Two jobs' copies on one budget: the second finds no room while the first holds
+    its tar (`NoDiskRoom`, its partial copy's claim given back with its copies), and
+    fits once the first's copies are removed; the budget is never passed."""
+    blobs = InMemoryBlobStore(chunk_bytes=CHUNK_BYTES)
+    big, small = _tars(blobs, 600_000, 300_000)
+    budget = DiskBudget(800_000)
+
+    def copies(name: str) -> TarCopies:
+        return TarCopies(tmp_path / name, blobs, 2**30, 100, budget)
+
+    first, second = copies("first"), copies("second")
+    assert [member.name for member in first.members([big], TarMembers())] == ["a.jpg"]
+    assert budget.held_bytes == len(blobs.objects[big])
+    with pytest.raises(NoDiskRoom, match="--tar-disk-bytes"):
+        second.members([small], TarMembers())
+    assert budget.held_bytes <= budget.total_bytes
+    second.remove()
+    assert budget.held_bytes == len(blobs.objects[big])
+    first.remove()
+    assert budget.held_bytes == 0
+    third = copies("third")
+    assert len(third.members([small], TarMembers())) == 1
+    assert budget.held_bytes == len(blobs.objects[small])
+    third.remove()
+    assert budget.held_bytes == 0
+
+
+def test_a_job_whose_tars_are_over_the_whole_budget_is_poison(tmp_path: Path) -> None:
+    """Two tars that together take more than the budget: poison naming the limit, with
+    no other job holding anything."""
+    blobs = InMemoryBlobStore(chunk_bytes=CHUNK_BYTES)
+    tars = _tars(blobs, 300_000, 300_000)
+    budget = DiskBudget(500_000)
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, budget)
+    with pytest.raises(PoisonMessage, match=r"--tar-disk-bytes, 500000 bytes"):
+        copies.members(tars, TarMembers())
+    copies.remove()
+    assert budget.held_bytes == 0
+
+
+def test_a_budget_by_default_is_three_quarters_of_the_free_space_of_its_disk(
+    tmp_path: Path,
+) -> None:
+    """Measured on the disk of the directory, or its nearest parent that exists yet (the
+    log directory is made at start)."""
+    free = shutil.disk_usage(tmp_path).free
+    budget = DiskBudget.of(tmp_path / "logs" / "not-yet", None)
+    assert abs(budget.total_bytes - 0.75 * free) < 0.01 * free
+    assert DiskBudget.of(tmp_path, 12345).total_bytes == 12345
