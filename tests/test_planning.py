@@ -14,10 +14,11 @@ from typing import Any
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.jobs.checkpoints import RequestDigest
 from worker.jobs.inputs import Input
+from worker.jobs.job import Job
 from worker.jobs.message import parse_job_message
 from worker.jobs.plan import INPUTS_SUFFIX, Plan
 from worker.jobs.planning import Planner
-from worker.ports import S3Location
+from worker.ports import ReceivedMessage, S3Location
 
 
 class _SlowInputsFiles(InMemoryBlobStore):
@@ -71,7 +72,7 @@ def test_a_planner_holds_at_most_two_shards_inputs_while_it_writes_them(tmp_path
 
     outcomes, progress = SimpleNamespace(ack=lambda job: None), SimpleNamespace(beat=lambda: None)
     lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=progress)
-    job: Any = SimpleNamespace(message=SimpleNamespace(message_id="m"))
+    job = Job("big", ReceivedMessage("m", json.dumps(body), "handle", 1))
     Planner(blobs, source, lifecycle).plan(job, spec, plan, listed)
 
     assert most_held <= 2 * shard_items, most_held
