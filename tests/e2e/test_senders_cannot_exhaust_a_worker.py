@@ -1,7 +1,8 @@
-"""Senders cannot exhaust a worker: the hostile inputs of the review of 2026-11-26 (H4 and
-H5), sent with boto3 beside an ordinary job to a daemon subprocess against the moto
-server, are each dead-lettered naming the limit they pass, the ordinary job runs, and
-the daemon's memory stays that of an idle daemon."""
+"""Senders cannot exhaust a worker: the hostile inputs of the review of 2026-11-26 (H4,
+H5 and H6), sent with boto3 beside an ordinary job to a daemon subprocess against the
+moto server, are each dead-lettered naming the limit they pass (or, a huge `cancel`
+under a job's output, honoured unread), the ordinary job runs, and the daemon's memory
+stays that of an idle daemon."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from tests.support.daemons import StartDaemon, daemon_args
 from tests.support.hostile import gzipped_rows, megabyte_uri, tar_of_empty_members
 from tests.support.jobs import assert_complete, job_output, send_jobs, upload
 from worker.demo import upload_samples
+from worker.jobs.message import CANCEL_MARKER
+from worker.ports import S3Location
 
 pytestmark = pytest.mark.e2e
 
@@ -29,9 +32,10 @@ def test_senders_cannot_exhaust_a_worker(
 ) -> None:
     """A table of 1 MB URIs (a .csv.gz of 1 MB that held 1 GB), a tar of 20 times the
     members a shard holds, a tar whose member has a 1 MiB pax name, and 32 MiB of random
-    bytes named as a tar: each dead-lettered with the limit it passes named, the
-    one-image job beside them done, and the daemon's process tree never 200 MB over
-    what it was idle."""
+    bytes named as a tar: each dead-lettered with the limit it passes named; a job whose
+    output holds a `cancel` of 300 MiB cancelled without reading it; the one-image job
+    beside them done, and the daemon's process tree never 200 MB over what it was
+    idle."""
     stack = aws.stack()
     [image] = upload_samples(aws.s3, stack.bucket, 1, seed=41)
     table = gzipped_rows("uri", megabyte_uri(stack.bucket), 1000)  # 1 MB; 1 GB held before
@@ -53,6 +57,12 @@ def test_senders_cannot_exhaust_a_worker(
     for job_id, source in hostile.items():
         aws.send(stack.queue_url, {"job_id": job_id, "output": job_output(stack, job_id), **source})
     send_jobs(aws, stack, {"ordinary": [image]})
+    # Anyone who may cancel a job may write its output: a `cancel` of 300 MiB there (H6)
+    # is honoured, never read.
+    cancel_bomb = job_output(stack, "cancel-bomb")
+    output_key = S3Location.parse(cancel_bomb).key
+    upload(aws, stack, f"{output_key}{CANCEL_MARKER}", bytes(300 * 2**20))
+    send_jobs(aws, stack, {"cancel-bomb": [image]})
 
     daemon = start_daemon(
         daemon_args(stack, tmp_path, "--drain", "--shard-items", str(SHARD_ITEMS))
@@ -65,6 +75,7 @@ def test_senders_cannot_exhaust_a_worker(
     assert peak_mb[0] - idle_mb < 200, (idle_mb, peak_mb)
 
     assert_complete(aws, stack, "ordinary", [image])
+    assert aws.summary(cancel_bomb)["status"] == "cancelled"
     reasons = {
         json.loads(dead["Body"])["job_id"]: dead["MessageAttributes"]["reason"]["StringValue"]
         for dead in aws.dead_letters(stack.dlq_url)

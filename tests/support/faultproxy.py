@@ -35,6 +35,7 @@ class Request:
     path: str
     action: str  # the API action: X-Amz-Target (JSON protocol) or Action= (query protocol)
     body: str = ""  # an API call's parameters (JSON or query protocol)
+    query: str = ""  # the URL's query string (S3's REST calls: list-type=2&prefix=...)
 
 
 @dataclass
@@ -119,9 +120,8 @@ class FaultProxy:
                 target = self.headers.get("X-Amz-Target", "").rpartition(".")[2]
                 query_action = parse_qs(body.decode(errors="replace")).get("Action", [""])[0]
                 text = body.decode(errors="replace") if target or query_action else ""
-                request = Request(
-                    self.command, self.path.split("?")[0], target or query_action, text
-                )
+                path, _, query = self.path.partition("?")
+                request = Request(self.command, path, target or query_action, text, query)
                 fault = proxy._fault_for(request)
                 if fault is not None:
                     time.sleep(fault.delay_s)

@@ -24,14 +24,16 @@ class Supervisor:
 
     def __init__(
         self,
-        on_broken: Callable[[str], None],
+        on_broken: Callable[[str, frozenset[str] | None], None],
         progress: Progress,
-        busy: Callable[[], bool],
+        at_work: Callable[[], frozenset[str]],
         stopped: threading.Event,
     ):
+        """`on_broken(cause, suspects)`: the jobs that may be why (None: any held);
+        `at_work()`: the keys of the jobs work is being done on, which a stall is about."""
         self._on_broken = on_broken
         self._progress = progress
-        self._busy = busy
+        self._at_work = at_work
         self._stopped = stopped
         self._threads: dict[str, threading.Thread] = {}
 
@@ -52,7 +54,7 @@ class Supervisor:
 
     def stall(self) -> str | None:
         """Why the daemon counts as stalled now, or None."""
-        if self._busy() and self._progress.stalled():
+        if self._at_work() and self._progress.stalled():
             return f"no progress for {self._progress.idle_s():.0f} s while holding jobs"
         return None
 
@@ -63,12 +65,13 @@ class Supervisor:
             return
         except Exception as error:
             log.exception("thread_failed", thread=name)
-            self._on_broken(f"thread {name} failed: {error!r}")
+            self._on_broken(f"thread {name} failed: {error!r}", None)
 
     def _watch(self, check_every_s: float) -> None:
         while not self._stopped.wait(check_every_s):
+            suspects = self._at_work()
             cause = self.stall()
             if cause is not None:
                 log.error("daemon_stalled", cause=cause)
-                self._on_broken(cause)
+                self._on_broken(cause, suspects)
                 return

@@ -40,6 +40,7 @@ from worker.daemon.stages import build_pipeline
 from worker.daemon.supervisor import Supervisor
 from worker.jobs.arrays import ARRAYS_DIR, ArraySpool
 from worker.jobs.checkpoints import Checkpointer, Checkpoints
+from worker.jobs.disk import DiskBudget
 from worker.jobs.intake import Feeder, Intake
 from worker.jobs.lanes import Lanes
 from worker.jobs.leases import LeaseKeeper
@@ -209,7 +210,7 @@ class Daemon:
         if spec.fan_out:  # its answer for no parts gives its fields' columns
             self._tables.probed(*probed_columns(encoded_fields(postprocess, [], {})))
         self._model: Future[ModelIdentity] = Future()  # what the inference stage loaded
-        intake = Intake(
+        self._intake = intake = Intake(
             settings,
             source,
             blobs,
@@ -233,6 +234,7 @@ class Daemon:
             announce=finisher.announce,
             on_drained=shutdown.drained,
             arrays=self._arrays,
+            disk=DiskBudget.of(settings.log_dir, settings.tar_disk_bytes),
             lanes=lanes,
         )
         self._units: dict[str, Callable[[], object]] = {
@@ -257,9 +259,7 @@ class Daemon:
             self._units["interruptions"] = self._interruptions.run
         if self._timeline_writer:
             self._units["timeline"] = self._timeline_writer.run
-        self._supervisor = Supervisor(
-            shutdown.broken, progress, lambda: len(ledger) > 0, shutdown.requested
-        )
+        self._supervisor = Supervisor(shutdown.broken, progress, ledger.at_work, shutdown.requested)
         metrics.follow(
             jobs_held=lambda: len(ledger),
             queue_depths=self._pipeline.queue_depths,
@@ -345,6 +345,7 @@ class Daemon:
 
     def _close(self) -> None:
         self._ledger.close()
+        self._intake.close()
         if self._interruptions:
             self._interruptions.stop()
         if self._protection:  # first: protection of an instance never expires by itself

@@ -234,9 +234,12 @@ class InputReader:
                 _gunzipped(chunks, location) if location.key.lower().endswith(".gz") else chunks
             )
             stream = io.BufferedReader(_ChunkStream(pieces), CSV_BLOCK_BYTES)
+            # One block at a time: with threads the reader parses as many blocks ahead
+            # as it has threads, and what a table holds is a sender's to choose.
             read = pa_csv.ReadOptions(
                 block_size=CSV_BLOCK_BYTES,
                 column_names=None if header else columns,
+                use_threads=False,
             )
             convert = pa_csv.ConvertOptions(
                 include_columns=columns if header else None,

@@ -19,11 +19,11 @@ from typing import Any, NamedTuple
 import structlog
 
 from worker.engine import Item, Pipeline
-from worker.errors import TransientError
 from worker.jobs.arrays import ArrayFiles, ArraySpool
 from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest, request_digest
+from worker.jobs.disk import NO_DISK_ROOM_RETRY_S, DiskBudget, NoDiskRoom
 from worker.jobs.inputs import Input, InputReader
-from worker.jobs.job import Job, JobState, Place, item_places
+from worker.jobs.job import Job, JobSettled, JobState, Place, item_places
 from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.lanes import Lanes
 from worker.jobs.ledger import Ledger
@@ -44,7 +44,6 @@ from worker.jobs.tars import TarCopies
 from worker.plugins.identity import ModelIdentity
 from worker.ports import (
     SQS_MAX_DELAY_S,
-    SQS_MAX_MESSAGES_PER_RECEIVE,
     BlobStore,
     JobSource,
     LocalPart,
@@ -64,14 +63,18 @@ CLOCK_SKEW_S = 5.0
 WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees it was replaced"
 SPARE_SHARD = "enough work is held here: another worker is to take this shard"
 SPARE_WHILE_FULL_DELAY_S = 10
+# Inputs read, while a job is admitted, between two beats of the clock of progress: a
+# page of a listing.
+LISTED_A_BEAT = 1000
+# How long the next receive waits for the admissions of the one before (what they
+# bring decides its room) before it goes on without a slow one.
+ADMISSION_PATIENCE_S = 1.0
+# Messages admitted at once: reading their listings and outputs, planning them, copying
+# their tars. The intake receives no more while this many are.
+MAX_ADMITTING = 16
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
-
-
-class ShardTooLarge(TransientError):
-    """A shard whose plan holds more inputs a shard than this worker holds of a job: left
-    for a worker that does, or to the queue's redrive."""
 
 
 class _Admission(NamedTuple):
@@ -110,12 +113,14 @@ class Intake:
         announce: Callable[[dict[str, Any], str], None],
         on_drained: Callable[[], None],
         arrays: ArraySpool,
+        disk: DiskBudget,
         lanes: Lanes | None = None,
     ):
         """With `lanes` (the same queues as `source`), `run` reads its jobs lane and
         `run_shards_lane` its shards lane; without, `run` reads the one queue."""
         self._settings = settings
         self._arrays = arrays  # where admitted jobs' array files go
+        self._disk = disk  # what their tar copies may take of this machine's disk
         self._source = source
         self._lanes = lanes
         self._blobs = blobs
@@ -133,8 +138,13 @@ class Intake:
         self._stopping = stopping
         self._on_drained = on_drained
         self._drained_readings = 0
-        self._claim_lock = threading.Lock()  # the admissions of a receive run side by side
-        self._tar_shard_claimed = False  # by an admission of this receive
+        # Admissions run side by side, MAX_ADMITTING at most; one tar shard's tars are
+        # copied at a time (its job's key).
+        self._admitting_pool = ThreadPoolExecutor(MAX_ADMITTING, "admit")
+        self._claim_lock = threading.Lock()
+        self._admitting = 0
+        self._tar_shard_claimed: str | None = None
+        self._tar_shard_claimed_at = 0.0  # `time.monotonic()`
         self._copy_ahead_after = 0.0  # `time.monotonic()`: no copying ahead before
         # Two progress intervals: a running delivery of a replaced message has seen the
         # mark and stopped by then (`_handed_over`).
@@ -169,9 +179,11 @@ class Intake:
         return self._one_if(not self._full() or self._copy_ahead())
 
     def _free(self) -> int:
-        """As many messages as one receive brings, within `--max-jobs` held."""
+        """As many messages as one receive brings, within `--max-jobs` held and
+        `MAX_ADMITTING` being admitted."""
         settings = self._settings
-        return max(0, min(settings.receive_batch, settings.max_jobs - len(self._ledger)))
+        admitting = MAX_ADMITTING - self._admitting
+        return max(0, min(settings.receive_batch, settings.max_jobs - len(self._ledger), admitting))
 
     def _one_if(self, allowed: bool) -> int:
         return min(1, self._free()) if allowed else 0
@@ -217,51 +229,78 @@ class Intake:
         drains: bool,
     ) -> None:
         """Receive up to `room()` messages at a time, whenever there is room; `drains`:
-        this loop decides that the daemon is drained."""
-        # Admitting reads S3 (the output prefix, a manifest): the messages of a receive
-        # are read side by side, not one round trip after another, then admitted in the
-        # order they came.
-        with ThreadPoolExecutor(SQS_MAX_MESSAGES_PER_RECEIVE, "admit") as reading:
-            while not self._stopping.is_set():
-                self._ledger.wait_until(lambda: room() > 0 or self._stopping.is_set())
-                if self._stopping.is_set():
+        this loop decides that the daemon is drained. Each message is admitted on a
+        thread of its own (`_admission`): one that takes long (a prefix of millions of
+        objects to plan, tars to copy) holds up neither the others nor the next receive."""
+        while not self._stopping.is_set():
+            self._ledger.wait_until(lambda: room() > 0 or self._stopping.is_set())
+            if self._stopping.is_set():
+                return
+            idle = not len(self._ledger)
+            messages = self._receive(receive, room())
+            if messages is None:
+                continue
+            if not messages:
+                if drains and self._settings.drain and self._drained(idle):
+                    self._on_drained()
                     return
-                idle = not len(self._ledger)
-                messages = self._receive(receive, room())
-                if messages is None:
-                    continue
-                if not messages:
-                    if drains and self._settings.drain and self._drained(idle):
-                        self._on_drained()
-                        return
-                    if not self._settings.receive_wait_seconds:
-                        # A short poll answers at once: asking again at once would
-                        # spin, calling the queue and taking this process's CPU.
-                        self._stopping.wait(SHORT_POLL_PAUSE_S)
-                    continue
-                self._drained_readings = 0
-                self._tar_shard_claimed = False
-                held = [job for message in messages if (job := self._hold(message))]
-                self._admit_all(held, list(reading.map(self._read, held)))
+                if not self._settings.receive_wait_seconds:
+                    # A short poll answers at once: asking again at once would spin,
+                    # calling the queue and taking this process's CPU.
+                    self._stopping.wait(SHORT_POLL_PAUSE_S)
+                continue
+            self._drained_readings = 0
+            received = [job for message in messages if (job := self._hold(message))]
+            for job in received:
+                self._admit_apart(job)
+            # The room the next receive has depends on what these bring (a shard takes
+            # it all): it waits for them, but not for long, not for a slow one.
+            self._ledger.wait_until(_past_admission(received), ADMISSION_PATIENCE_S)
 
-    def _admit_all(self, held: list[Job], admissions: list[_Admission | None]) -> None:
-        """Admit what a receive brought, in the order it came, all at once; hand back the
-        shards this daemon is not to hold."""
-        spare = []
-        with self._ledger.all_at_once():
-            for job, admission in zip(held, admissions, strict=True):
-                if admission is None:
-                    continue
-                plan = admission.plan
-                if plan is not None and self._full_of_shards(tar=plan.tar is not None):
-                    spare.append(job)
-                else:
-                    self._admit(job, admission)
-        for job in spare:  # not to hoard a planned job's shards
-            self._hand_back_spare(job)
-        for job in held:
-            if job.plan is not None and job.spec is not None and not job.settled:
-                self._shards.started(job.spec, job.plan, held=self._ledger.waits_turn(job))
+    def _admit_apart(self, job: Job) -> None:
+        """Have the job admitted on a thread of the admitting pool; handed over if the
+        pool is closed (the daemon is stopping)."""
+        with self._claim_lock:
+            self._admitting += 1
+        try:
+            self._admitting_pool.submit(self._admission, job)
+        except RuntimeError:  # closed: the daemon stops
+            self._admitted(job)
+            self._outcomes.hand_over(job, "shutting down")
+
+    def _admission(self, job: Job) -> None:
+        """Read what admitting the job needs and admit it, or settle it; a shard this
+        daemon is not to hold is handed back. Never raises: what the job cannot be
+        admitted for now releases it."""
+        try:
+            admission = self._read(job)
+            if admission is None:
+                return
+            plan = admission.plan
+            if plan is not None and self._full_of_shards(tar=plan.tar is not None):
+                self._hand_back_spare(job)  # not to hoard a planned job's shards
+                return
+            self._admit(job, admission)
+            if plan is not None and admission.spec is not None and not job.settled:
+                self._shards.started(admission.spec, plan, held=self._ledger.waits_turn(job))
+        except Exception as error:
+            log.exception("job_admission_failed", message_id=job.message.message_id)
+            self._outcomes.retry_later(job, f"admission failed: {error!r}")
+        finally:
+            self._admitted(job)
+
+    def _admitted(self, job: Job) -> None:
+        """An admission ended: the room it held is free again."""
+        with self._claim_lock:
+            self._admitting -= 1
+            if self._tar_shard_claimed == job.key:
+                self._tar_shard_claimed = None
+        self._ledger.wake()
+
+    def close(self) -> None:
+        """Take no more admissions (shutdown): those under way end with their jobs,
+        which shutdown hands back."""
+        self._admitting_pool.shutdown(wait=False, cancel_futures=True)
 
     def _hand_back_spare(self, job: Job) -> None:
         """Hand back a shard this daemon is not to hold. One taken while this daemon,
@@ -272,17 +311,25 @@ class Intake:
         copying_ahead = self._full() and self._copy_ahead()
         if copying_ahead:
             self._copy_ahead_after = time.monotonic() + SPARE_WHILE_FULL_DELAY_S
-        delay_s = SPARE_WHILE_FULL_DELAY_S if on_jobs_lane or copying_ahead else 0
+        # Another shard's tars are being copied, for longer than the receives wait for
+        # an admission: until it ends this one would come back at every receive.
+        copying = (
+            self._tar_shard_claimed not in (None, job.key)
+            and time.monotonic() - self._tar_shard_claimed_at > ADMISSION_PATIENCE_S
+        )
+        waits = on_jobs_lane or copying_ahead or copying
+        delay_s = SPARE_WHILE_FULL_DELAY_S if waits else 0
         self._outcomes.hand_over(job, SPARE_SHARD, delay_s, runs_may_overlap=True)
 
-    def _claim_tar_shard(self) -> bool:
+    def _claim_tar_shard(self, job: Job) -> bool:
         """Whether to copy a tar shard's tars and hold it: not while full of shards, and
-        one a receive at most (its members, how much work it is, are known only once its
-        tars are copied); the others are handed back unread."""
+        one at a time (its members, how much work it is, are known only once its tars
+        are copied); the others are handed back unread."""
         with self._claim_lock:
-            if self._tar_shard_claimed or self._full_of_shards(tar=True):
+            if self._tar_shard_claimed is not None or self._full_of_shards(tar=True):
                 return False
-            self._tar_shard_claimed = True
+            self._tar_shard_claimed = job.key
+            self._tar_shard_claimed_at = time.monotonic()
             return True
 
     def _receive(
@@ -345,20 +392,34 @@ class Intake:
             job_id = spec.job_id or job.message.job_message_id
             model = self._model.result()
             admission = self._read_kind(job, spec, job_id, model)
-        except PoisonMessage as poison:
-            self._outcomes.dead_letter(job, str(poison))
+        except Exception as error:
+            self._not_admitted(job, error)
             return None
-        except Exception as error:  # transient, or not understood: never the sender's fault
+        if (
+            admission is None
+            or self._done_already(job, admission.prior.summary, job_id)
+            or self._handed_over(job, spec, admission.prior, job_id)
+        ):
+            return None
+        return admission
+
+    def _not_admitted(self, job: Job, error: Exception) -> None:
+        """Settle a job whose admission failed, as what failed says: poison is
+        dead-lettered; a job whose tars the disk has no room for now goes back,
+        uncharged, for later; anything else (transient, or not understood) is never the
+        sender's fault, and is retried later. A job settled meanwhile (handed back at
+        shutdown) needs nothing more."""
+        if isinstance(error, PoisonMessage):
+            self._outcomes.dead_letter(job, str(error))
+        elif job.settled:
+            return
+        elif isinstance(error, NoDiskRoom):
+            self._outcomes.hand_over(job, str(error), NO_DISK_ROOM_RETRY_S)
+        else:
             log.warning(
                 "job_admission_failed", message_id=job.message.message_id, error=repr(error)
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
-            return None
-        if admission is None or self._done_already(job, admission.prior.summary, job_id):
-            return None
-        if self._handed_over(job, spec, admission.prior, job_id):
-            return None
-        return admission
 
     def _items(self, job: Job, tar: TarMembers | None, listed: _Listed, first_index: int) -> _Items:
         """The items of the inputs `listed` (from the job's `first_index` on): the
@@ -372,12 +433,24 @@ class Intake:
             self._blobs,
             settings.max_tar_bytes,
             settings.shard_items,
+            self._disk,
         )
         members = job.tar_copies.members(uris, tar)
         inputs = [uris[member.row] for member in members]
         member_ids = None if ids is None else [ids[member.row] for member in members]
         parts = [member.part for member in members]
         return _Items(inputs, member_ids, parts, item_places(inputs, members, first_index))
+
+    def _followed(self, job: Job, inputs: Iterator[Input]) -> Iterator[Input]:
+        """`inputs` as they are read, each page's worth beating the daemon's clock of
+        progress (a listing of millions of objects is progress), and stopping once the
+        job is settled meanwhile (handed back at shutdown)."""
+        for count, listed in enumerate(inputs, 1):
+            if count % LISTED_A_BEAT == 0:
+                if job.settled:
+                    raise JobSettled(f"{job.job_id} was settled while its inputs were read")
+                self._progress.beat()
+            yield listed
 
     def _finished(self, job: Job, spec: JobMessage, job_id: str, request: str) -> bool:
         """Ack a job whose job.json is written for request `request` already."""
@@ -416,7 +489,8 @@ class Intake:
         shard_items = min(spec.shard_items or most, most)
 
         def listed() -> Iterator[Input]:
-            return at_most(self._inputs.inputs(spec), settings.max_items_per_job)
+            inputs = at_most(self._inputs.inputs(spec), settings.max_items_per_job)
+            return self._followed(job, inputs)
 
         stream = listed()
         first = list(itertools.islice(stream, shard_items + 1))
@@ -470,16 +544,11 @@ class Intake:
         earlier runs left; None if it is settled instead: committed already (then the
         job is merged, if this run was to merge it and died), or its job done."""
         assert spec.shard is not None
-        plan = self._shards.open(spec, model.as_dict())
-        if plan.shard_items > self._largest_shard(plan):
-            # A plan under the output may be anyone's who writes there: this worker
-            # holds no more of a job than its own shard size (a rollout's larger shards
-            # are left to the workers that take them).
-            raise ShardTooLarge(
-                f"its plan's shards hold {plan.shard_items} inputs, over the "
-                f"{self._largest_shard(plan)} this worker holds of a job (--shard-items, "
-                "--shard-tars)"
-            )
+        settings = self._settings
+        # A job of the most inputs this worker takes may need larger shards than its own
+        # to fit MAX_SHARDS; a tar job of more tars is refused at planning.
+        largest = max(settings.shard_items, math.ceil(settings.max_items_per_job / MAX_SHARDS))
+        plan = self._shards.open(spec, model.as_dict(), largest, settings.shard_tars)
         if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
             log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
             self._shards.merger.remove(spec, plan)  # what a merger that died left
@@ -491,7 +560,7 @@ class Intake:
             if self._outcomes.ack(job) and merged is not None:
                 self._announce(merged, job.message.message_id)
             return None
-        if plan.tar is not None and not self._claim_tar_shard():
+        if plan.tar is not None and not self._claim_tar_shard(job):
             self._hand_back_spare(job)
             return None  # before its tars are copied
         span = plan.range(spec.shard.index)
@@ -514,14 +583,6 @@ class Intake:
             spec, plan.job_id, plan.request_digest, items.places, spec.shard.index
         )
         return _Admission(spec, items, prior, plan)
-
-    def _largest_shard(self, plan: Plan) -> int:
-        """The most inputs of a planned job this worker holds: its shard size, or, where
-        a job of the most inputs it takes needs larger shards to fit `MAX_SHARDS`, theirs."""
-        settings = self._settings
-        if plan.tar is not None:
-            return settings.shard_tars  # a tar job of more tars is refused at planning
-        return max(settings.shard_items, math.ceil(settings.max_items_per_job / MAX_SHARDS))
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:
         """Settle a delivery that is not to run: its message was handed over already
@@ -598,6 +659,11 @@ def _split(listed: list[Input], with_ids: bool) -> _Listed:
 def _with_ids(spec: JobMessage) -> bool:
     """Whether the job's inputs have ids (its table's id column)."""
     return spec.table is not None and spec.table.id_column is not None
+
+
+def _past_admission(jobs: list[Job]) -> Callable[[], bool]:
+    """Whether every one of `jobs` is admitted or settled."""
+    return lambda: all(job.state is not JobState.RECEIVED for job in jobs)
 
 
 def _check_breakages(message: ReceivedMessage) -> None:

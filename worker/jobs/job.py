@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from worker.plugins.identity import ModelIdentity
 
 
+class JobSettled(Exception):
+    """The job was settled (handed back at shutdown, say) while this daemon was still
+    admitting it: what admits it stops."""
+
+
 class JobState(StrEnum):
     # Leased from the moment it is received (the lease keeper renews every job that is
     # not settled), not yet validated.

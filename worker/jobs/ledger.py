@@ -17,13 +17,12 @@ say): the others get None. Any move the table does not allow is a bug, and raise
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 
 from worker.engine.channel import Closed
@@ -432,6 +431,14 @@ class Ledger:
         with self._changed:
             return [job for job in self._jobs.values() if not job.settled]
 
+    def at_work(self) -> frozenset[str]:
+        """Keys of the jobs work is being done on: with items inside the pipeline, or
+        their outputs being written. A job still being admitted (planned, its tars
+        copied) is not among them: a stall of the pipeline is never its doing."""
+        with self._changed:
+            finishing = {key for key, job in self._jobs.items() if job.state is JobState.FINISHING}
+            return frozenset(self._inside.keys() | finishing)
+
     def shards_held(self) -> int:
         """How many unsettled jobs are shards of a planned job."""
         with self._changed:
@@ -468,14 +475,6 @@ class Ledger:
         """Block until `predicate()` holds (checked on every change or `wake`)."""
         with self._changed:
             return self._changed.wait_for(predicate, timeout_s)
-
-    @contextlib.contextmanager
-    def all_at_once(self) -> Iterator[None]:
-        """Make several changes that no other thread sees half done (the jobs of one
-        receive, admitted together: the feeder must not fill the pipeline with the first
-        before the others are in turn)."""
-        with self._changed:
-            yield
 
     def wake(self) -> None:
         """Make waiters re-check their predicate (after an outside event, like a signal)."""

@@ -166,7 +166,11 @@ def parse_job_message(body: str | bytes, allowed_buckets: frozenset[str]) -> Job
     except ValidationError as error:
         details = validation_problems(error)
         raise PoisonMessage(f"invalid job message: {details}") from error
-    check_buckets(message.buckets(), allowed_buckets)
+    try:
+        buckets = message.buckets()
+    except ValueError as error:  # a URI S3 cannot hold (a key over its 1,024 bytes)
+        raise PoisonMessage(f"invalid job message: {error}") from error
+    check_buckets(buckets, allowed_buckets)
     return message
 
 

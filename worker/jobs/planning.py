@@ -14,7 +14,7 @@ import structlog
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.checkpoints import RequestDigest
 from worker.jobs.inputs import Input, shard_line
-from worker.jobs.job import Job
+from worker.jobs.job import Job, JobSettled
 from worker.jobs.message import JobMessage, PoisonMessage
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
@@ -61,7 +61,7 @@ class Planner:
         unsent = self._unsent(spec, plan)
         if unsent:
             self._write_inputs(spec, plan, inputs, frozenset(unsent))
-        self._send(spec, plan, unsent)
+        self._send(job, spec, plan, unsent)
         log.info(
             "job_planned",
             job_id=plan.job_id,
@@ -147,9 +147,13 @@ class Planner:
             and f"{shard_name(shard)}{COMMIT_SUFFIX}" not in listing
         ]
 
-    def _send(self, spec: JobMessage, plan: Plan, unsent: list[int]) -> None:
-        """Send the shards `unsent`, ten to a call, each call's shards then marked sent."""
+    def _send(self, job: Job, spec: JobMessage, plan: Plan, unsent: list[int]) -> None:
+        """Send the shards `unsent`, ten to a call, each call's shards then marked sent;
+        none once the job's message is settled (handed back at shutdown: its next
+        delivery sends them, where this one's would be duplicates)."""
         for start in range(0, len(unsent), SQS_MAX_ENTRIES_PER_BATCH_CALL):
+            if job.settled:
+                raise JobSettled(f"{plan.job_id} was settled while its shards were sent")
             chunk = unsent[start : start + SQS_MAX_ENTRIES_PER_BATCH_CALL]
             self._source.send_many([shard_body(spec, plan, shard) for shard in chunk], plan.job_id)
             each_at_once(

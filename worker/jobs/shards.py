@@ -79,6 +79,12 @@ class ModelMismatch(TransientError):
     runs it, or its redrive ends it in the DLQ."""
 
 
+class ShardTooLarge(TransientError):
+    """A shard whose plan holds more inputs a shard than this worker holds of a job (a
+    rollout of a larger --shard-items, or a plan.json forged under the output): left for
+    a worker that takes it, or to the queue's redrive."""
+
+
 class ArmedWatch(NamedTuple):
     """A job's watch marker: its ETag, and when the watch it names is due."""
 
@@ -116,12 +122,22 @@ class Shards:
 
     # Running a shard ---------------------------------------------------------
 
-    def open(self, spec: JobMessage, model: dict[str, Any]) -> Plan:
+    def open(
+        self, spec: JobMessage, model: dict[str, Any], largest: int, largest_tars: int
+    ) -> Plan:
         """The plan a shard message belongs to. Poison if it belongs to none (forged, or
-        its job was planned again as another request); `ModelMismatch` if it was planned
-        for another model."""
+        its job was planned again as another request); `ShardTooLarge` if its shards
+        hold more inputs than `largest` (tars than `largest_tars`), the most this
+        worker holds of a job; `ModelMismatch` if it was planned for another model."""
         assert spec.shard is not None
         plan = self.plan_for(spec, spec.shard.plan)
+        most = largest_tars if plan.tar is not None else largest
+        if plan.shard_items > most:
+            # A plan under the output is anyone's who may write there.
+            raise ShardTooLarge(
+                f"its plan's shards hold {plan.shard_items} inputs, over the {most} this "
+                "worker holds of a job (--shard-items, --shard-tars)"
+            )
         index = spec.shard.index
         expected_inputs = str(shard_file(spec, plan.request_digest, index, INPUTS_SUFFIX))
         if (

@@ -1,0 +1,59 @@
+"""Admission off the receive path, in-process against the in-memory fakes: a message
+that takes long to admit (a slow listing) neither holds up the others received with it
+nor counts as a stall of the daemon."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from tests.support.in_process import job_file, run_until_drained, sample_images, send_job
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.ports import S3Location
+
+PAGE = 1000  # keys in a page of a listing, as S3
+
+
+class _SlowListing(InMemoryBlobStore):
+    """Lists `slow/` a page every `page_s`, as S3 does a prefix under load."""
+
+    def __init__(self, page_s: float) -> None:
+        super().__init__()
+        self._page_s = page_s
+
+    def keys_under(self, prefix: S3Location) -> Iterator[str]:
+        for number, key in enumerate(super().keys_under(prefix)):
+            if number % PAGE == 0 and prefix.key.startswith("slow/"):
+                time.sleep(self._page_s)
+            yield key
+
+
+def test_a_slow_listing_is_no_stall_and_holds_up_no_other_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose prefix lists in 6 s, received with a one-image job, on a daemon whose
+    stall limit is 3 s: the one-image job is done before the listing is, and the daemon
+    neither stalls (a job being admitted is not work that moves no item) nor charges
+    anyone; both jobs end."""
+    monkeypatch.setattr("worker.daemon.wiring.STALL_MARGIN_S", 1.0)
+    source, blobs = InMemoryJobSource(), _SlowListing(page_s=3.0)
+    for number in range(PAGE + 1):  # two pages
+        blobs.objects[f"s3://bkt/slow/{number:05d}"] = b"not an image"
+    source.send(
+        '{"job_id": "slow", "inputs_prefix": "s3://bkt/slow/", "output": "s3://bkt/out/slow/"}'
+    )
+    send_job(source, "small", sample_images(blobs, 1))
+    with capture_logs() as logs:
+        run_until_drained(
+            source, blobs, tmp_path, inference_timeout_seconds=1, preprocess_timeout_seconds=1
+        )
+    events = [entry["event"] for entry in logs]
+    assert "daemon_stalled" not in events and "worker_broken" not in events
+    finished = [entry["job_id"] for entry in logs if entry["event"] == "job_finished"]
+    assert finished == ["small", "slow"]
+    assert job_file(blobs, "slow", "job.json")["items"] == PAGE + 1
+    assert job_file(blobs, "small", "job.json")["status"] == "succeeded"
