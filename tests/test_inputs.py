@@ -197,11 +197,26 @@ def test_a_shard_inputs_file_an_older_planner_wrote_still_reads() -> None:
         b's3://pix/a\n["s3://pix/b", 7]\n["s3://pix/c", "x"]\n'
     )
     reader = InputReader(blobs, NO_LIMIT, 2**30)
-    assert reader.shard("s3://out/job/shards/0.inputs") == [
+    assert reader.shard("s3://out/job/shards/0.inputs", 10) == [
         Input("s3://pix/a"),
         Input("s3://pix/b", "7"),
         Input("s3://pix/c", "x"),
     ]
+
+
+def test_a_shard_inputs_file_is_read_no_further_than_one_line_past_the_shard() -> None:
+    """A shard's inputs file under the job's output is anyone's who may write there: one
+    of a million lines (or one endless line) is read a line past the shard's size, or
+    to the line's bound, never whole."""
+    blobs = InMemoryBlobStore()
+    blobs.objects["s3://out/job/0.inputs"] = b'["s3://pix/a", null]\n' * 1_000_000
+    blobs.objects["s3://out/job/1.inputs"] = b"s" * 10**7
+    reader = InputReader(blobs, NO_LIMIT, 2**30)
+    with _peak_bytes() as peak:
+        assert len(reader.shard("s3://out/job/0.inputs", 10)) == 11
+        with pytest.raises(PoisonMessage, match="shard inputs line 1 is over 16384 bytes"):
+            reader.shard("s3://out/job/1.inputs", 10)
+    assert peak[0] < 2**20, f"{peak[0] / 2**20:.0f} MiB"
 
 
 MEGABYTE_URI = megabyte_uri("pix")  # as a table's cell may hold: about 1 KB gzipped
@@ -263,7 +278,7 @@ def test_a_manifest_line_or_shard_inputs_line_whose_key_is_over_s3s_limit_is_poi
     with pytest.raises(PoisonMessage, match="manifest line 2: a key over S3's limit of 1024"):
         _read(blobs, manifest="s3://tbl/m.txt")
     with pytest.raises(PoisonMessage, match="line 2: a key over S3's limit of 1024"):
-        InputReader(blobs, NO_LIMIT, 2**30).shard("s3://out/job/0.inputs")
+        InputReader(blobs, NO_LIMIT, 2**30).shard("s3://out/job/0.inputs", 10)
 
 
 @pytest.mark.parametrize("field", ["inputs", "manifest", "output"])
@@ -295,7 +310,7 @@ def test_an_id_over_its_limit_makes_the_message_poison_naming_row_and_limit() ->
         with pytest.raises(PoisonMessage, match="row 2: its id is over the limit of 1024 bytes"):
             _read(blobs, table={"uri": f"s3://tbl/{name}", "id_column": "id"})
     with pytest.raises(PoisonMessage, match="line 1: its id is over the limit of 1024 bytes"):
-        InputReader(blobs, NO_LIMIT, 2**30).shard("s3://out/job/0.inputs")
+        InputReader(blobs, NO_LIMIT, 2**30).shard("s3://out/job/0.inputs", 10)
 
 
 _COUNTING_POOLS: list[pa.MemoryPool] = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import itertools
 import json
 import tempfile
 import urllib.parse
@@ -41,6 +42,7 @@ from worker.jobs.message import (
     PoisonMessage,
     TableSource,
     check_buckets,
+    lines,
     manifest_uris,
 )
 from worker.ports import S3_MAX_KEY_BYTES, S3_MAX_URI_BYTES, BlobStore, S3Location
@@ -89,6 +91,10 @@ BUCKET_BOUND = _Bound(MAX_BUCKET_CHARS, f"its bucket is over {MAX_BUCKET_CHARS} 
 FLAG_BOUND = _Bound(MAX_FLAG_BYTES, f"a flag of its is over {MAX_FLAG_BYTES} bytes")
 
 
+# A shard's inputs file's line: a URI and an id as JSON, each escaped character six.
+MAX_SHARD_LINE_BYTES = 16 * 1024
+
+
 class Input(NamedTuple):
     uri: str
     id: str | None = None  # a table's id for it, as text
@@ -126,10 +132,12 @@ class InputReader:
         assert spec.inventory is not None
         return self._inventory(spec.inventory, spec.inputs_suffix or "")
 
-    def shard(self, uri: str) -> list[Input]:
-        """A planned shard's inputs: its inputs file, a JSON `[uri, id]` per line."""
+    def shard(self, uri: str, most: int) -> list[Input]:
+        """A planned shard's inputs: its inputs file, a JSON `[uri, id]` per line, read as
+        it streams in, and no more than one line past `most` (a file under the job's
+        output is anyone's who may write there)."""
         parse = functools.partial(_shard_inputs, allowed=self._allowed)
-        return list(self._read("shard inputs", uri, parse))
+        return list(itertools.islice(self._read("shard inputs", uri, parse), most + 1))
 
     def _read(
         self, kind: str, uri: str, parse: Callable[[Iterator[bytes]], Iterator[Input]]
@@ -394,8 +402,7 @@ def _manifest(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Inpu
 def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
     """A shard's inputs file: written by a planner, but read from S3, so checked. A line
     that is not JSON is a URI alone, as planners wrote before there were ids."""
-    data = b"".join(chunks)
-    for number, line in enumerate(data.splitlines(), start=1):
+    for number, line in enumerate(lines(chunks, "shard inputs", MAX_SHARD_LINE_BYTES), 1):
         if not line.startswith(b"["):
             uri, input_id = line.decode(errors="replace"), None
         else:

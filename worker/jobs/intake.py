@@ -566,10 +566,11 @@ class Intake:
         span = plan.range(spec.shard.index)
         try:
             _check_breakages(job.message)
-            listed = self._inputs.shard(spec.manifest or "")
+            listed = self._inputs.shard(spec.manifest or "", len(span))
             if len(listed) != len(span):
+                more = "more than " if len(listed) > len(span) else ""
                 raise PoisonMessage(
-                    f"shard {spec.shard.index} lists {len(listed)} inputs, not {len(span)}"
+                    f"shard {spec.shard.index} lists {more}{len(listed)} inputs, not {len(span)}"
                 )
             items = self._items(job, plan.tar, _split(listed, plan.ids), span.start)
         except PoisonMessage as poison:  # a shard of a real plan: its job waits for it

@@ -199,7 +199,7 @@ def manifest_uris(chunks: Iterable[bytes], allowed_buckets: frozenset[str]) -> I
     is longer than any URI can be, or names a bucket outside the allow-list, or if it
     lists none."""
     listed = False
-    for number, raw in enumerate(_lines(chunks), start=1):
+    for number, raw in enumerate(lines(chunks), start=1):
         try:
             line = raw.decode("utf-8").strip()
         except UnicodeDecodeError as error:
@@ -217,9 +217,12 @@ def manifest_uris(chunks: Iterable[bytes], allowed_buckets: frozenset[str]) -> I
         raise PoisonMessage("manifest lists no inputs")
 
 
-def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """The lines of a stream of pieces, each at most `MAX_MANIFEST_LINE_BYTES`: the
-    pieces are searched once, so one endless line costs no more than many short ones."""
+def lines(
+    chunks: Iterable[bytes], kind: str = "manifest", most_bytes: int = MAX_MANIFEST_LINE_BYTES
+) -> Iterator[bytes]:
+    """The lines of a stream of pieces (of a `kind` of listing), each at most
+    `most_bytes`: the pieces are searched once, so one endless line costs no more than
+    many short ones."""
     pending = bytearray()
     number = 0
     for chunk in chunks:
@@ -227,17 +230,15 @@ def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
         start = 0
         while (end := pending.find(b"\n", start)) >= 0:
             number += 1
-            _check_line(number, end - start)
+            _check_line(kind, number, end - start, most_bytes)
             yield bytes(pending[start:end]).rstrip(b"\r")
             start = end + 1
         del pending[:start]
-        _check_line(number + 1, len(pending))
+        _check_line(kind, number + 1, len(pending), most_bytes)
     if pending:
         yield bytes(pending)
 
 
-def _check_line(number: int, length: int) -> None:
-    if length > MAX_MANIFEST_LINE_BYTES:
-        raise PoisonMessage(
-            f"manifest line {number} is over {MAX_MANIFEST_LINE_BYTES} bytes: no input's URI"
-        )
+def _check_line(kind: str, number: int, length: int, most_bytes: int) -> None:
+    if length > most_bytes:
+        raise PoisonMessage(f"{kind} line {number} is over {most_bytes} bytes: no input's")
