@@ -80,6 +80,13 @@ def fleet_device_model() -> nn.Module:
     return DeviceModel(FLEET_DEVICE_BATCH_S * 1000, 0)
 
 
+def h100_device_model() -> nn.Module:
+    """An H100's pace (`bench.gpu_shaped`): ResNet-50 compiled, 11 ms a batch of 128."""
+    from bench.gpu_shaped import H100_BASE_MS, H100_PER_ITEM_MS
+
+    return DeviceModel(H100_BASE_MS, H100_PER_ITEM_MS)
+
+
 def noop_model() -> nn.Module:
     return DeviceModel(0, 0)
 

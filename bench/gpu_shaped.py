@@ -1,0 +1,96 @@
+"""Issue 38's shape on this machine: the daemon feeding a device at an H100's speed
+(`H100_BASE_MS` + `H100_PER_ITEM_MS` a batch, holding no core: ResNet-50 compiled does
+about 11 ms a batch of 128 there) from an S3 with its tail latency (median 30 ms, p99
+200 ms), inputs read in 16 preprocessing processes, 512 GETs in flight, a preprocessor
+that decodes nothing (nvJPEG decodes on the device there), jobs of 100, batches of 128.
+
+`fetch_efficiency` is the daemon's images/s over the least of what could bound it: the
+GETs in flight over the store's mean latency (Little's law), the stand-in device's
+rate, and the same run with no latency at all. `longest_stall_ms` is the longest the
+device waits, between its first batch and its last, for the next: with inputs in
+flight all that time, a wait is the pipeline's doing.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench.harness import (
+    NOOP_PREPROCESSOR,
+    OVERLAP_JOB_SIZE,
+    S3_MEDIAN_MS,
+    S3_P99_MS,
+    LatentBlobStore,
+    run_daemon,
+)
+from worker.adapters.fakes import InMemoryBlobStore
+from worker.telemetry.timeline import Timeline
+
+H100_BASE_MS = 8.0
+H100_PER_ITEM_MS = 0.03
+SHAPED_BATCH = 128
+SHAPED_PROCESSES = 16
+SHAPED_IN_FLIGHT = 512
+SHAPED_SETTINGS: dict[str, Any] = {
+    "model": "bench.harness:h100_device_model",
+    "preprocess": NOOP_PREPROCESSOR,
+    "batch_size": SHAPED_BATCH,
+    "preprocess_workers": SHAPED_PROCESSES,
+    "fetch_concurrency": SHAPED_IN_FLIGHT,
+    "fetch_in": "preprocess",
+}
+
+
+def gpu_shaped(work_dir: Path, images: int, runs: int) -> dict[str, float]:
+    """The daemon's images/s at an H100's pace with S3's latency (the median of `runs`),
+    its fetch efficiency, the device's longest wait, and the same run without latency."""
+    jobs = [OVERLAP_JOB_SIZE] * max(1, images // OVERLAP_JOB_SIZE)
+    rates, stalls = [], []
+    for run in range(runs):
+        objects = work_dir / f"gpu-shaped-{run}"
+        daemon = run_daemon(
+            jobs, LatentBlobStore(seed=run, directory=objects), work_dir, **SHAPED_SETTINGS
+        )
+        rates.append(daemon.items / daemon.wall_s)
+        stalls.append(longest_stall_ms(daemon.timeline))
+        if run == 0:
+            daemon.timeline.write(work_dir / "gpu-shaped-timeline", "gpu-shaped")
+    unhurried = run_daemon(
+        jobs, InMemoryBlobStore(work_dir / "gpu-shaped-no-latency"), work_dir, **SHAPED_SETTINGS
+    )
+    no_latency = unhurried.items / unhurried.wall_s
+    bounds = {
+        "little": SHAPED_IN_FLIGHT / (mean_latency_ms(S3_MEDIAN_MS, S3_P99_MS) / 1000),
+        "device": SHAPED_BATCH / ((H100_BASE_MS + H100_PER_ITEM_MS * SHAPED_BATCH) / 1000),
+        "no_latency": no_latency,
+    }
+    rate = statistics.median(rates)
+    return {
+        "gpu_shaped_images_per_s": rate,
+        "gpu_shaped_no_latency_images_per_s": no_latency,
+        "gpu_shaped_littles_law_images_per_s": bounds["little"],
+        "gpu_shaped_device_images_per_s": bounds["device"],
+        "fetch_efficiency": rate / min(bounds.values()),
+        "longest_stall_ms": statistics.median(stalls),
+    }
+
+
+def mean_latency_ms(median_ms: float, p99_ms: float) -> float:
+    """The mean of the lognormal latency `LatentBlobStore` draws (its median and 99th
+    percentile given): exp(mu + sigma^2 / 2)."""
+    sigma = math.log(p99_ms / median_ms) / 2.326
+    return median_ms * math.exp(sigma**2 / 2)
+
+
+def longest_stall_ms(timeline: Timeline, stage: str = "inference") -> float:
+    """The longest the stage stood idle between its first call and its last."""
+    intervals = sorted(timeline.intervals(stage), key=lambda interval: interval.start_s)
+    longest, busy_until = 0.0, None
+    for interval in intervals:
+        if busy_until is not None and interval.start_s > busy_until:
+            longest = max(longest, interval.start_s - busy_until)
+        busy_until = max(busy_until or interval.end_s, interval.end_s)
+    return 1000 * longest
