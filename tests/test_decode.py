@@ -35,6 +35,7 @@ from worker.plugins import PluginError, Undecoded
 from worker.plugins.device_decoding import decode_or_defer, decodes_on_device
 from worker.plugins.loading import load_device_decoder
 from worker.plugins.setups import inference_setup, preprocess_setup
+from worker.plugins.staging import resolved
 
 SHAPE = default_preprocessor.output_shape
 STANDIN = "tests.support.faults:standin_device_decoder"
@@ -163,7 +164,7 @@ def test_an_input_the_device_rejects_is_decoded_on_the_cpu_and_one_neither_can_f
         decoder=decoder,
     )
     with capture_logs() as logs:
-        outputs = stage_fn.run(batch, values)
+        outputs = resolved(stage_fn.run(batch, values))  # as its finish step waits for them
     error, on_cpu_error = outputs[3], _cpu_error(inputs[3])
     assert (error.type, error.stage) == (on_cpu_error.type, "preprocess")
     assert error.message.startswith("cannot identify image file")  # then an object's address

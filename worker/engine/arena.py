@@ -85,7 +85,10 @@ class BatchGatherer:
 
     Indexing the arena would allocate a fresh batch every time, which costs about ten
     times the copy itself; the buffer is handed to the stage function as a view and is
-    overwritten by the next batch.
+    overwritten by the next batch. So a stage function that copies from it to a device
+    without waiting (`non_blocking`) must wait for that copy before it returns; what it
+    leaves on the device to finish later must not read the buffer
+    (`worker.plugins.staging`).
     """
 
     def __init__(self, arena: torch.Tensor):

@@ -23,6 +23,7 @@ from worker.plugins.loading import (
     load_preprocessor,
     resolve_device,
 )
+from worker.plugins.staging import PendingRows, Staging, resolved
 
 
 def inference_setup(
@@ -40,82 +41,120 @@ def inference_setup(
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
     batch of zeros, warm it up, and return the batch function with that check as its
-    probe and the model's identity and warm-up time as what it reports. With
-    `postprocess`, each output is postprocessed and encoded here, where it already is
-    (`postprocessed`), while the next batch runs (the stage's `finish`): only the encoded
-    fields and the arrays cross to the daemon. With `decoder` (the preprocessor), the
-    inputs left undecoded are decoded on the device first (`decode_undecoded`)."""
+    probe and the model's identity and warm-up time as what it reports. With `decoder` (the
+    preprocessor), the inputs left undecoded are decoded on the device first
+    (`decode_undecoded`). With `postprocess`, each output is postprocessed and encoded
+    here, where it already is (`postprocessed`), while the next batch runs (the stage's
+    `finish`, which waits for the batch's outputs): the batch function returns once
+    the device has the batch's work, so the next batch is brought in while the model
+    runs this one (`Staging`). Only the encoded fields and the arrays cross to the
+    daemon."""
     device = resolve_device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the streams and events of `Staging` are on it
     decode = device_decoder(decoder, device) if decoder else None
     model = load_model(model_reference, device)
     identity = identify(model_reference, model, model_name, model_version)
     if channels_last:
         # Module.to takes memory_format (torch documents it); its type stubs omit it.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=precision == "bfloat16")
-
-    def infer(batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
-        on_device = batch.to(device, non_blocking=True)
-        with torch.inference_mode():
-            undecodable = decode(batch, values, on_device) if decode else {}
-        if channels_last and on_device.dim() == 4:  # the only rank it is defined for
-            on_device = on_device.contiguous(memory_format=torch.channels_last)
-        with torch.inference_mode(), autocast:
-            outputs = model(on_device)
-        if outputs.dtype == torch.bfloat16:  # numpy has no bfloat16
-            outputs = outputs.float()
-        # Numpy rows: an embedding or a mask stays an array (as Python floats a 512x512
-        # mask would take milliseconds to make and more to encode), and unlike a tensor
-        # one is not sent through shared memory if it crosses to the daemon (a chain).
-        # A copy, on the CPU too: the rows are postprocessed while the next batch is
-        # gathered, and a model may answer with a view of its input (that batch buffer).
-        rows: list[Any] = list(outputs.to("cpu", copy=True).numpy())
-        for position, error in undecodable.items():
-            rows[position] = error
-        return rows
-
+    infer = _Inference(
+        _forward(model, device, precision == "bfloat16", channels_last),
+        Staging(device, item_shape, decode),
+    )
     zeros = torch.zeros((1, *item_shape), dtype=torch.uint8)
 
     def probe() -> None:
-        infer(zeros, [None])
+        infer.now(zeros, [None])
 
     try:
-        (answer_to_zeros,) = infer(zeros, [None])
+        (answer_to_zeros,) = infer.now(zeros, [None])
     except Exception as error:
         raise PluginError(
             f"the model fails on a batch of zeros ({type(error).__name__}: {error}); the "
             "daemon runs one at start, and again whenever a whole batch fails, to tell a "
             "broken worker from bad inputs"
         ) from error
-    warm_up = _warm_up(infer, item_shape, bisection_sizes(batch_size))
+    sizes = bisection_sizes(batch_size)
+    warm_up = _warm_up(infer.now, item_shape, sizes)
     about: dict[str, Any] = {"model": identity.as_dict(), "warm_up": warm_up}
     if postprocess is None:
-        return StageFunction(infer, probe, about)
+        return StageFunction(infer.now, probe, about)
+    finish, finish_probe, probed = _finishing(postprocess, answer_to_zeros, device)
+    # Each input's array fields must be these, of these shapes and dtypes; its other
+    # fields' types are those of these (Parquet results' columns, `worker.jobs.tables`).
+    about["fields"], about["arrays"] = probed_columns(probed)
+    return StageFunction(infer.ahead, probe, about, finish=finish, finish_probe=finish_probe)
+
+
+class _Inference:
+    """The inference process's batch function: the batch in through `staging`, the
+    model (`forward`), its outputs out."""
+
+    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], staging: Staging):
+        self.forward = forward
+        self.staging = staging
+
+    def __call__(self, batch: torch.Tensor, values: Sequence[Any]) -> PendingRows:
+        with torch.inference_mode():
+            staged = self.staging.inputs(batch, values)
+            return self.staging.outputs(self.forward(staged.inputs), staged)
+
+    def now(self, batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
+        """The batch's rows, waited for."""
+        return self(batch, values).rows()
+
+    def ahead(self, batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
+        """The batch's rows to be waited for by the finish step (`AwaitedRow`)."""
+        return self(batch, values).handles()
+
+
+def _finishing(
+    postprocess: str, answer_to_zeros: Any, device: torch.device
+) -> tuple[Callable[[list[Any], list[Any]], list[Any]], Callable[[], Encoded], Encoded]:
+    """The finish step that postprocesses a batch's outputs once they are there, its
+    probe, and what the postprocessor made of the model's answer to zeros; a
+    postprocessor that fails on that answer stops the start."""
     postprocessor = load_postprocessor(postprocess)
 
     def postprocess_all(outputs: list[Any], values: list[WithParams]) -> list[Any]:
         return [
             postprocessed(postprocessor, output, params)
-            for output, (_, params) in zip(outputs, values, strict=True)
+            for output, (_, params) in zip(resolved(outputs), values, strict=True)
         ]
 
-    def postprocess_probe() -> Encoded:
+    def finish_probe() -> Encoded:
+        # An error the device met after the batch function returned (a sticky CUDA
+        # error) shows here, as the worker's, not in the items' outputs alone.
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return encoded_fields(postprocessor, answer_to_zeros, {})
 
     try:
-        probed = postprocess_probe()
+        probed = encoded_fields(postprocessor, answer_to_zeros, {})
     except Exception as error:
         raise PluginError(
             f"{postprocess} fails on the model's answer to a batch of zeros with no params "
             f"({type(error).__name__}: {error}); the daemon runs it whenever it fails a "
             "whole batch, to tell a broken worker from bad inputs"
         ) from error
-    # Each input's array fields must be these, of these shapes and dtypes; its other
-    # fields' types are those of these (Parquet results' columns, `worker.jobs.tables`).
-    about["fields"], about["arrays"] = probed_columns(probed)
-    return StageFunction(
-        infer, probe, about, finish=postprocess_all, finish_probe=postprocess_probe
-    )
+    return postprocess_all, finish_probe, probed
+
+
+def _forward(
+    model: torch.nn.Module, device: torch.device, bfloat16: bool, channels_last: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model on a uint8 batch on its device, as `inference_setup` was asked to run
+    it."""
+
+    def forward(batch: torch.Tensor) -> torch.Tensor:
+        if channels_last and batch.dim() == 4:  # the only rank it is defined for
+            batch = batch.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, torch.bfloat16, enabled=bfloat16):
+            outputs: torch.Tensor = model(batch)
+        return outputs.float() if outputs.dtype == torch.bfloat16 else outputs  # numpy has none
+
+    return forward
 
 
 def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) -> dict[str, Any]:
