@@ -112,6 +112,14 @@ class Settings(BaseSettings):
         description="Keep the model's weights and each batch in channels-last memory order "
         "(what tensor-core convolutions want).",
     )
+    compile: bool = Field(
+        default=False,
+        description="Compile the model with torch.compile at each size its warm-up runs "
+        "(the batch size and the halves error bisection falls back to), each captured in a "
+        "CUDA graph on a GPU, before the first receive (model_ready says how long it took); "
+        "a partial batch runs at the next size up, padded with zeros. For a model whose "
+        "rows do not depend on each other (docs/models.md).",
+    )
     decode: DecodePlacement = Field(
         default="auto",
         description="Where JPEGs are decoded: gpu, in batches on the model's device "

@@ -12,6 +12,7 @@ import torch
 
 from worker.engine import StageFunction, bisection_sizes
 from worker.plugins import InferenceFn, PluginError, WithParams, on_payload
+from worker.plugins.compiled import CompiledModel, CompileReport
 from worker.plugins.device_decoding import decode_or_defer, device_decoder
 from worker.plugins.encoding import Encoded, encoded_fields, postprocessed, probed_columns
 from worker.plugins.identity import identify
@@ -38,10 +39,12 @@ def inference_setup(
     model_version: str | None = None,
     postprocess: str | None = None,
     decoder: str | None = None,
+    compile: bool = False,
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
-    batch of zeros, warm it up, and return the batch function with that check as its
-    probe and the model's identity and warm-up time as what it reports. With `decoder` (the
+    batch of zeros, warm it up (with `compile`, compiled at every warm-up size first:
+    `CompiledModel`), and return the batch function with that check as its probe and
+    the model's identity and warm-up as what it reports. With `decoder` (the
     preprocessor), the inputs left undecoded are decoded on the device first
     (`decode_undecoded`). With `postprocess`, each output is postprocessed and encoded
     here, where it already is (`postprocessed`), while the next batch runs (the stage's
@@ -76,7 +79,8 @@ def inference_setup(
             "broken worker from bad inputs"
         ) from error
     sizes = bisection_sizes(batch_size)
-    warm_up = _warm_up(infer.now, item_shape, sizes)
+    compiled = infer.compile(device, item_shape, sizes) if compile else None
+    warm_up = _warm_up(infer.now, item_shape, sizes, compiled)
     about: dict[str, Any] = {"model": identity.as_dict(), "warm_up": warm_up}
     if postprocess is None:
         return StageFunction(infer.now, probe, about)
@@ -89,7 +93,7 @@ def inference_setup(
 
 class _Inference:
     """The inference process's batch function: the batch in through `staging`, the
-    model (`forward`), its outputs out."""
+    model (`forward`, compiled once `compile` has run), its outputs out."""
 
     def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], staging: Staging):
         self.forward = forward
@@ -107,6 +111,21 @@ class _Inference:
     def ahead(self, batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
         """The batch's rows to be waited for by the finish step (`AwaitedRow`)."""
         return self(batch, values).handles()
+
+    def compile(
+        self, device: torch.device, item_shape: tuple[int, ...], sizes: list[int]
+    ) -> CompileReport:
+        """From now on, the model compiled at `sizes` (`CompiledModel`)."""
+        compiled = CompiledModel(self.forward, device, item_shape, sizes)
+        try:
+            report = compiled.compile()
+        except Exception as error:
+            raise PluginError(
+                f"the model does not compile ({type(error).__name__}: {str(error)[:2000]}); "
+                "run it without --compile"
+            ) from error
+        self.forward = compiled
+        return report
 
 
 def _finishing(
@@ -145,7 +164,7 @@ def _forward(
     model: torch.nn.Module, device: torch.device, bfloat16: bool, channels_last: bool
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The model on a uint8 batch on its device, as `inference_setup` was asked to run
-    it."""
+    it: what is compiled and captured with `--compile`."""
 
     def forward(batch: torch.Tensor) -> torch.Tensor:
         if channels_last and batch.dim() == 4:  # the only rank it is defined for
@@ -157,20 +176,27 @@ def _forward(
     return forward
 
 
-def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) -> dict[str, Any]:
+def _warm_up(
+    infer: InferenceFn,
+    item_shape: tuple[int, ...],
+    sizes: list[int],
+    compiled: CompileReport | None = None,
+) -> dict[str, Any]:
     """Run a batch of zeros at each size the stage will meet first: the batch size, and
     the sizes that error bisection and OOM recovery fall back to. The first real jobs
-    then do not pay for lazy CUDA init, cuDNN's autotuning or a compile step. A size
+    then do not pay for lazy CUDA init, cuDNN's autotuning or a compile step (with
+    `--compile`, done before: its seconds are `compile_s`, part of `seconds`). A size
     that does not fit in memory is noted, not fatal: the stage bisects such batches and
     lowers its batch size, as it would for any batch that runs out of memory."""
     started = time.perf_counter()
-    out_of_memory = []
+    out_of_memory = list(compiled.out_of_memory) if compiled else []
     for size in sizes:
         batch = torch.zeros((size, *item_shape), dtype=torch.uint8)
         try:
             infer(batch, [None] * size)
         except torch.OutOfMemoryError:
-            out_of_memory.append(size)
+            if size not in out_of_memory:
+                out_of_memory.append(size)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         except Exception as error:
@@ -179,10 +205,13 @@ def _warm_up(infer: InferenceFn, item_shape: tuple[int, ...], sizes: list[int]) 
                 f"{error}); lower the batch size to what it takes (--batch-size, or the "
                 "step's batch_size in the pipeline spec)"
             ) from error
+    compile_s = compiled.seconds if compiled else 0.0
     return {
         "batch_sizes": sizes,
-        "out_of_memory": out_of_memory,
-        "seconds": round(time.perf_counter() - started, 3),
+        "out_of_memory": sorted(out_of_memory, reverse=True),
+        "seconds": round(time.perf_counter() - started + compile_s, 3),
+        "compiled": compiled is not None,
+        "compile_s": compile_s,
     }
 
 
