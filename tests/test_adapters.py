@@ -1,26 +1,44 @@
-"""The same contract for the SQS/S3 adapters (against moto) and the in-memory fakes."""
+"""The same contract for the SQS/S3 adapters (against moto) and the in-memory fakes; and
+for the two readers the preprocessing processes read inputs with (boto3's and
+obstore's), against moto's server over HTTP and a fault proxy in front of it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import pickle
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
+from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from tests.support.aws import Aws
-from worker.adapters.aws.s3 import S3BlobStore
+from tests.support.buckets import bucket_with
+from tests.support.daemons import free_port
+from tests.support.faultproxy import Fault, FaultProxy
+from worker.adapters.aws.obstore_reads import open_obstore_reader
+from worker.adapters.aws.s3 import InputClient, S3BlobStore, open_s3_reader
 from worker.adapters.aws.sqs import SqsJobSource, _received
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
-from worker.ports import ABSENT, S3Location
+from worker.demo import LOCAL_AWS_ENV
+from worker.errors import (
+    AccessDenied,
+    MissingObject,
+    ObjectTooLarge,
+    PreconditionFailed,
+    TransientError,
+)
+from worker.ports import ABSENT, ObjectReader, S3Location
 
 
 @pytest.fixture(params=["moto", "fake"])
@@ -376,20 +394,26 @@ def _read_in_this_process(open_reader: Callable[[int], Any], uris: list[str]) ->
     return read
 
 
+@pytest.mark.parametrize(
+    ("input_client", "module"),
+    [("boto3", "worker.adapters.aws.s3"), ("obstore", "worker.adapters.aws.obstore_reads")],
+)
 def test_another_process_reads_the_store_with_a_client_of_its_own(
-    aws: Aws, monkeypatch: pytest.MonkeyPatch
+    aws: Aws, monkeypatch: pytest.MonkeyPatch, input_client: InputClient, module: str
 ) -> None:
-    """What the preprocessing processes do: a fresh process opens the store's reader,
-    made from the environment as the store's client was, and reads through the moto
-    server; a missing object is still `MissingObject` there. A store given a client
-    of someone else's making has no such reader."""
+    """What the preprocessing processes do: a fresh process opens the store's reader
+    (boto3's or obstore's, as the store's `input_client` says), made from the
+    environment as the store's client was, and reads through the moto server; a missing
+    object is still `MissingObject` there. A store given a client of someone else's
+    making has no such reader."""
     for name, value in aws.env.items():
         monkeypatch.setenv(name, value)
     stack = aws.stack()
     aws.s3.put_object(Bucket=stack.bucket, Key="in/a", Body=b"bytes of a")
-    store = S3BlobStore.from_environment(connections=2, attempts=2)
+    store = S3BlobStore.from_environment(connections=2, attempts=2, input_client=input_client)
     reader = store.remote_reader()
     assert reader is not None and reader.longest_s > 2 * 30
+    assert reader.imports == (module,)
     uris = [f"s3://{stack.bucket}/in/a", f"s3://{stack.bucket}/in/missing"]
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         read, missing = pool.submit(_read_in_this_process, reader.open, uris).result(60)
@@ -407,3 +431,185 @@ def test_keys_under_lists_every_key_under_a_prefix_a_page_at_a_time_in_order(
     for key in [*keys, "inside/x", "other/y"]:
         blobs.put(S3Location("bkt", key), b"", "text/plain")
     assert list(blobs.keys_under(S3Location.parse("s3://bkt/in/"))) == keys
+
+
+# The readers the preprocessing processes open (`RemoteReader.open`), each made from the
+# environment as a process of the daemon's makes it: the same contract for both.
+READERS: dict[str, Callable[[int, int], ObjectReader]] = {
+    "boto3": open_s3_reader,
+    "obstore": open_obstore_reader,
+}
+ATTEMPTS = 3
+
+
+@pytest.fixture(params=sorted(READERS))
+def open_reader(
+    request: pytest.FixtureRequest, aws: Aws, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[str], ObjectReader]:
+    """`open_reader(endpoint)`: the reader, opened with `ATTEMPTS` tries a read, for 16
+    reads at once, with the moto server's credentials and `endpoint` (the server's, or
+    a proxy's in front of it) in its environment."""
+    for name, value in LOCAL_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+
+    def open_at(endpoint: str) -> ObjectReader:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        return READERS[request.param](ATTEMPTS, 16)
+
+    return open_at
+
+
+def test_a_reader_reads_objects_and_ranges_and_says_which_are_missing(
+    open_reader: Callable[[str], ObjectReader], aws: Aws
+) -> None:
+    """Either reader, over HTTP: an object whole, a range of it (a range past its end
+    cut at the end, an empty one nothing), `MissingObject` for a missing key and for a
+    missing bucket."""
+    bucket = bucket_with(aws, {"in/a": b"0123456789"})
+    get = open_reader(aws.endpoint)
+    location = S3Location(bucket, "in/a")
+    assert get(location) == b"0123456789"
+    assert get(location, None, (3, 4)) == b"3456"
+    assert get(location, None, (8, 20)) == b"89"
+    assert get(location, None, (9, 0)) == b""
+    with pytest.raises(MissingObject, match="NoSuchKey"):
+        get(S3Location(bucket, "in/missing"))
+    with pytest.raises(MissingObject, match="NoSuchBucket"):
+        get(S3Location("no-such-bucket-here", "in/a"))
+
+
+def test_a_reader_refuses_what_is_over_its_limit(
+    open_reader: Callable[[str], ObjectReader], aws: Aws
+) -> None:
+    """Either reader: an object (or range) up to `max_bytes` is read, a larger one is
+    `ObjectTooLarge` with its size and the limit, which crosses processes whole."""
+    bucket = bucket_with(aws, {"in/a": b"0123456789"})
+    get = open_reader(aws.endpoint)
+    location = S3Location(bucket, "in/a")
+    assert get(location, 10) == b"0123456789"
+    with pytest.raises(ObjectTooLarge, match="too large: 10 bytes, limit 9") as raised:
+        get(location, 9)
+    assert pickle.loads(pickle.dumps(raised.value)).size == 10
+    assert get(location, 4, (3, 4)) == b"3456"
+    with pytest.raises(ObjectTooLarge, match="too large: 4 bytes, limit 3"):
+        get(location, 3, (3, 4))
+
+
+@contextlib.contextmanager
+def _announcing(size: int) -> Iterator[str]:
+    """An endpoint that answers every request with an object of `size` bytes and then
+    sends none of them, holding the connection open; yields its URL."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer(connection: socket.socket) -> None:
+        with connection:
+            connection.recv(65536)
+            connection.sendall(
+                b'HTTP/1.1 200 OK\r\nContent-Type: image/jpeg\r\nETag: "e"\r\n'
+                b"Last-Modified: Thu, 26 Nov 2026 12:00:00 GMT\r\n"
+                + f"Content-Length: {size}\r\n\r\n".encode()
+            )
+            stop.wait(60)
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                connection, _ = server.accept()
+                threading.Thread(target=answer, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        server.close()
+
+
+def test_a_reader_refuses_an_object_over_its_limit_without_reading_it(
+    open_reader: Callable[[str], ObjectReader],
+) -> None:
+    """Either reader refuses an object whose reply says it is 1 GiB at once, from the
+    reply's headers: the endpoint sends none of its bytes, so a reader that read the body
+    would wait for them (30 s, and again on each retry)."""
+    with _announcing(2**30) as endpoint:
+        get = open_reader(endpoint)
+        started = time.monotonic()
+        with pytest.raises(ObjectTooLarge, match=f"too large: {2**30} bytes, limit 1000"):
+            get(S3Location("bkt", "in/huge.jpg"), 1000)
+        assert time.monotonic() - started < 5
+
+
+def test_a_reader_reads_on_many_threads_at_once(
+    open_reader: Callable[[str], ObjectReader], aws: Aws
+) -> None:
+    """Either reader, shared by 16 threads as a preprocessing process's fetch threads
+    share it, reads each of 64 objects as its own bytes."""
+    objects = {f"in/{number}": os.urandom(1000 + number) for number in range(64)}
+    bucket = bucket_with(aws, objects)
+    get = open_reader(aws.endpoint)
+    with ThreadPoolExecutor(16) as pool:
+        read = list(pool.map(lambda key: get(S3Location(bucket, key)), objects))
+    assert read == list(objects.values())
+
+
+@pytest.mark.parametrize(
+    ("answer", "raised", "tries"),
+    [
+        ((404, "NoSuchKey"), MissingObject, 1),
+        ((403, "AccessDenied"), AccessDenied, 1),
+        ((503, "SlowDown"), TransientError, ATTEMPTS),
+        ((500, "InternalError"), TransientError, ATTEMPTS),
+        ((400, "ExpiredToken"), TransientError, ATTEMPTS),
+        ((403, "InvalidAccessKeyId"), TransientError, ATTEMPTS),  # the worker's, not the input's
+        ((416, "InvalidRange"), ClientError, 1),  # permanent: raised as botocore gives it
+    ],
+)
+def test_a_reader_classifies_an_error_reply_where_it_is_raised(
+    open_reader: Callable[[str], ObjectReader],
+    aws: Aws,
+    answer: tuple[int, str],
+    raised: type[Exception],
+    tries: int,
+) -> None:
+    """Either reader makes the same class of each error reply of S3's (through a fault
+    proxy that answers every GET with it): a missing key and a refusal at the first
+    answer, throttling, 5xx and the worker's own credentials retried `--aws-max-attempts`
+    times and then `TransientError`."""
+    status, code = answer
+    bucket = bucket_with(aws, {"in/a": b"bytes"})
+    proxy = FaultProxy(aws.endpoint)
+    proxy.add(Fault("error", lambda request: request.method == "GET", status=status, code=code))
+    with proxy.serving() as endpoint:
+        get = open_reader(endpoint)
+        with pytest.raises(raised, match=code):
+            get(S3Location(bucket, "in/a"))
+    assert proxy.injected["error"] == tries
+
+
+def test_a_reader_retries_a_slow_down_and_a_reset_and_reads_the_object(
+    open_reader: Callable[[str], ObjectReader], aws: Aws
+) -> None:
+    """Either reader: a 503 SlowDown and then a connection reset with no answer are
+    retried, and the third try reads the object."""
+    bucket = bucket_with(aws, {"in/a": b"bytes"})
+    proxy = FaultProxy(aws.endpoint)
+    proxy.add(Fault("slow-down", lambda r: r.method == "GET", times=1, status=503, code="SlowDown"))
+    proxy.add(Fault("reset", lambda r: r.method == "GET", times=1, kind="reset"))
+    with proxy.serving() as endpoint:
+        assert open_reader(endpoint)(S3Location(bucket, "in/a")) == b"bytes"
+    assert (proxy.injected["slow-down"], proxy.injected["reset"]) == (1, 1)
+
+
+def test_a_reader_that_cannot_connect_or_keeps_being_reset_says_it_is_transient(
+    open_reader: Callable[[str], ObjectReader], aws: Aws
+) -> None:
+    """Either reader: an endpoint nothing listens on, or connections reset on every
+    try, is `TransientError` once the tries are spent (the surroundings, not the input)."""
+    with pytest.raises(TransientError):
+        open_reader(f"http://127.0.0.1:{free_port()}")(S3Location("bkt", "in/a"))
+    proxy = FaultProxy(aws.endpoint)
+    proxy.add(Fault("reset", lambda request: request.method == "GET", kind="reset"))
+    with proxy.serving() as endpoint, pytest.raises(TransientError):
+        open_reader(endpoint)(S3Location("bkt", "in/a"))
+    assert proxy.injected["reset"] == ATTEMPTS

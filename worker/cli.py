@@ -272,7 +272,9 @@ def _run(args: argparse.Namespace) -> int:
         if settings.shard_queue_url
         else None
     )
-    blobs = aws.S3BlobStore.from_environment(settings.s3_connections, attempts)
+    blobs = aws.S3BlobStore.from_environment(
+        settings.s3_connections, attempts, settings.input_client
+    )
     notify: list[Callable[[str], None]] = []
     if settings.notify_queue_url:
         notify.append(aws.SqsSender(sqs, settings.notify_queue_url, attempts))

@@ -164,6 +164,14 @@ class Settings(BaseSettings):
         "(threads). auto: preprocess, unless the store lives only in this process (the "
         "in-memory fakes of tests and benchmarks).",
     )
+    input_client: Literal["auto", "obstore", "boto3"] = Field(
+        default="auto",
+        description="The S3 client the preprocessing processes read inputs with: obstore "
+        "(Rust; a third of boto3's CPU a GET, docs/performance.md), with boto3's endpoint, "
+        "region and credentials, and boto3 for what obstore cannot read as boto3 would (a "
+        "key such as a/../b, a bucket in another region: said in a log line); boto3; or "
+        "auto: obstore where it imports. boto3 does everything else (SQS, writes, listings).",
+    )
     max_jobs: int = Field(
         default=256,
         ge=1,

@@ -25,7 +25,7 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from worker.errors import AccessDenied, MissingObject, PreconditionFailed, TransientError
-from worker.retry import call_with_retries
+from worker.retry import CALL_BACKOFF, call_with_retries
 
 T = TypeVar("T")
 
@@ -101,6 +101,35 @@ def classify(error: Exception) -> Exception:
     if isinstance(error, TRANSIENT_EXCEPTIONS):
         return TransientError(f"{type(error).__name__}: {error}")
     return error
+
+
+def classify_reply(status: int, code: str, message: str, operation: str) -> Exception:
+    """What `classify` makes of an error reply that another client read (obstore): the
+    same class for the same HTTP status and S3 error code, else the `ClientError`
+    botocore would have raised (its code the status where the reply gave none, as
+    botocore's)."""
+    return classify(
+        ClientError(
+            {
+                "Error": {"Code": code or str(status), "Message": message},
+                "ResponseMetadata": {
+                    "HTTPStatusCode": status,
+                    "HTTPHeaders": {},
+                    "RequestId": "",
+                    "HostId": "",
+                    "RetryAttempts": 0,
+                },
+            },
+            operation,
+        )
+    )
+
+
+def retried_call_s(attempts: int) -> float:
+    """The longest a call of `attempts` tries can take: each try at its longest
+    (`LONGEST_CALL_S`) and the longest backoff before each retry."""
+    backoffs_s = sum(CALL_BACKOFF.bound_s(retry) for retry in range(attempts - 1))
+    return attempts * LONGEST_CALL_S + backoffs_s
 
 
 def _classified(call: Callable[[], T]) -> T:

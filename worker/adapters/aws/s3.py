@@ -8,15 +8,15 @@ import hashlib
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import boto3
 import structlog
 
-from worker.adapters.aws.calls import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, Retrying, client_config
+from worker.adapters.aws.calls import Retrying, client_config, retried_call_s
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.ports import ABSENT, ByteRange, ObjectReader, RemoteReader, S3Location
-from worker.retry import CALL_BACKOFF, DEFAULT_AWS_MAX_ATTEMPTS
+from worker.retry import DEFAULT_AWS_MAX_ATTEMPTS
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -33,6 +33,9 @@ S3_MAX_PART_BYTES = 5 * 2**30
 S3_MAX_PARTS = 10_000
 COPY_THREADS = 16  # part copies made at once (S3 takes the parts of an upload in any order)
 STREAM_CHUNK_BYTES = 64 * 1024  # a streamed object's pieces (`chunks`)
+# The client another process reads inputs with (`remote_reader`): auto is obstore where
+# it imports.
+InputClient = Literal["auto", "obstore", "boto3"]
 
 
 def s3_client(max_pool_connections: int) -> S3Client:
@@ -57,30 +60,61 @@ class S3BlobStore(Retrying):
         *,
         client_from_environment: bool = False,
         part_bytes: int = MULTIPART_PART_BYTES,
+        input_client: InputClient = "boto3",
     ):
         super().__init__(attempts)
         self._client = client
         self._client_from_environment = client_from_environment
         self._part_bytes = part_bytes
+        self._input_client = input_client
 
     @classmethod
-    def from_environment(cls, connections: int, attempts: int) -> S3BlobStore:
+    def from_environment(
+        cls, connections: int, attempts: int, input_client: InputClient = "auto"
+    ) -> S3BlobStore:
         """A store whose client follows boto3's usual configuration, as the client that
-        another process makes for itself will (`remote_reader`)."""
-        return cls(s3_client(connections), attempts, client_from_environment=True)
+        another process makes for itself will (`remote_reader`, with `input_client`)."""
+        return cls(
+            s3_client(connections),
+            attempts,
+            client_from_environment=True,
+            input_client=input_client,
+        )
 
     def remote_reader(self) -> RemoteReader | None:
         """Reads with a client of the reading process's own, made from the environment as
-        this store's was; None for a store given some other client (a test's)."""
+        this store's was (obstore's or boto3's, `_reads_with_obstore`); None for a store
+        given some other client (a test's)."""
         if not self._client_from_environment:
             return None
         attempts = self._attempts
-        backoffs_s = sum(CALL_BACKOFF.bound_s(retry) for retry in range(attempts - 1))
+        if self._reads_with_obstore():
+            from worker.adapters.aws.obstore_reads import open_obstore_reader
+
+            opener, module = open_obstore_reader, open_obstore_reader.__module__
+        else:
+            opener, module = open_s3_reader, __name__
         return RemoteReader(
-            functools.partial(open_s3_reader, attempts),
-            longest_s=attempts * (CONNECT_TIMEOUT_S + READ_TIMEOUT_S) + backoffs_s,
-            imports=(__name__,),
+            functools.partial(opener, attempts), retried_call_s(attempts), imports=(module,)
         )
+
+    def _reads_with_obstore(self) -> bool:
+        """Whether other processes read with obstore: asked to (`input_client`), or auto
+        and obstore imports; `PlatformUnavailable` if asked to and it does not."""
+        if self._input_client == "boto3":
+            log.info("inputs_read_with", client="boto3", why="input_client=boto3")
+            return False
+        try:
+            import worker.adapters.aws.obstore_reads  # noqa: F401 (obstore imports)
+        except ImportError as error:
+            if self._input_client == "obstore":
+                from worker.adapters.aws.platform import PlatformUnavailable
+
+                raise PlatformUnavailable(f"input_client=obstore: {error}") from error
+            log.warning("inputs_read_with", client="boto3", why=f"obstore does not import: {error}")
+            return False
+        log.info("inputs_read_with", client="obstore", why=f"input_client={self._input_client}")
+        return True
 
     def get(
         self,
