@@ -19,7 +19,7 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
-from bench.fetch_clients import CLIENTS
+from bench.fetch_clients import CLIENTS, FETCH_CONCURRENCY
 from bench.harness import (
     HOST_JOB_SIZE,
     run_daemon,
@@ -104,9 +104,12 @@ def draining_daemon(stack: Stack, log_dir: Path, *more: str) -> list[str]:
 FETCHED_OBJECT_BYTES = 12_000  # about one of the sample JPEGs
 
 
-def fetch_clients(objects: int) -> dict[str, float]:
+def fetch_clients(objects: int, threads: int = FETCH_CONCURRENCY) -> dict[str, float]:
     """Each S3 client candidate in a process of its own reading the same `objects`
-    small objects from a moto server: its CPU per GET (`bench.fetch_clients`)."""
+    small objects from a moto server, as a preprocessing process reads a request's
+    inputs on `threads` threads: its CPU per GET and GETs per second
+    (`bench.fetch_clients`), and boto3's CPU per GET over obstore's (alone, and as the
+    daemon's reader)."""
     figures: dict[str, float] = {}
     with local_moto_server() as endpoint:
         s3 = boto3.Session(
@@ -123,6 +126,7 @@ def fetch_clients(objects: int) -> dict[str, float]:
                 [
                     *(sys.executable, "-m", "bench.fetch_clients", client),
                     *(endpoint, bucket, "objects/", str(objects), str(FETCHED_OBJECT_BYTES)),
+                    str(threads),
                 ],
                 env=env,
                 capture_output=True,
@@ -134,9 +138,10 @@ def fetch_clients(objects: int) -> dict[str, float]:
             measured = json.loads(run.stdout.splitlines()[-1])
             figures[f"fetch_cpu_ms_per_get_{client}"] = measured["cpu_ms_per_get"]
             figures[f"fetch_gets_per_s_{client}"] = measured["gets_per_s"]
-    figures["fetch_cpu_boto3_obstore_ratio"] = (
-        figures["fetch_cpu_ms_per_get_boto3"] / figures["fetch_cpu_ms_per_get_obstore"]
-    )
+    for client in ("obstore", "obstore_reader"):
+        figures[f"fetch_cpu_boto3_{client}_ratio"] = (
+            figures["fetch_cpu_ms_per_get_boto3"] / figures[f"fetch_cpu_ms_per_get_{client}"]
+        )
     return figures
 
 
