@@ -5,8 +5,12 @@ boto3 finds and follows boto3's refreshes, and what obstore cannot read as boto3
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from structlog.testing import capture_logs
 
 from tests.support.aws import Aws
 from tests.support.buckets import bucket_with
+from tests.support.fakeaws import FakeImds, serve_http
 from tests.support.faultproxy import Fault, FaultProxy
 from tests.support.recordingproxy import RecordingProxy
 from worker.adapters.aws.obstore_reads import (
@@ -139,29 +144,69 @@ def test_a_bucket_in_another_region_is_read_through_boto3_from_then_on(
     assert told["bucket"] == there
 
 
+def _role_credentials(access_key: str) -> str:
+    """A role's credentials as instance metadata and the ECS agent give them."""
+    expires = (datetime.now(UTC) + timedelta(hours=6)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    fields = {"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": access_key}
+    fields |= {"SecretAccessKey": "secret", "Token": "token", "Expiration": expires}
+    return json.dumps(fields)
+
+
+@contextlib.contextmanager
+def _credentials_from(source: str, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The environment in which boto3 finds credentials from `source` alone, and none
+    of the keys obstore would read itself (a local stand-in serving them meanwhile)."""
+    if source == "profile":
+        credentials = tmp_path / "credentials"
+        credentials.write_text(
+            "[reader]\naws_access_key_id = AKIDprofile\naws_secret_access_key = s\n"
+        )
+        yield {"AWS_SHARED_CREDENTIALS_FILE": str(credentials), "AWS_PROFILE": "reader"}
+    elif source == "instance":
+        imds = FakeImds("i-1", "group")
+        role = "/latest/meta-data/iam/security-credentials/"
+        imds.paths |= {role: "worker-role", f"{role}worker-role": _role_credentials("AKIDinstance")}
+        with imds.serving() as url:
+            yield {"AWS_EC2_METADATA_DISABLED": "false", "AWS_EC2_METADATA_SERVICE_ENDPOINT": url}
+    else:
+
+        class Agent(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = _role_credentials("AKIDtask").encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        with serve_http(Agent) as url:  # the ECS agent's, as a task role's FULL_URI names it
+            yield {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"{url}/v2/credentials/task"}
+
+
+@pytest.mark.parametrize("source", ["profile", "instance", "task"])
 def test_requests_are_signed_with_the_credentials_boto3_finds(
-    aws: Aws, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    aws: Aws, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, source: str
 ) -> None:
-    """Credentials from a profile in boto3's shared credentials file, which obstore
-    does not read itself: obstore's requests are signed with that profile's key."""
-    credentials = tmp_path / "credentials"
-    credentials.write_text(
-        "[reader]\naws_access_key_id = AKIDFROMPROFILE\naws_secret_access_key = secret\n"
-    )
+    """Credentials from a profile in boto3's shared credentials file (which obstore does
+    not read itself), from an instance profile through IMDSv2, or from an ECS task
+    role's endpoint, with no keys in the environment: obstore's requests are signed
+    with the key boto3 found there."""
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_PROFILE", "reader")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     bucket = bucket_with(aws, {"in/a": b"a"})
     proxy = RecordingProxy(aws.endpoint)
-    with proxy.serving() as endpoint:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with _credentials_from(source, tmp_path) as environment, proxy.serving() as endpoint:
+        for name, value in {**environment, "AWS_ENDPOINT_URL": endpoint}.items():
+            monkeypatch.setenv(name, value)
         assert open_obstore_reader(2, 4)(S3Location(bucket, "in/a")) == b"a"
     [sent] = proxy.sent(under=f"/{bucket}/")
-    assert (sent.by_boto3, sent.access_key) == (False, "AKIDFROMPROFILE")
+    assert (sent.by_boto3, sent.access_key) == (False, f"AKID{source}")
 
 
 def test_credentials_are_read_from_boto3_as_it_refreshes_them() -> None:
