@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
-from tests.support.device_models import slow_on_device
+from tests.support.device_models import row_means, slow_on_device
+from tests.support.faults import standin_device_decoder
 from tests.support.markers import needs_gpu
 from worker.plugins import Undecoded
 from worker.plugins.device_decoding import DecodedRows, decode_or_defer, device_decoder
@@ -32,9 +33,10 @@ from worker.plugins.staging import AwaitedRow, Staging, decoded_span, resolved
 
 SHAPE = default_preprocessor.output_shape
 ROW_MEANS = "tests.support.device_models:row_means"
+STANDIN = "tests.support.faults:standin_device_decoder"
+CPU = torch.device("cpu")
 ROW_FIELDS = "tests.support.device_models:row_fields"
 DEFAULT = "stages.preprocess:default_preprocessor"
-gpu = [pytest.mark.gpu, needs_gpu]
 
 
 class _CountedOps(TorchDispatchMode):
@@ -121,6 +123,95 @@ def test_without_a_finish_step_the_batch_function_gives_its_rows() -> None:
     assert [row.tolist() for row in rows] == [[3.0, 2.0], [3.0, 2.0]]
 
 
+class _Event:
+    def __init__(self, label: str, log: list[str]):
+        self.label, self._log = label, log
+
+    def synchronize(self) -> None:
+        self._log.append(f"host waits {self.label}")
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+class RecordingStreams:
+    """`Streams` on the CPU: the copies run at once, and `log` says, in order, which
+    stream (or the host) waited for which event, and where each event was recorded."""
+
+    copying, decoding = "copy", "decode"
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self._recorded: Counter[str] = Counter()
+
+    def compute(self) -> str:
+        return "compute"
+
+    @contextmanager
+    def on(self, stream: str) -> Iterator[None]:
+        yield
+
+    def recorded(self, stream: str) -> _Event:
+        self._recorded[stream] += 1
+        event = _Event(f"{stream}{self._recorded[stream]}", self.log)
+        self.log.append(f"{stream} records {event}")
+        return event
+
+    def wait(self, stream: str, event: _Event) -> None:
+        self.log.append(f"{stream} waits {event}")
+
+    def synchronize(self) -> None:
+        self.log.append("host waits all")
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype)
+
+
+def test_each_device_batch_is_written_once_the_model_has_read_it_and_never_waits_for_more() -> None:
+    """The GPU's protocol, with streams that record it: a batch of JPEGs and PNGs is
+    copied (its PNGs) and decoded (its JPEGs) into a device batch on streams of their
+    own; the decoder writes after the copy; the model waits for both; a third batch
+    reuses the first's device batch and waits for the model's event of the first batch
+    only, not of the second, which may still run; the host waits for the copy out of
+    the gathered batch, and for the model's outputs only when asked for them."""
+    streams = RecordingStreams()
+    staging = Staging(CPU, SHAPE, device_decoder(STANDIN, CPU), streams)
+    model = row_means()
+    answers = []
+    for number in range(3):
+        batch, values = _mixed_batch(seed=number)
+        staged = staging.inputs(batch, values)
+        streams.log.append(f"model runs batch {number + 1}")
+        answers.append(staging.outputs(model(staged.inputs), staged))
+    assert streams.log == [
+        "host waits all",  # the device batches made, once
+        *["copy records copy1", "decode waits copy1", "decode records decode1"],
+        *["compute waits copy1", "compute waits decode1", "compute records compute1"],
+        "host waits copy1",
+        "model runs batch 1",
+        "compute records compute2",
+        *["copy records copy2", "decode waits copy2", "decode records decode2"],
+        *["compute waits copy2", "compute waits decode2", "compute records compute3"],
+        "host waits copy2",
+        "model runs batch 2",
+        "compute records compute4",
+        *["copy waits compute2", "copy records copy3"],
+        *["decode waits compute2", "decode waits copy3", "decode records decode3"],
+        *["compute waits copy3", "compute waits decode3", "compute records compute5"],
+        "host waits copy3",
+        "model runs batch 3",
+        "compute records compute6",
+    ]
+    for number, pending in enumerate(answers):
+        batch, values = _mixed_batch(seed=number)
+        expected = row_means()(_decoded_on_cpu(batch, values))
+        assert np.allclose(np.stack(pending.rows()), expected.numpy(), atol=1)
+    assert streams.log[-3:] == ["host waits compute2", "host waits compute4", "host waits compute6"]
+
+
 def _jpeg_batch(count: int, *, pinned: bool = False) -> tuple[torch.Tensor, list[Any]]:
     """`count` JPEGs left undecoded in the rows of a batch, as `--decode gpu` leaves them."""
     jpegs = [data for _, data in samples(count * 3, 7) if data[:2] == b"\xff\xd8"][:count]
@@ -130,6 +221,30 @@ def _jpeg_batch(count: int, *, pinned: bool = False) -> tuple[torch.Tensor, list
     ]
     assert all(isinstance(payload, Undecoded) for payload, _ in values)
     return (batch.pin_memory() if pinned else batch), values
+
+
+def _mixed_batch(seed: int) -> tuple[torch.Tensor, list[Any]]:
+    """Two JPEGs left undecoded and two PNGs decoded, in the rows of a gathered batch."""
+    pairs = list(samples(40, seed))
+    jpegs = [data for _, data in pairs if data[:2] == b"\xff\xd8"][:2]
+    pngs = [data for _, data in pairs if data[:4] == b"\x89PNG"][:2]
+    batch = torch.zeros((4, *SHAPE), dtype=torch.uint8)
+    inputs = [jpegs[0], pngs[0], jpegs[1], pngs[1]]
+    values: list[Any] = [
+        (decode_or_defer(standin_device_decoder, data, row), {})
+        for data, row in zip(inputs, batch, strict=True)
+    ]
+    return batch, values
+
+
+def _decoded_on_cpu(batch: torch.Tensor, values: list[Any]) -> torch.Tensor:
+    """The batch with its undecoded rows decoded by Pillow, as the CPU would."""
+    decoded = batch.clone()
+    for position, (payload, _) in enumerate(values):
+        if isinstance(payload, Undecoded):
+            data = batch[position].view(-1)[: payload.length].numpy().tobytes()
+            default_preprocessor(data, decoded[position])
+    return decoded
 
 
 @pytest.mark.gpu

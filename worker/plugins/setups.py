@@ -53,7 +53,7 @@ def inference_setup(
     runs this one (`Staging`). Only the encoded fields and the arrays cross to the
     daemon."""
     device = resolve_device(device_name)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the streams and events of `Staging` are on it
     decode = device_decoder(decoder, device) if decoder else None
     model = load_model(model_reference, device)

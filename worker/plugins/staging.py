@@ -21,9 +21,10 @@ batch itself, and the outputs are copied out at once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -56,7 +57,7 @@ class Staged:
     inputs: torch.Tensor
     errors: dict[int, ItemError]
     turn: int | None = None
-    ready: tuple[torch.cuda.Event, ...] = ()
+    ready: tuple[Any, ...] = ()
 
 
 class PendingRows:
@@ -66,9 +67,7 @@ class PendingRows:
     the caching allocator hands out again once they are gone), so later batches cannot
     change them."""
 
-    def __init__(
-        self, host: torch.Tensor, done: torch.cuda.Event | None, errors: dict[int, ItemError]
-    ):
+    def __init__(self, host: torch.Tensor, done: Any, errors: dict[int, ItemError]):
         self._host = host
         self._done = done
         self._errors = errors
@@ -111,47 +110,112 @@ def resolved(outputs: Sequence[Any]) -> list[Any]:
     return [output.value() if isinstance(output, AwaitedRow) else output for output in outputs]
 
 
+class Streams(Protocol):
+    """What `Staging` asks of a GPU's streams (`CudaStreams`; a test's fake records
+    who waits for what): two streams of its own, and the compute stream, the current
+    one, on which the model runs."""
+
+    copying: Any
+    decoding: Any
+
+    def compute(self) -> Any:
+        """The current stream."""
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make `stream` the current one meanwhile."""
+
+    def recorded(self, stream: Any) -> Any:
+        """An event recorded on `stream` now (it has `synchronize()` and `query()`)."""
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Have `stream` wait for `event` (the host does not)."""
+
+    def synchronize(self) -> None:
+        """Wait for every stream of the device."""
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor of `like`'s shape and dtype in pinned memory."""
+
+
+class CudaStreams:
+    """`Streams` on a CUDA device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copying = torch.cuda.Stream(device)
+        self.decoding = torch.cuda.Stream(device)
+
+    def compute(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def on(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def recorded(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        # From torch's caching host allocator: the block is handed out again once the
+        # tensor is gone and the copies recorded on it are done.
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+
+
 class Staging:
     """Brings batches onto the model's device and their outputs back (the module's
-    docstring says how), decoding their undecoded inputs with `decode` if given."""
+    docstring says how), decoding their undecoded inputs with `decode` if given. On a
+    GPU it works with `streams` (`CudaStreams` by default); on the CPU with none."""
 
     def __init__(
-        self, device: torch.device, item_shape: Sequence[int], decode: DeviceDecoder | None
+        self,
+        device: torch.device,
+        item_shape: Sequence[int],
+        decode: DeviceDecoder | None,
+        streams: Streams | None = None,
     ):
         self.device = device
         self._item_shape = tuple(item_shape)
         self._decode = decode
-        self._on_gpu = device.type == "cuda"
+        if streams is None and device.type == "cuda":
+            streams = CudaStreams(device)
+        self._streams = streams
         self._turn = 0
         self._buffers: list[torch.Tensor] = []
         # Per device batch, the event after which nothing reads it any more.
-        self._free: list[torch.cuda.Event | None] = [None] * RING
-        if self._on_gpu:
-            self._copying = torch.cuda.Stream(device)
-            self._decoding = torch.cuda.Stream(device)
+        self._free: list[Any] = [None] * RING
 
     def inputs(self, batch: torch.Tensor, values: Sequence[Any]) -> Staged:
         """`batch` (the gathered batch) on the device, decoded, ready for the model on
         the current stream. On a GPU, the host waits here only for nvJPEG (which waits
         for its own work) and for the copy out of `batch`, which the next gather
         overwrites: never for the model's work on the batch before."""
-        if not self._on_gpu:
+        streams = self._streams
+        if streams is None:
             decoded = self._decode(batch, values) if self._decode else None
             if decoded is not None:
                 decoded.write(batch)
             return Staged(batch, decoded.errors if decoded else {})
-        turn = self._next_turn(len(batch))
+        turn = self._next_turn(streams, len(batch))
         inputs = self._buffers[turn][: len(batch)]
         free = self._free[turn]
-        copied = self._copy_decoded(batch, values, inputs, free)
-        errors, written = self._decode_undecoded(batch, values, inputs, free, copied)
-        compute = torch.cuda.current_stream(self.device)
+        copied = self._copy_decoded(streams, batch, values, inputs, free=free)
+        errors, written = self._decode_undecoded(
+            streams, batch, values, inputs, free=free, copied=copied
+        )
+        compute = streams.compute()
         ready = tuple(event for event in (copied, written) if event is not None)
         for event in ready:
-            compute.wait_event(event)
+            streams.wait(compute, event)
         # Until the model's own event replaces it (`outputs`): a model that raises must
         # still leave the writes of this batch before those of the next into this buffer.
-        self._free[turn] = _recorded(compute)
+        self._free[turn] = streams.recorded(compute)
         if copied is not None:
             copied.synchronize()
         return Staged(inputs, errors, turn, ready)
@@ -159,20 +223,21 @@ class Staging:
     def outputs(self, outputs: torch.Tensor, staged: Staged) -> PendingRows:
         """The model's outputs for `staged`, on their way to the host: on a GPU copied
         into pinned memory after the model on the current stream, without waiting."""
-        if not self._on_gpu:
+        streams = self._streams
+        if streams is None:
             # A copy on the CPU too: a model may answer with a view of its input, the
             # gathered batch, which the next batch is gathered into.
             return PendingRows(outputs.to("cpu", copy=True), None, staged.errors)
-        host = torch.empty(outputs.shape, dtype=outputs.dtype, pin_memory=True)
+        host = streams.pinned(outputs)
         host.copy_(outputs, non_blocking=True)
-        done = _recorded(torch.cuda.current_stream(self.device))
+        done = streams.recorded(streams.compute())
         if staged.turn is not None:
             self._free[staged.turn] = done
         return PendingRows(host, done, staged.errors)
 
-    def _next_turn(self, rows: int) -> int:
+    def _next_turn(self, streams: Streams, rows: int) -> int:
         if not self._buffers or len(self._buffers[0]) < rows:
-            torch.cuda.synchronize(self.device)  # nothing may still read the old ones
+            streams.synchronize()  # nothing may still read the old ones
             shape = (rows, *self._item_shape)
             self._buffers = [
                 torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(RING)
@@ -183,47 +248,45 @@ class Staging:
 
     def _copy_decoded(
         self,
+        streams: Streams,
         batch: torch.Tensor,
         values: Sequence[Any],
         inputs: torch.Tensor,
-        free: torch.cuda.Event | None,
-    ) -> torch.cuda.Event | None:
-        """The rows decoded on the CPU, in one copy on the copy stream."""
+        *,
+        free: Any,
+    ) -> Any:
+        """The rows decoded on the CPU, in one copy on the copy stream: its event."""
         span = decoded_span(values)
         if span is None:
             return None
-        with torch.cuda.stream(self._copying):
+        with streams.on(streams.copying):
             if free is not None:
-                self._copying.wait_event(free)
+                streams.wait(streams.copying, free)
             inputs[span].copy_(batch[span], non_blocking=True)
-            return _recorded(self._copying)
+            return streams.recorded(streams.copying)
 
     def _decode_undecoded(
         self,
+        streams: Streams,
         batch: torch.Tensor,
         values: Sequence[Any],
         inputs: torch.Tensor,
-        free: torch.cuda.Event | None,
-        copied: torch.cuda.Event | None,
-    ) -> tuple[dict[int, ItemError], torch.cuda.Event | None]:
+        *,
+        free: Any,
+        copied: Any,
+    ) -> tuple[dict[int, ItemError], Any]:
         """The undecoded rows decoded and resized on the decode stream (nvJPEG makes
         the current stream wait for its own), then written into `inputs` once the
         model has read what they held before and the copy stream has written its rows
         there: their errors, and the event after the write (None if nothing was)."""
         if self._decode is None:
             return {}, None
-        with torch.cuda.stream(self._decoding):
+        with streams.on(streams.decoding):
             decoded = self._decode(batch, values)
             if decoded.images is None:
                 return decoded.errors, None
             for earlier in (free, copied):
                 if earlier is not None:
-                    self._decoding.wait_event(earlier)
+                    streams.wait(streams.decoding, earlier)
             decoded.write(inputs)
-            return decoded.errors, _recorded(self._decoding)
-
-
-def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
+            return decoded.errors, streams.recorded(streams.decoding)
