@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The checks of issue 38 that need a GPU, in one call of a GPU session (the device tool:
+# /work/.library/device/README.md), within about 8 minutes of its 15: the tests marked
+# `gpu` (`make test-gpu`, with the device's own torch and torchvision), then
+# `python -m bench.gpu` without and with --compile. Each step has a time limit, and
+# what it measured is written into $OUT as it ends, so a step cut short keeps the rest:
+#
+#   figures.json        every figure so far: the tests' counts, then each bench's report
+#   tests.log           the gpu-marked tests, one line each (-rA), and their failures
+#   bench-eager.log, bench-compiled.log, profile-eager.txt, profile-compiled.txt,
+#   timeline-eager.png, timeline-compiled.png
+#
+# Two parts, one here and one there:
+#
+#   bench/gpu_session.sh wheels
+#       here, where pip reaches PyPI: the project's dependencies that the device's image
+#       lacks (it has torch, torchvision, numpy, pillow, pyarrow, pytest, ...), as wheels
+#       for its Python 3.12, into .whl/, which git is told to ignore (.git/info/exclude)
+#   run(command="bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
+#       there: installs them into /tmp/site and runs the checks (about 8 minutes)
+set -uo pipefail
+
+# What the project and its gpu-marked tests import that the device's image does not have
+# (its package list: /work/.library/device/KINDS.md), at the versions of .venv here.
+WHEELS="structlog orjson pydantic pydantic-core annotated-types typing-inspection
+typing-extensions pydantic-settings python-dotenv prometheus-client boto3 botocore
+s3transfer jmespath moto responses xmltodict flask flask-cors itsdangerous blinker
+cryptography cffi pycparser py-partiql-parser obstore"
+# Seconds each step may take (the lease's 15 minutes include the machine's start).
+TESTS_S=180
+EAGER_S=100
+COMPILED_S=160
+IMAGES=3000
+
+wheels() {
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+    local pinned=()
+    for name in $WHEELS; do
+        version=$(.venv/bin/python -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+        pinned+=("$name${version:+==$version}")
+    done
+    .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux1_x86_64 -d .whl "${pinned[@]}"
+    du -sh .whl
+}
+
+figures() {  # figures.json from what the steps have left so far
+    python3 - "$OUT" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+out = Path(sys.argv[1])
+figures = {}
+tests = Path("/tmp/gpu-tests.xml")
+if tests.is_file():
+    suite = ET.parse(tests).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    figures["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+for kind in ("eager", "compiled"):
+    report = Path(f"/tmp/bench-{kind}/report.json")
+    if report.is_file():
+        figures[kind] = json.loads(report.read_text())
+(out / "figures.json").write_text(json.dumps(figures, indent=2))
+print(json.dumps({k: v for k, v in figures.items() if k == "tests"}))
+EOF
+}
+
+bench() {  # bench <eager|compiled> <seconds> [flags]: one bench.gpu run and its files
+    local kind=$1 limit=$2
+    shift 2
+    rm -rf "/tmp/bench-$kind"
+    timeout --kill-after=10 "$limit" python3 -m bench.gpu --only overlap,tars,profile \
+        --images "$IMAGES" --profile-batches 10 --out "/tmp/bench-$kind" "$@" \
+        >"$OUT/bench-$kind.log" 2>&1
+    echo "bench $kind: exit $?"
+    cp "/tmp/bench-$kind/profile.txt" "$OUT/profile-$kind.txt" 2>/dev/null
+    cp "/tmp/bench-$kind/timeline.png" "$OUT/timeline-$kind.png" 2>/dev/null
+    figures
+}
+
+if [ "${1:-}" = wheels ]; then
+    wheels
+    exit
+fi
+
+OUT=${OUT:-/tmp/gpu-session-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+began=$(date +%s)
+python3 -c 'import torch, torchvision; print(torch.__version__, torchvision.__version__,
+    torch.cuda.get_device_name(), torch.cuda.is_available())' || exit 1
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
+
+# The files with gpu-marked tests, so that modules the device cannot import (duckdb's)
+# are not collected for nothing.
+gpu_tests=$(grep -rlE 'mark\.gpu|also_on_gpu|needs_gpu' tests --include='test_*.py' | sort)
+timeout --kill-after=10 "$TESTS_S" python3 -m pytest -m gpu -p no:xdist -p no:cacheprovider \
+    -rA --timeout 150 --junitxml=/tmp/gpu-tests.xml $gpu_tests >"$OUT/tests.log" 2>&1
+echo "tests: exit $? after $(($(date +%s) - began)) s"
+figures
+
+bench eager "$EAGER_S"
+echo "after $(($(date +%s) - began)) s"
+bench compiled "$COMPILED_S" --compile
+echo "done after $(($(date +%s) - began)) s"
+tail -n 5 "$OUT/tests.log"
+grep -h '^{"' "$OUT"/bench-*.log | cut -c1-400
