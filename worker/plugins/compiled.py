@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch._dynamo
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -90,6 +89,8 @@ class CompiledModel:
     def compile(self) -> CompileReport:
         """Compile and warm up every size, largest first, each captured in a CUDA graph
         on a GPU; a size that runs out of memory is left to run eagerly."""
+        import torch._dynamo  # 1.6 s to import: only where a model is compiled
+
         # Every size may be compiled on its own if the model pins the batch size.
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(self._sizes) + 1)
@@ -126,6 +127,8 @@ class CompiledModel:
     def _compile_size(self, size: int, pool: _POOL_HANDLE | None, *, first: bool) -> None:
         static = self._inputs[:size]
         if first:  # one compiled graph for every batch size, not one each
+            import torch._dynamo
+
             torch._dynamo.maybe_mark_dynamic(static, 0)
         with torch.inference_mode(), _compiler_warnings_ignored():
             self._compiled(static)
