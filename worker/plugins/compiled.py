@@ -89,11 +89,10 @@ class CompiledModel:
     def compile(self) -> CompileReport:
         """Compile and warm up every size, largest first, each captured in a CUDA graph
         on a GPU; a size that runs out of memory is left to run eagerly."""
-        import torch._dynamo  # 1.6 s to import: only where a model is compiled
+        import torch._dynamo as dynamo  # 1.6 s to import: only where a model is compiled
 
         # Every size may be compiled on its own if the model pins the batch size.
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, len(self._sizes) + 1)
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, len(self._sizes) + 1)
         started = time.perf_counter()
         out_of_memory = []
         pool = torch.cuda.graph_pool_handle() if self._device.type == "cuda" else None
@@ -127,9 +126,9 @@ class CompiledModel:
     def _compile_size(self, size: int, pool: _POOL_HANDLE | None, *, first: bool) -> None:
         static = self._inputs[:size]
         if first:  # one compiled graph for every batch size, not one each
-            import torch._dynamo
+            import torch._dynamo as dynamo
 
-            torch._dynamo.maybe_mark_dynamic(static, 0)
+            dynamo.maybe_mark_dynamic(static, 0)
         with torch.inference_mode(), _compiler_warnings_ignored():
             self._compiled(static)
             if self._device.type != "cuda":
