@@ -427,7 +427,10 @@ def test_a_shard_not_of_tars_is_not_kept_in_the_room_for_copying_ahead(tmp_path:
     tars = [f"s3://bkt/tars/{number}.tar" for number in range(2)]
     for uri in tars:
         blobs.objects[uri] = tar_of([(f"{n}.png", blobs.objects[i]) for n, i in enumerate(images)])
-    settings = draining_settings(tmp_path, model=SLOW_MODEL, batch_size=1, prefetch_batches=1)
+    # Full with the ten members of one tar shard: a batch of one, and two fetches.
+    settings = draining_settings(
+        tmp_path, model=SLOW_MODEL, batch_size=1, prefetch_batches=1, fetch_concurrency=2
+    )
     source.send(json.dumps({"inputs": images[:1], "output": "s3://bkt/out/probe/"}))
     Daemon(settings, source, blobs).run()  # for the worker's model identity
     model = json.loads(blobs.objects["s3://bkt/out/probe/job.json"])["model"]

@@ -154,7 +154,9 @@ class Settings(BaseSettings):
         le=512,
         description="Parallel S3 downloads, split among the --preprocess-workers processes "
         "where they fetch (each fetches as many at once, and so does each process added "
-        "beyond them); finished jobs are uploaded as many at a time.",
+        "beyond them); finished jobs are uploaded as many at a time (32 at most). "
+        "A daemon receives more jobs while fewer items than this and --prefetch-batches "
+        "batches are waiting ahead of the model.",
     )
     fetch_in: Literal["auto", "preprocess", "threads"] = Field(
         default="auto",
@@ -181,8 +183,8 @@ class Settings(BaseSettings):
     prefetch_batches: int = Field(
         default=4,
         ge=1,
-        description="Receive more messages only while fewer than this many batches of items "
-        "are waiting ahead of inference.",
+        description="Receive more messages only while fewer than this many batches of items, "
+        "and --fetch-concurrency more (those being fetched), are waiting ahead of inference.",
     )
     max_items_per_job: int = Field(
         default=100_000_000,

@@ -41,7 +41,7 @@ def test_a_spot_notice_finishes_what_can_finish_and_hands_back_the_rest(
     group = f"{stack.bucket}-workers"
     instance_id = aws.auto_scaling_group(group)
     uris = list(upload_samples(aws.s3, stack.bucket, 72, seed=17))
-    send_jobs(aws, stack, {"short": uris[:2], "long": uris[2:]})
+    send_jobs(aws, stack, {"short": uris[:2]})
     fake = FakeImds(instance_id, group)
     with fake.serving() as imds_url:
         daemon = start_daemon(
@@ -60,6 +60,10 @@ def test_a_spot_notice_finishes_what_can_finish_and_hands_back_the_rest(
             ),
             env=ec2_env(aws, imds_url, SLOW_MODEL_SECONDS_PER_BATCH="0.25"),
         )
+        # The long job after the short one is in: each message is admitted apart, and
+        # one admitted first is fed first.
+        daemon.wait_for("job_received")
+        send_jobs(aws, stack, {"long": uris[2:]})
         daemon.wait_for("job_received", 2)
         daemon.wait_for("scale_in_protection_set")
         # The long job needs 70 x 0.25 s; the short one at most the batches fed before

@@ -66,8 +66,8 @@ SPARE_WHILE_FULL_DELAY_S = 10
 # Inputs read, while a job is admitted, between two beats of the clock of progress: a
 # page of a listing.
 LISTED_A_BEAT = 1000
-# How long the next receive waits for the admissions of the one before (what they
-# bring decides its room) before it goes on without a slow one.
+# How long a lane that may bring shards waits for a shard being admitted (what it brings
+# decides the lane's room) before it goes on without a slow one.
 ADMISSION_PATIENCE_S = 1.0
 # Messages admitted at once: reading their listings and outputs, planning them, copying
 # their tars. The intake receives no more while this many are.
@@ -143,17 +143,20 @@ class Intake:
         self._admitting_pool = ThreadPoolExecutor(MAX_ADMITTING, "admit")
         self._claim_lock = threading.Lock()
         self._admitting = 0
-        self._tar_shard_claimed: str | None = None
-        self._tar_shard_claimed_at = 0.0  # `time.monotonic()`
+        self._shard_turn = threading.Condition(self._claim_lock)
+        self._shard_claimed: str | None = None  # the job key of the shard being admitted
+        self._shard_claimed_at = 0.0  # `time.monotonic()`
         self._copy_ahead_after = 0.0  # `time.monotonic()`: no copying ahead before
         # Two progress intervals: a running delivery of a replaced message has seen the
         # mark and stopped by then (`_handed_over`).
         self._defer_s = min(
             SQS_MAX_DELAY_S, math.ceil(2 * settings.progress_interval_seconds + CLOCK_SKEW_S)
         )
-        # Enough items for the first model's next few batches.
+        # Enough items for the first model's next few batches, and for the fetches in
+        # flight before them: with fewer, the fetches in flight are fewer than asked for
+        # (a held item being fetched is not yet waiting for the model).
         first_batch = settings.pipeline_spec().models[0].batch_size
-        self._prefetch_items = settings.prefetch_batches * first_batch
+        self._prefetch_items = settings.prefetch_batches * first_batch + settings.fetch_concurrency
 
     def room(self) -> int:
         """How many messages may be received now: none while enough work is waiting (but
@@ -161,6 +164,8 @@ class Intake:
         held is fed whole); one at a time while a shard is held (the queue holds a
         planned job's shards: one may be more work than the prefetch, and the rest of
         the fleet is to share them)."""
+        if self._shard_being_admitted():
+            return 0
         if self._full():
             return self._one_if(self._copy_ahead() and self._ledger.seat_free())
         return self._one_if(True) if self._ledger.shards_held() else self._free()
@@ -176,7 +181,19 @@ class Intake:
         """How many messages the shards lane may bring now: one, while there is room.
         What it holds are shards and their watches: one is as much as a daemon is to
         take of a planned job, where ten taken at once are nine handed back."""
+        if self._shard_being_admitted():
+            return 0
         return self._one_if(not self._full() or self._copy_ahead())
+
+    def _shard_being_admitted(self) -> bool:
+        """Whether a shard is being admitted here, for a short while yet: how much work
+        it is, and whether the next is to be held beside it, are known once it is, so
+        the lane a shard may come by waits (a receive brought several shards at once,
+        each but the first handed back at once, and taken again at once); a shard whose
+        tars take long to copy holds up nothing."""
+        with self._claim_lock:
+            claimed = self._shard_claimed is not None
+            return claimed and time.monotonic() - self._shard_claimed_at < ADMISSION_PATIENCE_S
 
     def _free(self) -> int:
         """As many messages as one receive brings, within `--max-jobs` held and
@@ -233,7 +250,10 @@ class Intake:
         thread of its own (`_admission`): one that takes long (a prefix of millions of
         objects to plan, tars to copy) holds up neither the others nor the next receive."""
         while not self._stopping.is_set():
-            self._ledger.wait_until(lambda: room() > 0 or self._stopping.is_set())
+            # Looked at again as a shard's claim grows old (`_shard_being_admitted`).
+            self._ledger.wait_until(
+                lambda: room() > 0 or self._stopping.is_set(), ADMISSION_PATIENCE_S
+            )
             if self._stopping.is_set():
                 return
             idle = not len(self._ledger)
@@ -250,12 +270,10 @@ class Intake:
                     self._stopping.wait(SHORT_POLL_PAUSE_S)
                 continue
             self._drained_readings = 0
-            received = [job for message in messages if (job := self._hold(message))]
-            for job in received:
-                self._admit_apart(job)
-            # The room the next receive has depends on what these bring (a shard takes
-            # it all): it waits for them, but not for long, not for a slow one.
-            self._ledger.wait_until(_past_admission(received), ADMISSION_PATIENCE_S)
+            for message in messages:
+                job = self._hold(message)
+                if job is not None:
+                    self._admit_apart(job)
 
     def _admit_apart(self, job: Job) -> None:
         """Have the job admitted on a thread of the admitting pool; handed over if the
@@ -293,8 +311,9 @@ class Intake:
         """An admission ended: the room it held is free again."""
         with self._claim_lock:
             self._admitting -= 1
-            if self._tar_shard_claimed == job.key:
-                self._tar_shard_claimed = None
+            if self._shard_claimed == job.key:
+                self._shard_claimed = None
+                self._shard_turn.notify_all()
         self._ledger.wake()
 
     def close(self) -> None:
@@ -311,25 +330,31 @@ class Intake:
         copying_ahead = self._full() and self._copy_ahead()
         if copying_ahead:
             self._copy_ahead_after = time.monotonic() + SPARE_WHILE_FULL_DELAY_S
-        # Another shard's tars are being copied, for longer than the receives wait for
-        # an admission: until it ends this one would come back at every receive.
-        copying = (
-            self._tar_shard_claimed not in (None, job.key)
-            and time.monotonic() - self._tar_shard_claimed_at > ADMISSION_PATIENCE_S
+        # Another shard is being admitted here (its tars copied), for longer than the
+        # lane waits for it: until it is admitted this one would come back at every
+        # receive.
+        admitting = (
+            self._shard_claimed not in (None, job.key)
+            and time.monotonic() - self._shard_claimed_at >= ADMISSION_PATIENCE_S
         )
-        waits = on_jobs_lane or copying_ahead or copying
+        waits = on_jobs_lane or copying_ahead or admitting
+
         delay_s = SPARE_WHILE_FULL_DELAY_S if waits else 0
         self._outcomes.hand_over(job, SPARE_SHARD, delay_s, runs_may_overlap=True)
 
-    def _claim_tar_shard(self, job: Job) -> bool:
-        """Whether to copy a tar shard's tars and hold it: not while full of shards, and
-        one at a time (its members, how much work it is, are known only once its tars
-        are copied); the others are handed back unread."""
-        with self._claim_lock:
-            if self._tar_shard_claimed is not None or self._full_of_shards(tar=True):
+    def _claim_shard(self, job: Job, *, tar: bool) -> bool:
+        """Whether to admit a shard (of tars, `tar`) and hold it: not while full of
+        shards, and one at a time, as how much work one is is known once it is
+        admitted. A shard not of tars waits a while for the one being admitted (it
+        takes a listing or two); one of tars is handed back unread at once (its tars
+        are copied first, which may take minutes)."""
+        with self._shard_turn:
+            if not tar:
+                self._shard_turn.wait_for(lambda: self._shard_claimed is None, ADMISSION_PATIENCE_S)
+            if self._shard_claimed is not None or self._full_of_shards(tar=tar):
                 return False
-            self._tar_shard_claimed = job.key
-            self._tar_shard_claimed_at = time.monotonic()
+            self._shard_claimed = job.key
+            self._shard_claimed_at = time.monotonic()
             return True
 
     def _receive(
@@ -560,7 +585,7 @@ class Intake:
             if self._outcomes.ack(job) and merged is not None:
                 self._announce(merged, job.message.message_id)
             return None
-        if plan.tar is not None and not self._claim_tar_shard(job):
+        if not self._claim_shard(job, tar=plan.tar is not None):
             self._hand_back_spare(job)
             return None  # before its tars are copied
         span = plan.range(spec.shard.index)
@@ -660,11 +685,6 @@ def _split(listed: list[Input], with_ids: bool) -> _Listed:
 def _with_ids(spec: JobMessage) -> bool:
     """Whether the job's inputs have ids (its table's id column)."""
     return spec.table is not None and spec.table.id_column is not None
-
-
-def _past_admission(jobs: list[Job]) -> Callable[[], bool]:
-    """Whether every one of `jobs` is admitted or settled."""
-    return lambda: all(job.state is not JobState.RECEIVED for job in jobs)
 
 
 def _check_breakages(message: ReceivedMessage) -> None:
