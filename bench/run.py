@@ -490,7 +490,7 @@ def main(out: Path, quick: bool, only: list[str] | None = None) -> int:
                 work_dir, 200_000 if quick else 1_000_000
             ),
             "host_ceiling": lambda: host_ceiling(work_dir, 5000 if quick else 20000),
-            "gpu_shaped": lambda: gpu_shaped(work_dir, 10_000 if quick else 20_000, runs),
+            "gpu_shaped": lambda: gpu_shaped(work_dir, 10_000 if quick else 20_000, runs, out),
             # Quick too: 5,000 items are over in a quarter second, of which the first
             # requests, sized before a child's pace is known, and the last jobs' writes
             # are a tenth (19,300 items/s there, where 20,000 give 20,700-23,000).

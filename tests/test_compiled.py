@@ -92,13 +92,9 @@ def test_the_compiled_model_answers_as_the_eager_one_in_bfloat16(device: str) ->
         assert labels == [top_k(row, {})["label"] for row in plain]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker/daemon/stages.py does not yet pass settings.compile to inference_setup",
-)
 def test_compile_reaches_the_model_and_model_ready_says_how_long_it_took(tmp_path: Path) -> None:
     """`--compile`: the daemon's model is compiled before the first receive, and
-    model_ready's warm-up says so and how long compiling took."""
+    model_ready's warm-up and job.json's worker say so and how long compiling took."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     send_job(source, "one", sample_images(blobs, 2))
     settings = draining_settings(tmp_path, model=ROW_MEANS, batch_size=2, compile=True)
@@ -107,3 +103,6 @@ def test_compile_reaches_the_model_and_model_ready_says_how_long_it_took(tmp_pat
     ready = next(event for event in logs if event["event"] == "model_ready")
     assert ready["warm_up"]["compiled"] is True and ready["warm_up"]["compile_s"] > 0
     assert len(job_file(blobs, "one", "results.jsonl")) == 2
+    worker = job_file(blobs, "one", "job.json")["worker"]
+    assert worker["compile_s"] == round(ready["warm_up"]["compile_s"], 3) > 0
+    assert worker["warm_up_s"] >= worker["compile_s"]

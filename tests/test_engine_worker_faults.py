@@ -181,7 +181,7 @@ def test_a_stopped_childs_writer_ends_before_its_pipe_is_closed(
     child = ChildProcess("echo-0", lambda: plan, None, threading.Event())
     child.start()
     writer = next(t for t in threading.enumerate() if t.name == "echo-0-writer")
-    child.send([(None, "x", ())])
+    child.send([(None, "x", (), 0)])
     assert child.receive(5).outcomes == ["x"]
     child.stop(graceful=False)
     assert not writer.is_alive()
@@ -408,6 +408,8 @@ def test_inputs_over_the_size_limit_are_their_own_errors_whatever_was_fetched_be
     assert [(r.error.type, r.error.transient) for r in huge if r.error] == [
         ("ObjectTooLarge", False)
     ] * 4
+    # Answered as each is fetched, in either order.
+    mixed.sort(key=lambda result: result.index)
     assert [(r.error.type, r.error.transient) for r in mixed if r.error] == [
         ("ObjectTooLarge", False),
         ("PermissionError", True),

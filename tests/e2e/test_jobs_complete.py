@@ -131,7 +131,8 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
     assert "not UTF-8 JSON" in dead[0]["MessageAttributes"]["reason"]["StringValue"]
     trace = json.loads((tmp_path / "timeline" / "timeline.json").read_text())
     calls = [event for event in trace["traceEvents"] if event["ph"] == "X"]
-    assert {event["name"] for event in calls} == {"fetch", "preprocess", "inference"}
+    # The stages, and the garbage collector's pauses of the daemon, if it paused.
+    assert {event["name"] for event in calls} - {"gc"} == {"fetch", "preprocess", "inference"}
     # Inputs are fetched in the preprocessing processes: their drivers report it.
     lanes = {
         event["tid"]: event["args"]["name"]

@@ -25,6 +25,7 @@ class RecordingObserver:
         self.broken: list[str] = []
         self.suspects: list[frozenset[str] | None] = []
         self.workers: list[tuple[str, int]] = []
+        self.counts: dict[tuple[str, str], int] = {}
 
     def stage_ran(self, stage: str, items: Sequence[Item], duration_s: float, events: Any) -> None:
         self.calls.append((stage, len(items)))
@@ -39,6 +40,10 @@ class RecordingObserver:
 
     def workers_changed(self, stage: str, workers: int, reason: str) -> None:
         self.workers.append((stage, workers))
+
+    def stage_counted(self, stage: str, counts: Any) -> None:
+        for name, count in counts.items():
+            self.counts[(stage, name)] = self.counts.get((stage, name), 0) + count
 
 
 def run_items(pipeline: Pipeline, items: list[Item]) -> list[Item]:

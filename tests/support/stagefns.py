@@ -271,6 +271,27 @@ def fetching_writer(slow_fetch_s: float) -> StageFunction:
     return StageFunction(write, prepare=fetch)
 
 
+def hedgeable_fetcher(slow_s: float) -> StageFunction:
+    """Fetches `name` into `fetched:name` in a millisecond, but the first fetch of a
+    `slow-` name takes `slow_s` (a GET in the store's tail: one made again answers at
+    once); then writes as `fetching_writer` does."""
+    fetched_before: set[str] = set()
+    lock = threading.Lock()
+
+    def fetch(value: str) -> str:
+        with lock:
+            first = value not in fetched_before
+            fetched_before.add(value)
+        time.sleep(slow_s if first and value.startswith("slow-") else 0.001)
+        return f"fetched:{value}"
+
+    def write(value: str, out: torch.Tensor) -> str:
+        out.fill_(7)
+        return value
+
+    return StageFunction(write, prepare=fetch)
+
+
 def local_fetching_writer() -> StageFunction:
     """`fetching_writer` whose values that start `local:` are at hand; each output says
     which thread of the child fetched it."""

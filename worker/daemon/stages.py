@@ -16,7 +16,6 @@ import structlog
 
 from worker.engine import (
     PIPELINED_BATCHES,
-    PIPELINED_PREPARING,
     Pipeline,
     PrepareStep,
     ProcessStage,
@@ -36,6 +35,14 @@ from worker.settings import Settings
 
 log = structlog.get_logger()
 
+
+# Reads hedged at once, at most, a share of those in flight: one in twenty is hedged.
+HEDGED_SHARE = 4
+
+# The preprocessing processes run at a lower priority than the daemon and the models'
+# processes: they are many, and with the host's cores all busy with them, the model's
+# process, which has the device wait while it waits for a core, came last.
+PREPROCESS_NICENESS = 10
 
 # A preprocessing request holds what a process gets through in about this long, from a
 # request's arrival to its answer, up to a model's batch: a tar's members, read from this
@@ -57,15 +64,15 @@ def build_pipeline(
     fan_out = spec.fan_out
     # Enough decoded images, for each process of the model that reads them, for the
     # batch being inferred and the next two being assembled, and two in the hands of
-    # each worker that writes or (a fan-out) still reads them; for the inputs that
-    # the floor's preprocessing processes fetch ahead, several requests each (larger
-    # requests, of cheap items, wait for slots as they come free); and a batch that
-    # background work leaves to urgent items (`Pipeline.background_room`).
+    # each worker that writes or (a fan-out) still reads them; for the inputs the
+    # preprocessing processes hold, what they fetch at once and as many again, waiting
+    # for a thread (larger requests, of cheap items, take slots as they come free); and
+    # a batch that background work leaves to urgent items (`Pipeline.background_room`).
     image_arena = TensorArena(
         images,
         3 * first.batch_size * len(_devices(first, settings))
         + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0))
-        + PIPELINED_PREPARING * settings.fetch_concurrency
+        + 2 * settings.fetch_concurrency
         + first.batch_size,
     )
     reader = _remote_reader(settings, blobs)
@@ -103,10 +110,14 @@ def build_pipeline(
             batch_size=per_process,
             request_s=PREPROCESS_REQUEST_S,
             max_request_items=first.batch_size,
+            niceness=PREPROCESS_NICENESS,
             timeout_s=settings.preprocess_timeout_seconds,
             setup_timeout_s=settings.setup_timeout_seconds,
             writes=image_arena,
-            prepare=PrepareStep("fetch", reader.longest_s) if reader else None,
+            # A read slower than the store's 95th percentile is made again (`TailLatency`).
+            prepare=PrepareStep("fetch", reader.longest_s, hedges=hedged_reads(per_process))
+            if reader
+            else None,
             imports=reader.imports if reader else (),
         ),
         _model_stage(
@@ -162,8 +173,14 @@ def open_fetch(
     open_reader: Callable[[int], ObjectReader], connections: int, max_bytes: int
 ) -> Callable[[str | LocalPart], bytes]:
     """A preprocessing process's fetcher, with a reader of its own for `connections`
-    reads at once."""
-    return fetcher(open_reader(connections), max_bytes)
+    reads at once (and those the hedges of the slowest add, `hedged_reads`)."""
+    return fetcher(open_reader(connections + hedged_reads(connections)), max_bytes)
+
+
+def hedged_reads(connections: int) -> int:
+    """Reads hedged at once, at most, beside `connections` (about one in twenty is: a
+    store slow for every read is not asked for each twice)."""
+    return max(2, connections // HEDGED_SHARE)
 
 
 def on_this_machine(source: str | LocalPart) -> bool:
@@ -232,6 +249,7 @@ def _model_stage(
                 model_version=step.version,
                 postprocess=postprocess,
                 decoder=decoder,
+                compile=settings.compile,
             )
             for device in _devices(step, settings)
         ],

@@ -60,6 +60,7 @@ from worker.plugins.loading import load_postprocessor
 from worker.ports import SQS_MAX_DELAY_S, BlobStore, JobSource, NoticeSource, ScaleInGuard
 from worker.settings import Settings
 from worker.telemetry.metrics import Metrics, serving
+from worker.telemetry.pauses import started_heap_frozen
 from worker.telemetry.progress import Progress
 from worker.telemetry.timeline import Timeline, TimelineWriter
 
@@ -72,6 +73,16 @@ TIMELINE_KEEP = 100_000
 # A healthy daemon moves something at least every batch, or replaces a hung worker.
 STALL_MARGIN_S = 60.0
 WATCHDOG_INTERVAL_S = 5.0
+
+
+# Jobs whose outputs are written at once, at most: each a few writes one after another,
+# so 32 finish several hundred jobs a second, where a thread for each of 512 fetches in
+# flight only made the daemon's one interpreter switch between them.
+MAX_FINISHERS = 32
+
+
+def _finishers(settings: Settings) -> int:
+    return min(settings.fetch_concurrency, MAX_FINISHERS)
 
 
 class Daemon:
@@ -118,12 +129,14 @@ class Daemon:
         self._shutdown = shutdown = Shutdown(
             ledger, metrics, settings.grace_seconds, settings.interruption_margin_seconds
         )
-        self._timeline_writer = None
         if settings.timeline_dir:
             timeline = timeline or Timeline(keep=TIMELINE_KEEP)
-            self._timeline_writer = TimelineWriter(
-                timeline, settings.timeline_dir, TIMELINE_EVERY_S
-            )
+        self._timeline = timeline
+        self._timeline_writer = (
+            TimelineWriter(timeline, settings.timeline_dir, TIMELINE_EVERY_S)
+            if settings.timeline_dir and timeline is not None
+            else None
+        )
         self._spec = spec = settings.pipeline_spec()
         observer = JobObserver(
             ledger,
@@ -135,7 +148,12 @@ class Daemon:
         )
         self._pipeline = build_pipeline(spec, settings, blobs, observer)
         ledger.bound_background(self._pipeline.background_room())
-        worker_info = {"host": socket.gethostname(), "pid": os.getpid(), "version": __version__}
+        # job.json's `worker`; its models' warm-up (and compile) times are added once known.
+        self._worker_info = worker_info = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "version": __version__,
+        }
         shards = Shards(
             blobs,
             source,
@@ -248,7 +266,7 @@ class Daemon:
                 postprocess if spec.fan_out else None,
                 shutdown.broken,
             ).run,
-            **{f"finisher-{n}": finisher.run for n in range(settings.fetch_concurrency)},
+            **{f"finisher-{n}": finisher.run for n in range(_finishers(settings))},
             "lease-keeper": self._leases.run,
             "progress": self._reporter.run,
             "checkpointer": self._checkpointer.run,
@@ -283,6 +301,8 @@ class Daemon:
             running.callback(self._arrays.close)
             self._pipeline.start()
             self._model_ready()
+            # What is here now lives as long as the daemon: no collection walks it again.
+            running.enter_context(started_heap_frozen(self._paused))
             if self._interruptions:  # a restarted daemon takes no work on a doomed machine
                 self._interruptions.check()
             for name, unit in self._units.items():
@@ -298,6 +318,12 @@ class Daemon:
                 take_out_of_service(self._breakages, self._guard, self._metrics)
         log.info("daemon_stopped", reason=reason.value, exit_code=reason.code)
         return reason
+
+    def _paused(self, generation: int, seconds: float) -> None:
+        """A garbage collection stopped every thread for `seconds`."""
+        self._metrics.gc_paused(generation, seconds)
+        if self._timeline is not None:
+            self._timeline.record("gc", 0, seconds)
 
     def health_problem(self) -> str | None:
         """Why the daemon is not serving (starting, broken, a stage down, stalled), or None."""
@@ -318,6 +344,10 @@ class Daemon:
             about = self._pipeline.about(name)
             models.append(ModelIdentity(**about["model"]))
             log.info("model_ready", **about["model"], warm_up=about["warm_up"])
+            # job.json says how long this worker took to be ready (a chain: its models').
+            for field, took_s in (("warm_up_s", "seconds"), ("compile_s", "compile_s")):
+                earlier_s = self._worker_info.get(field, 0.0)
+                self._worker_info[field] = round(earlier_s + about["warm_up"].get(took_s, 0.0), 3)
             # From the model's process, where its postprocessor runs (not a chain's).
             if "fields" in about:
                 self._arrays.layouts = about["arrays"]

@@ -62,7 +62,6 @@ from worker.engine.process_stage import (
     MAX_ITEM_ATTEMPTS,
     OOM_COOLDOWN_S,
     PIPELINED_BATCHES,
-    PIPELINED_PREPARING,
     ProcessStage,
 )
 from worker.engine.scaler import WorkerScaler
@@ -73,7 +72,6 @@ __all__ = [
     "MAX_ITEM_ATTEMPTS",
     "OOM_COOLDOWN_S",
     "PIPELINED_BATCHES",
-    "PIPELINED_PREPARING",
     "PROBE",
     "BatchGatherer",
     "Channel",

@@ -48,6 +48,10 @@ class TensorArena:
         """`count` free slots if there are that many now, else None (none taken)."""
         return self._free.take_now(count)
 
+    def acquire_now(self, most: int) -> list[int]:
+        """Up to `most` slots, those free now: never waits."""
+        return self._free.take_up_to(most)
+
     def release(self, slots: Iterable[int]) -> None:
         """Give slots back once their reader is done with them."""
         self._free.put_all(slots)

@@ -6,6 +6,10 @@ which is the one way threads of the engine learn that the pipeline is stopping.
 
 Entries that `ahead` picks out are taken before the others, in the order they came: an
 urgent item passes the background work queued before it at every stage.
+
+A batch waits for company counting from when its oldest entry came in, not from when a
+reader asked (as Triton's dynamic batcher does): entries that waited while the device
+ran the batch before go at once, and one that just came waits at most as long.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class Channel(Generic[T]):
         self._ahead = ahead
         self._first: deque[T] = deque()  # the entries `ahead` picked out
         self._entries: deque[T] = deque()
+        # When each entry came in (`time.monotonic()`), beside it.
+        self._first_at: deque[float] = deque()
+        self._entries_at: deque[float] = deque()
         self._closed = False
         self._taking = 0  # readers waiting in `take`
         self._lock = threading.Lock()
@@ -55,6 +62,7 @@ class Channel(Generic[T]):
         """Append `entries` in order, each once there is room for it, under one lock
         while there is (a batch handed on at once); raises `Closed` once closed."""
         added = 0
+        now = time.monotonic()
         with self._not_full:
             for entry in entries:
                 while self._held() >= self._capacity and not self._closed:
@@ -65,6 +73,7 @@ class Channel(Generic[T]):
                     raise Closed
                 ahead = self._ahead is not None and self._ahead(entry)
                 (self._first if ahead else self._entries).append(entry)
+                (self._first_at if ahead else self._entries_at).append(now)
                 added += 1
             self._wake_readers(added)
 
@@ -85,16 +94,19 @@ class Channel(Generic[T]):
     ) -> list[T]:
         """Take 1 to `max_entries` entries.
 
-        Waits as long as needed for the first entry, then at most `max_wait_s` more for
-        the batch to fill, so a lone item is not held back waiting for company. Returns
-        nothing if `unless()` holds while it waits for the first (checked on `wake`).
+        Waits as long as needed for the first entry, then for the batch to fill until
+        the oldest entry has waited `max_wait_s`, so a lone item is not held back waiting
+        for company, and entries that waited already go at once. Returns nothing if
+        `unless()` holds while it waits for the first (checked on `wake`).
         """
         with self._not_empty:
             while not self._held() and not self._closed:
                 if unless is not None and unless():
                     return []
                 self._not_empty.wait()
-            deadline = time.monotonic() + max_wait_s
+            if self._closed:
+                raise Closed
+            deadline = self._oldest_at() + max_wait_s
             while self._held() < max_entries and not self._closed:
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
@@ -126,20 +138,39 @@ class Channel(Generic[T]):
                 self._not_empty.notify()
             return taken
 
-    def take_now(self, count: int) -> list[T] | None:
-        """Take `count` entries if that many are in now, else none: never waits."""
+    def take_now(self, count: int, max_wait_s: float | None = None) -> list[T] | None:
+        """Take `count` entries if that many are in now (or, with `max_wait_s`, as many
+        as are in if the oldest has waited that long), else none: never waits."""
         with self._lock:
             if self._closed:
                 raise Closed
-            if self._held() < count:
+            held = self._held()
+            if held < count and (
+                not held or max_wait_s is None or time.monotonic() - self._oldest_at() < max_wait_s
+            ):
                 return None
-            return self._take(count)
+            return self._take(min(count, held))
+
+    def take_up_to(self, count: int) -> list[T]:
+        """Take up to `count` entries, those in now: never waits."""
+        with self._lock:
+            if self._closed:
+                raise Closed
+            return self._take(min(count, self._held())) if self._held() else []
 
     def _take(self, count: int) -> list[T]:
         """The first `count` entries, those ahead first (the lock held, `count` there)."""
-        taken = [(self._first if self._first else self._entries).popleft() for _ in range(count)]
+        taken = []
+        for _ in range(count):
+            ahead = bool(self._first)
+            taken.append((self._first if ahead else self._entries).popleft())
+            (self._first_at if ahead else self._entries_at).popleft()
         self._not_full.notify(count)
         return taken
+
+    def _oldest_at(self) -> float:
+        """When the oldest entry held came in (the lock held, one there)."""
+        return min(times[0] for times in (self._first_at, self._entries_at) if times)
 
     def wake(self) -> None:
         """Have every reader waiting for an entry check its `unless` again."""
@@ -150,7 +181,7 @@ class Channel(Generic[T]):
         """Wake every waiter with `Closed`; entries still inside are dropped."""
         with self._lock:
             self._closed = True
-            self._first.clear()
-            self._entries.clear()
+            for entries in (self._first, self._entries, self._first_at, self._entries_at):
+                entries.clear()
             self._not_empty.notify_all()
             self._not_full.notify_all()

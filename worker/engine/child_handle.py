@@ -58,6 +58,9 @@ class WorkerLost(Exception):
     # Killed by the kernel's OOM killer: the host ran out of memory, whichever process
     # it chose to kill.
     out_of_memory = False
+    # The items it was running when it was lost, where it was running some of those it
+    # held (a stage that answers items as they are prepared); None: all it held.
+    working_on: list[Any] | None = None
 
 
 class WorkerDied(WorkerLost):

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import heapq
 import os
 import queue
 import signal
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -22,6 +25,7 @@ import structlog
 import torch
 
 from worker.engine.arena import BatchGatherer
+from worker.engine.hedging import TailLatency
 from worker.engine.items import (
     ItemError,
     PrepareStep,
@@ -36,6 +40,7 @@ from worker.engine.wire import (
     Prepared,
     PreparedAtOnce,
     Ready,
+    ReadyItem,
     Received,
     Reply,
     SetupFailed,
@@ -44,6 +49,15 @@ from worker.engine.wire import (
 from worker.errors import ObjectTooLarge, TransientError
 
 log = structlog.get_logger()
+
+# After an item is prepared, the child waits this long at most for others being prepared
+# to answer with it: one message to the daemon for several items, for an item's wait of
+# a few milliseconds where its read took tens.
+GROUP_WAIT_S = 0.05
+# Items a group waits for at most (`GROUP_WAIT_S`); those prepared already go with it,
+# up to `GROUP_MOST` (a tar's members, read from this machine's disk, hundreds at once).
+GROUP_ITEMS = 16
+GROUP_MOST = 256
 
 
 def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
@@ -54,6 +68,8 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_when_closed, args=(lifeline,), daemon=True).start()
+    if plan.niceness:
+        os.nice(plan.niceness)
     logs = _LogCapture()
     try:
         made = plan.setup()
@@ -71,8 +87,6 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
         )
         stage_fn = replace(stage_fn, probe=probe)
     gatherer = BatchGatherer(plan.reads) if plan.mode == "read" and plan.reads is not None else None
-    threads = ThreadPoolExecutor(plan.prepare_threads) if stage_fn.prepare else None
-    requests: queue.SimpleQueue[Received] = queue.SimpleQueue()
     finishing = ThreadPoolExecutor(1, "finish") if stage_fn.finish else None
 
     def send(message: Any, values: Sequence[Any] | None = None) -> bool:
@@ -85,44 +99,253 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
         )
         return True
 
+    # Its modules and its model live as long as it does: frozen, no collection walks
+    # them again (a full one paused the child for tens of milliseconds).
+    gc.collect()
+    gc.freeze()
     conn.send(Ready(os.getpid(), stage_fn.about))
-    threading.Thread(
-        target=_read_requests, args=(conn, requests, stage_fn, threads), daemon=True
-    ).start()
+    run = functools.partial(_run_request, stage_fn, plan, gatherer, known_good=known_good)
+    if stage_fn.prepare is None:
+        requests: queue.SimpleQueue[Received] = queue.SimpleQueue()
+        threading.Thread(target=_read_requests, args=(conn, requests), daemon=True).start()
+        _serve_in_order(requests, run, send, stage_fn, logs)
+    else:
+        ready: queue.SimpleQueue[ReadyItem | Any] = queue.SimpleQueue()
+        threads = ThreadPoolExecutor(plan.prepare_threads)
+        preparing = _Preparing(stage_fn, threads, ready, plan.prepare.hedges if plan.prepare else 0)
+        threading.Thread(target=preparing.read, args=(conn,), daemon=True).start()
+        _serve_as_prepared(
+            preparing, run, send, stage_fn=stage_fn, plan=plan, known_good=known_good, logs=logs
+        )
+
+
+def _serve_in_order(
+    requests: queue.SimpleQueue[Received],
+    run: Callable[..., Reply],
+    send: Callable[..., bool],
+    stage_fn: StageFunction,
+    logs: _LogCapture,
+) -> None:
+    """Answer each request in the order it came, until told to stop."""
     while True:
-        request, preparations, started = requests.get()
+        request, started = requests.get()
         if request is None:  # told to stop, or the daemon is gone
             return
-        values = None
         if request == PROBE:
-            answer: Any = _probe(stage_fn.probe)
-        else:
-            logs.events.clear()
-            failed: dict[int, ItemError] = {}
-            judged: _Judged | None = None
-            if preparations is not None:
-                assert plan.prepare is not None and stage_fn.prepare is not None
-                unprepared = [task.value for task in request]
-                request, failed = _prepared(request, preparations, plan.prepare)
-                judged = _judged(failed, unprepared, known_good, stage_fn.prepare, plan.prepare)
-                failed = judged.failed
-                if not send(Prepared(time.perf_counter() - started)):
-                    return
-            answer = _run_request(
-                stage_fn,
-                plan,
-                gatherer,
-                request,
-                failed=failed,
-                known_good=known_good,
-                arrived=started,
-            )
-            answer = answer._replace(events=list(logs.events))
-            if judged is not None:
-                answer = answer._replace(fault=answer.fault or judged.fault, untold=judged.untold)
-            values = [task.value for task in request]
-        if not send(answer, values):
+            if not send(_probe(stage_fn.probe)):
+                return
+            continue
+        logs.events.clear()
+        answer = run(request, failed={}, arrived=started)
+        answer = answer._replace(events=list(logs.events))
+        if not send(answer, [task.value for task in request]):
             return
+
+
+def _serve_as_prepared(
+    preparing: _Preparing,
+    run: Callable[..., Reply],
+    send: Callable[..., bool],
+    *,
+    stage_fn: StageFunction,
+    plan: ChildPlan,
+    known_good: KnownGood,
+    logs: _LogCapture,
+) -> None:
+    """Answer items as their preparation ends, in groups of those prepared by then (a
+    request's items are not held for the slowest of them), until told to stop."""
+    assert plan.prepare is not None and stage_fn.prepare is not None
+    while True:
+        group, marker = preparing.next_group()
+        if group:
+            tasks = [entry.task for entry in group]
+            arrived = min(entry.arrived for entry in group)
+            logs.events.clear()
+            preparations = [entry.preparation for entry in group]
+            prepared, failed = _prepared(tasks, preparations, plan.prepare)
+            unprepared = [task.value for task in tasks]
+            judged = _judged(failed, unprepared, known_good, stage_fn.prepare, plan.prepare)
+            tags = tuple(task.tag for task in tasks)
+            if not send(Prepared(time.perf_counter() - arrived, tags)):
+                return
+            answer = run(prepared, failed=judged.failed, arrived=arrived)
+            answer = answer._replace(
+                events=list(logs.events),
+                fault=answer.fault or judged.fault,
+                untold=judged.untold,
+                counts=preparing.counts(),
+            )
+            if not send(answer, [task.value for task in prepared]):
+                return
+        if marker is _STOP:
+            return
+        if marker == PROBE and not send(_probe(stage_fn.probe)):
+            return
+
+
+_STOP = object()  # what `_Preparing.next_group` gives for the daemon's word to stop
+
+
+class _Preparing:
+    """A child's items being prepared: its reader starts each item's preparation as its
+    request comes in, and each item is taken, in the order preparations end, in
+    groups (`next_group`). With `hedges`, a preparation still running past the 95th
+    percentile of the latest (`TailLatency`) is started again on a thread kept for it,
+    up to `hedges` at once, and the first to end without an error is the item's."""
+
+    def __init__(
+        self,
+        stage_fn: StageFunction,
+        threads: ThreadPoolExecutor,
+        ready: queue.SimpleQueue[ReadyItem | Any],
+        hedges: int = 0,
+    ):
+        self._stage_fn = stage_fn
+        self._threads = threads
+        self._ready = ready
+        self._lock = threading.Lock()
+        self._outstanding = 0  # items taken in, not yet taken out
+        self._counts = {"calls": 0, "hedged": 0}  # since `counts` was last asked
+        # Hedging: the preparations under way by tag, when each is due a hedge.
+        self._tails = TailLatency()
+        self._running: dict[int, _Running] = {}
+        self._due: list[tuple[float, int]] = []  # a heap
+        self._due_changed = threading.Condition(self._lock)
+        self._hedges = hedges
+        self._hedging_now = 0
+        self._waiting_for_hedge: deque[int] = deque()  # due, while `hedges` were under way
+        if hedges:
+            self._hedging = ThreadPoolExecutor(hedges, "hedge")
+            threading.Thread(target=self._hedge_when_due, daemon=True).start()
+
+    def read(self, conn: Connection) -> None:
+        """Take requests off the pipe as they come, and start preparing their items at
+        once: a slow read holds up nothing but its own item."""
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):  # the daemon is gone: nobody is left to answer
+                request = None
+            if not isinstance(request, list):  # the probe, or the word to stop
+                self._ready.put(_STOP if request is None else request)
+                if request is None:
+                    return
+                continue
+            arrived = time.perf_counter()
+            with self._lock:
+                self._outstanding += len(request)
+                self._counts["calls"] += len(request)
+            for wire_task in request:
+                self._start(Task._make(wire_task), arrived)
+
+    def _start(self, task: Task, arrived: float) -> None:
+        preparation = _preparation(self._stage_fn, self._threads, task.value)
+        if isinstance(preparation, PreparedAtOnce):
+            self._ready.put(ReadyItem(task, preparation, arrived))
+            return
+        started = time.perf_counter()
+        with self._lock:
+            self._running[task.tag] = _Running(task, arrived)
+            after_s = self._tails.hedge_after_s() if self._hedges else None
+            if after_s is not None:
+                heapq.heappush(self._due, (started + after_s, task.tag))
+                self._due_changed.notify()
+        preparation.add_done_callback(functools.partial(self._ended, task.tag, started=started))
+
+    def _ended(self, tag: int, preparation: Future[Any], *, started: float | None) -> None:
+        """A preparation of the item `tag` ended (the first one, timed: `started`): the
+        item is ready, unless the other is still running and this one failed, or the
+        other ended first."""
+        if started is not None:
+            self._tails.timed(time.perf_counter() - started)
+        with self._lock:
+            running = self._running.get(tag)
+            if running is None:
+                return
+            running.calls -= 1
+            if running.calls and preparation.exception() is not None:
+                return  # the other may still answer
+            del self._running[tag]
+        self._ready.put(ReadyItem(running.task, preparation, running.arrived))
+
+    def _hedge_when_due(self) -> None:
+        """Start a second preparation of each item due a hedge, while threads are free."""
+        assert self._stage_fn.prepare is not None
+        while True:
+            with self._due_changed:
+                while not self._due or self._due[0][0] > time.perf_counter():
+                    wait_s = self._due[0][0] - time.perf_counter() if self._due else None
+                    self._due_changed.wait(wait_s)
+                _, tag = heapq.heappop(self._due)
+                running = self._running.get(tag)
+                if running is None or running.calls > 1:
+                    continue
+                if self._hedging_now >= self._hedges:  # due again once a hedge ends
+                    self._waiting_for_hedge.append(tag)
+                    continue
+                running.calls += 1
+                self._hedging_now += 1
+                self._counts["hedged"] += 1
+            hedge = self._hedging.submit(self._stage_fn.prepare, running.task.value)
+            hedge.add_done_callback(self._hedge_ended)
+            hedge.add_done_callback(functools.partial(self._ended, tag, started=None))
+
+    def _hedge_ended(self, _: Future[Any]) -> None:
+        with self._lock:
+            self._hedging_now -= 1
+            if self._waiting_for_hedge:
+                heapq.heappush(self._due, (time.perf_counter(), self._waiting_for_hedge.popleft()))
+                self._due_changed.notify()
+
+    def counts(self) -> tuple[tuple[str, int], ...]:
+        """Items prepared, and of those hedged, since this was last asked."""
+        with self._lock:
+            counts, self._counts = self._counts, {"calls": 0, "hedged": 0}
+        return tuple(counts.items())
+
+    def next_group(self) -> tuple[list[ReadyItem], Any]:
+        """Prepared items: the first to be, then those prepared by then (up to
+        `GROUP_MOST`), and while others are still being prepared, those prepared within
+        `GROUP_WAIT_S` after it (up to `GROUP_ITEMS`): several a message to the daemon,
+        whose one process reads every child's. And the probe or the word to stop, if one
+        came meanwhile, which ends the group."""
+        group: list[ReadyItem] = []
+        deadline = 0.0  # set by the first item
+        while len(group) < GROUP_MOST:
+            try:
+                if not group:
+                    entry = self._ready.get()
+                elif len(group) < GROUP_ITEMS and self._outstanding_after(len(group)):
+                    entry = self._ready.get(timeout=max(0.0, deadline - time.perf_counter()))
+                else:
+                    entry = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(entry, ReadyItem):
+                self._taken(len(group))
+                return group, entry
+            if not group:
+                deadline = time.perf_counter() + GROUP_WAIT_S
+            group.append(entry)
+        self._taken(len(group))
+        return group, None
+
+    def _outstanding_after(self, taken: int) -> bool:
+        with self._lock:
+            return self._outstanding > taken
+
+    def _taken(self, count: int) -> None:
+        with self._lock:
+            self._outstanding -= count
+
+
+@dataclass
+class _Running:
+    """An item whose preparation is under way, with how many calls of it are running."""
+
+    task: Task
+    arrived: float
+    calls: int = 1
 
 
 def _finish_and_send(
@@ -170,26 +393,17 @@ def _finished(
     )
 
 
-def _read_requests(
-    conn: Connection,
-    requests: queue.SimpleQueue[Received],
-    stage_fn: StageFunction,
-    threads: ThreadPoolExecutor | None,
-) -> None:
-    """Take requests off the pipe as they come and start preparing each at once, so the
-    inputs of a request are fetched while the one before it still runs (or waits on a
-    slow read): a slow input holds up the replies behind it, not the fetching."""
+def _read_requests(conn: Connection, requests: queue.SimpleQueue[Received]) -> None:
+    """Take requests off the pipe as they come: a child with several queued goes from one
+    to the next without waiting for the daemon."""
     while True:
         try:
             request = conn.recv()
         except (EOFError, OSError):  # the daemon is gone: nobody is left to answer
             request = None
-        preparations, started = None, time.perf_counter()
         if isinstance(request, list):
             request = [Task._make(task) for task in request]
-            if stage_fn.prepare is not None and threads is not None:
-                preparations = [_preparation(stage_fn, threads, task.value) for task in request]
-        requests.put(Received(request, preparations, started))
+        requests.put(Received(request, time.perf_counter()))
         if request is None:
             return
 

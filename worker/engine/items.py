@@ -65,6 +65,10 @@ class PrepareStep:
 
     name: str
     timeout_s: float
+    # With hedges, a call still running past the 95th percentile of the latest is made
+    # again, up to this many at once, and the first answer wins (`TailLatency`): the
+    # step must be safe to run twice on a value (a read).
+    hedges: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,10 @@ class StageObserver(Protocol):
 
     def workers_changed(self, stage: str, workers: int, reason: str) -> None:
         """A process stage grew or shrank to `workers` (`WorkerScaler`)."""
+
+    def stage_counted(self, stage: str, counts: Mapping[str, int]) -> None:
+        """A stage's children did what `counts` counts since they last said (a prepare
+        step's calls, and of those hedged)."""
 
 
 def isolate_failures(

@@ -60,12 +60,6 @@ AHEAD_LEAD = 0.2
 AHEAD_MIN_LEAD_S = 0.02
 
 
-# A stage that prepares (fetches) keeps more requests in each child, which starts
-# preparing each as it arrives: a slow read then holds up the replies behind it, not the
-# fetching of the requests after it.
-PIPELINED_PREPARING = 4
-
-
 WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 
 
@@ -130,6 +124,7 @@ class ProcessStage(Stage):
         oom_cooldown_s: float = OOM_COOLDOWN_S,
         request_s: float | None = None,
         max_request_items: int | None = None,
+        niceness: int = 0,
     ):
         setups = list(setup) if isinstance(setup, Sequence) else None
         if setups is not None:
@@ -149,15 +144,16 @@ class ProcessStage(Stage):
         self.max_parts = max_parts
         self.prepare = prepare
         self.imports = imports
-        self.pipelined = PIPELINED_PREPARING if prepare else PIPELINED_BATCHES
         self.setup_timeout_s = setup_timeout_s
         self.oom_cooldown_s = oom_cooldown_s
         self.request_s = request_s
+        self.niceness = niceness
         self.max_request_items = max(batch_size, max_request_items or batch_size)
         # The latest two requests' (time in a child, items): together they size the
         # next, so that a short request, whose time is mostly its wait behind a long
         # one, does not swing the size of the next.
         self._request_times: deque[tuple[float, int]] = deque(maxlen=2)
+        self._tags = itertools.count()  # name each item sent to a child, in its answer
         self._children: list[ChildProcess] = []
         self._numbers = itertools.count(workers)  # of children added later
         self._busy_s = 0.0  # the children's time on requests, all together
@@ -233,6 +229,7 @@ class ProcessStage(Stage):
             self._lessons.known_good(),
             self.reads.tensor if self.reads else None,
             self.writes.tensor if self.writes else None,
+            self.niceness,
         )
 
     def worker_count(self) -> int:
@@ -281,6 +278,113 @@ class ProcessStage(Stage):
         return self._children[0].about if self._children else {}
 
     def _serve_child(self, child: ChildProcess) -> None:
+        """Feed `child` until the inbox closes: as it answers, items as they are prepared
+        (a stage with a prepare step), or batches in order."""
+        if self.prepare is not None:
+            self._serve_as_prepared(child)
+        else:
+            self._serve_in_order(child)
+
+    def _serve_as_prepared(self, child: ChildProcess) -> None:
+        """Keep `child` holding `_held_target()` items (their inputs fetched at once, each
+        on a thread of its own), and hand on each group it answers, as its items are
+        prepared: no item waits for the slowest of the request it came in, and the
+        fetches in flight stay at the number asked for. New items go to it as answers
+        come back, taking only the arena slots that are free then (its held items'
+        slots go on only as this driver collects them)."""
+        held: dict[int, Item] = {}  # by tag, sent and not yet answered
+        while True:
+            if not held:
+                if child.retiring.is_set():
+                    self._retire(child)
+                    return
+                self._send_held(child, held, self._next_batch(child.retiring.is_set), [])
+                continue
+            if not child.retiring.is_set():
+                self._top_up(child, held)
+            try:
+                group = self._answered(child, held)
+            except WorkerLost as lost:
+                self._recover_held(child, held, lost)
+                continue
+            self._forward(group)
+
+    def _held_target(self) -> int:
+        """How many items a child of a preparing stage holds: those it prepares at once
+        (`batch_size`, a thread each) and a request's worth more, waiting for a thread,
+        so that none idles while an answer travels."""
+        return self.batch_size + self.current_batch_size()
+
+    def _top_up(self, child: ChildProcess, held: dict[int, Item]) -> None:
+        """Send `child` the items waiting now, up to its `_held_target()`, and only as
+        many as there are free slots for now: never waits."""
+        room = min(self._held_target() - len(held), len(self._inbox))
+        if room <= 0:
+            return
+        reserved = self.writes.acquire_now(room) if self.mode == "write" and self.writes else []
+        if self.mode == "write" and not reserved:
+            return
+        items = self._inbox.take_up_to(len(reserved) if self.mode == "write" else room)
+        if not items:
+            self._give_back(reserved)
+            return
+        self._send_held(child, held, items, reserved)
+
+    def _send_held(
+        self, child: ChildProcess, held: dict[int, Item], items: list[Item], reserved: list[int]
+    ) -> None:
+        """Send `items` to `child` (those with an error already go straight on)."""
+        live = live_items(items)
+        self._forward([item for item in items if item.error is not None])
+        if not live:
+            self._give_back(reserved)
+            return
+        request = self._request(live, reserved)
+        held.update(zip([task[3] for task in request], live, strict=True))
+        try:
+            child.send(request)
+        except WorkerLost as lost:
+            self._recover_held(child, held, lost)
+
+    def _answered(self, child: ChildProcess, held: dict[int, Item]) -> list[Item]:
+        """The next group of `held` items the child answers, filed (not yet handed on):
+        first its word that they are prepared, which the prepare step's timeout waits
+        for, then its answer, which the stage's does. A child lost before it answers
+        says which items it was running (`WorkerLost.working_on`)."""
+        assert self.prepare is not None
+        try:
+            prepared: Prepared = child.receive(self.prepare.timeout_s)
+        except WorkerLost as lost:
+            lost.preparing = True
+            raise
+        group = [held[tag] for tag in prepared.tags]
+        self._observer.stage_ran(self.prepare.name, group, prepared.duration_s, ())
+        try:
+            reply: Reply = child.receive(self.timeout_s)
+            if reply.fault is not None:
+                raise WorkerFailedProbe(f"{child.name} failed its probe: {reply.fault}")
+        except WorkerLost as lost:
+            lost.working_on = group
+            raise
+        for tag in prepared.tags:
+            del held[tag]
+        self._file_reply(group, reply)
+        return group
+
+    def _recover_held(self, child: ChildProcess, held: dict[int, Item], lost: WorkerLost) -> None:
+        """Replace the child, then redo what it held: the items it was running when it
+        was lost are retried (`_retry`), the others sent again; all are handed on."""
+        items = list(held.values())
+        held.clear()
+        working_on = lost.working_on or items
+        others = [item for item in items if item not in working_on]
+        self._restart(child, items, lost, working_on=working_on)
+        self._retry(child, working_on, lost)
+        if others:
+            self._run(child, others)
+        self._forward(items)
+
+    def _serve_in_order(self, child: ChildProcess) -> None:
         """Feed `child` batches until the inbox closes.
 
         While the child works on one batch, the next already waits in its pipe
@@ -306,7 +410,7 @@ class ProcessStage(Stage):
                 continue
             ahead = None
             expected_s = min(recent, default=0.0)
-            if len(in_flight) < self.pipelined and self._ahead_due(child, started, expected_s):
+            if len(in_flight) < PIPELINED_BATCHES and self._ahead_due(child, started, expected_s):
                 ahead = self._batch_ahead()
             if ahead is None:
                 reply = self._complete_oldest(child, in_flight)
@@ -317,28 +421,27 @@ class ProcessStage(Stage):
                 self._dispatch(child, in_flight, *ahead)
 
     def _ahead_due(self, child: ChildProcess, started: float, expected_s: float) -> bool:
-        """Whether a batch may be sent ahead now: at once for a stage that prepares (its
-        children fetch what they are sent meanwhile), else once the batch the child
-        began at `started` has `AHEAD_LEAD` of its `expected_s` left, waiting till then;
-        False if the child answers first."""
-        if self.prepare is not None:
-            return True
+        """Whether a batch may be sent ahead now: once the batch the child began at
+        `started` has `AHEAD_LEAD` of its `expected_s` left, waiting till then; False if
+        the child answers first."""
         wait_s = started + expected_s * (1 - AHEAD_LEAD) - time.monotonic()
         if expected_s * AHEAD_LEAD < AHEAD_MIN_LEAD_S or wait_s <= 0:
             return True
         return not child.answers_within(wait_s)
 
     def _batch_ahead(self) -> tuple[list[Item], list[int]] | None:
-        """A full batch, and its slots, to send ahead of replies this driver has yet to
+        """A batch, and its slots, to send ahead of replies this driver has yet to
         collect, if both are there now (else None): it never waits with replies unread.
-        Another driver may take the batch it saw waiting before it takes it."""
+        A batch is full, or whatever has waited `max_batch_wait_s` since its oldest item
+        came (the device must not wait for the batch to fill after it ends the one it
+        runs). Another driver may take the batch it saw waiting before it takes it."""
         batch_size = self.current_batch_size()
-        if len(self._inbox) < batch_size:
+        if not len(self._inbox):
             return None
         reserved = self._reserve_ahead(batch_size)
         if reserved is None:
             return None
-        items = self._inbox.take_now(batch_size)
+        items = self._inbox.take_now(batch_size, self.max_batch_wait_s)
         if items is None:
             self._give_back(reserved)
             return None
@@ -403,15 +506,8 @@ class ProcessStage(Stage):
         return reply
 
     def _reply(self, child: ChildProcess, live: list[Item]) -> Reply:
-        """The child's reply to the request of `live`; first, with a prepare step, its
-        word that they are prepared, which the step's timeout waits for."""
-        if self.prepare is not None:
-            try:
-                prepared: Prepared = child.receive(self.prepare.timeout_s)
-            except WorkerLost as lost:
-                lost.preparing = True
-                raise
-            self._observer.stage_ran(self.prepare.name, live, prepared.duration_s, ())
+        """The child's reply to the request of `live` (a stage without a prepare step:
+        one reply a request, in order)."""
         reply: Reply = child.receive(self.timeout_s)
         if reply.fault is not None:
             raise WorkerFailedProbe(f"{child.name} failed its probe: {reply.fault}")
@@ -439,7 +535,7 @@ class ProcessStage(Stage):
                 if not item.part_slots:
                     item.part_slots = tuple(self.writes.acquire(self.max_parts))
         self._give_back(spare)
-        return [(item.slot, item.value, item.part_slots) for item in live]
+        return [(item.slot, item.value, item.part_slots, next(self._tags)) for item in live]
 
     def _give_back(self, slots: Sequence[int]) -> None:
         if slots:
@@ -449,6 +545,10 @@ class ProcessStage(Stage):
     def _file_reply(self, live: list[Item], reply: Reply) -> None:
         with self._lock:
             self._busy_s += reply.duration_s
+        if reply.counts:  # its prepare step's
+            self._observer.stage_counted(
+                self.prepare.name if self.prepare else self.name, dict(reply.counts)
+            )
         if live:
             self._request_times.append((reply.queued_s + reply.duration_s, len(live)))
         if reply.fitting_batch_size is not None:
@@ -544,14 +644,24 @@ class ProcessStage(Stage):
     def _run(self, child: ChildProcess, live: list[Item], after: WorkerLost | None = None) -> None:
         """Run `live` on its own and wait for it (retries only); `after` is why the
         previous try was lost."""
+        request = self._request(live)
+        held = dict(zip([task[3] for task in request], live, strict=True))
         try:
-            child.send(self._request(live))
+            child.send(request)
+            if self.prepare is not None:  # answered in groups, as its items are prepared
+                while held:
+                    self._answered(child, held)
+                return
             reply = self._reply(child, live)
         except WorkerLost as lost:
             if isinstance(lost, WorkerFailedProbe) and isinstance(after, WorkerFailedProbe):
                 self._break(WorkerFault(f"a fresh worker failed the same way: {lost}"), live)
-            self._restart(child, live, lost)
-            self._retry(child, live, lost)
+            unanswered = list(held.values())
+            self._restart(child, unanswered, lost)
+            self._retry(child, lost.working_on or unanswered, lost)
+            others = [item for item in unanswered if item not in (lost.working_on or [])]
+            if lost.working_on and others:
+                self._run(child, others)
             return
         self._file_reply(live, reply)
 

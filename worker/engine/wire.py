@@ -45,6 +45,7 @@ class ChildPlan:
     known_good: KnownGood  # what the stage's children handled well so far
     reads: torch.Tensor | None  # the arena its inputs are in
     writes: torch.Tensor | None  # the arena it writes its outputs to
+    niceness: int = 0  # how much less of the host's CPU it is given than the daemon (`nice`)
 
 
 class Ready(NamedTuple):
@@ -61,20 +62,25 @@ class SetupFailed(NamedTuple):
 
 
 class Task(NamedTuple):
-    """One item of a request to a child."""
+    """One item of a request to a child: `tag` names it in the answer of a child that
+    answers items as they are prepared (`Prepared.tags`)."""
 
     slot: int | None
     value: Any
     part_slots: tuple[int, ...]
+    tag: int
 
 
-WireTask = tuple[int | None, Any, tuple[int, ...]]  # a `Task` as it crosses the pipe
+WireTask = tuple[int | None, Any, tuple[int, ...], int]  # a `Task` as it crosses the pipe
 
 
 class Prepared(NamedTuple):
-    """A child's word that it has prepared a request and now runs it."""
+    """A child's word that it has prepared items and now runs them: a stage with a
+    prepare step answers its items as they are prepared, in groups, whatever request
+    they came in (`tags`: which), so that none waits for the slowest of its request."""
 
     duration_s: float
+    tags: tuple[int, ...]
 
 
 class Reply(NamedTuple):
@@ -95,6 +101,8 @@ class Reply(NamedTuple):
     # How long the request waited in the child before it ran: behind the requests sent
     # before it, and for its items to be prepared.
     queued_s: float = 0.0
+    # What the stage function counted since the child's answer before (`counts`).
+    counts: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -135,8 +143,16 @@ class PreparedAtOnce(NamedTuple):
 
 
 class Received(NamedTuple):
-    """A request as a child's reader took it: its items' preparations under way."""
+    """A request as a child's reader took it."""
 
     request: Any
-    preparations: list[Future[Any] | PreparedAtOnce] | None
     started: float
+
+
+class ReadyItem(NamedTuple):
+    """An item of a request whose preparation is done (`preparation` holds what it
+    became, or the error), taken in the order preparations end."""
+
+    task: Task
+    preparation: Future[Any] | PreparedAtOnce
+    arrived: float  # `time.perf_counter()` when its request came in

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import structlog
@@ -92,6 +92,13 @@ class JobObserver:
     def workers_changed(self, stage: str, workers: int, reason: str) -> None:
         if self._timeline is not None:
             self._timeline.count(f"{stage} workers", workers)
+
+    def stage_counted(self, stage: str, counts: Mapping[str, int]) -> None:
+        for name, count in counts.items():
+            self._metrics.stage_counted(stage, name, count)
+        if self._timeline is not None:
+            for name, total in self._metrics.stage_totals(stage).items():
+                self._timeline.count(f"{stage} {name}", total)
 
     def stage_broken(self, stage: str, error: BaseException, jobs: frozenset[str] | None) -> None:
         log.error("stage_broken", stage=stage, error=str(error))

@@ -71,6 +71,19 @@ class Metrics:
             buckets=BATCH_BUCKETS,
             registry=registry,
         )
+        self.stage_counts = Counter(
+            "worker_stage_counts",
+            "What each stage's processes counted: the fetch's reads, and of those hedged.",
+            ["stage", "count"],
+            registry=registry,
+        )
+        self.gc_pauses = Histogram(
+            "worker_gc_pause_seconds",
+            "The daemon's garbage collections, each a pause of every thread, by generation.",
+            ["generation"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=registry,
+        )
         self.worker_restarts = Counter(
             "worker_stage_restarts",
             "Stage processes replaced after a crash or a hang.",
@@ -137,6 +150,21 @@ class Metrics:
         busy, batch_items = self._stage_metrics[stage]
         busy.inc(duration_s)
         batch_items.observe(items)
+
+    def stage_counted(self, stage: str, name: str, count: int) -> None:
+        self.stage_counts.labels(stage, name).inc(count)
+
+    def stage_totals(self, stage: str) -> dict[str, int]:
+        """What `stage`'s processes counted so far, by name."""
+        return {
+            sample.labels["count"]: int(sample.value)
+            for metric in self.stage_counts.collect()
+            for sample in metric.samples
+            if sample.name.endswith("_total") and sample.labels["stage"] == stage
+        }
+
+    def gc_paused(self, generation: int, seconds: float) -> None:
+        self.gc_pauses.labels(str(generation)).observe(seconds)
 
     def item_finished(self, failed: bool) -> None:
         (self._items_failed if failed else self._items_succeeded).inc()
