@@ -270,26 +270,30 @@ class Intake:
                     self._stopping.wait(SHORT_POLL_PAUSE_S)
                 continue
             self._drained_readings = 0
+            received: list[Job] = []
             for message in messages:
                 job = self._hold(message)
                 if job is not None:
-                    self._admit_apart(job)
+                    self._admit_apart(job, list(received))
+                    received.append(job)
 
-    def _admit_apart(self, job: Job) -> None:
-        """Have the job admitted on a thread of the admitting pool; handed over if the
-        pool is closed (the daemon is stopping)."""
+    def _admit_apart(self, job: Job, before: list[Job]) -> None:
+        """Have the job admitted on a thread of the admitting pool, after the jobs of its
+        receive `before` it; handed over if the pool is closed (the daemon is
+        stopping)."""
         with self._claim_lock:
             self._admitting += 1
         try:
-            self._admitting_pool.submit(self._admission, job)
+            self._admitting_pool.submit(self._admission, job, before)
         except RuntimeError:  # closed: the daemon stops
             self._admitted(job)
             self._outcomes.hand_over(job, "shutting down")
 
-    def _admission(self, job: Job) -> None:
-        """Read what admitting the job needs and admit it, or settle it; a shard this
-        daemon is not to hold is handed back. Never raises: what the job cannot be
-        admitted for now releases it."""
+    def _admission(self, job: Job, before: list[Job]) -> None:
+        """Read what admitting the job needs and admit it, once the jobs received
+        `before` it are (or a second has gone by), or settle it; a shard this daemon is
+        not to hold is handed back. Never raises: what the job cannot be admitted for
+        now releases it."""
         try:
             admission = self._read(job)
             if admission is None:
@@ -298,6 +302,9 @@ class Intake:
             if plan is not None and self._full_of_shards(tar=plan.tar is not None):
                 self._hand_back_spare(job)  # not to hoard a planned job's shards
                 return
+            # In the order they came, so that they are fed in turn in that order; but not
+            # after one that takes long (a plan, a copy of tars).
+            self._ledger.wait_until(_past_admission(before), ADMISSION_PATIENCE_S)
             self._admit(job, admission)
             if plan is not None and admission.spec is not None and not job.settled:
                 self._shards.started(admission.spec, plan, held=self._ledger.waits_turn(job))
@@ -685,6 +692,11 @@ def _split(listed: list[Input], with_ids: bool) -> _Listed:
 def _with_ids(spec: JobMessage) -> bool:
     """Whether the job's inputs have ids (its table's id column)."""
     return spec.table is not None and spec.table.id_column is not None
+
+
+def _past_admission(jobs: list[Job]) -> Callable[[], bool]:
+    """Whether every one of `jobs` is admitted or settled."""
+    return lambda: all(job.state is not JobState.RECEIVED for job in jobs)
 
 
 def _check_breakages(message: ReceivedMessage) -> None:
