@@ -109,3 +109,27 @@ def test_a_struct_given_keys_its_probe_did_not_have_does_not_fit(tmp_path: Path)
     line = {"index": 0, "input": "s3://b/0", "box": {"x": 1, "y": 2}, "model": "m"}
     with pytest.raises(UnfitResults, match=r"box: struct<x: int64, y: int64>, not struct"):
         tables.write(json.dumps(line).encode() + b"\n", {}, tmp_path, ids=False)
+
+
+def test_a_parquet_jobs_finish_removes_only_the_results_files_it_names(tmp_path: Path) -> None:
+    """A job's finish removes the results files an earlier run of it left, and nothing
+    else under `results/`: a downstream tool's `_SUCCESS`, another job's output there."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    for number, (_, data) in enumerate(samples(2, seed=3)):
+        blobs.objects[f"s3://bkt/img/{number}"] = data
+    neighbours = {
+        "s3://bkt/out/team/results/_SUCCESS": b"",
+        "s3://bkt/out/team/results/job.json": b"{}",
+        "s3://bkt/out/team/results/results.jsonl": b"{}\n",
+    }
+    blobs.objects.update(neighbours)
+    blobs.objects["s3://bkt/out/team/results/part-000000-0007.parquet"] = b"an earlier run's"
+    body = {
+        "inputs": ["s3://bkt/img/0", "s3://bkt/img/1"],
+        "output": "s3://bkt/out/team/",
+        "format": "parquet",
+    }
+    source.send(json.dumps(body))
+    run_until_drained(source, blobs, tmp_path)
+    under = {uri for uri in blobs.objects if uri.startswith("s3://bkt/out/team/results/")}
+    assert under == {*neighbours, "s3://bkt/out/team/results/part-000000-0000.parquet"}

@@ -241,3 +241,22 @@ def test_bad_inputs_and_poison_messages_fail_alone(
     )
     assert all(m["MessageAttributes"]["reason"]["StringValue"] for m in dead)
     assert aws.queue_depth(stack.queue_url) == (0, 0)
+
+
+def test_a_job_of_missing_inputs_fails_with_their_errors_on_a_fresh_daemon(
+    aws: Aws, tmp_path: Path
+) -> None:
+    """The first job a daemon ever gets names three objects that do not exist: S3 says
+    so (a 404 to a role that may list the bucket), which is the inputs' fault with
+    nothing fetched before to tell by. The job ends `failed`, each input's error its
+    own, acked; it is not handed back by every daemon in turn until the DLQ."""
+    stack = aws.stack()
+    missing = [f"s3://{stack.bucket}/images/gone-{number}.img" for number in range(3)]
+    send_jobs(aws, stack, {"gone": missing})
+    run = run_daemon(aws, daemon_args(stack, tmp_path, "--drain"), timeout_s=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = aws.summary(job_output(stack, "gone"))
+    assert (summary["status"], summary["failed"], summary["attempt"]) == ("failed", 3, 1)
+    errors = [line["error"]["type"] for line in aws.results(job_output(stack, "gone"))]
+    assert errors == ["MissingObject"] * 3
+    assert not aws.dead_letters(stack.dlq_url)

@@ -46,9 +46,13 @@ from worker.engine.wire import (
     SetupFailed,
     Task,
 )
-from worker.errors import ObjectTooLarge, TransientError
+from worker.errors import MissingObject, ObjectTooLarge, TransientError
 
 log = structlog.get_logger()
+
+# Errors of a prepare step that are the input's for sure, whatever else fails: the store
+# told its size, or that it does not exist.
+CERTAINLY_THE_INPUTS = frozenset({ObjectTooLarge.__name__, MissingObject.__name__})
 
 # After an item is prepared, the child waits this long at most for others being prepared
 # to answer with it: one message to the daemon for several items, for an item's wait of
@@ -505,14 +509,17 @@ def _judged(
     two or more fail, all of them, the worker is at fault. With fewer to tell by (or a
     failure for now: throttled), nobody can tell: the errors are made transient, and
     `untold` when nothing was ever prepared. An input over the size limit is its own
-    fault for sure: the store (or the tar's header) told its size."""
+    fault for sure: the store (or the tar's header) told its size; so is one the store
+    says does not exist: it answered, for an object the worker may ask about (a role
+    that may not read it gets a refusal, which is judged)."""
     if len(failed) < len(unprepared):
         known_good.remember(next(v for p, v in enumerate(unprepared) if p not in failed))
         return _Judged(failed, None, False)
     if not failed or any(error.transient for error in failed.values()):
         return _Judged(failed, None, False)
-    # The inputs over the size limit are their own fault for sure; the rest are judged.
-    sized = {p: e for p, e in failed.items() if e.type == ObjectTooLarge.__name__}
+    # The inputs over the size limit, or missing, are their own fault for sure; the rest
+    # are judged.
+    sized = {p: e for p, e in failed.items() if e.type in CERTAINLY_THE_INPUTS}
     judged = {p: e for p, e in failed.items() if p not in sized}
     if not judged:
         return _Judged(failed, None, False)

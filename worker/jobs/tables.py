@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,9 @@ JSON_BLOCK_BYTES = 16 * 2**20
 Output = tuple[str, bytes | Path, str]
 
 
+TABLE_NAME = re.compile(rf"{RESULTS_DIR}part-[0-9]{{6}}-[0-9]{{4}}\.{PARQUET}")
+
+
 def table_name(shard: int, file: int) -> str:
     """A Parquet results file's name under the job's output."""
     return f"{RESULTS_DIR}part-{shard:06d}-{file:04d}.{PARQUET}"
@@ -68,9 +72,11 @@ class UnfitResults(Exception):
 
 def stale_tables(listed: Iterable[str], written: Iterable[str]) -> list[str]:
     """The results files an earlier run left (it wrote more of them) that a job.json
-    naming `written` does not complete."""
+    naming `written` does not complete: files of the names a run writes alone, never
+    another's object beside them (a downstream tool's `_SUCCESS`, another job's output
+    under `results/`)."""
     kept = set(written)
-    return [name for name in listed if name.startswith(RESULTS_DIR) and name not in kept]
+    return [name for name in listed if TABLE_NAME.fullmatch(name) and name not in kept]
 
 
 class Tables:
