@@ -26,6 +26,7 @@ from worker.client import (
     UnreadableOutput,
 )
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
+from worker.errors import CannotStart
 from worker.jobs.joblog import configure_daemon_logging
 from worker.jobs.message import TarMembers
 from worker.plugins import PluginError
@@ -310,7 +311,13 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    except (PluginError, StageSetupError, SharedMemoryTooSmall, aws.PlatformUnavailable) as error:
+    except (
+        PluginError,
+        StageSetupError,
+        SharedMemoryTooSmall,
+        aws.PlatformUnavailable,
+        CannotStart,
+    ) as error:
         print(f"cannot start: {error}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -9,6 +9,8 @@
   another attempt at the same job wrote it first, so this one is fenced off.
 - `WorkerFault`: the worker itself is broken (a stage fails for everything, known-good
   input included). Never an item's error: the daemon stops and hands its jobs back.
+- `CannotStart`: a resource the daemon takes at start cannot be had (its metrics port,
+  its log directory): it exits 2 saying which, and the setting that names it.
 
 Anything else raised by stage code about one input is that input's error.
 """
@@ -50,3 +52,8 @@ class PreconditionFailed(Exception):
 class WorkerFault(Exception):
     """A stage of this worker fails on known-good input: the worker, not the data, is
     broken."""
+
+
+class CannotStart(Exception):
+    """What the daemon takes at start cannot be had; the message names it and the
+    setting that chose it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -223,3 +224,35 @@ def test_protection_asked_for_but_unavailable_stops_the_start(aws: Aws, tmp_path
     )
     assert started.returncode == 2
     assert "cannot start: --protection asg, but the instance metadata service" in started.stderr
+
+
+@pytest.mark.parametrize("taken", ["metrics-port", "log-dir"])
+def test_a_resource_it_cannot_take_at_start_stops_it_with_one_line(
+    aws: Aws, tmp_path: Path, taken: str
+) -> None:
+    """Another process holds its metrics port, or its log directory cannot be written:
+    exit 2 at start with one line naming the resource and the setting, no traceback (1
+    is a worker found broken while it ran)."""
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        unwritable = tmp_path / "a-file"
+        unwritable.write_text("not a directory")
+        flags = {
+            "metrics-port": ["--metrics-port", str(port), "--log-dir", str(tmp_path)],
+            "log-dir": ["--metrics-port", "0", "--log-dir", str(unwritable / "logs")],
+        }[taken]
+        started = subprocess.run(
+            [sys.executable, "-m", "worker", "run", "--queue-url", "q", *flags],
+            env=aws.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert started.returncode == 2, started.stderr[-3000:]
+    [line] = [line for line in started.stderr.splitlines() if line.startswith("cannot start")]
+    assert f"--{taken}" in line and "Traceback" not in started.stderr
+    if taken == "metrics-port":
+        assert f"port {port}" in line and "in use" in line

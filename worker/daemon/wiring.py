@@ -24,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 
 import structlog
 
@@ -38,6 +40,7 @@ from worker.daemon.protection import ProtectionKeeper
 from worker.daemon.shutdown import ExitCode, Shutdown
 from worker.daemon.stages import build_pipeline
 from worker.daemon.supervisor import Supervisor
+from worker.errors import CannotStart
 from worker.jobs.arrays import ARRAYS_DIR, ArraySpool
 from worker.jobs.checkpoints import Checkpointer, Checkpoints
 from worker.jobs.disk import DiskBudget
@@ -85,6 +88,18 @@ def _finishers(settings: Settings) -> int:
     return min(settings.fetch_concurrency, MAX_FINISHERS)
 
 
+def _usable_directory(path: Path, setting: str) -> None:
+    """Make `path` if need be; `CannotStart` naming `setting` if it cannot be written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise CannotStart(
+            f"cannot write to {path} ({setting}): {error.strerror or error}"
+        ) from None
+
+
 class Daemon:
     """One worker daemon: a job source, a blob store and a pipeline built from settings."""
 
@@ -106,7 +121,7 @@ class Daemon:
         # queue through the lanes, and sends shards and watches to that queue.
         lanes = Lanes(source, shard_source) if shard_source is not None else None
         source = lanes or source
-        settings.log_dir.mkdir(parents=True, exist_ok=True)
+        _usable_directory(settings.log_dir, "--log-dir")
         self._ledger = ledger = Ledger()
         self._metrics = metrics = Metrics()
         stall_after_s = (
@@ -297,7 +312,10 @@ class Daemon:
                 running.enter_context(
                     serving(self._settings.metrics_port, self._metrics, self.health_problem)
                 )
-            self._arrays.open()
+            try:
+                self._arrays.open()
+            except OSError as error:
+                raise CannotStart(f"cannot keep job files under --log-dir: {error}") from None
             running.callback(self._arrays.close)
             self._pipeline.start()
             self._model_ready()

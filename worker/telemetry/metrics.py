@@ -25,6 +25,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import generate_latest
 
+from worker.errors import CannotStart
+
 log = structlog.get_logger()
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -209,7 +211,13 @@ def serving(
         def log_message(self, format: str, *args: object) -> None:
             pass  # scraped every few seconds: not worth a log line each
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise CannotStart(
+            f"cannot serve metrics on port {port} (--metrics-port): {reason}"
+        ) from None
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="metrics", daemon=True)
     thread.start()
