@@ -143,9 +143,8 @@ class Intake:
         self._admitting_pool = ThreadPoolExecutor(MAX_ADMITTING, "admit")
         self._claim_lock = threading.Lock()
         self._admitting = 0
-        self._shard_turn = threading.Condition(self._claim_lock)
-        self._shard_claimed: str | None = None  # the job key of the shard being admitted
-        self._shard_claimed_at = 0.0  # `time.monotonic()`
+        self._tar_shard_claimed: str | None = None  # the key of the one whose tars are copied
+        self._tar_shard_claimed_at = 0.0  # `time.monotonic()`
         self._copy_ahead_after = 0.0  # `time.monotonic()`: no copying ahead before
         # Two progress intervals: a running delivery of a replaced message has seen the
         # mark and stopped by then (`_handed_over`).
@@ -164,7 +163,7 @@ class Intake:
         held is fed whole); one at a time while a shard is held (the queue holds a
         planned job's shards: one may be more work than the prefetch, and the rest of
         the fleet is to share them)."""
-        if self._shard_being_admitted():
+        if self._tar_shard_being_copied():
             return 0
         if self._full():
             return self._one_if(self._copy_ahead() and self._ledger.seat_free())
@@ -181,19 +180,22 @@ class Intake:
         """How many messages the shards lane may bring now: one, while there is room.
         What it holds are shards and their watches: one is as much as a daemon is to
         take of a planned job, where ten taken at once are nine handed back."""
-        if self._shard_being_admitted():
+        if self._tar_shard_being_copied():
             return 0
         return self._one_if(not self._full() or self._copy_ahead())
 
-    def _shard_being_admitted(self) -> bool:
-        """Whether a shard is being admitted here, for a short while yet: how much work
-        it is, and whether the next is to be held beside it, are known once it is, so
-        the lane a shard may come by waits (a receive brought several shards at once,
-        each but the first handed back at once, and taken again at once); a shard whose
-        tars take long to copy holds up nothing."""
-        with self._claim_lock:
-            claimed = self._shard_claimed is not None
-            return claimed and time.monotonic() - self._shard_claimed_at < ADMISSION_PATIENCE_S
+    def _tar_shard_being_copied(self) -> bool:
+        """Whether a tar shard's tars are being copied here, for a short while yet: how
+        much work it is, and whether the next is to be held beside it, are known once
+        they are, so the lane a shard may come by waits (a receive brought several,
+        each but the first handed back at once, and taken again at once); a copy that
+        takes long holds up nothing."""
+        # Read without the claim's lock: room is asked under the ledger's, which an
+        # admission takes under the claim's (a claim read a moment late waits a round).
+        claimed_at = self._tar_shard_claimed_at
+        if self._tar_shard_claimed is None:
+            return False
+        return time.monotonic() - claimed_at < ADMISSION_PATIENCE_S
 
     def _free(self) -> int:
         """As many messages as one receive brings, within `--max-jobs` held and
@@ -250,7 +252,7 @@ class Intake:
         thread of its own (`_admission`): one that takes long (a prefix of millions of
         objects to plan, tars to copy) holds up neither the others nor the next receive."""
         while not self._stopping.is_set():
-            # Looked at again as a shard's claim grows old (`_shard_being_admitted`).
+            # Looked at again as a tar shard's copy grows old (`_tar_shard_being_copied`).
             self._ledger.wait_until(
                 lambda: room() > 0 or self._stopping.is_set(), ADMISSION_PATIENCE_S
             )
@@ -299,13 +301,18 @@ class Intake:
             if admission is None:
                 return
             plan = admission.plan
-            if plan is not None and self._full_of_shards(tar=plan.tar is not None):
-                self._hand_back_spare(job)  # not to hoard a planned job's shards
-                return
             # In the order they came, so that they are fed in turn in that order; but not
             # after one that takes long (a plan, a copy of tars).
             self._ledger.wait_until(_past_admission(before), ADMISSION_PATIENCE_S)
-            self._admit(job, admission)
+            # Whether a shard is one too many is decided with it admitted at once: of two
+            # shards admitted side by side, the second sees the first.
+            with self._claim_lock:
+                spare = plan is not None and self._full_of_shards(tar=plan.tar is not None)
+                if not spare:
+                    self._admit(job, admission)
+            if spare:
+                self._hand_back_spare(job)  # not to hoard a planned job's shards
+                return
             if plan is not None and admission.spec is not None and not job.settled:
                 self._shards.started(admission.spec, plan, held=self._ledger.waits_turn(job))
         except Exception as error:
@@ -318,9 +325,8 @@ class Intake:
         """An admission ended: the room it held is free again."""
         with self._claim_lock:
             self._admitting -= 1
-            if self._shard_claimed == job.key:
-                self._shard_claimed = None
-                self._shard_turn.notify_all()
+            if self._tar_shard_claimed == job.key:
+                self._tar_shard_claimed = None
         self._ledger.wake()
 
     def close(self) -> None:
@@ -341,27 +347,23 @@ class Intake:
         # lane waits for it: until it is admitted this one would come back at every
         # receive.
         admitting = (
-            self._shard_claimed not in (None, job.key)
-            and time.monotonic() - self._shard_claimed_at >= ADMISSION_PATIENCE_S
+            self._tar_shard_claimed not in (None, job.key)
+            and time.monotonic() - self._tar_shard_claimed_at >= ADMISSION_PATIENCE_S
         )
         waits = on_jobs_lane or copying_ahead or admitting
 
         delay_s = SPARE_WHILE_FULL_DELAY_S if waits else 0
         self._outcomes.hand_over(job, SPARE_SHARD, delay_s, runs_may_overlap=True)
 
-    def _claim_shard(self, job: Job, *, tar: bool) -> bool:
-        """Whether to admit a shard (of tars, `tar`) and hold it: not while full of
-        shards, and one at a time, as how much work one is is known once it is
-        admitted. A shard not of tars waits a while for the one being admitted (it
-        takes a listing or two); one of tars is handed back unread at once (its tars
-        are copied first, which may take minutes)."""
-        with self._shard_turn:
-            if not tar:
-                self._shard_turn.wait_for(lambda: self._shard_claimed is None, ADMISSION_PATIENCE_S)
-            if self._shard_claimed is not None or self._full_of_shards(tar=tar):
+    def _claim_tar_shard(self, job: Job) -> bool:
+        """Whether to copy a tar shard's tars and hold it: not while full of shards, and
+        one at a time (its members, how much work it is, are known only once its tars
+        are copied); the others are handed back unread."""
+        with self._claim_lock:
+            if self._tar_shard_claimed is not None or self._full_of_shards(tar=True):
                 return False
-            self._shard_claimed = job.key
-            self._shard_claimed_at = time.monotonic()
+            self._tar_shard_claimed = job.key
+            self._tar_shard_claimed_at = time.monotonic()
             return True
 
     def _receive(
@@ -592,7 +594,7 @@ class Intake:
             if self._outcomes.ack(job) and merged is not None:
                 self._announce(merged, job.message.message_id)
             return None
-        if not self._claim_shard(job, tar=plan.tar is not None):
+        if plan.tar is not None and not self._claim_tar_shard(job):
             self._hand_back_spare(job)
             return None  # before its tars are copied
         span = plan.range(spec.shard.index)
