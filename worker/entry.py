@@ -7,14 +7,36 @@ import os
 import signal
 import sys
 
+# What the stage processes' fork server imports before it forks the first: what they
+# all import (`worker.engine.child_handle`), and the readers of S3 they fetch with.
+FORK_SERVER_PRELOAD = (
+    "torch",
+    "worker.engine",
+    "worker.adapters.aws.s3",
+    "worker.adapters.aws.obstore_reads",
+)
+
 
 def main() -> None:
     if sys.argv[1:2] == ["run"]:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, _stopped_while_importing)
+        if not {"-h", "--help"} & set(sys.argv):
+            _start_fork_server()
     from worker.cli import main as cli_main  # after the handlers: the long part
 
     cli_main()
+
+
+def _start_fork_server() -> None:
+    """Start the fork server of the stage processes now: it imports torch (seconds)
+    while this process imports the command line's modules, where it did so after them.
+    Its children start with OpenMP's idle threads asleep (`process_context`)."""
+    import multiprocessing.forkserver
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    multiprocessing.forkserver.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
+    multiprocessing.forkserver.ensure_running()
 
 
 def _stopped_while_importing(_signum: int, _frame: object) -> None:
