@@ -112,7 +112,7 @@ def test_an_object_over_the_readers_limit_is_refused_unread(
 
 
 def test_a_ranged_get_reads_those_bytes_alone(parts: tuple[Any, Any, Any], tmp_path: Path) -> None:
-    """`get` with a byte range (a tar member's, `worker.jobs.tars`) reads those bytes
+    """`get` with a byte range (a tar member's, `worker.datasets.tars`) reads those bytes
     alone, the limit applying to them; as does the reader another process opens."""
     _, blobs, _ = parts
     location = S3Location.parse("s3://bkt/in/shard.tar")

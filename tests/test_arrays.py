@@ -24,8 +24,9 @@ from stages.preprocess import default_preprocessor
 from stages.synthetic import samples
 from tests.support.in_process import run_until_drained
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.jobs import arrays, results
-from worker.jobs.arrays import ArrayFiles, ArraySpool
+from worker.datasets import arrays
+from worker.datasets.arrays import ArrayFiles, ArraySpool
+from worker.loops import results
 from worker.plugins.encoding import encoded_fields
 from worker.ports import S3Location
 from worker.retry import Backoff
@@ -156,7 +157,7 @@ def test_an_array_field_that_cannot_name_its_file_is_refused_where_it_is_made() 
 KILLED_WITH_ARRAYS = """
 import os, signal, sys
 from pathlib import Path
-from worker.jobs.arrays import ArraySpool
+from worker.datasets.arrays import ArraySpool
 spool = ArraySpool(Path(sys.argv[1]))
 spool.open()
 (spool.directory / "job#1").mkdir()

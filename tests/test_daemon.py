@@ -37,9 +37,9 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.engine import StageSetupTimeout
 from worker.errors import TransientError
-from worker.jobs import intake, results
 from worker.jobs.job import Job
-from worker.jobs.reporting import ProgressReporter
+from worker.loops import intake, results
+from worker.loops.reporting import ProgressReporter
 from worker.plugins import PluginError
 from worker.ports import ByteRange, ReceivedMessage, S3Location
 from worker.retry import Backoff

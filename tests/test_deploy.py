@@ -18,7 +18,7 @@ from cfnlint.decode import decode
 
 from tests.support.paths import REPO, TEMPLATE
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, FINAL_OUTPUTS, SUPERSEDED_PREFIX
-from worker.jobs.message import CANCEL_MARKER
+from worker.message import CANCEL_MARKER
 
 DOCKERFILE = REPO / "Dockerfile"
 # checkov pins boto3, botocore, packaging and networkx to older releases than the

@@ -1,4 +1,4 @@
-"""The disk a daemon's tar copies take (`worker.jobs.disk`): claims grow within one
+"""The disk a daemon's tar copies take (`worker.datasets.disk`): claims grow within one
 budget shared by every job's copies, are given back when the copies are removed, and
 a job that cannot fit now is told apart from one that can never fit."""
 
@@ -13,10 +13,10 @@ import pytest
 
 from bench.harness import tar_of
 from worker.adapters.fakes import InMemoryBlobStore
+from worker.datasets.disk import DiskBudget, NoDiskRoom
+from worker.datasets.tars import TarCopies
 from worker.errors import TransientError
-from worker.jobs.disk import DiskBudget, NoDiskRoom
-from worker.jobs.message import PoisonMessage, TarMembers
-from worker.jobs.tars import TarCopies
+from worker.message import PoisonMessage, TarMembers
 
 CHUNK_BYTES = 2**16
 

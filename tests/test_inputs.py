@@ -1,4 +1,4 @@
-"""The kinds of input listing a message may name (`worker.jobs.inputs`), read from the
+"""The kinds of input listing a message may name (`worker.datasets.inputs`), read from the
 in-memory store: what each yields, in order, and what makes its message poison."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 
 from tests.support.hostile import gzipped_rows, megabyte_uri
 from worker.adapters.fakes import FAKE_LIST_PAGE, InMemoryBlobStore
-from worker.jobs.inputs import MAX_ID_BYTES, Input, InputReader
-from worker.jobs.message import PoisonMessage, parse_job_message
+from worker.datasets.inputs import MAX_ID_BYTES, Input, InputReader
+from worker.message import PoisonMessage, parse_job_message
 from worker.ports import S3_MAX_KEY_BYTES
 
 NO_LIMIT: frozenset[str] = frozenset()

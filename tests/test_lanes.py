@@ -15,8 +15,8 @@ from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.jobs.lanes import SHARDS_LANE, Lanes
-from worker.jobs.message import JobMessage
 from worker.jobs.plan import Plan, shard_body
+from worker.message import JobMessage
 
 
 def test_each_message_is_settled_on_the_queue_it_came_from() -> None:

@@ -12,7 +12,7 @@ from worker.jobs.job import Job
 from worker.jobs.joblog import JobLog
 from worker.jobs.leases import LeaseKeeper
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import parse_job_message
+from worker.message import parse_job_message
 from worker.telemetry.progress import Progress
 
 

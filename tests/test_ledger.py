@@ -20,8 +20,8 @@ from worker.engine.channel import Closed
 from worker.jobs.job import TRANSITIONS, Job, JobState, Result
 from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.ledger import IllegalTransition, Ledger
-from worker.jobs.message import TarMembers, parse_job_message
 from worker.jobs.plan import Plan
+from worker.message import TarMembers, parse_job_message
 from worker.ports import ReceivedMessage
 
 DONE = Result(b'{"label": "a"}\n', failed=False)

@@ -1,4 +1,4 @@
-"""Merging a job's committed shards (`worker.jobs.merging`), with two mergers at once,
+"""Merging a job's committed shards (`worker.sharding.merging`), with two mergers at once,
 over a store whose ETags are not MD5s (as under SSE-KMS): one merges, the others leave
 everything to it; a merger that died is replaced; a merger whose claim was taken over
 writes nothing more."""
@@ -15,7 +15,10 @@ import pytest
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.ledger import Ledger
-from worker.jobs.merging import (
+from worker.jobs.plan import COMMIT_SUFFIX, Commit, Plan, RunFile, shard_file
+from worker.message import JobMessage, parse_job_message
+from worker.ports import S3Location
+from worker.sharding.merging import (
     AlreadyMerged,
     Fenced,
     Incomplete,
@@ -23,9 +26,6 @@ from worker.jobs.merging import (
     Merger,
     MergingElsewhere,
 )
-from worker.jobs.message import JobMessage, parse_job_message
-from worker.jobs.plan import COMMIT_SUFFIX, Commit, Plan, RunFile, shard_file
-from worker.ports import S3Location
 
 DIGEST = "0123456789abcdef"
 OUTPUT = "s3://bkt/out/j/"
@@ -198,7 +198,7 @@ def test_a_merger_whose_claim_was_taken_over_writes_nothing_more(
     """A merger stalls past its claim (a claim of no time at all here): another takes
     the claim over and merges; the first, going on, is fenced off at its next write and
     writes no job.json; the job counts as done with the outputs job.json names."""
-    monkeypatch.setattr("worker.jobs.merging.MERGE_CLAIM_S", 0.0)
+    monkeypatch.setattr("worker.sharding.merging.MERGE_CLAIM_S", 0.0)
     spec, plan = _committed_job(store)
     merger, checkpoints = _merger(store)
     store.pause_at = {"stalled": "job.log"}

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.jobs.message import PoisonMessage, at_most, manifest_uris, parse_job_message
+from worker.message import PoisonMessage, at_most, manifest_uris, parse_job_message
 
 NO_LIMIT: frozenset[str] = frozenset()
 

@@ -29,11 +29,10 @@ from worker.adapters.aws.obstore_reads import (
 )
 from worker.adapters.aws.platform import PlatformUnavailable
 from worker.adapters.aws.s3 import InputClient, S3BlobStore, open_s3_reader, s3_client
-from worker.cli import build_parser
+from worker.cli import build_parser, settings_from_flags
 from worker.demo import LOCAL_AWS_ENV
 from worker.errors import TransientError
 from worker.ports import S3Location
-from worker.settings import settings_from_flags
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from worker.jobs.checkpoints import (
 )
 from worker.jobs.job import Place
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import JobMessage
 from worker.jobs.plan import Plan, shard_body
+from worker.message import JobMessage
 
 DIGEST = "0123456789abcdef"
 

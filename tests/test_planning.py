@@ -1,4 +1,4 @@
-"""Planning a job into shards (`worker.jobs.planning`): what the planner holds while it
+"""Planning a job into shards (`worker.sharding.planning`): what the planner holds while it
 writes the shards' inputs files."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.datasets.inputs import Input
 from worker.jobs.checkpoints import RequestDigest
-from worker.jobs.inputs import Input
 from worker.jobs.job import Job
-from worker.jobs.message import parse_job_message
 from worker.jobs.plan import INPUTS_SUFFIX, Plan
-from worker.jobs.planning import Planner
+from worker.message import parse_job_message
 from worker.ports import ReceivedMessage, S3Location
+from worker.sharding.planning import Planner
 
 
 class _SlowInputsFiles(InMemoryBlobStore):

@@ -22,8 +22,8 @@ from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX
-from worker.jobs.intake import WAITED_FOR_THE_REPLACED
-from worker.jobs.message import CANCEL_MARKER
+from worker.loops.admission import WAITED_FOR_THE_REPLACED
+from worker.message import CANCEL_MARKER
 from worker.ports import S3Location
 
 

@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from tests.support.paths import REPO
-from worker.cli import build_parser
+from worker.cli import build_parser, settings_from_flags
 from worker.plugins.loading import inference_devices
-from worker.settings import Settings, settings_from_flags
+from worker.settings import Settings
 
 
 def test_defaults_are_valid() -> None:

@@ -1,4 +1,4 @@
-"""One job across the fleet (`worker.jobs.shards`), in this process against the
+"""One job across the fleet (`worker.sharding.shards`), in this process against the
 in-memory fakes: a job over its shard size is planned, its shards run and commit once,
 and whoever commits the last merges what an unsharded run writes."""
 
@@ -32,9 +32,9 @@ from worker.client import Job, JobStalled, Phase
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
 from worker.jobs.checkpoints import part_prefix, request_digest
-from worker.jobs.message import JobMessage
 from worker.jobs.plan import Commit, Plan, RunFile, shard_body, shard_file, watch_body
-from worker.jobs.results import FINISH_ATTEMPTS
+from worker.loops.results import FINISH_ATTEMPTS
+from worker.message import JobMessage
 from worker.plugins.identity import ModelIdentity
 from worker.ports import SQS_MAX_VISIBILITY_TIMEOUT_S
 

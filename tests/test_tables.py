@@ -12,7 +12,7 @@ import pytest
 from stages.synthetic import samples
 from tests.support.in_process import run_until_drained
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.jobs.tables import Tables, UnfitResults
+from worker.datasets.tables import Tables, UnfitResults
 from worker.plugins.encoding import encoded_fields
 
 PROBE = json.dumps({"label": "x", "score": 0.0, "rank": 0, "boxes": [], "note": None}).encode()

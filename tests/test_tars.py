@@ -1,4 +1,4 @@
-"""Tar shards as inputs (`worker.jobs.tars`): each member an input, read from a local
+"""Tar shards as inputs (`worker.datasets.tars`): each member an input, read from a local
 copy of its tar made with one GET; what makes a tar unusable is poison, named; a job of
 tars runs across shards of tars and resumes member by member."""
 
@@ -38,13 +38,13 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Jobs
 from worker.daemon import Daemon
 from worker.daemon.stages import fetcher
+from worker.datasets.tars import TarCopies, _checksum
 from worker.errors import ObjectTooLarge, TransientError
 from worker.jobs.checkpoints import Checkpoints, request_digest
 from worker.jobs.job import Place
 from worker.jobs.ledger import Ledger
-from worker.jobs.message import JobMessage, PoisonMessage, TarMembers
 from worker.jobs.plan import shard_body
-from worker.jobs.tars import TarCopies, _checksum
+from worker.message import JobMessage, PoisonMessage, TarMembers
 from worker.plugins.identity import ModelIdentity
 from worker.ports import S3Location
 

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -28,9 +29,9 @@ from worker.client import (
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
 from worker.errors import CannotStart
 from worker.jobs.joblog import configure_daemon_logging
-from worker.jobs.message import TarMembers
+from worker.message import TarMembers
 from worker.plugins import PluginError
-from worker.settings import DEFAULT_METRICS_PORT, add_settings_flags, settings_from_flags
+from worker.settings import DEFAULT_METRICS_PORT, Settings
 
 EXIT_USAGE = 2
 # What `bench --model` takes of the daemon's settings, and how many images it runs.
@@ -438,3 +439,37 @@ def _draw(finished: int, items: int, failed: int, elapsed_s: float, width: int =
         file=sys.stderr,
         flush=True,
     )
+
+
+def add_settings_flags(parser: argparse._ActionsContainer, only: Sequence[str] = ()) -> None:
+    """Add one flag per settings field (or per field named in `only`), with its
+    description and default as help."""
+    for name, field in Settings.model_fields.items():
+        if only and name not in only:
+            continue
+        flag = "--" + name.replace("_", "-")
+        env = f"WORKER_{name.upper()}"
+        default = "" if field.is_required() else f" [default: {_show(field.default)}]"
+        help_text = f"{field.description}{default} (env {env})"
+        if field.annotation is bool:
+            parser.add_argument(
+                flag, action="store_true", default=argparse.SUPPRESS, help=help_text
+            )
+        else:
+            parser.add_argument(
+                flag, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
+            )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, frozenset):
+        return ",".join(sorted(value)) or "any"
+    return str(value)
+
+
+def settings_from_flags(namespace: argparse.Namespace) -> Settings:
+    """Settings from the flags given, the environment, then the defaults."""
+    given = {
+        name: value for name, value in vars(namespace).items() if name in Settings.model_fields
+    }
+    return Settings(**given)

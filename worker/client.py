@@ -33,20 +33,20 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, Field, ValidationError
 
 from worker.adapters import aws
+from worker.datasets.tables import (
+    JSON_BLOCK_BYTES,
+    PARQUET,
+    RECORD_SCHEMA,
+    RESULTS_DIR,
+)
 from worker.errors import MissingObject
-from worker.jobs.message import (
+from worker.message import (
     CANCEL_MARKER,
     PoisonMessage,
     TableSource,
     TarMembers,
     parse_job_message,
     validation_problems,
-)
-from worker.jobs.tables import (
-    JSON_BLOCK_BYTES,
-    PARQUET,
-    RECORD_SCHEMA,
-    RESULTS_DIR,
 )
 from worker.ports import BlobStore, S3Location
 

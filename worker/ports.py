@@ -60,7 +60,7 @@ def _shown(text: str) -> str:
 
 class LocalPart(NamedTuple):
     """Bytes of a file on this machine: a member of a tar copied here
-    (`worker.jobs.tars`), which the fetchers read in place of an object, or, once the
+    (`worker.datasets.tars`), which the fetchers read in place of an object, or, once the
     copy is gone (its job settled), from the tar itself by a ranged GET. (A tuple: it
     crosses to the preprocessing processes with every member, and a frozen dataclass
     pickles field by field, several times slower.)"""

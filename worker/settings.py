@@ -6,9 +6,7 @@ Every field is also a command-line flag (`--batch-size`) and an environment vari
 
 from __future__ import annotations
 
-import argparse
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -534,37 +532,3 @@ class Settings(BaseSettings):
                 f"than max_lease_seconds ({self.max_lease_seconds})"
             )
         return self
-
-
-def add_settings_flags(parser: argparse._ActionsContainer, only: Sequence[str] = ()) -> None:
-    """Add one flag per settings field (or per field named in `only`), with its
-    description and default as help."""
-    for name, field in Settings.model_fields.items():
-        if only and name not in only:
-            continue
-        flag = "--" + name.replace("_", "-")
-        env = f"WORKER_{name.upper()}"
-        default = "" if field.is_required() else f" [default: {_show(field.default)}]"
-        help_text = f"{field.description}{default} (env {env})"
-        if field.annotation is bool:
-            parser.add_argument(
-                flag, action="store_true", default=argparse.SUPPRESS, help=help_text
-            )
-        else:
-            parser.add_argument(
-                flag, default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
-            )
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, frozenset):
-        return ",".join(sorted(value)) or "any"
-    return str(value)
-
-
-def settings_from_flags(namespace: argparse.Namespace) -> Settings:
-    """Settings from the flags given, the environment, then the defaults."""
-    given = {
-        name: value for name, value in vars(namespace).items() if name in Settings.model_fields
-    }
-    return Settings(**given)

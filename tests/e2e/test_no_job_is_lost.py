@@ -21,7 +21,7 @@ from tests.support.daemons import StartDaemon, daemon_args, run_daemon, slow_mod
 from tests.support.faultproxy import FaultProxy, Request
 from tests.support.jobs import assert_complete, job_output, send_jobs
 from worker.demo import upload_samples
-from worker.jobs.results import FINISH_ATTEMPTS
+from worker.loops.results import FINISH_ATTEMPTS
 
 pytestmark = pytest.mark.e2e
 

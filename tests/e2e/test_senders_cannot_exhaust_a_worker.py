@@ -19,7 +19,7 @@ from tests.support.daemons import StartDaemon, daemon_args
 from tests.support.hostile import gzipped_rows, megabyte_uri, tar_of_empty_members
 from tests.support.jobs import assert_complete, job_output, send_jobs, upload
 from worker.demo import upload_samples
-from worker.jobs.message import CANCEL_MARKER
+from worker.message import CANCEL_MARKER
 from worker.ports import S3Location
 
 pytestmark = pytest.mark.e2e

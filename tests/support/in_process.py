@@ -14,9 +14,9 @@ from typing import Any
 from stages.synthetic import samples
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
-from worker.jobs.inputs import Input, shard_line
-from worker.jobs.message import JobMessage, TarMembers, parse_job_message
+from worker.datasets.inputs import Input, shard_line
 from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_file
+from worker.message import JobMessage, TarMembers, parse_job_message
 from worker.settings import Settings
 
 

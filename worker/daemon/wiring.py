@@ -40,28 +40,28 @@ from worker.daemon.protection import ProtectionKeeper
 from worker.daemon.shutdown import ExitCode, Shutdown
 from worker.daemon.stages import build_pipeline
 from worker.daemon.supervisor import Supervisor
+from worker.datasets.arrays import ARRAYS_DIR, ArraySpool
+from worker.datasets.disk import DiskBudget
+from worker.datasets.tables import Tables
 from worker.errors import CannotStart
-from worker.jobs.arrays import ARRAYS_DIR, ArraySpool
 from worker.jobs.checkpoints import Checkpointer, Checkpoints
-from worker.jobs.disk import DiskBudget
-from worker.jobs.intake import Feeder, Intake
 from worker.jobs.lanes import Lanes
 from worker.jobs.leases import LeaseKeeper
 from worker.jobs.ledger import Ledger
-from worker.jobs.merging import Merger
 from worker.jobs.outcomes import Lifecycle, Outcomes
-from worker.jobs.planning import Planner
-from worker.jobs.reporting import JobObserver, ProgressReporter
-from worker.jobs.results import Finisher, Regrouper
-from worker.jobs.shards import Shards
-from worker.jobs.stragglers import Stragglers
-from worker.jobs.tables import Tables
+from worker.loops.intake import Feeder, Intake
+from worker.loops.reporting import JobObserver, ProgressReporter
+from worker.loops.results import Finisher, Regrouper
 from worker.plugins import PluginError
 from worker.plugins.encoding import chain_postprocess_fault, encoded_fields, probed_columns
 from worker.plugins.identity import ModelIdentity, pipeline_identity
 from worker.plugins.loading import load_postprocessor
 from worker.ports import SQS_MAX_DELAY_S, BlobStore, JobSource, NoticeSource, ScaleInGuard
 from worker.settings import Settings
+from worker.sharding.merging import Merger
+from worker.sharding.planning import Planner
+from worker.sharding.shards import Shards
+from worker.sharding.stragglers import Stragglers
 from worker.telemetry.metrics import Metrics, serving
 from worker.telemetry.pauses import started_heap_frozen
 from worker.telemetry.progress import Progress

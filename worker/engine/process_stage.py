@@ -5,39 +5,36 @@ worker from bad items.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
 
 from worker.engine.arena import TensorArena
-from worker.engine.channel import Channel, Closed
+from worker.engine.channel import Closed
 from worker.engine.child_handle import (
     ChildProcess,
     WorkerDied,
     WorkerFailedProbe,
     WorkerLost,
 )
+from worker.engine.feeding_as_prepared import FeedsAsPrepared
 from worker.engine.items import (
     Item,
     ItemError,
     Part,
     PrepareStep,
-    StageObserver,
     StageSetup,
     StageSetupError,
     apply_outcomes,
     half_of,
 )
 from worker.engine.lessons import StageLessons
-from worker.engine.stage import Stage, live_items
-from worker.engine.wire import ArenaMode, ChildPlan, Prepared, Reply, WireTask
+from worker.engine.stage import live_items
+from worker.engine.wire import ArenaMode, ChildPlan, Reply, WireTask
 from worker.errors import WorkerFault
 
 log = structlog.get_logger()
@@ -68,7 +65,7 @@ WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 OOM_COOLDOWN_S = 300.0
 
 
-class ProcessStage(Stage):
+class ProcessStage(FeedsAsPrepared):
     """Runs a function made by `setup()` in `workers` child processes.
 
     `setup` runs once per child (load the model there, once); it must be picklable
@@ -126,15 +123,15 @@ class ProcessStage(Stage):
         max_request_items: int | None = None,
         niceness: int = 0,
     ):
-        setups = list(setup) if isinstance(setup, Sequence) else None
-        if setups is not None:
-            if max_workers or workers != 1:
-                raise ValueError(f"stage {name}: one set-up per worker fixes their number")
-            workers = len(setups)
-        super().__init__(name, workers, batch_size, max_batch_wait_ms)
-        self.max_workers = max(workers, max_workers or workers)
-        self._setups = setups
-        self._setup = setup
+        super().__init__(
+            name,
+            setup,
+            workers=workers,
+            max_workers=max_workers,
+            batch_size=batch_size,
+            max_batch_wait_ms=max_batch_wait_ms,
+            setup_timeout_s=setup_timeout_s,
+        )
         self.timeout_s = timeout_s
         self.reads, self.writes = reads, writes
         self.mode: ArenaMode = (
@@ -144,7 +141,6 @@ class ProcessStage(Stage):
         self.max_parts = max_parts
         self.prepare = prepare
         self.imports = imports
-        self.setup_timeout_s = setup_timeout_s
         self.oom_cooldown_s = oom_cooldown_s
         self.request_s = request_s
         self.niceness = niceness
@@ -154,11 +150,7 @@ class ProcessStage(Stage):
         # one, does not swing the size of the next.
         self._request_times: deque[tuple[float, int]] = deque(maxlen=2)
         self._tags = itertools.count()  # name each item sent to a child, in its answer
-        self._children: list[ChildProcess] = []
-        self._numbers = itertools.count(workers)  # of children added later
-        self._busy_s = 0.0  # the children's time on requests, all together
         self._lessons = StageLessons(prepare, reads if self.mode == "fan-out" else None)
-        self._lock = threading.Lock()  # the above; drivers and the scaler share them
 
     @property
     def inbox_capacity(self) -> int:
@@ -182,46 +174,11 @@ class ProcessStage(Stage):
             return self.max_request_items
         return max(batch_size, min(self.max_request_items, int(self.request_s / item_s)))
 
-    def start(
-        self,
-        inbox: Channel[Item],
-        outbox: Channel[Item],
-        observer: StageObserver,
-        finished: Channel[Item],
-    ) -> None:
-        super().start(inbox, outbox, observer, finished)
-        self._children = [self._child(number) for number in range(self.workers)]
-        # Children start in parallel: each imports torch and may load a model.
-        try:
-            with ThreadPoolExecutor(self.workers) as pool:
-                list(pool.map(ChildProcess.start, self._children))
-        except BaseException:
-            self.stop()
-            raise
-        for number, child in enumerate(self._children):
-            self._spawn_thread(functools.partial(self._serve_child, child), str(number))
-
-    def alive(self) -> bool:
-        return super().alive() and all(child.alive() for child in self._children)
-
-    def _child(self, number: int) -> ChildProcess:
-        return ChildProcess(
-            f"{self.name}-{number}",
-            functools.partial(self._plan, number),
-            self.setup_timeout_s,
-            self.stopping,
-        )
-
     def _plan(self, number: int) -> ChildPlan:
         """What the child with this number is told when it starts."""
-        if self._setups is not None:
-            setup = self._setups[number]
-        else:
-            assert callable(self._setup)
-            setup = self._setup
         return ChildPlan(
             self.name,
-            setup,
+            self._setup_of(number),
             self.mode,
             self.prepare,
             self.batch_size,
@@ -232,51 +189,6 @@ class ProcessStage(Stage):
             self.niceness,
         )
 
-    def worker_count(self) -> int:
-        with self._lock:
-            return sum(not child.retiring.is_set() for child in self._children)
-
-    def busy_s(self) -> float:
-        """How long the children have spent on requests since the stage started."""
-        with self._lock:
-            return self._busy_s
-
-    def grow(self) -> bool:
-        """Start one more child (up to `max_workers`); False if there is no room or it
-        could not start."""
-        if self.worker_count() >= self.max_workers or self.stopping.is_set():
-            return False
-        number = next(self._numbers)
-        child = self._child(number)
-        try:
-            child.start()
-        except (StageSetupError, Closed) as error:
-            log.warning("stage_worker_not_added", stage=self.name, error=str(error))
-            return False
-        with self._lock:  # `stop` sets `stopping`, then takes the children it stops
-            added = not self.stopping.is_set()
-            if added:
-                self._children.append(child)
-        if not added:
-            child.stop(graceful=False)
-            return False
-        self._spawn_thread(functools.partial(self._serve_child, child), str(number))
-        return True
-
-    def shrink(self) -> bool:
-        """Have one child (down to `workers`) finish what it holds and stop."""
-        with self._lock:
-            serving = [child for child in self._children if not child.retiring.is_set()]
-            if len(serving) <= self.workers:
-                return False
-            serving[-1].retiring.set()
-        self._inbox.wake()
-        return True
-
-    def about(self) -> Mapping[str, Any]:
-        """What the set-up of its first child reported (`StageFunction.about`)."""
-        return self._children[0].about if self._children else {}
-
     def _serve_child(self, child: ChildProcess) -> None:
         """Feed `child` until the inbox closes: as it answers, items as they are prepared
         (a stage with a prepare step), or batches in order."""
@@ -284,105 +196,6 @@ class ProcessStage(Stage):
             self._serve_as_prepared(child)
         else:
             self._serve_in_order(child)
-
-    def _serve_as_prepared(self, child: ChildProcess) -> None:
-        """Keep `child` holding `_held_target()` items (their inputs fetched at once, each
-        on a thread of its own), and hand on each group it answers, as its items are
-        prepared: no item waits for the slowest of the request it came in, and the
-        fetches in flight stay at the number asked for. New items go to it as answers
-        come back, taking only the arena slots that are free then (its held items'
-        slots go on only as this driver collects them)."""
-        held: dict[int, Item] = {}  # by tag, sent and not yet answered
-        while True:
-            if not held:
-                if child.retiring.is_set():
-                    self._retire(child)
-                    return
-                self._send_held(child, held, self._next_batch(child.retiring.is_set), [])
-                continue
-            if not child.retiring.is_set():
-                self._top_up(child, held)
-            try:
-                group = self._answered(child, held)
-            except WorkerLost as lost:
-                self._recover_held(child, held, lost)
-                continue
-            self._forward(group)
-
-    def _held_target(self) -> int:
-        """How many items a child of a preparing stage holds: those it prepares at once
-        (`batch_size`, a thread each) and a request's worth more, waiting for a thread,
-        so that none idles while an answer travels."""
-        return self.batch_size + self.current_batch_size()
-
-    def _top_up(self, child: ChildProcess, held: dict[int, Item]) -> None:
-        """Send `child` the items waiting now, up to its `_held_target()`, and only as
-        many as there are free slots for now: never waits."""
-        room = min(self._held_target() - len(held), len(self._inbox))
-        if room <= 0:
-            return
-        reserved = self.writes.acquire_now(room) if self.mode == "write" and self.writes else []
-        if self.mode == "write" and not reserved:
-            return
-        items = self._inbox.take_up_to(len(reserved) if self.mode == "write" else room)
-        if not items:
-            self._give_back(reserved)
-            return
-        self._send_held(child, held, items, reserved)
-
-    def _send_held(
-        self, child: ChildProcess, held: dict[int, Item], items: list[Item], reserved: list[int]
-    ) -> None:
-        """Send `items` to `child` (those with an error already go straight on)."""
-        live = live_items(items)
-        self._forward([item for item in items if item.error is not None])
-        if not live:
-            self._give_back(reserved)
-            return
-        request = self._request(live, reserved)
-        held.update(zip([task[3] for task in request], live, strict=True))
-        try:
-            child.send(request)
-        except WorkerLost as lost:
-            self._recover_held(child, held, lost)
-
-    def _answered(self, child: ChildProcess, held: dict[int, Item]) -> list[Item]:
-        """The next group of `held` items the child answers, filed (not yet handed on):
-        first its word that they are prepared, which the prepare step's timeout waits
-        for, then its answer, which the stage's does. A child lost before it answers
-        says which items it was running (`WorkerLost.working_on`)."""
-        assert self.prepare is not None
-        try:
-            prepared: Prepared = child.receive(self.prepare.timeout_s)
-        except WorkerLost as lost:
-            lost.preparing = True
-            raise
-        group = [held[tag] for tag in prepared.tags]
-        self._observer.stage_ran(self.prepare.name, group, prepared.duration_s, ())
-        try:
-            reply: Reply = child.receive(self.timeout_s)
-            if reply.fault is not None:
-                raise WorkerFailedProbe(f"{child.name} failed its probe: {reply.fault}")
-        except WorkerLost as lost:
-            lost.working_on = group
-            raise
-        for tag in prepared.tags:
-            del held[tag]
-        self._file_reply(group, reply)
-        return group
-
-    def _recover_held(self, child: ChildProcess, held: dict[int, Item], lost: WorkerLost) -> None:
-        """Replace the child, then redo what it held: the items it was running when it
-        was lost are retried (`_retry`), the others sent again; all are handed on."""
-        items = list(held.values())
-        held.clear()
-        working_on = lost.working_on or items
-        others = [item for item in items if item not in working_on]
-        self._restart(child, items, lost, working_on=working_on)
-        self._retry(child, working_on, lost)
-        if others:
-            self._run(child, others)
-        self._forward(items)
 
     def _serve_in_order(self, child: ChildProcess) -> None:
         """Feed `child` batches until the inbox closes.
@@ -446,23 +259,6 @@ class ProcessStage(Stage):
             self._give_back(reserved)
             return None
         return items, reserved
-
-    def _retire(self, child: ChildProcess) -> None:
-        """Stop a child that `shrink` chose, with this, its driver thread."""
-        with self._lock:
-            self._children.remove(child)
-            self._threads.remove(threading.current_thread())
-        child.stop()
-
-    def stop(self) -> None:
-        """Stop the children (killing those that do not stop within `STOP_GRACE_S`),
-        then their driver threads, which the children's exit unblocks."""
-        self.stopping.set()
-        with self._lock:
-            children = list(self._children)
-        with ThreadPoolExecutor(max(1, len(children))) as pool:
-            list(pool.map(ChildProcess.stop, children))
-        super().stop()
 
     def _reserve_ahead(self, batch_size: int) -> list[int] | None:
         """Slots for a request sent ahead of replies this driver has yet to collect, if

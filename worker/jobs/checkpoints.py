@@ -3,8 +3,8 @@ the next.
 
     output/
       results.jsonl, job.log, job.json       the finished job; job.json, written last, says so
-      <field>.npy                            its array outputs, if any (`worker.jobs.arrays`)
-      results/part-*.parquet                 its results as Parquet instead (`worker.jobs.tables`)
+      <field>.npy                            its array outputs, if any (`datasets.arrays`)
+      results/part-*.parquet                 its results as Parquet instead (`datasets.tables`)
       cancel                                 a request to cancel the job (`worker cancel`)
       checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
       checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
@@ -13,7 +13,7 @@ the next.
 
 `<request>` is a digest of the job's inputs (in order) and params, so what was written
 for another request (an output prefix used again) is never taken for this one's; a
-shard of a job split across the fleet (`worker.jobs.shards`) reads and removes its own
+shard of a job split across the fleet (`worker.sharding.shards`) reads and removes its own
 parts alone. One
 listing of the prefix, at admission, says all of it: whether the job is done already,
 whether it is to be cancelled, which results to resume from, and the ETag of each final
@@ -40,12 +40,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
-from worker.errors import MissingObject, ObjectTooLarge
-from worker.jobs.arrays import ARRAY_FILE_SUFFIX
-from worker.jobs.job import Job, JobState, Place, Result
-from worker.jobs.ledger import Ledger
-from worker.jobs.message import CANCEL_MARKER, JobMessage, TarMembers
-from worker.jobs.tables import (
+from worker.datasets.arrays import ARRAY_FILE_SUFFIX
+from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
     PARQUET,
@@ -53,6 +49,10 @@ from worker.jobs.tables import (
     stale_tables,
     table_name,
 )
+from worker.errors import MissingObject, ObjectTooLarge
+from worker.jobs.job import Job, JobState, Place, Result
+from worker.jobs.ledger import Ledger
+from worker.message import CANCEL_MARKER, JobMessage, TarMembers
 from worker.ports import BlobStore
 
 if TYPE_CHECKING:

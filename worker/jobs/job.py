@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from worker.jobs.arrays import ArrayFiles
+from worker.datasets.arrays import ArrayFiles
+from worker.datasets.tars import Member, TarCopies
 from worker.jobs.joblog import JobLog
-from worker.jobs.message import JobMessage
-from worker.jobs.tars import Member, TarCopies
+from worker.message import JobMessage
 from worker.ports import LocalPart, ReceivedMessage
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ SQS delivers a standard queue roughly in the order sent, so on one queue a one-i
 job sent after a giant job is planned waits behind all of its shards; and a daemon busy
 with a shard cannot read on to find it without taking, and handing back, the shards in
 its way. With the shards in a lane of their own, a busy daemon still reads the jobs
-lane (`worker.jobs.intake`), and the shards wait for daemons with room.
+lane (`worker.loops.intake`), and the shards wait for daemons with room.
 
 A message is settled on the queue it came from: the receipt handles of the shards
 lane carry a prefix that says so, and everything the daemon does with a handle (ack,

@@ -28,7 +28,7 @@ from types import MappingProxyType
 from worker.engine.channel import Closed
 from worker.jobs.job import FEEDABLE, TRANSITIONS, Job, JobState, Result
 from worker.jobs.joblog import JobLog
-from worker.jobs.message import JobMessage
+from worker.message import JobMessage
 from worker.ports import ReceivedMessage
 
 NOTHING_RESUMED: Mapping[int, Result] = MappingProxyType({})

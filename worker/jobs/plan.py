@@ -10,8 +10,8 @@
         <n>.started                    when the latest run of shard n was admitted
         <n>.duplicated                 a duplicate of shard n was sent (a straggler)
         <n>.dead                       shard n's message was dead-lettered, and why
-        watch                          a watch of the job's shards is due (`worker.jobs.stragglers`)
-        merge                          who merges the shards, until when (`worker.jobs.merging`)
+        watch                          a watch of the job's shards is due (`sharding.stragglers`)
+        merge                          who merges the shards, until when (`sharding.merging`)
 
 `<request>` is the whole job's request digest, `<n>` the shard's number (six digits)
 and `<run>` one delivery of its message. Everything under `shards/<request>/` goes once
@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from worker.jobs.message import DIGEST_PATTERN, JobMessage, PoisonMessage, TarMembers
+from worker.message import DIGEST_PATTERN, JobMessage, PoisonMessage, TarMembers
 from worker.ports import JOB_ID_PATTERN, BlobStore, S3Location
 
 T = TypeVar("T")

@@ -1,5 +1,5 @@
 """job.json: what a finished job says of itself, the same whether one worker ran it or
-the fleet ran it as shards (`worker.jobs.shards`)."""
+the fleet ran it as shards (`worker.sharding.shards`)."""
 
 from __future__ import annotations
 

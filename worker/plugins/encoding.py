@@ -1,5 +1,5 @@
 """A postprocessor's fields as they are written: JSON on the item's results.jsonl line,
-and its array fields apart (`worker.jobs.arrays`)."""
+and its array fields apart (`worker.datasets.arrays`)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def probed_columns(answer: Encoded) -> tuple[bytes, dict[str, ArrayLayout]]:
 def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, Any]) -> Encoded:
     """The postprocessor's fields for one model output, JSON-encoded as the members that
     follow `input` in the item's results.jsonl line (`,"label":"cat",...`); those whose
-    value is an array (numpy or torch, not a scalar) apart, as arrays (`worker.jobs.arrays`)."""
+    value is an array (numpy or torch, not a scalar) apart, as arrays (`worker.datasets.arrays`)."""
     fields = postprocess(output, params)
     if not isinstance(fields, dict):
         raise TypeError(f"the postprocessor returned a {type(fields).__name__}, not a dict")

@@ -86,7 +86,7 @@ def inference_setup(
         return StageFunction(infer.now, probe, about)
     finish, finish_probe, probed = _finishing(postprocess, answer_to_zeros, device)
     # Each input's array fields must be these, of these shapes and dtypes; its other
-    # fields' types are those of these (Parquet results' columns, `worker.jobs.tables`).
+    # fields' types are those of these (Parquet results' columns, `worker.datasets.tables`).
     about["fields"], about["arrays"] = probed_columns(probed)
     return StageFunction(infer.ahead, probe, about, finish=finish, finish_probe=finish_probe)
 

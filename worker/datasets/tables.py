@@ -42,15 +42,15 @@ JSON_LINES = "jsonl"
 PARQUET_CONTENT_TYPE = "application/vnd.apache.parquet"
 NDJSON = "application/x-ndjson"  # results.jsonl's and job.log's content type
 RESULTS_DIR = "results/"
-# An array field's value in a results line: which file, which row (`worker.jobs.arrays`).
+# An array field's value in a results line: which file, which row (`worker.datasets.arrays`).
 ARRAY_REFERENCE = pa.struct([("array", pa.string()), ("row", pa.int64())])
 ERROR_TYPE = pa.struct([("type", pa.string()), ("message", pa.string())])
 RECORD_SCHEMA = pa.schema(
     [("index", pa.int64()), ("input", pa.string()), ("model", pa.string()), ("error", ERROR_TYPE)]
 )
-# A job's ids, from its table, are text whatever their column's type (`worker.jobs.inputs`).
+# A job's ids, from its table, are text whatever their column's type (`worker.datasets.inputs`).
 ID_FIELD = pa.field("id", pa.string())
-MEMBER_FIELD = pa.field("member", pa.string())  # a tar's (`worker.jobs.tars`)
+MEMBER_FIELD = pa.field("member", pa.string())  # a tar's (`worker.datasets.tars`)
 # pyarrow's JSON reader parses this much at a time, on its threads.
 JSON_BLOCK_BYTES = 16 * 2**20
 # An output before job.json: its name, its content (or the local file of it), its type.

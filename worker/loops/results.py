@@ -12,15 +12,7 @@ from typing import Any
 
 import structlog
 
-from worker.engine import Item, ItemError, Pipeline
-from worker.engine.channel import Channel
-from worker.errors import PreconditionFailed
-from worker.jobs.checkpoints import Checkpoints
-from worker.jobs.job import Job, JobState, Result
-from worker.jobs.outcomes import Lifecycle
-from worker.jobs.shards import Shards
-from worker.jobs.summary import job_summary
-from worker.jobs.tables import (
+from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
     PARQUET_CONTENT_TYPE,
@@ -29,10 +21,18 @@ from worker.jobs.tables import (
     UnfitResults,
     table_name,
 )
+from worker.engine import Item, ItemError, Pipeline
+from worker.engine.channel import Channel
+from worker.errors import PreconditionFailed
+from worker.jobs.checkpoints import Checkpoints
+from worker.jobs.job import Job, JobState, Result
+from worker.jobs.outcomes import Lifecycle
+from worker.jobs.summary import job_summary
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
+from worker.sharding.shards import Shards
 
 log = structlog.get_logger()
 

@@ -37,7 +37,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
-from worker.jobs.message import (
+from worker.message import (
     JobMessage,
     PoisonMessage,
     TableSource,

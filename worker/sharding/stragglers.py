@@ -41,7 +41,6 @@ import structlog
 from worker.errors import MissingObject, PreconditionFailed
 from worker.jobs.checkpoints import MAX_MARKER_BYTES
 from worker.jobs.job import Job
-from worker.jobs.message import JobMessage
 from worker.jobs.outcomes import Outcomes
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
@@ -59,8 +58,9 @@ from worker.jobs.plan import (
     shard_name,
     watch_file,
 )
-from worker.jobs.shards import WATCH_SLACK_S, Shards, watch_delay_s
+from worker.message import JobMessage
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
+from worker.sharding.shards import WATCH_SLACK_S, Shards, watch_delay_s
 
 log = structlog.get_logger()
 

@@ -30,7 +30,7 @@ class PoisonMessage(Exception):
 
 class ShardRef(BaseModel):
     """Which part of a planned job a shard message runs: its number in the job's
-    plan.json, and that plan's request digest (`worker.jobs.shards`)."""
+    plan.json, and that plan's request digest (`worker.sharding.shards`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -68,7 +68,7 @@ class TableSource(BaseModel):
 
 class TarMembers(BaseModel):
     """The listed inputs are tar shards (WebDataset's): each regular-file member, in
-    order, is an input (`worker.jobs.tars`); those whose name ends `member_suffix`, if
+    order, is an input (`worker.datasets.tars`); those whose name ends `member_suffix`, if
     given."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -82,7 +82,7 @@ class JobMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
-    # The inputs: exactly one of these (`worker.jobs.inputs`).
+    # The inputs: exactly one of these (`worker.datasets.inputs`).
     inputs: list[S3Uri] | None = Field(default=None, min_length=1)
     manifest: S3Uri | None = None
     inputs_prefix: S3Uri | None = None
@@ -95,7 +95,7 @@ class JobMessage(BaseModel):
     output: S3Uri
     params: dict[str, Any] = Field(default_factory=dict)
     # How the results are written: results.jsonl (and a .npy per array field), or
-    # Parquet files under results/ (`worker.jobs.tables`).
+    # Parquet files under results/ (`worker.datasets.tables`).
     format: Literal["jsonl", "parquet"] = "jsonl"
     # A job with more inputs than this is split across the fleet (`--shard-items`).
     shard_items: int | None = Field(default=None, ge=1)

@@ -27,9 +27,9 @@ from typing import Any
 
 import structlog
 
+from worker.datasets.tables import JSON_LINES, NDJSON, PARQUET_CONTENT_TYPE, table_name
 from worker.errors import MissingObject, PreconditionFailed
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
-from worker.jobs.message import JobMessage, PoisonMessage
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
     Commit,
@@ -42,7 +42,7 @@ from worker.jobs.plan import (
     shard_name,
 )
 from worker.jobs.summary import job_summary
-from worker.jobs.tables import JSON_LINES, NDJSON, PARQUET_CONTENT_TYPE, table_name
+from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, S3Location
 
 log = structlog.get_logger()

@@ -31,10 +31,10 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
+from worker.datasets.disk import DiskBudget
+from worker.datasets.inputs import unreadable_is_poison
 from worker.errors import TransientError
-from worker.jobs.disk import DiskBudget
-from worker.jobs.inputs import unreadable_is_poison
-from worker.jobs.message import PoisonMessage, TarMembers
+from worker.message import PoisonMessage, TarMembers
 from worker.ports import BlobStore, LocalPart, S3Location
 
 BLOCK = 512  # a tar's headers, and its members' bytes, are in blocks of 512 bytes

@@ -1,5 +1,5 @@
 """The disk a daemon's tar copies may take, all of them together (`--tar-disk-bytes`):
-whole tar jobs and tar shards alike copy their tars to this machine (`worker.jobs.tars`),
+whole tar jobs and tar shards alike copy their tars to this machine (`worker.datasets.tars`),
 each claiming its bytes of one budget as its copies grow, before each piece is written,
 and giving them back when its copies are removed.
 
@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from worker.errors import TransientError
-from worker.jobs.message import PoisonMessage
+from worker.message import PoisonMessage
 
 # The budget when none is set: this share of the space free at start on the disk of
 # --log-dir (which holds the job logs and array files too).

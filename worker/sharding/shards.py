@@ -12,7 +12,7 @@ sees every marker (S3 lists what is written, at once) and merges: the parts in i
 order into results.jsonl and job.log (copied by S3 where it can), then job.json, fenced
 like any job's final writes, then removes the shards' files. A merger that dies is
 replaced by its shard's redelivery, which finds its marker written and merges
-(`worker.jobs.merging`).
+(`worker.sharding.merging`).
 """
 
 from __future__ import annotations
@@ -27,18 +27,10 @@ from typing import Any, NamedTuple
 
 import structlog
 
+from worker.datasets.tables import JSON_LINES, NDJSON, PARQUET, Output
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed, TransientError
 from worker.jobs.checkpoints import MAX_MARKER_BYTES, Checkpoints
 from worker.jobs.job import Job
-from worker.jobs.merging import (
-    AlreadyMerged,
-    Fenced,
-    Incomplete,
-    Merged,
-    Merger,
-    MergingElsewhere,
-)
-from worker.jobs.message import JobMessage, PoisonMessage
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
@@ -57,8 +49,16 @@ from worker.jobs.plan import (
     watch_body,
     watch_file,
 )
-from worker.jobs.tables import JSON_LINES, NDJSON, PARQUET, Output
+from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
+from worker.sharding.merging import (
+    AlreadyMerged,
+    Fenced,
+    Incomplete,
+    Merged,
+    Merger,
+    MergingElsewhere,
+)
 
 log = structlog.get_logger()
 
@@ -282,7 +282,7 @@ class Shards:
     def dead_lettered(self, spec: JobMessage, plan: Plan, reason: str) -> None:
         """Note that the shard's message was dead-lettered, and why, and have the job
         watched: a watch that finds only such shards left says the job stalled
-        (`worker.jobs.stragglers`) until one is redriven. Never raises: without the note,
+        (`worker.sharding.stragglers`) until one is redriven. Never raises: without the note,
         the job's watch goes on."""
         assert spec.shard is not None
         dead = shard_file(spec, plan.request_digest, spec.shard.index, DEAD_SUFFIX)
@@ -297,7 +297,7 @@ class Shards:
 
     def watch(self, spec: JobMessage, plan: Plan, delay_s: int) -> None:
         """Have a worker look at the job's shards `delay_s` from now
-        (`worker.jobs.stragglers`), unless a watch is due no later; never raises (without
+        (`worker.sharding.stragglers`), unless a watch is due no later; never raises (without
         one, a straggler only holds the job's end back)."""
         try:
             marker = watch_file(spec, plan.request_digest)

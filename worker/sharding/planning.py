@@ -1,4 +1,4 @@
-"""Planning a job too big for one worker into shards (`worker.jobs.shards` runs and
+"""Planning a job too big for one worker into shards (`worker.sharding.shards` runs and
 merges them): plan.json written once, then its inputs under its output as a file per
 shard, as the plan that stands splits them, a message per shard, the job's own message
 deleted last."""
@@ -11,11 +11,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
+from worker.datasets.inputs import Input, shard_line
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.checkpoints import RequestDigest
-from worker.jobs.inputs import Input, shard_line
 from worker.jobs.job import Job, JobSettled
-from worker.jobs.message import JobMessage, PoisonMessage
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
@@ -30,6 +29,7 @@ from worker.jobs.plan import (
     shard_file,
     shard_name,
 )
+from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource
 
 log = structlog.get_logger()

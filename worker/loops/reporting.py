@@ -15,8 +15,8 @@ from worker.engine import Item
 from worker.jobs.checkpoints import Checkpoints, Halt
 from worker.jobs.job import FEEDABLE, Job
 from worker.jobs.ledger import Ledger
-from worker.jobs.shards import Shards
 from worker.ports import BlobStore
+from worker.sharding.shards import Shards
 from worker.telemetry.metrics import Metrics
 from worker.telemetry.progress import Progress
 from worker.telemetry.timeline import Timeline
