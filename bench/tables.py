@@ -17,8 +17,8 @@ from pathlib import Path
 import pyarrow.parquet
 
 from bench.harness import OVERLAP_JOB_SIZE, OVERLAP_SETTINGS, LatentBlobStore, run_daemon
+from worker.datasets.tables import Tables, table_name
 from worker.jobs.joblog import configure_daemon_logging
-from worker.jobs.tables import Tables, table_name
 
 JOB_SIZE = OVERLAP_JOB_SIZE
 # The default pipeline's fields, as its postprocessor writes them for zeros.

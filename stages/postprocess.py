@@ -28,5 +28,5 @@ def top_k(probabilities: np.ndarray | Sequence[float], params: dict[str, Any]) -
 
 def embedding(output: np.ndarray, _params: dict[str, Any]) -> dict[str, Any]:
     """The model's whole output for the input, as an array: it lands in embedding.npy
-    under the job's output, and the input's line says which row (`worker.jobs.arrays`)."""
+    under the job's output, and the input's line says which row (`worker.datasets.arrays`)."""
     return {"embedding": output}
