@@ -13,6 +13,8 @@ from worker.ports import JOB_ID_PATTERN, S3Location
 S3_URI_PATTERN = r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]/.*$"
 
 S3Uri = Annotated[str, Field(pattern=S3_URI_PATTERN)]
+# A request id: what a sender names one submit of a job by (it is echoed, never a path).
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 # A request digest (`worker.jobs.checkpoints.request_digest`): it names a plan's files.
 DIGEST_PATTERN = r"^[0-9a-f]{16}$"
 
@@ -82,6 +84,9 @@ class JobMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    # Names one submit of the job (`worker.client` makes a new one each time): the job.json
+    # of its run echoes it, so its sender tells that run from another to the same output.
+    request_id: str | None = Field(default=None, pattern=REQUEST_ID_PATTERN)
     # The inputs: exactly one of these (`worker.datasets.inputs`).
     inputs: list[S3Uri] | None = Field(default=None, min_length=1)
     manifest: S3Uri | None = None

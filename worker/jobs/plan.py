@@ -123,6 +123,7 @@ def shard_body(spec: JobMessage, plan: Plan, shard: int) -> str:
             "format": plan.format,
             "shard": {"index": shard, "plan": plan.request_digest},
             **({"tar": plan.tar.model_dump()} if plan.tar else {}),
+            **_request(spec),
         }
     )
 
@@ -135,8 +136,15 @@ def watch_body(spec: JobMessage, plan: Plan) -> str:
             "output": spec.output,
             "format": plan.format,
             "watch": plan.request_digest,
+            **_request(spec),
         }
     )
+
+
+def _request(spec: JobMessage) -> dict[str, str]:
+    """The request id a job's shards and watches carry on (the merge's job.json echoes
+    it), if its message gave one."""
+    return {} if spec.request_id is None else {"request_id": spec.request_id}
 
 
 class RunFile(BaseModel):

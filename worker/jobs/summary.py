@@ -13,6 +13,7 @@ from worker.jobs.job import job_status
 def job_summary(
     *,
     job_id: str,
+    request_id: str | None,
     cancelled: bool,
     items: int,
     succeeded: int,
@@ -33,6 +34,7 @@ def job_summary(
     finished_at = time.time()
     summary = {
         "job_id": job_id,
+        "request_id": request_id,
         "status": job_status(cancelled=cancelled, succeeded=succeeded, failed=failed).value,
         "items": items,
         "succeeded": succeeded,

@@ -376,6 +376,7 @@ class Finisher:
         assert job.model is not None and job.spec is not None
         return job_summary(
             job_id=job.job_id,
+            request_id=job.spec.request_id,
             cancelled=job.cancelled,
             items=len(job.inputs),
             succeeded=job.succeeded,

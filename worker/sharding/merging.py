@@ -170,7 +170,7 @@ class Merger:
         logs = ("job.log", [commit.log for commit in commits], NDJSON)
         try:
             outputs = dict(compose(*output) for output in [*results, logs])
-            summary = self._summary(plan, commits)
+            summary = self._summary(plan, commits, spec.request_id)
             summary["outputs"] = outputs
             claim.renew()
             self._blobs.put(
@@ -187,9 +187,10 @@ class Merger:
         self.remove(spec, plan)
         return Merged(summary)
 
-    def _summary(self, plan: Plan, commits: list[Commit]) -> dict[str, Any]:
+    def _summary(self, plan: Plan, commits: list[Commit], request_id: str | None) -> dict[str, Any]:
         summary = job_summary(
             job_id=plan.job_id,
+            request_id=request_id,
             cancelled=any(commit.cancelled for commit in commits),
             items=_items(plan, commits),
             succeeded=sum(commit.succeeded for commit in commits),

@@ -1,0 +1,50 @@
+"""A message's `request_id` (docs/jobs.md, "The job message"): a short plain name the
+sender gives one submit, checked like the rest of the message, and echoed by the
+job.json of the run it asked for, whether one worker ran it or the fleet ran it as
+shards (and by each shard's and watch's message in between)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.in_process import job_file, run_until_drained, sample_images
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.message import PoisonMessage, parse_job_message
+
+BODY = {"inputs": ["s3://bkt/a"], "output": "s3://bkt/out/j1/"}
+
+
+@pytest.mark.parametrize("request_id", ["0f3a9c", "nightly:2026-11-26T01.00-a_b", "r" * 128])
+def test_a_request_id_is_a_short_plain_name(request_id: str) -> None:
+    message = parse_job_message(json.dumps({**BODY, "request_id": request_id}), frozenset())
+    assert message.request_id == request_id
+
+
+@pytest.mark.parametrize("request_id", ["", "r" * 129, "a b", "a/b", "é", 7])
+def test_a_request_id_that_is_not_is_poison(request_id: object) -> None:
+    """It is echoed and compared, never a path; anything else is refused with the field
+    named."""
+    with pytest.raises(PoisonMessage, match="request_id"):
+        parse_job_message(json.dumps({**BODY, "request_id": request_id}), frozenset())
+
+
+@pytest.mark.parametrize("shard_items", [None, 2])
+def test_job_json_echoes_the_request_id_of_the_message_it_ran(
+    tmp_path: Path, shard_items: int | None
+) -> None:
+    """Run whole, or as three shards merged by the last to commit: job.json says the
+    request id its message gave; a message that gave none gets null."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 5)
+    for job_id, named in (("asked", {"request_id": "r-1"}), ("plain", {})):
+        body = {"job_id": job_id, "inputs": inputs, "output": f"s3://bkt/out/{job_id}/"}
+        source.send(json.dumps({**body, **named}))
+    settings = {} if shard_items is None else {"shard_items": shard_items}
+    run_until_drained(source, blobs, tmp_path, **settings)
+    asked, plain = job_file(blobs, "asked", "job.json"), job_file(blobs, "plain", "job.json")
+    assert asked["request_id"] == "r-1" and asked["succeeded"] == 5
+    assert "request_id" in plain and plain["request_id"] is None
+    assert ("shards" in asked) is (shard_items is not None)
