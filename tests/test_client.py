@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from tests.support.in_process import run_until_drained, sample_images
-from worker import cli, client
+from worker import cli
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import (
     CancelRefused,
@@ -27,7 +27,9 @@ from worker.client import (
     JobStatus,
     Phase,
     UnreadableOutput,
+    outputs,
 )
+from worker.ports import S3Location
 
 OUTPUT = "s3://bkt/out/j1/"
 
@@ -49,9 +51,9 @@ def _write(blobs: InMemoryBlobStore, name: str, document: Any) -> None:
 
 def _finished(blobs: InMemoryBlobStore, results: bytes, **fields: Any) -> None:
     """A JSON-lines job's results.jsonl and job.json, as the daemon leaves them."""
-    _write(blobs, "results.jsonl", results)
+    etag = blobs.put(S3Location.parse(OUTPUT + "results.jsonl"), results, "application/x-ndjson")
     summary = {"job_id": "j1", "status": "succeeded", "items": 3, "succeeded": 3, "failed": 0}
-    _write(blobs, "job.json", {**summary, "outputs": {"results.jsonl": '"e"'}, **fields})
+    _write(blobs, "job.json", {**summary, "outputs": {"results.jsonl": etag}, **fields})
 
 
 def test_a_producer_imports_the_client_and_the_command_line_without_torch() -> None:
@@ -215,7 +217,7 @@ def test_json_lines_batches_keep_their_columns_and_take_new_ones(
     answers, then one whose field is null: each batch keeps the columns of those before
     it and adds its own, a null-only field takes a type once it has one, and an integer
     field that holds a fraction later is a double from then on."""
-    monkeypatch.setattr(client, "JSON_BLOCK_BYTES", 1)  # a block per line
+    monkeypatch.setattr(outputs, "JSON_BLOCK_BYTES", 1)  # a block per line
     failed = {"index": 0, "input": "s3://bkt/a", "error": {"type": "E", "message": "m"}}
     answered = {"index": 1, "input": "s3://bkt/b", "model": "m@1", "label": "x", "box": None}
     late = {"index": 2, "input": "s3://bkt/c", "model": "m@1", "label": None, "box": [1, 2]}

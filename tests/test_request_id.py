@@ -48,3 +48,49 @@ def test_job_json_echoes_the_request_id_of_the_message_it_ran(
     assert asked["request_id"] == "r-1" and asked["succeeded"] == 5
     assert "request_id" in plain and plain["request_id"] is None
     assert ("shards" in asked) is (shard_items is not None)
+
+
+def test_a_cancel_stops_only_the_run_it_names(tmp_path: Path) -> None:
+    """A `cancel` naming another run of the job (one an earlier run left behind) is not
+    this run's: the job runs. One naming this run, or no job at all (`worker cancel`
+    without `--job-id`), cancels it."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 2)
+    cancels = {
+        "other": {"job_id": "other", "request_id": "r-0"},
+        "own": {"job_id": "own", "request_id": "r-1"},
+        "bare": {},
+    }
+    for job_id, names in cancels.items():
+        output = f"s3://bkt/out/{job_id}/"
+        blobs.objects[output + "cancel"] = json.dumps({"reason": "", **names}).encode()
+        body = {"job_id": job_id, "request_id": "r-1", "inputs": inputs, "output": output}
+        source.send(json.dumps(body))
+    run_until_drained(source, blobs, tmp_path)
+    statuses = {job_id: job_file(blobs, job_id, "job.json")["status"] for job_id in cancels}
+    assert statuses == {"other": "succeeded", "own": "cancelled", "bare": "cancelled"}
+
+
+@pytest.mark.parametrize("shard_items", [None, 1])
+def test_a_job_done_for_another_request_id_runs_again(
+    tmp_path: Path, shard_items: int | None
+) -> None:
+    """job.json says which run it completes: the same job sent again with its request
+    id (a copy of the message), or with none (a sender that gives none), is found done
+    and acked; sent with another request id it runs again, whole or as shards, and its
+    job.json echoes the new id."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    body = {"job_id": "j", "inputs": sample_images(blobs, 2), "output": "s3://bkt/out/j/"}
+    settings = {} if shard_items is None else {"shard_items": shard_items}
+    source.send(json.dumps({**body, "request_id": "r-0"}))
+    run_until_drained(source, blobs, tmp_path, **settings)
+    first = job_file(blobs, "j", "job.json")
+    source.send(json.dumps({**body, "request_id": "r-0"}))
+    source.send(json.dumps(body))
+    run_until_drained(source, blobs, tmp_path, **settings)
+    assert job_file(blobs, "j", "job.json") == first
+    source.send(json.dumps({**body, "request_id": "r-1"}))
+    run_until_drained(source, blobs, tmp_path, **settings)
+    again = job_file(blobs, "j", "job.json")
+    assert again["request_id"] == "r-1" and again["succeeded"] == 2
+    assert again["finished_at"] != first["finished_at"]

@@ -21,6 +21,7 @@ from worker.client import (
     CancelRefused,
     InvalidJob,
     Job,
+    JobRejected,
     Jobs,
     JobStalled,
     JobStatus,
@@ -74,8 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "enqueue",
         help="send a job message",
         description="Send one job to the queue and print its job id; with --wait, follow "
-        "it with a progress bar until its job.json appears, print that, and exit 0 if it "
-        "succeeded (the Python client, `worker.client`, does the same from code).",
+        "it with a progress bar until the job.json of this run appears (not one an earlier "
+        "run to the same output left), print that, and exit 0 if it succeeded; exit 1, "
+        "saying why, if it was rejected (dead-lettered) or stalled. A job the daemon would "
+        "refuse is refused before it is sent (exit 2), a bucket outside "
+        "WORKER_ALLOWED_BUCKETS too, where it is set (the Python client, `worker.client`, "
+        "does the same from code).",
     )
     enqueue.add_argument(
         "--queue-url",
@@ -421,7 +426,7 @@ def _wait(job: Job, timeout_s: float) -> int:
 
     try:
         summary = job.wait(timeout_s, WAIT_POLL_S, on_status=draw)
-    except (TimeoutError, UnreadableOutput, JobStalled) as error:
+    except (TimeoutError, UnreadableOutput, JobStalled, JobRejected) as error:
         print(f"\n{error}", file=sys.stderr)
         return 1
     print(file=sys.stderr)

@@ -229,9 +229,12 @@ class BlobStore(Protocol):
         retries), `ObjectTooLarge` (without reading it) if they are over `max_bytes`, or
         another error that retrying will not cure."""
 
-    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
         """The object's bytes in pieces as they are read, never more than `max_bytes` of
-        it in all; raises as `get` does."""
+        it in all; raises as `get` does. With `expect`, read only if the object still has
+        that ETag (If-Match): `PreconditionFailed` if it was replaced."""
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

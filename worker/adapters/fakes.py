@@ -299,7 +299,13 @@ class InMemoryBlobStore:
         _check_size(len(data), max_bytes)
         return data
 
-    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
+        with self._lock:
+            uri = str(location)
+            if expect is not None and uri in self.objects and self._etag(uri) != expect:
+                raise PreconditionFailed(f"{location} changed since it was listed")
         data = self.get(location, max_bytes)
         for start in range(0, len(data), self._chunk_bytes):
             yield data[start : start + self._chunk_bytes]

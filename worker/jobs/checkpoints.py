@@ -230,7 +230,9 @@ class Checkpoints:
         written = _json(data, "job.json")
         if not written or not _completes(written, spec.format, digest, listing, cancelled):
             return None
-        return written
+        # A message that names its request counts only the job.json of its own: sent
+        # again with another, the job runs again (its sender waits for that run's).
+        return written if spec.request_id in (None, written.get("request_id")) else None
 
     def remove_stale(
         self, spec: JobMessage, listing: Iterable[str], written: Iterable[str]
@@ -261,7 +263,8 @@ class Checkpoints:
 
     def _cancel_stands(self, spec: JobMessage, job_id: str, listing: dict[str, str]) -> bool:
         """A `cancel` object is for whatever job writes to its prefix, or, if it names a
-        `job_id` (`worker cancel --job-id`), for that job alone."""
+        `job_id` (`worker cancel --job-id`), for that job alone, and if it names a
+        `request_id` too (`worker.client`'s `Job.cancel`), for that run of it alone."""
         if CANCEL_MARKER not in listing:
             return False
         try:
@@ -272,8 +275,11 @@ class Checkpoints:
             data = b""
         request = _json(data, CANCEL_MARKER) if data else None
         meant_for = (request or {}).get("job_id")
-        if meant_for not in (None, job_id):
-            log.warning("cancel_for_another_job", job_id=job_id, cancel_job_id=meant_for)
+        run = (request or {}).get("request_id")
+        if meant_for not in (None, job_id) or run not in (None, spec.request_id):
+            log.warning(
+                "cancel_for_another_job", job_id=job_id, cancel_job_id=meant_for, cancel_run=run
+            )
             return False
         return True
 

@@ -172,6 +172,7 @@ class ProgressReporter:
             return
         progress = {
             "job_id": job.job_id,
+            "request_id": job.spec.request_id,
             "items": len(job.inputs),
             "finished": finished,
             "failed": job.failed,

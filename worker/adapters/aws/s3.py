@@ -140,9 +140,11 @@ class S3BlobStore(Retrying):
 
         return self._call(read)
 
-    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
         # The request is retried; a reset mid-body is the caller's (transient) error.
-        body, _ = self._call(lambda: self._opened(location, max_bytes))
+        body, _ = self._call(lambda: self._opened(location, max_bytes, if_match=expect))
         with contextlib.closing(body):
             read = 0
             for chunk in body.iter_chunks(STREAM_CHUNK_BYTES):
@@ -152,17 +154,20 @@ class S3BlobStore(Retrying):
                 yield chunk
 
     def _opened(
-        self, location: S3Location, max_bytes: int | None, byte_range: ByteRange | None = None
+        self,
+        location: S3Location,
+        max_bytes: int | None,
+        byte_range: ByteRange | None = None,
+        if_match: str | None = None,
     ) -> tuple[Any, int | None]:
         """The object's body (of `byte_range`), unread, and its size if S3 gave it;
         `ObjectTooLarge` if that is over `max_bytes` (the body's connection is closed,
         not drained)."""
-        if byte_range is None:
-            reply = self._client.get_object(Bucket=location.bucket, Key=location.key)
-        else:
+        conditions: dict[str, Any] = {} if if_match is None else {"IfMatch": if_match}
+        if byte_range is not None:
             first, size = byte_range
-            wanted = f"bytes={first}-{first + size - 1}"
-            reply = self._client.get_object(Bucket=location.bucket, Key=location.key, Range=wanted)
+            conditions["Range"] = f"bytes={first}-{first + size - 1}"
+        reply = self._client.get_object(Bucket=location.bucket, Key=location.key, **conditions)
         body, size = reply["Body"], reply.get("ContentLength")
         if max_bytes is not None and size is not None and size > max_bytes:
             body.close()
