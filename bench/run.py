@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.admission import admission
 from bench.fleet import fleet, request_counts
 from bench.gpu_shaped import gpu_shaped
 from bench.harness import (
@@ -458,6 +459,8 @@ TARGETS = {
     # Issue 38's: the daemon at an H100's pace, with S3's tail latency.
     "fetch_efficiency": (">=", 0.85),
     "longest_stall_ms": ("<=", 25.0),
+    # Issue 39's: a one-image job received with a job naming 300,000 objects.
+    "small_job_beside_a_prefix_ratio": ("<=", 2.0),
     # Issue 25's: the control plane with tar-shard inputs.
     "host_ceiling_items_per_s_tar_shards": (">=", 20000.0),
 }
@@ -499,6 +502,7 @@ def main(out: Path, quick: bool, only: list[str] | None = None) -> int:
             "fetch_clients": lambda: fetch_clients(400),
             "fleet": lambda: fleet(work_dir, 1600 if quick else 3200),
             "request_counts": lambda: request_counts(work_dir, 2000, 200),
+            "admission": lambda: admission(work_dir, runs),
         }
         unknown = sorted(set(only or []) - steps.keys())
         if unknown:

@@ -57,3 +57,24 @@ def test_a_slow_listing_is_no_stall_and_holds_up_no_other_job(
     assert finished == ["small", "slow"]
     assert job_file(blobs, "slow", "job.json")["items"] == PAGE + 1
     assert job_file(blobs, "small", "job.json")["status"] == "succeeded"
+
+
+def test_the_jobs_received_after_a_slow_listing_do_not_wait_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs are admitted in the order they were received, but a job whose listing runs
+    past a page is slow to admit: the one-image job received after it is admitted once
+    that is known (a page, 3 s here), not when its listing ends (6 s), however long the
+    patience with an earlier job slow for no reason known."""
+    monkeypatch.setattr("worker.loops.intake.ADMISSION_PATIENCE_S", 60.0)
+    source, blobs = InMemoryJobSource(), _SlowListing(page_s=3.0)
+    for number in range(PAGE + 1):  # two pages
+        blobs.objects[f"s3://bkt/slow/{number:05d}"] = b"not an image"
+    source.send(
+        '{"job_id": "slow", "inputs_prefix": "s3://bkt/slow/", "output": "s3://bkt/out/slow/"}'
+    )
+    send_job(source, "small", sample_images(blobs, 1))
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path)
+    received = [entry["job_id"] for entry in logs if entry["event"] == "job_received"]
+    assert received == ["small", "slow"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.admission import admission
 from bench.gpu import decode_speedup, gpu_overlap, moto_end_to_end
 from bench.processes import exited_process_cpu_s, fetch_clients
 from bench.run import array_output, host_ceiling
@@ -137,3 +138,14 @@ def test_the_gpu_end_to_end_figure_runs_the_daemon_against_moto(tmp_path: Path) 
     out = tmp_path / "out"
     assert moto_end_to_end(tmp_path, 16, out, **MODELLED)["moto_images_per_s"] > 0
     assert (out / "moto/timeline.png").is_file()
+
+
+def test_the_admission_figure_times_the_small_job_from_the_first_receive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-image job alone and beside a prefix job (of 3,000 objects here, listed a
+    page every 0.2 s): each timed to its job.json, the daemon stopped then."""
+    monkeypatch.setattr("bench.admission.PREFIX_OBJECTS", 3000)
+    monkeypatch.setattr("bench.admission.LIST_PAGE_S", 0.2)
+    figures = admission(tmp_path, 1)
+    assert figures["small_job_idle_s"] > 0 and figures["small_job_beside_a_prefix_s"] > 0

@@ -147,6 +147,9 @@ class Job:
     receipt_handle: str = ""
     received_at: float = field(default_factory=time.time)
     started_at: float | None = None  # when its first item was fed
+    # Its admission takes long (a listing past a page, tars to copy): the jobs received
+    # after it do not wait for it to be admitted before their own admission.
+    slow_to_admit: bool = False
     lease_lost: bool = False
     # Known once admitted:
     job_id: str = ""

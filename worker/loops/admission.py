@@ -105,6 +105,7 @@ class AdmissionReader:
         self._shards = shards
         self._stragglers = stragglers
         self._announce = announce  # a job merged here (`Finisher.announce`)
+        self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
         self._progress = lifecycle.progress
         self._stopping = stopping
@@ -168,6 +169,7 @@ class AdmissionReader:
         if tar is None:
             return Items(uris, ids, None, item_places(uris, None, first_index))
         settings = self._settings
+        self._slow_to_admit(job)
         job.tar_copies = TarCopies(
             self._arrays.directory / f"{job.key}.tars",
             self._blobs,
@@ -187,10 +189,17 @@ class AdmissionReader:
         job is settled meanwhile (handed back at shutdown)."""
         for count, listed in enumerate(inputs, 1):
             if count % LISTED_A_BEAT == 0:
+                self._slow_to_admit(job)
                 if job.settled:
                     raise JobSettled(f"{job.job_id} was settled while its inputs were read")
                 self._progress.beat()
             yield listed
+
+    def _slow_to_admit(self, job: Job) -> None:
+        """The job's admission takes long: those received after it go on without it."""
+        if not job.slow_to_admit:
+            job.slow_to_admit = True
+            self._ledger.wake()
 
     def _finished(self, job: Job, spec: JobMessage, job_id: str, request: str) -> bool:
         """Ack a job whose job.json is written for request `request` already."""

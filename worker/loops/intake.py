@@ -262,7 +262,8 @@ class Intake:
                 return
             plan = admission.plan
             # In the order they came, so that they are fed in turn in that order; but not
-            # after one that takes long (a plan, a copy of tars).
+            # after one that takes long (a listing past a page, tars to copy), nor for
+            # long after one slow for another reason (a manifest S3 is slow to give).
             self._ledger.wait_until(_past_admission(before), ADMISSION_PATIENCE_S)
             # Whether a shard is one too many is decided with it admitted at once: of two
             # shards admitted side by side, the second sees the first.
@@ -414,8 +415,8 @@ class Intake:
 
 
 def _past_admission(jobs: list[Job]) -> Callable[[], bool]:
-    """Whether every one of `jobs` is admitted or settled."""
-    return lambda: all(job.state is not JobState.RECEIVED for job in jobs)
+    """Whether every one of `jobs` is admitted, settled or slow to admit."""
+    return lambda: all(job.state is not JobState.RECEIVED or job.slow_to_admit for job in jobs)
 
 
 # Items the feeder takes from the ledger, and feeds in, at a time: a lock each, not one
