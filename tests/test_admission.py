@@ -32,6 +32,18 @@ class _SlowListing(InMemoryBlobStore):
             yield key
 
 
+def _slow_job_then_a_small_one() -> tuple[InMemoryJobSource, _SlowListing]:
+    """A job whose prefix lists in 6 s (two pages, 3 s each), then a one-image job."""
+    source, blobs = InMemoryJobSource(), _SlowListing(page_s=3.0)
+    for number in range(PAGE + 1):
+        blobs.objects[f"s3://bkt/slow/{number:05d}"] = b"not an image"
+    source.send(
+        '{"job_id": "slow", "inputs_prefix": "s3://bkt/slow/", "output": "s3://bkt/out/slow/"}'
+    )
+    send_job(source, "small", sample_images(blobs, 1))
+    return source, blobs
+
+
 def test_a_slow_listing_is_no_stall_and_holds_up_no_other_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -40,13 +52,7 @@ def test_a_slow_listing_is_no_stall_and_holds_up_no_other_job(
     neither stalls (a job being admitted is not work that moves no item) nor charges
     anyone; both jobs end."""
     monkeypatch.setattr("worker.daemon.wiring.STALL_MARGIN_S", 1.0)
-    source, blobs = InMemoryJobSource(), _SlowListing(page_s=3.0)
-    for number in range(PAGE + 1):  # two pages
-        blobs.objects[f"s3://bkt/slow/{number:05d}"] = b"not an image"
-    source.send(
-        '{"job_id": "slow", "inputs_prefix": "s3://bkt/slow/", "output": "s3://bkt/out/slow/"}'
-    )
-    send_job(source, "small", sample_images(blobs, 1))
+    source, blobs = _slow_job_then_a_small_one()
     with capture_logs() as logs:
         run_until_drained(
             source, blobs, tmp_path, inference_timeout_seconds=1, preprocess_timeout_seconds=1
@@ -67,13 +73,7 @@ def test_the_jobs_received_after_a_slow_listing_do_not_wait_for_it(
     that is known (a page, 3 s here), not when its listing ends (6 s), however long the
     patience with an earlier job slow for no reason known."""
     monkeypatch.setattr("worker.loops.intake.ADMISSION_PATIENCE_S", 60.0)
-    source, blobs = InMemoryJobSource(), _SlowListing(page_s=3.0)
-    for number in range(PAGE + 1):  # two pages
-        blobs.objects[f"s3://bkt/slow/{number:05d}"] = b"not an image"
-    source.send(
-        '{"job_id": "slow", "inputs_prefix": "s3://bkt/slow/", "output": "s3://bkt/out/slow/"}'
-    )
-    send_job(source, "small", sample_images(blobs, 1))
+    source, blobs = _slow_job_then_a_small_one()
     with capture_logs() as logs:
         run_until_drained(source, blobs, tmp_path)
     received = [entry["job_id"] for entry in logs if entry["event"] == "job_received"]
