@@ -16,9 +16,12 @@ from typing import Any
 
 from cfnlint.decode import decode
 
+from tests.support.in_process import run_until_drained, sample_images
 from tests.support.paths import REPO, TEMPLATE
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, FINAL_OUTPUTS, SUPERSEDED_PREFIX
 from worker.message import CANCEL_MARKER
+from worker.ports import S3Location
 
 DOCKERFILE = REPO / "Dockerfile"
 # checkov pins boto3, botocore, packaging and networkx to older releases than the
@@ -179,35 +182,75 @@ def test_template_locks_things_down() -> None:
     assert template["Parameters"]["SharedMemoryMiB"]["Default"] >= 1024
 
 
-def test_template_scopes_the_daemons_data_policy() -> None:
-    """The daemon deletes checkpoint parts and nothing else, wherever a job's output
-    prefix is; its data policy is on the instance role only on EC2 (on ECS the task
-    role carries it, and the instance keeps what the ECS agent needs)."""
+def _deletable(key: str) -> bool:
+    """Whether the daemon's data policy lets it delete `key` of the data bucket (IAM's
+    * spans "/" too, and its ? is one character, as fnmatch's)."""
     template, problems = decode(str(TEMPLATE))
     assert not problems and template is not None
-    resources = template["Resources"]
-    statements = resources["WorkerPolicy"]["Properties"]["PolicyDocument"]["Statement"]
-    [deletes] = [s for s in statements if "s3:DeleteObject" in _actions(s)]
+    statements = template["Resources"]["WorkerPolicy"]["Properties"]["PolicyDocument"]
+    [deletes] = [s for s in statements["Statement"] if "s3:DeleteObject" in _actions(s)]
     assert _actions(deletes) == ["s3:DeleteObject"]
     patterns = [resource["Fn::Sub"] for resource in deletes["Resource"]]
     assert all(p.startswith("${DataBucket.Arn}/") for p in patterns)
-    keys = [p.removeprefix("${DataBucket.Arn}/") for p in patterns]  # IAM's * spans "/" too
+    keys = [p.removeprefix("${DataBucket.Arn}/") for p in patterns]
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in keys)
 
-    def deletable(key: str) -> bool:
-        return any(fnmatch.fnmatchcase(key, pattern) for pattern in keys)
 
+def test_template_scopes_the_daemons_data_policy() -> None:
+    """The daemon deletes what its runs leave on the way (checkpoint parts, a sharded
+    job's shards/<digest>/ files, an earlier run's Parquet parts) and nothing else,
+    wherever a job's output prefix is; its data policy is on the instance role only on
+    EC2 (on ECS the task role carries it, and the instance keeps what the ECS agent
+    needs)."""
+    template, problems = decode(str(TEMPLATE))
+    assert not problems and template is not None
+    resources = template["Resources"]
     for output in ("", "results/job-1/", "a/b/c/"):
-        assert deletable(f"{output}{CHECKPOINT_PREFIX}0123abcd-m1-0.jsonl")
-        assert deletable(f"{output}{SUPERSEDED_PREFIX}m1")
+        assert _deletable(f"{output}{CHECKPOINT_PREFIX}0123abcd-m1-0.jsonl")
+        assert _deletable(f"{output}{SUPERSEDED_PREFIX}m1")
+        assert _deletable(f"{output}shards/0123456789abcdef/3.commit")
+        assert _deletable(f"{output}results/part-000003-0001.parquet")
         kept = [*FINAL_OUTPUTS, CANCEL_MARKER, "scores.npy", f"my{CHECKPOINT_PREFIX}x"]
-        assert not any(deletable(f"{output}{name}") for name in kept)
-    assert not deletable("inputs/0001.jpg")
+        kept += ["shards/0001.tar", "shards/train/0001.tar", "results/_SUCCESS"]
+        kept += ["results/part-00000-c0ffee.snappy.parquet"]  # Spark's
+        assert not any(_deletable(f"{output}{name}") for name in kept)
+    assert not _deletable("inputs/0001.jpg")
 
     instance_policies = resources["InstanceRole"]["Properties"]["ManagedPolicyArns"]
     on_ec2_only = {"Fn::If": ["OnEc2", {"Ref": "WorkerPolicy"}, {"Ref": "AWS::NoValue"}]}
     assert on_ec2_only in instance_policies
     assert json.dumps(instance_policies).count("WorkerPolicy") == 1
     assert resources["TaskRole"]["Properties"]["ManagedPolicyArns"] == [{"Ref": "WorkerPolicy"}]
+
+
+class _DeletesSeen(InMemoryBlobStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleted: list[str] = []
+
+    def delete(self, locations: list[S3Location]) -> None:
+        self.deleted += [location.key for location in locations]
+        super().delete(locations)
+
+
+def test_every_key_the_daemon_deletes_is_one_its_policy_lets_it(tmp_path: Path) -> None:
+    """A sharded Parquet job whose output holds an earlier run's extra part, and a
+    sharded job whose output is the bucket's root, run to their end: every key the daemon
+    deleted on the way is one the template's policy lets it delete (on S3 it would
+    otherwise be refused, and the files left behind), the shards' files and the stale
+    part among them. (Checkpoint parts, which jobs this small do not write, are the
+    policy's first patterns, above.)"""
+    source, blobs = InMemoryJobSource(), _DeletesSeen()
+    inputs = sample_images(blobs, 4)
+    blobs.objects["s3://bkt/out/table/results/part-000009-0000.parquet"] = b"an earlier run's"
+    for output, extra in (("s3://bkt/out/table/", {"format": "parquet"}), ("s3://bkt/", {})):
+        body = {"inputs": inputs, "output": output, "shard_items": 2, **extra}
+        source.send(json.dumps(body))
+    run_until_drained(source, blobs, tmp_path, batch_size=2, preprocess_workers=1)
+    assert [key for key in blobs.deleted if not _deletable(key)] == []
+    assert "out/table/results/part-000009-0000.parquet" in blobs.deleted
+    assert any(key.startswith("out/table/shards/") for key in blobs.deleted)
+    assert any(key.startswith("shards/") for key in blobs.deleted)  # the root's
 
 
 def test_template_scales_from_zero_places_tasks_on_capacity_and_alarms_have_runbooks() -> None:
