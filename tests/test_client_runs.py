@@ -29,7 +29,7 @@ from worker.client import (
     OutputReplaced,
     Phase,
 )
-from worker.errors import TransientError
+from worker.errors import MessageRefused, TransientError
 from worker.ports import S3Location
 
 OUTPUT = "s3://bkt/out/j1/"
@@ -134,6 +134,18 @@ def test_params_sqs_would_refuse_are_an_invalid_job_before_anything_is_sent(
     with pytest.raises(InvalidJob, match=r"U\+FFF[EF], a character SQS refuses|surrogates"):
         Jobs(queue, InMemoryBlobStore()).submit(OUTPUT, inputs=IMAGES, params=params)
     assert len(queue) == 0
+
+
+def test_a_message_the_queue_refuses_is_an_invalid_job() -> None:
+    """What the client does not foresee and SQS refuses for what it holds
+    (`MessageRefused`, never retried) is `InvalidJob`, with SQS's reason."""
+
+    class Refusing(InMemoryJobSource):
+        def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
+            raise MessageRefused("1 messages refused by SQS: InvalidMessageContents: no")
+
+    with pytest.raises(InvalidJob, match="InvalidMessageContents"):
+        Jobs(Refusing(), InMemoryBlobStore()).submit(OUTPUT, inputs=IMAGES)
 
 
 def test_a_bucket_the_daemon_would_refuse_is_an_invalid_job(

@@ -18,7 +18,7 @@ from worker.adapters.aws import calls
 from worker.adapters.aws.s3 import S3BlobStore
 from worker.adapters.aws.sqs import SqsJobSource
 from worker.engine import ItemError
-from worker.errors import AccessDenied, MissingObject, TransientError
+from worker.errors import AccessDenied, MessageRefused, MissingObject, TransientError
 from worker.ports import RENEWAL_FAILED, S3Location
 from worker.retry import Backoff, call_with_retries
 
@@ -219,6 +219,44 @@ def test_every_chunk_of_a_renewal_is_tried_and_none_outlives_the_lease(
     }
     with Stubber(client) as stubber:  # no response queued: a call would fail the test
         assert source.extend(handles, 120, within_s=0) == dict.fromkeys(handles, RENEWAL_FAILED)
+
+
+def test_a_message_sqs_refuses_for_what_it_holds_is_not_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An entry SQS fails as the sender's fault (characters it does not take) raises
+    `MessageRefused` at once, where it was retried as transient; one it fails for its
+    own reasons is sent again, alone."""
+    monkeypatch.setattr(calls, "call_with_retries", _without_sleeping(calls.call_with_retries))
+    client = boto3.session.Session(
+        aws_access_key_id="t", aws_secret_access_key="t", region_name="us-east-1"
+    ).client("sqs", config=calls.client_config())
+    source = SqsJobSource(client, "https://sqs.us-east-1.amazonaws.com/1/q", None, attempts=5)
+    refused = {"Id": "1", "SenderFault": True, "Code": "InvalidMessageContents", "Message": "x"}
+    with Stubber(client) as stubber:
+        stubber.add_response(
+            "send_message_batch",
+            {
+                "Successful": [{"Id": "0", "MessageId": "m", "MD5OfMessageBody": "d"}],
+                "Failed": [refused],
+            },
+        )
+        with pytest.raises(MessageRefused, match="InvalidMessageContents"):
+            source.send_many(["{}", "{}"], "group")
+        stubber.assert_no_pending_responses()
+    unlucky = {"Id": "1", "SenderFault": False, "Code": "InternalError"}
+    with Stubber(client) as stubber:
+        stubber.add_response(
+            "send_message_batch",
+            {
+                "Successful": [{"Id": "0", "MessageId": "m", "MD5OfMessageBody": "d"}],
+                "Failed": [unlucky],
+            },
+        )
+        resent = {"Id": "1", "MessageId": "n", "MD5OfMessageBody": "d"}
+        stubber.add_response("send_message_batch", {"Successful": [resent], "Failed": []})
+        source.send_many(["{}", "{}"], "group")
+        stubber.assert_no_pending_responses()
 
 
 def test_a_checksum_mismatch_and_a_full_host_memory_are_not_the_inputs_fault() -> None:

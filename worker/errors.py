@@ -45,6 +45,11 @@ class ObjectTooLarge(ValueError):
         return type(self), (self.size, self.limit)
 
 
+class MessageRefused(ValueError):
+    """The queue refused a message for what it holds (a sender's fault: characters it
+    does not take, a size over its limit): sending it again will not help."""
+
+
 class PreconditionFailed(Exception):
     """A conditional write did not happen: the object is no longer as this writer saw it."""
 

@@ -20,7 +20,7 @@ from pydantic_core import PydanticSerializationError
 
 from worker.adapters import aws
 from worker.client.outputs import JOB_JSON, Outputs, Summary
-from worker.errors import TransientError
+from worker.errors import MessageRefused, TransientError
 from worker.message import (
     CANCEL_MARKER,
     JobMessage,
@@ -176,7 +176,10 @@ class Jobs:
         except PoisonMessage as error:
             raise InvalidJob(str(error)) from error
         assert message.job_id is not None and message.request_id is not None
-        self._queue.send_many([_sendable(message)], message.job_id)
+        try:
+            self._queue.send_many([_sendable(message)], message.job_id)
+        except MessageRefused as error:
+            raise InvalidJob(f"invalid job message: {error}") from error
         return Job(self._blobs, message.output, message.job_id, message.request_id)
 
     def job(self, output: str, job_id: str | None = None, request_id: str | None = None) -> Job:

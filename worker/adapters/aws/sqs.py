@@ -12,7 +12,7 @@ import boto3
 import structlog
 
 from worker.adapters.aws.calls import Retrying, client_config
-from worker.errors import TransientError
+from worker.errors import MessageRefused, TransientError
 from worker.ports import (
     JOB_ID_PATTERN,
     MAX_BREAKAGE_CHARS,
@@ -194,7 +194,9 @@ class SqsJobSource(Retrying):
 
     def _send_batch(self, bodies: dict[int, str], group: str, delay_s: int) -> None:
         """Send the entries of `bodies` not sent yet; the sent ones leave it, and a
-        failed entry raises (a transient error: the retry sends what is left)."""
+        failed entry raises: `MessageRefused` where SQS says the sender is at fault (a
+        retry would be refused again), else a transient error (the retry sends what is
+        left)."""
         entries: Any = [
             {"Id": str(n), "MessageBody": body, "MessageGroupId": group, "DelaySeconds": delay_s}
             for n, body in bodies.items()
@@ -202,9 +204,17 @@ class SqsJobSource(Retrying):
         reply = self._client.send_message_batch(QueueUrl=self._queue_url, Entries=entries)
         for sent in reply.get("Successful", []):
             del bodies[int(sent["Id"])]
+        failures = reply.get("Failed", [])
+        refused = [failure for failure in failures if failure.get("SenderFault")]
+        if refused:
+            first = refused[0]
+            raise MessageRefused(
+                f"{len(refused)} messages refused by SQS: {first.get('Code')}: "
+                f"{first.get('Message', '')}"
+            )
         if bodies:
-            failed = reply.get("Failed", [{}])[0]
-            raise TransientError(f"{len(bodies)} messages not sent: {failed.get('Code')}")
+            code = failures[0].get("Code") if failures else None
+            raise TransientError(f"{len(bodies)} messages not sent: {code}")
 
     def dead_letter(self, message: ReceivedMessage, reason: str) -> bool:
         dlq_url = self._dlq_url
