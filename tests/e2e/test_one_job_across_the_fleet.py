@@ -66,6 +66,7 @@ def _run_across_the_fleet(
         )
 
     fleet = [started(n) for n in range(daemons)]
+    everyone = list(fleet)  # the killed too: what they logged before they died counts
     chance = random.Random(items)
     deadline = time.monotonic() + timeout_s
     for kill in range(kills):
@@ -76,6 +77,7 @@ def _run_across_the_fleet(
         fleet[victim].send_signal(signal.SIGKILL)
         fleet[victim].wait(30)
         fleet[victim] = started(daemons + kill)
+        everyone.append(fleet[victim])
     # Done when merged, and every message of the job (a watch's timer too) is gone.
     queues = (stack.queue_url, stack.shard_queue_url)
     while not ("job.json" in aws.names(output) and all(map(aws.queue_empty, queues))):
@@ -105,10 +107,18 @@ def _run_across_the_fleet(
     }
     assert [aws.queue_depth(queue) for queue in queues] == [(0, 0), (0, 0)]
     assert aws.dead_letters(stack.dlq_url) == []
-    merged = [e for daemon in fleet for e in daemon.events("job_merged")]
+    merged = [e for daemon in everyone for e in daemon.events("job_merged")]
     assert len({e["job_id"] for e in merged}) <= 1
-    committed_by = [bool(daemon.events("shard_committed")) for daemon in fleet]
-    assert sum(committed_by) >= 2, "the shards were not shared"
+    # Each shard was committed by some daemon: its run's own commit, or, where its daemon
+    # died between the commit and its log line, found committed (or its job merged) by
+    # its next delivery. Which daemons those were is the scheduler's business.
+    committed = {
+        e.get("shard")
+        for daemon in everyone
+        for event in ("shard_committed", "shard_committed_already", "job_already_done")
+        for e in daemon.events(event)
+    }
+    assert committed - {None} == set(range(summary["shards"]["count"]))
 
 
 def test_a_job_split_across_three_daemons_survives_one_killed(
