@@ -11,10 +11,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.datasets.inputs import Input
 from worker.jobs.checkpoints import RequestDigest
-from worker.jobs.job import Job
+from worker.jobs.job import Job, JobSettled, JobState
 from worker.jobs.plan import INPUTS_SUFFIX, Plan
 from worker.message import parse_job_message
 from worker.ports import ReceivedMessage, S3Location
@@ -77,3 +79,37 @@ def test_a_planner_holds_at_most_two_shards_inputs_while_it_writes_them(tmp_path
 
     assert most_held <= 2 * shard_items, most_held
     assert blobs.inputs_written == len(uris) and len(source) == shards
+
+
+def test_a_planner_whose_job_is_handed_back_writes_and_sends_no_more(tmp_path: Path) -> None:
+    """The job's message is handed back (shutdown) while its shards' inputs files are
+    written from its snapshot: the planner stops at the next file and sends no shard, so
+    the continuation's shards are the only ones, where it wrote on to the last file
+    (its listing, read again, was what stopped it once settled)."""
+    blobs, source = _SlowInputsFiles(), InMemoryJobSource()
+    uris = [f"s3://pix/{number:05d}.jpg" for number in range(40)]
+    body = {"job_id": "stopped", "inputs": uris[:1], "output": "s3://bkt/out/stopped/"}
+    spec = parse_job_message(json.dumps(body), frozenset())
+    plan = Plan(
+        job_id="stopped",
+        request_digest="0123456789abcdef",
+        items=len(uris),
+        shard_items=4,
+        model={"name": "m"},
+        params={},
+        received_at=time.time(),
+        attempt=1,
+    )
+    job = Job("stopped", ReceivedMessage("m", json.dumps(body), "handle", 1))
+
+    def listed() -> Iterator[Input]:
+        for number, uri in enumerate(uris):
+            if number == 8:
+                job.state = JobState.RELEASED  # handed back meanwhile
+            yield Input(uri)
+
+    outcomes, progress = SimpleNamespace(ack=lambda job: None), SimpleNamespace(beat=lambda: None)
+    lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=progress)
+    with pytest.raises(JobSettled):
+        Planner(blobs, source, lifecycle).plan(job, spec, plan, listed)
+    assert blobs.inputs_written < len(uris) and len(source) == 0

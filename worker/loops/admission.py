@@ -11,6 +11,7 @@ what failed says (`AdmissionReader.read`); the intake enters what is read in the
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import threading
 import time
@@ -28,18 +29,20 @@ from worker.datasets.tars import TarCopies
 from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest, request_digest
 from worker.jobs.job import Job, JobSettled, Place, item_places
 from worker.jobs.outcomes import Lifecycle
-from worker.jobs.plan import MAX_SHARDS, Plan
+from worker.jobs.plan import INPUTS_SUFFIX, MAX_SHARDS, Plan, shard_file
+from worker.loops.notices import Notices
 from worker.message import (
     JobMessage,
     PoisonMessage,
     TarMembers,
     at_most,
+    check_buckets,
     parse_job_message,
 )
 from worker.plugins.identity import ModelIdentity
-from worker.ports import SQS_MAX_DELAY_S, BlobStore, LocalPart, ReceivedMessage
+from worker.ports import SQS_MAX_DELAY_S, BlobStore, LocalPart, ReceivedMessage, S3Location
 from worker.settings import Settings
-from worker.sharding.planning import Planner
+from worker.sharding.planning import Planner, Snapshot, replaced, sweep_replaced
 from worker.sharding.shards import Shards
 from worker.sharding.stragglers import Stragglers
 
@@ -87,7 +90,7 @@ class AdmissionReader:
         planner: Planner,
         shards: Shards,
         stragglers: Stragglers,
-        announce: Callable[[dict[str, Any], str], None],
+        notices: Notices,
         arrays: ArraySpool,
         disk: DiskBudget,
         claim_tar_shard: Callable[[Job], bool],
@@ -104,7 +107,7 @@ class AdmissionReader:
         self._inputs = InputReader(blobs, settings.allowed_buckets, settings.max_manifest_bytes)
         self._shards = shards
         self._stragglers = stragglers
-        self._announce = announce  # a job merged here (`Finisher.announce`)
+        self._notices = notices  # of jobs found finished, or merged here; rejections
         self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
         self._progress = lifecycle.progress
@@ -138,7 +141,7 @@ class AdmissionReader:
             return None
         if (
             admission is None
-            or self._done_already(job, admission.prior.summary, job_id)
+            or self._done_already(job, spec, admission.prior.summary, job_id)
             or self._handed_over(job, spec, admission.prior, job_id)
         ):
             return None
@@ -151,6 +154,9 @@ class AdmissionReader:
         sender's fault, and is retried later. A job settled meanwhile (handed back at
         shutdown) needs nothing more."""
         if isinstance(error, PoisonMessage):
+            output = self._rejected_output(job.message.body)
+            if output is not None and not job.settled:
+                self._notices.rejected(output, job.message.body, str(error))
             self._outcomes.dead_letter(job, str(error))
         elif job.settled:
             return
@@ -161,6 +167,21 @@ class AdmissionReader:
                 "job_admission_failed", message_id=job.message.message_id, error=repr(error)
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
+
+    def _rejected_output(self, body: str) -> S3Location | None:
+        """Where a whole job's message that is poison asks its outputs to go, if that is
+        an output it may have (a valid URI, in an allowed bucket), to write its
+        `rejected.json` there; None for a shard (its `.dead` note and its job's stall
+        say it) or a watch, and for a body that names no such output."""
+        try:
+            document = json.loads(body)
+            if not isinstance(document, dict) or {"shard", "watch"} & document.keys():
+                return None
+            output = JobMessage.model_construct(output=document["output"]).output_location("")
+            check_buckets({output.bucket}, self._settings.allowed_buckets)
+        except (ValueError, KeyError, AttributeError, TypeError, PoisonMessage):
+            return None
+        return output
 
     def _items(self, job: Job, tar: TarMembers | None, listed: _Listed, first_index: int) -> Items:
         """The items of the inputs `listed` (from the job's `first_index` on): the
@@ -202,17 +223,28 @@ class AdmissionReader:
             self._ledger.wake()
 
     def _finished(self, job: Job, spec: JobMessage, job_id: str, request: str) -> bool:
-        """Ack a job whose job.json is written for request `request` already."""
-        return self._done_already(job, self._checkpoints.finished(spec, job_id, request), job_id)
+        """Settle a job whose job.json is written for request `request` already."""
+        summary = self._checkpoints.finished(spec, job_id, request)
+        return self._done_already(job, spec, summary, job_id)
 
-    def _done_already(self, job: Job, summary: dict[str, Any] | None, job_id: str) -> bool:
-        """Ack a delivery of a job whose job.json (`summary`, if written) is for this
-        same request."""
+    def _done_already(
+        self, job: Job, spec: JobMessage, summary: dict[str, Any] | None, job_id: str
+    ) -> bool:
+        """Settle a delivery of a job whose job.json (`summary`, if written) is for this
+        same request: acked, once its notices are sent if none were (its worker died,
+        or a send failed, before they were)."""
         if summary is None:
             return False
         log.info("job_already_done", job_id=job_id, status=summary.get("status"))
-        self._outcomes.ack(job)
+        self._ack_announced(job, self._notices.announce_found(spec, summary))
         return True
+
+    def _ack_announced(self, job: Job, announced: bool) -> None:
+        """Ack a job whose notices are sent (`announced`); else have it back later."""
+        if announced:
+            self._outcomes.ack(job)
+        else:
+            self._outcomes.retry_later(job, "a notice of the finished job was not sent")
 
     def _read_kind(
         self, job: Job, spec: JobMessage, job_id: str, model: ModelIdentity
@@ -261,13 +293,35 @@ class AdmissionReader:
                 'columns: give "format": "parquet", or a larger \'shard_items\' to run '
                 "it whole"
             )
+        with Snapshot(self._arrays.directory) as snapshot:
+            listing = itertools.chain(first, stream)
+            self._plan(
+                job, spec, listing, snapshot, job_id=job_id, model=model, shard_items=shard_items
+            )
+        return None
+
+    def _plan(
+        self,
+        job: Job,
+        spec: JobMessage,
+        listed: Iterator[Input],
+        snapshot: Snapshot,
+        *,
+        job_id: str,
+        model: ModelIdentity,
+        shard_items: int,
+    ) -> None:
+        """Plan a job over its shard size from its listing, read through once into a
+        `snapshot` (never held whole): the plan is of what it held then, whatever the
+        listing says later; or settle it, if done already."""
         digest, count = RequestDigest(), 0
-        for uri, input_id in itertools.chain(first, stream):  # read through, never held whole
+        for uri, input_id in listed:
             count += 1
             digest.add(uri, input_id)
+            snapshot.add(Input(uri, input_id))
         request = digest.hexdigest(spec.params, model.as_dict(), spec.format, spec.tar)
         if self._finished(job, spec, job_id, request):
-            return None
+            return
         if spec.tar and count > shard_items * MAX_SHARDS:  # its shards would hold more tars
             raise PoisonMessage(
                 f"{count} tars: over {MAX_SHARDS} shards of {shard_items} (--shard-tars)"
@@ -285,29 +339,22 @@ class AdmissionReader:
             ids=_with_ids(spec),
             tar=spec.tar,
         )
-        self._planner.plan(job, spec, plan, listed)
-        return None
+        self._planner.plan(job, spec, plan, snapshot.inputs)
 
     def _read_shard(self, job: Job, spec: JobMessage, model: ModelIdentity) -> Admission | None:
         """A shard's inputs (the part of its job's that its plan gives it) and what its
         earlier runs left; None if it is settled instead: committed already (then the
         job is merged, if this run was to merge it and died), or its job done."""
         assert spec.shard is not None
-        settings = self._settings
-        # A job of the most inputs this worker takes may need larger shards than its own
-        # to fit MAX_SHARDS; a tar job of more tars is refused at planning.
-        largest = max(settings.shard_items, math.ceil(settings.max_items_per_job / MAX_SHARDS))
-        plan = self._shards.open(spec, model.as_dict(), largest, settings.shard_tars)
-        if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
-            log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
-            self._shards.merger.remove(spec, plan)  # what a merger that died left
-            self._outcomes.ack(job)
+        plan = self._open(job, spec, model)
+        if plan is None or self._merged_already(job, spec, plan):
             return None
         if self._shards.committed(spec, plan):
             log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
             merged = self._shards.merge(spec, plan, job.message.job_message_id)
-            if self._outcomes.ack(job) and merged is not None:
-                self._announce(merged, job.message.message_id)
+            if merged is not None:
+                sweep_replaced(self._blobs, spec, plan)
+            self._ack_announced(job, self._notices.merged(spec, plan, merged, job))
             return None
         if plan.tar is not None and not self._claim_tar_shard(job):
             return None  # handed back, before its tars are copied
@@ -326,12 +373,45 @@ class AdmissionReader:
                 log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
                 self._outcomes.ack(job)
                 return None
+            if self._merged_already(job, spec, plan):  # merged since it was looked at
+                return None
             self._shards.dead_lettered(spec, plan, str(poison))
             raise
         prior = self._checkpoints.read(
             spec, plan.job_id, plan.request_digest, items.places, spec.shard.index
         )
         return Admission(spec, items, prior, plan)
+
+    def _open(self, job: Job, spec: JobMessage, model: ModelIdentity) -> Plan | None:
+        """The plan a shard belongs to (`Shards.open`); None if it belongs to a plan
+        replaced by another request, and is acked: a listing that changed, or a job sent
+        again, are no fault of the shard's (a forged one does nothing either)."""
+        assert spec.shard is not None
+        settings = self._settings
+        # A job of the most inputs this worker takes may need larger shards than its own
+        # to fit MAX_SHARDS; a tar job of more tars is refused at planning.
+        largest = max(settings.shard_items, math.ceil(settings.max_items_per_job / MAX_SHARDS))
+        try:
+            return self._shards.open(spec, model.as_dict(), largest, settings.shard_tars)
+        except PoisonMessage:
+            own = str(shard_file(spec, spec.shard.plan, spec.shard.index, INPUTS_SUFFIX))
+            if spec.manifest != own or not replaced(self._blobs, spec, spec.shard.plan):
+                raise
+        log.info("shard_superseded", job_id=spec.job_id, shard=spec.shard.index)
+        self._outcomes.ack(job)
+        return None
+
+    def _merged_already(self, job: Job, spec: JobMessage, plan: Plan) -> bool:
+        """Settle a shard whose job is merged already (what a merger that died left
+        removed), once its notices are sent."""
+        summary = self._checkpoints.finished(spec, plan.job_id, plan.request_digest)
+        if summary is None:
+            return False
+        assert spec.shard is not None
+        log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
+        self._shards.merger.remove(spec, plan)
+        self._ack_announced(job, self._notices.announce_found(spec, summary))
+        return True
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:
         """Settle a delivery that is not to run: its message was handed over already

@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import structlog
 
@@ -26,6 +25,7 @@ from worker.jobs.lanes import Lanes
 from worker.jobs.ledger import Ledger
 from worker.jobs.outcomes import Lifecycle
 from worker.loops.admission import Admission, AdmissionReader
+from worker.loops.notices import Notices
 from worker.plugins.identity import ModelIdentity
 from worker.ports import BlobStore, JobSource, ReceivedMessage
 from worker.settings import Settings
@@ -67,7 +67,7 @@ class Intake:
         shards: Shards,
         stragglers: Stragglers,
         finish: Callable[[Job], None],
-        announce: Callable[[dict[str, Any], str], None],
+        notices: Notices,
         on_drained: Callable[[], None],
         arrays: ArraySpool,
         disk: DiskBudget,
@@ -98,7 +98,7 @@ class Intake:
             planner=planner,
             shards=shards,
             stragglers=stragglers,
-            announce=announce,
+            notices=notices,
             arrays=arrays,
             disk=disk,
             claim_tar_shard=self._tar_shard_to_copy,

@@ -28,10 +28,12 @@ from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.summary import job_summary
+from worker.loops.notices import Notices
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
+from worker.sharding.planning import sweep_replaced
 from worker.sharding.shards import Shards
 
 log = structlog.get_logger()
@@ -208,10 +210,9 @@ class Finisher:
         self._device_hour_price = device_hour_price
         self._ledger = lifecycle.ledger
         self._outcomes = lifecycle.outcomes
-        self._metrics = lifecycle.metrics
         self._progress = lifecycle.progress
         self._worker_info = worker_info
-        self._notify = notify
+        self.notices = Notices(blobs, checkpoints, lifecycle.metrics, notify)
         # Never full: it holds at most the jobs held, and it is sized for all of them.
         self._queue: Channel[Job] = Channel(capacity)
         self._closed = threading.Event()
@@ -260,23 +261,17 @@ class Finisher:
             self._checkpoints.remove(job)
         except Exception as error:  # harmless left over: the next delivery sees job.json
             log.warning("checkpoint_not_removed", job_id=job.job_id, error=repr(error))
-        if self._outcomes.ack(job) and finished is not None:
-            self.announce(finished, job.message.message_id)
-
-    def announce(self, finished: dict[str, Any], message_id: str) -> None:
-        """Count, log and send the notices of a job whose job.json is written."""
-        self._metrics.jobs.labels(finished["status"]).inc()
-        log.info(
-            "job_finished",
-            **{key: finished[key] for key in ("job_id", "status", "items", "duration_s")},
-            message_id=message_id,
-        )
-        notice = json.dumps(finished) if self._notify else ""
-        for notify in self._notify:
-            try:
-                notify(notice)
-            except Exception as error:
-                log.warning("notify_failed", job_id=finished["job_id"], error=repr(error))
+        assert job.spec is not None
+        if finished is not None and job.plan is not None:  # merged here
+            sweep_replaced(self._blobs, job.spec, job.plan)
+        # Announced before the ack: a notice not sent (or a worker that dies first)
+        # leaves the message, whose next delivery finds job.json and sends it.
+        if finished is not None and not self.notices.announce(
+            job.spec, finished, job.message.message_id
+        ):
+            self._outcomes.retry_later(job, "a notice of the finished job was not sent")
+            return
+        self._outcomes.ack(job)
 
     def _written(
         self, job: Job, write: Callable[[], dict[str, Any] | None]
@@ -294,8 +289,11 @@ class Finisher:
                 self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
                 return False, None
             except UnfitResults as error:  # the same on every delivery, until the model changes
+                assert job.spec is not None
+                if job.plan is None:  # a shard's job waits for it instead: it stalls
+                    output = job.spec.output_location("")
+                    self.notices.rejected(output, job.message.body, str(error))
                 if self._outcomes.dead_letter(job, str(error)) and job.plan is not None:
-                    assert job.spec is not None
                     self._shards.dead_lettered(job.spec, job.plan, str(error))
                 return False, None
             except Exception as error:

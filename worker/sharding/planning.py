@@ -1,19 +1,33 @@
 """Planning a job too big for one worker into shards (`worker.sharding.shards` runs and
-merges them): plan.json written once, then its inputs under its output as a file per
-shard, as the plan that stands splits them, a message per shard, the job's own message
-deleted last."""
+merges them): its listing taken once, as a snapshot on this machine's disk, then
+plan.json written once, then its inputs under its output as a file per shard, as the
+plan that stands splits the snapshot, a message per shard, the job's own message
+deleted last.
+
+A listing may change while it is read, or between two deliveries of the job's message
+(a prefix still receiving objects): the plan is of the snapshot alone, and a plan whose
+shards this same message sent already stands whatever the listing says now. A plan is
+replaced only by another request (another message, or one that sent none of its
+shards): the replaced plan's shards are acked where they come (`replaced`), and what
+they left under `shards/` is swept once the job is merged (`sweep_replaced`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
 
 import structlog
 
 from worker.datasets.inputs import Input, shard_line
 from worker.errors import MissingObject, PreconditionFailed, TransientError
-from worker.jobs.checkpoints import RequestDigest
 from worker.jobs.job import Job, JobSettled
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
@@ -30,9 +44,47 @@ from worker.jobs.plan import (
     shard_name,
 )
 from worker.message import JobMessage, PoisonMessage
-from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource
+from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource, S3Location
 
 log = structlog.get_logger()
+
+SHARDS_DIR = "shards/"
+MAX_SENT_NOTE_BYTES = 1024  # a `.sent` note: the id of the message that sent the shard
+
+
+class Snapshot:
+    """A job's listing as it was read once, in a file of this machine's disk (a line an
+    input, as a shard's inputs file holds them), read back as often as planning needs;
+    removed once the job is planned."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        descriptor, name = tempfile.mkstemp(prefix="listing-", dir=directory)
+        self._path = Path(name)
+        self._file = os.fdopen(descriptor, "wb")
+
+    def add(self, listed: Input) -> None:
+        self._file.write(shard_line(listed))
+
+    def inputs(self) -> Iterator[Input]:
+        """The inputs added, in order (the file is this daemon's own, so not checked)."""
+        self._file.flush()
+        with self._path.open("rb") as lines:
+            for line in lines:
+                uri, input_id = json.loads(line)
+                yield Input(uri, input_id)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._file.close()
+        self._path.unlink(missing_ok=True)
 
 
 class Planner:
@@ -49,19 +101,26 @@ class Planner:
     ) -> None:
         """Plan the job (or take the plan written for it already), write the inputs
         files of the shards not yet sent or committed as the plan that stands splits
-        them, send those shards, and delete the job's message. Raises if any of it fails:
-        the message comes back, and its next delivery goes on from there.
+        the job's `inputs` (its `Snapshot`), send those shards, and delete the job's message.
+        Raises if any of it fails: the message comes back, and its next delivery goes on
+        from there.
 
         The files follow the plan, never this planner's own shard size: a second planner
         (a rollout of another `--shard-items`, a redelivery) that loses the race for
         plan.json writes the same files the first does, not files of other ranges."""
+        sender = job.message.job_message_id
         plan, replaces = self._written_plan(spec, new_plan.request_digest)
+        if plan is None and replaces != ABSENT:
+            plan = self._sent_by(spec, sender)
         if plan is None:
             plan = self._publish(spec, new_plan, replaces)
+        elif plan.request_digest != new_plan.request_digest:
+            # Its listing changed since this message sent shards of the plan.
+            log.info("plan_kept", job_id=plan.job_id, listed=new_plan.request_digest)
         unsent = self._unsent(spec, plan)
-        if unsent:
-            self._write_inputs(spec, plan, inputs, frozenset(unsent))
-        self._send(job, spec, plan, unsent)
+        if unsent and plan.request_digest == new_plan.request_digest:
+            self._write_inputs(job, spec, plan, inputs(), frozenset(unsent))
+        self._send(job, spec, plan, unsent, sender)
         log.info(
             "job_planned",
             job_id=plan.job_id,
@@ -84,22 +143,38 @@ class Planner:
             return None, etag
         return (plan, etag) if plan.request_digest == digest else (None, etag)
 
+    def _sent_by(self, spec: JobMessage, sender: str) -> Plan | None:
+        """The plan under the output if an earlier delivery of this same message (its
+        first id, `sender`) sent any of its shards: the listing changed since, and the
+        plan stands (its inputs files were all written before any shard was sent)."""
+        try:
+            plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
+        except (MissingObject, PoisonMessage):
+            return None
+        listing = self._blobs.objects_under(shard_directory(spec, plan.request_digest))
+        sent = next((name for name in sorted(listing) if name.endswith(SENT_SUFFIX)), None)
+        if sent is None:
+            return None  # nothing of it runs: replaced at no cost
+        directory = shard_directory(spec, plan.request_digest)
+        try:
+            note = self._blobs.get(
+                S3Location(directory.bucket, directory.key + sent), MAX_SENT_NOTE_BYTES
+            )
+        except Exception:  # gone (merged meanwhile), or not a planner's
+            return None
+        return plan if note.decode(errors="replace") == sender else None
+
     def _write_inputs(
         self,
+        job: Job,
         spec: JobMessage,
         plan: Plan,
-        inputs: Callable[[], Iterator[Input]],
+        inputs: Iterator[Input],
         shards: frozenset[int],
     ) -> None:
-        """The inputs files of `shards`, one each, as the job's inputs stream past (two
-        shards' inputs held at most); the stream must still be the request planned (a
-        manifest changed meanwhile is planned again on the next delivery)."""
-        digest = RequestDigest()
-
-        def taken(stream: Iterator[Input]) -> Iterator[Input]:
-            for listed in stream:
-                digest.add(*listed)
-                yield listed
+        """The inputs files of `shards`, one each, as the job's snapshot streams past
+        (two shards' inputs held at most); none more once the job's message is settled
+        (handed back at shutdown)."""
 
         def write(shard: int, listed: list[Input]) -> None:
             data = b"".join(map(shard_line, listed))
@@ -107,23 +182,19 @@ class Planner:
             self._blobs.put(location, data, "text/plain")
             self._progress.beat()
 
-        stream = taken(inputs())
         # A shard's file is written while the next shard's inputs are read: two shards'
-        # inputs held at most (writers side by side held one each, up to 17), and
-        # reading, the slower (a listing's pages), never waits for more than one write.
+        # inputs held at most (writers side by side held one each, up to 17).
         with ThreadPoolExecutor(1, thread_name_prefix="shard-inputs") as writer:
             writing: Future[None] | None = None
             for shard in range(plan.shards):
-                listed = list(itertools.islice(stream, plan.shard_items))
+                listed = list(itertools.islice(inputs, plan.shard_items))
                 if writing is not None:
                     writing.result()
+                if job.settled:
+                    raise JobSettled(f"{plan.job_id} was settled while its shards were written")
                 writing = writer.submit(write, shard, listed) if shard in shards else None
             if writing is not None:
                 writing.result()
-        leftover = next(stream, None)
-        listed_digest = digest.hexdigest(spec.params, plan.model, plan.format, plan.tar)
-        if leftover is not None or listed_digest != plan.request_digest:
-            raise TransientError("the job's inputs changed while it was planned")
 
     def _publish(self, spec: JobMessage, plan: Plan, replaces: str) -> Plan:
         """Write plan.json unless another planner was first; the plan that stands."""
@@ -147,10 +218,11 @@ class Planner:
             and f"{shard_name(shard)}{COMMIT_SUFFIX}" not in listing
         ]
 
-    def _send(self, job: Job, spec: JobMessage, plan: Plan, unsent: list[int]) -> None:
-        """Send the shards `unsent`, ten to a call, each call's shards then marked sent;
-        none once the job's message is settled (handed back at shutdown: its next
-        delivery sends them, where this one's would be duplicates)."""
+    def _send(self, job: Job, spec: JobMessage, plan: Plan, unsent: list[int], sender: str) -> None:
+        """Send the shards `unsent`, ten to a call, each call's shards then marked sent
+        by `sender` (the job's message, whose redelivery keeps the plan); none once the
+        job's message is settled (handed back at shutdown: its next delivery sends them,
+        where this one's would be duplicates)."""
         for start in range(0, len(unsent), SQS_MAX_ENTRIES_PER_BATCH_CALL):
             if job.settled:
                 raise JobSettled(f"{plan.job_id} was settled while its shards were sent")
@@ -158,8 +230,41 @@ class Planner:
             self._source.send_many([shard_body(spec, plan, shard) for shard in chunk], plan.job_id)
             each_at_once(
                 lambda shard: self._blobs.put(
-                    shard_file(spec, plan.request_digest, shard, SENT_SUFFIX), b"", "text/plain"
+                    shard_file(spec, plan.request_digest, shard, SENT_SUFFIX),
+                    sender.encode(),
+                    "text/plain",
                 ),
                 chunk,
             )
             self._progress.beat()
+
+
+def standing_plan(blobs: BlobStore, spec: JobMessage) -> str | None:
+    """The request whose plan stands under the job's output, if one does."""
+    with contextlib.suppress(MissingObject, PoisonMessage):
+        return Plan.parse(blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES)).request_digest
+    return None
+
+
+def replaced(blobs: BlobStore, spec: JobMessage, digest: str) -> bool:
+    """Whether plan `digest` was replaced by another request's: a message of it (a
+    shard, a watch) is then of no use, and acked, not dead-lettered."""
+    return standing_plan(blobs, spec) not in (None, digest)
+
+
+def sweep_replaced(blobs: BlobStore, spec: JobMessage, plan: Plan) -> None:
+    """Remove what plans replaced by `plan` left under the output's `shards/` (the
+    inputs files, runs, commits and notes of their shards), once `plan`'s job is
+    merged; never raises. Listed first, then the plan read: a later request's plan is
+    written before its shards' files, so none of its files is in the listing."""
+    try:
+        shards = spec.output_location(SHARDS_DIR)
+        listing = list(blobs.keys_under(shards))
+        standing = standing_plan(blobs, spec) or plan.request_digest
+        kept = tuple(f"{shards.key}{digest}/" for digest in (plan.request_digest, standing))
+        swept = [S3Location(shards.bucket, key) for key in listing if not key.startswith(kept)]
+        blobs.delete(swept)
+        if swept:
+            log.info("replaced_plans_swept", job_id=plan.job_id, objects=len(swept))
+    except Exception as error:
+        log.warning("replaced_plans_not_swept", job_id=plan.job_id, error=repr(error))

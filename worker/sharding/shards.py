@@ -17,7 +17,6 @@ replaced by its shard's redelivery, which finds its marker written and merges
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -276,6 +275,10 @@ class Shards:
         try:
             self._blobs.put(started, json.dumps(note).encode(), "application/json")
             self._blobs.delete([dead])
+            # Looked at after the note is written: a merge writes job.json before it
+            # lists the shards' files to remove, so a note it did not list is seen here.
+            if self._checkpoints.finished(spec, plan.job_id, plan.request_digest) is not None:
+                self._blobs.delete([started])
         except Exception as error:
             log.warning("shard_start_not_noted", job_id=plan.job_id, error=repr(error))
 
@@ -304,7 +307,7 @@ class Shards:
             armed = self.armed_watch(spec, plan, self._blobs.objects_under(marker).get(""))
             if armed is not None and not armed.later_than(time.time() + delay_s):
                 return  # one is due
-            self.arm_watch(spec, plan, delay_s, armed.etag if armed else ABSENT)
+            self.arm_watch(spec, plan, delay_s, armed)
         except PreconditionFailed:
             return  # another was armed meanwhile
         except Exception as error:
@@ -327,21 +330,40 @@ class Shards:
             return ArmedWatch(etag, None)
         return ArmedWatch(etag, float(due))
 
-    def arm_watch(self, spec: JobMessage, plan: Plan, delay_s: int, expect: str) -> None:
+    def arm_watch(
+        self, spec: JobMessage, plan: Plan, delay_s: int, replaced: ArmedWatch | None
+    ) -> None:
         """Name a watch of the job due `delay_s` from now in the marker, on condition
-        that the marker is as read (`expect`), then send it: `PreconditionFailed` if
-        another was armed meanwhile; raises if S3 or SQS fail (a watch not sent is taken
-        out of the marker, so that the next commit or death arms one)."""
+        that the marker is still the watch it replaces as read (`replaced`, None: there
+        was none), then send it: `PreconditionFailed` if another was armed meanwhile;
+        raises if S3 or SQS fail (a watch not sent is taken out of the marker again,
+        `_disarm`)."""
         marker = watch_file(spec, plan.request_digest)
         # Due from before the send: the message is visible no sooner than the marker says.
         note = json.dumps({"due": time.time() + delay_s}).encode()
-        self._blobs.put(marker, note, "application/json", expect=expect)
+        expect = replaced.etag if replaced is not None else ABSENT
+        etag = self._blobs.put(marker, note, "application/json", expect=expect)
         try:
             self._source.send_many([watch_body(spec, plan)], plan.job_id, delay_s)
         except Exception:
-            with contextlib.suppress(Exception):
-                self._blobs.delete([marker])
+            self._disarm(spec, plan, etag, replaced)
             raise
+
+    def _disarm(self, spec: JobMessage, plan: Plan, etag: str, replaced: ArmedWatch | None) -> None:
+        """Put the marker back as it was before a watch whose message was not sent named
+        itself there (unless another was armed since): the watch it named before counts
+        again, so the chain goes on (a watch re-arming the chain is its own message,
+        which comes back); with none before, the marker goes, and the next commit or
+        death arms one."""
+        marker = watch_file(spec, plan.request_digest)
+        try:
+            if replaced is None:
+                self._blobs.delete([marker])
+                return
+            due = {} if replaced.due is None else {"due": replaced.due}
+            self._blobs.put(marker, json.dumps(due).encode(), "application/json", expect=etag)
+        except Exception as error:  # another was armed meanwhile, or S3 fails too
+            log.warning("watch_not_disarmed", job_id=plan.job_id, error=repr(error))
 
     def report(self, job: Job) -> None:
         """Put this shard's count in the job's one progress.json, on condition that it is
@@ -397,6 +419,8 @@ class Shards:
             except Exception as error:
                 log.warning("progress_upload_failed", job_id=plan.job_id, error=repr(error))
                 return
+        # Beaten every time: the next report (this shard's, or another's) carries it.
+        log.warning("progress_not_updated", job_id=plan.job_id, tries=PROGRESS_TRIES)
 
     def _progress_read(self, location: S3Location) -> dict[str, Any]:
         """The job's progress.json as an object; empty if it is not one a worker wrote

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -58,8 +59,9 @@ from worker.jobs.plan import (
     shard_name,
     watch_file,
 )
-from worker.message import JobMessage
+from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
+from worker.sharding.planning import replaced, sweep_replaced
 from worker.sharding.shards import WATCH_SLACK_S, Shards, watch_delay_s
 
 log = structlog.get_logger()
@@ -70,6 +72,11 @@ STRAGGLER_FACTOR = 2.0
 MEDIAN_SAMPLE = 51  # committed shards whose times give the median
 # Before any shard commits there is no shard time to pace watches by.
 UNTIMED_WATCH_S = SQS_MAX_DELAY_S
+# A watch re-arms the chain at least this far ahead: more than twice the slack a watch
+# counts within, so that of two chains at once (a commit armed a sooner watch, the
+# later one's message still comes), the later finds the marker due past its slack and
+# ends, where with watches 2 s apart both counted and re-armed in turn for ever.
+CHAIN_MIN_S = math.ceil(2 * WATCH_SLACK_S) + 1
 
 
 class Stragglers:
@@ -82,7 +89,7 @@ class Stragglers:
         shards: Shards,
         outcomes: Outcomes,
         *,
-        announce: Callable[[dict[str, Any], str], None],
+        announce_merged: Callable[[JobMessage, Plan, dict[str, Any] | None, Job], bool],
         lost_after_s: float,
     ):
         """A duplicated shard none of whose runs started for `lost_after_s` (longer than
@@ -92,15 +99,18 @@ class Stragglers:
         self._source = source
         self._shards = shards
         self._outcomes = outcomes
-        self._announce = announce  # a job merged here (`Finisher.announce`)
+        # The notices of a job merged, or found merged and not announced, by a watch
+        # (`Notices.merged`): False if one was not sent.
+        self._announce_merged = announce_merged
         self._lost_after_s = lost_after_s
 
     def watch(self, job: Job, spec: JobMessage) -> None:
         """Look at the job's shards once: say it stalled, or send duplicates and the next
         watch (none once every shard is committed), then delete the message. Raises if
         S3 or SQS fail: the watch comes back later."""
-        assert spec.watch is not None
-        plan = self._shards.plan_for(spec, spec.watch)
+        plan = self._plan(job, spec)
+        if plan is None:
+            return
         # A watch sent before watches carried the job's format (a rolling upgrade).
         spec = spec.model_copy(update={"format": plan.format})
         directory = shard_directory(spec, plan.request_digest)
@@ -111,10 +121,7 @@ class Stragglers:
 
         left = [shard for shard in range(plan.shards) if not has(shard, COMMIT_SUFFIX)]
         if not left or not any(name.endswith(INPUTS_SUFFIX) for name in listing):
-            # Merged, or to merge: the last committer's merge may have failed for good.
-            merged = self._shards.merge(spec, plan, job.message.job_message_id)
-            if self._outcomes.ack(job) and merged is not None:
-                self._announce(merged, job.message.message_id)
+            self._merge(job, spec, plan)
             return
         armed = self._shards.armed_watch(spec, plan, listing.get(WATCH))
         if armed is None or (armed.due is not None and armed.due > time.time() + WATCH_SLACK_S):
@@ -174,8 +181,35 @@ class Stragglers:
                     self._duplicate(spec, plan, shard, f"running {age:.0f} s")
         delay_s = watch_delay_s(shard_s) if shard_s is not None else UNTIMED_WATCH_S
         with contextlib.suppress(PreconditionFailed):  # another was armed meanwhile
-            self._shards.arm_watch(spec, plan, delay_s, armed.etag)
+            # Raises if the send fails: the marker names this watch again, whose message
+            # comes back and goes on.
+            self._shards.arm_watch(spec, plan, max(delay_s, CHAIN_MIN_S), armed)
         self._outcomes.ack(job)
+
+    def _plan(self, job: Job, spec: JobMessage) -> Plan | None:
+        """The plan the watch is of; None if another request's replaced it (the watch
+        is acked: there is nothing of it to watch)."""
+        assert spec.watch is not None
+        try:
+            return self._shards.plan_for(spec, spec.watch)
+        except PoisonMessage:
+            if not replaced(self._blobs, spec, spec.watch):
+                raise
+        log.info("watch_superseded", job_id=spec.job_id, plan=spec.watch, why="replaced")
+        self._outcomes.ack(job)
+        return None
+
+    def _merge(self, job: Job, spec: JobMessage, plan: Plan) -> None:
+        """Every shard committed: merge the job (the last committer's merge may have
+        failed for good), or find it merged; its notices go before the ack: a watch
+        whose send failed comes back, and finds the job merged and not announced."""
+        merged = self._shards.merge(spec, plan, job.message.job_message_id)
+        if merged is not None:
+            sweep_replaced(self._blobs, spec, plan)
+        if self._announce_merged(spec, plan, merged, job):
+            self._outcomes.ack(job)
+        else:
+            self._outcomes.retry_later(job, "a notice of the merged job was not sent")
 
     def _stall(self, spec: JobMessage, plan: Plan, left: list[int], reason: str | None) -> None:
         """No shard left can run: they were dead-lettered, or their messages are gone.
@@ -220,13 +254,20 @@ class Stragglers:
         return {shard: value for shard, value in zip(shards, noted, strict=True) if value}
 
     def _duplicate(self, spec: JobMessage, plan: Plan, shard: int, why: str) -> None:
-        digest = plan.request_digest
-        # Sent, then marked: a watch that dies between the two sends another at most.
-        self._source.send_many([shard_body(spec, plan, shard)], plan.job_id)
-        marker: S3Location = shard_file(spec, digest, shard, DUPLICATED_SUFFIX)
+        """Send the shard once more, marked first: a watch that fails between the two
+        (and comes back) sends none at all, where one sending first sent another on each
+        try while the mark failed; the mark is taken back if the send fails."""
+        marker: S3Location = shard_file(spec, plan.request_digest, shard, DUPLICATED_SUFFIX)
         note = json.dumps({"at": time.time()}).encode()
         try:
             self._blobs.put(marker, note, "application/json", expect=ABSENT)
         except PreconditionFailed:
-            return  # another watch sent one too: the commit keeps one result
+            return  # another watch sent one
+        try:
+            self._source.send_many([shard_body(spec, plan, shard)], plan.job_id)
+        except Exception:
+            # Left marked, the shard would wait to be taken for lost instead.
+            with contextlib.suppress(Exception):
+                self._blobs.delete([marker])
+            raise
         log.info("shard_duplicated", job_id=plan.job_id, shard=shard, why=why)

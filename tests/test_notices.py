@@ -1,0 +1,106 @@
+"""What a job's producer is told once the job ends (`worker.loops.notices`), in this
+process against the in-memory fakes: a dead-lettered job's rejected.json, and a
+progress.json write that gives up says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from structlog.testing import capture_logs
+
+from tests.support.in_process import job_file, planned, run_until_drained, sample_images
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.errors import PreconditionFailed
+from worker.jobs.checkpoints import Checkpoints
+from worker.jobs.job import Job
+from worker.jobs.ledger import Ledger
+from worker.jobs.plan import shard_body
+from worker.message import parse_job_message
+from worker.ports import ReceivedMessage, S3Location
+from worker.sharding.merging import Merger
+from worker.sharding.shards import Shards
+
+
+def _rejection(blobs: InMemoryBlobStore, output: str) -> dict[str, Any] | None:
+    data = blobs.objects.get(f"{output}rejected.json")
+    return None if data is None else dict(json.loads(data))
+
+
+def test_a_dead_lettered_job_with_an_output_it_may_have_says_why_there(tmp_path: Path) -> None:
+    """Poison whose output is valid and in an allowed bucket (an input bucket not
+    allowed, a field of the wrong type, a job that broke three workers) gets a
+    rejected.json with its ids and the reason before its message goes to the DLQ; one
+    whose output is in another bucket, or that is not JSON, or a shard, gets none."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 1)
+    source.send(
+        json.dumps(
+            {
+                "job_id": "outside",
+                "request_id": "r-1",
+                "inputs": ["s3://elsewhere/a.jpg"],
+                "output": "s3://bkt/out/outside/",
+            }
+        )
+    )
+    source.send(json.dumps({"inputs": inputs, "output": "s3://bkt/out/typed/", "shard_items": "x"}))
+    broke = {"job_id": "breaks", "inputs": inputs, "output": "s3://bkt/out/breaks/"}
+    source.send(json.dumps(broke), broke_workers=3, breakage="CUDA error")
+    source.send(json.dumps({"job_id": "theirs", "inputs": inputs, "output": "s3://other/out/"}))
+    source.send("not json")
+    run_until_drained(source, blobs, tmp_path, allowed_buckets=["bkt"])
+
+    assert len(source.dead_letters) == 5
+    outside = _rejection(blobs, "s3://bkt/out/outside/")
+    assert outside is not None
+    assert (outside["job_id"], outside["request_id"]) == ("outside", "r-1")
+    assert "elsewhere" in outside["reason"] and outside["rejected_at"].startswith("20")
+    typed = _rejection(blobs, "s3://bkt/out/typed/")
+    assert typed is not None and typed["job_id"] is None and "shard_items" in typed["reason"]
+    breaks = _rejection(blobs, "s3://bkt/out/breaks/")
+    assert breaks is not None and "3 workers broke" in breaks["reason"]
+    assert not [uri for uri in blobs.objects if uri.endswith("rejected.json")][3:]
+    assert "s3://other/out/rejected.json" not in blobs.objects
+
+
+def test_a_shard_dead_lettered_writes_no_rejection(tmp_path: Path) -> None:
+    """A shard's death is its `.dead` note and its job's stall, not the job's rejection:
+    the rest of the job may still run, and a redriven shard ends it whole."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 4)
+    probe = {"job_id": "probe", "inputs": inputs[:1], "output": "s3://bkt/out/probe/"}
+    source.send(json.dumps(probe))  # for the worker's model identity
+    run_until_drained(source, blobs, tmp_path)
+    spec, plan = planned(blobs, "dying", inputs, job_file(blobs, "probe", "job.json")["model"])
+    for shard in range(plan.shards):
+        source.send(shard_body(spec, plan, shard), broke_workers=3, breakage="CUDA error")
+    run_until_drained(source, blobs, tmp_path)
+    assert len(source.dead_letters) == 2 and _rejection(blobs, "s3://bkt/out/dying/") is None
+
+
+class _Contended(InMemoryBlobStore):
+    """A store on which every conditional write of progress.json is beaten."""
+
+    def put(self, location: S3Location, data: bytes, content_type: str, **kwargs: Any) -> str:
+        if location.key.endswith("progress.json"):
+            raise PreconditionFailed("another shard wrote it first (fake)")
+        return super().put(location, data, content_type, **kwargs)
+
+
+def test_a_shards_count_that_is_beaten_every_try_is_logged(tmp_path: Path) -> None:
+    """Every try of a shard's progress.json write is beaten by another shard's: it gives
+    up, saying so, where it gave up silently and the counts lagged unseen."""
+    blobs = _Contended()
+    spec, plan = planned(blobs, "busy", ["s3://bkt/a", "s3://bkt/b"], {"name": "m"})
+    checkpoints = Checkpoints(blobs, Ledger())
+    merger = Merger(blobs, checkpoints, worker_info={}, device_hour_price=None)
+    lifecycle: Any = type("Lifecycle", (), {"outcomes": None, "progress": None})
+    shards = Shards(blobs, InMemoryJobSource(), checkpoints, lifecycle, merger)
+    shard_spec = parse_job_message(shard_body(spec, plan, 0), frozenset())
+    job = Job("k", ReceivedMessage("m", shard_body(spec, plan, 0), "h", 1))
+    job.spec, job.plan = shard_spec, plan
+    with capture_logs() as logs:
+        shards.report(job)
+    assert [entry["event"] for entry in logs] == ["progress_not_updated"]
