@@ -214,7 +214,7 @@ def test_a_shard_inputs_file_is_read_no_further_than_one_line_past_the_shard() -
     reader = InputReader(blobs, NO_LIMIT, 2**30)
     with _peak_bytes() as peak:
         assert len(reader.shard("s3://out/job/0.inputs", 10)) == 11
-        with pytest.raises(PoisonMessage, match="shard inputs line 1 is over 16384 bytes"):
+        with pytest.raises(PoisonMessage, match=r"shard inputs line 1 is over \d+ bytes"):
             reader.shard("s3://out/job/1.inputs", 10)
     assert peak[0] < 2**20, f"{peak[0] / 2**20:.0f} MiB"
 

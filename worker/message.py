@@ -20,7 +20,9 @@ DIGEST_PATTERN = r"^[0-9a-f]{16}$"
 
 
 T = TypeVar("T")
-INPUT_SOURCES = ("inputs", "manifest", "inputs_prefix", "table", "inventory")
+INPUT_SOURCES = ("inputs", "manifest", "inputs_prefix", "table", "inventory", "texts")
+# What SQS takes in one message body: inline `texts` must fit in it with the rest.
+SQS_MAX_BODY_BYTES = 256 * 1024
 # The object under a job's output that cancels it: a producer writes it, every run of
 # the job (each of its shards) looks for it (`worker.jobs.checkpoints`).
 CANCEL_MARKER = "cancel"
@@ -41,20 +43,24 @@ class ShardRef(BaseModel):
 
 
 class TableSource(BaseModel):
-    """A table of inputs: a CSV (a header row; gzipped if its key ends `.gz`) or a
-    Parquet file, its URI column and, optionally, an id column carried into results."""
+    """A table of inputs: a CSV (a header row; gzipped if its key ends `.gz`), a Parquet
+    file or JSON lines, its URI column (or, with `text_column`, each row's text is the
+    input itself) and, optionally, an id column carried into results."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     uri: S3Uri
     uri_column: str = Field(default="uri", min_length=1, max_length=256)
+    text_column: str | None = Field(default=None, min_length=1, max_length=256)
     id_column: str | None = Field(default=None, min_length=1, max_length=256)
-    # By default the key's suffix says: .parquet, or .csv / .csv.gz.
-    format: Literal["csv", "parquet"] | None = None
+    # By default the key's suffix says: .parquet, .csv / .csv.gz, or .jsonl / .jsonl.gz.
+    format: Literal["csv", "parquet", "jsonl"] | None = None
 
     @model_validator(mode="after")
     def _known_format(self) -> TableSource:
         self.file_format()
+        if self.text_column is not None and "uri_column" in self.model_fields_set:
+            raise ValueError("a table's inputs are its 'uri_column' or its 'text_column'")
         return self
 
     def file_format(self) -> str:
@@ -65,7 +71,12 @@ class TableSource(BaseModel):
             return "parquet"
         if key.endswith((".csv", ".csv.gz")):
             return "csv"
-        raise ValueError("a table's key ends .csv, .csv.gz or .parquet, or 'format' says")
+        if key.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
+            return "jsonl"
+        raise ValueError(
+            "a table's key ends .csv, .csv.gz or .parquet (JSON lines: .jsonl, .jsonl.gz), or "
+            "'format' says"
+        )
 
 
 class TarMembers(BaseModel):
@@ -93,6 +104,9 @@ class JobMessage(BaseModel):
     inputs_prefix: S3Uri | None = None
     table: TableSource | None = None
     inventory: S3Uri | None = None  # an S3 Inventory report's manifest.json
+    # The inputs are these texts themselves (`worker.datasets.texts`); with the rest of
+    # the message, within what SQS takes (`SQS_MAX_BODY_BYTES`).
+    texts: list[Any] | None = Field(default=None, min_length=1)
     # Of the objects under `inputs_prefix` or in the `inventory`, those whose key ends so.
     inputs_suffix: str | None = Field(default=None, min_length=1, max_length=1024)
     # The listed objects are tar shards, whose members are the inputs.
@@ -126,6 +140,10 @@ class JobMessage(BaseModel):
                 "the 'output' is under the 'inputs_prefix': the job's own outputs would "
                 "be listed as its inputs (and change them on every delivery)"
             )
+        if self.tar is not None and (self.texts or (self.table and self.table.text_column)):
+            raise ValueError("'tar' reads the objects listed: texts are inputs themselves")
+        if self.texts is not None:
+            check_texts_size(self.texts)
         if self.shard is not None and (self.job_id is None or self.manifest is None):
             raise ValueError("a shard names its job's 'job_id' and its inputs' 'manifest'")
         return self
@@ -150,6 +168,16 @@ class JobMessage(BaseModel):
         if self.table is not None:
             uris.append(self.table.uri)
         return {S3Location.parse(uri).bucket for uri in uris}
+
+
+def check_texts_size(texts: list[Any]) -> None:
+    """Refuse inline texts SQS could not carry: their JSON alone over a message's limit."""
+    size = len(json.dumps(texts, ensure_ascii=False, default=repr).encode())
+    if size > SQS_MAX_BODY_BYTES:
+        raise ValueError(
+            f"its 'texts' take {size} bytes, over the {SQS_MAX_BODY_BYTES} bytes SQS takes in a "
+            "message: give them in a 'table' with a 'text_column' instead"
+        )
 
 
 def validation_problems(error: ValidationError) -> str:

@@ -13,7 +13,9 @@ import os
 from collections.abc import Callable, Sequence
 
 import structlog
+import torch
 
+from worker.datasets.texts import TextInput, text_of
 from worker.engine import (
     PIPELINED_BATCHES,
     Pipeline,
@@ -25,9 +27,14 @@ from worker.engine import (
     bisection_sizes,
 )
 from worker.errors import ObjectTooLarge, TransientError
-from worker.plugins import on_payload
+from worker.plugins import TokenSlots, on_payload
 from worker.plugins.device_decoding import decodes_on_device
-from worker.plugins.loading import inference_devices, load_fan_out, load_preprocessor
+from worker.plugins.loading import (
+    inference_devices,
+    load_fan_out,
+    load_preprocessor,
+    token_slots,
+)
 from worker.plugins.setups import fan_out_setup, inference_setup, preprocess_setup
 from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
 from worker.ports import BlobStore, LocalPart, ObjectReader, RemoteReader, S3Location
@@ -56,12 +63,17 @@ def build_pipeline(
 ) -> Pipeline:
     """fetch and preprocess (processes) -> a model (a process per device), or a model ->
     a fan-out (processes) -> a model; fetch on threads here where the store cannot be
-    read from another process."""
+    read from another process. A text preprocessor's slots hold token ids (`tokens`),
+    for one model."""
     decode_ceiling = settings.preprocess_workers_ceiling
-    images = load_preprocessor(spec.preprocess).output_shape
+    preprocessor = load_preprocessor(spec.preprocess)
+    tokens = token_slots(preprocessor)
+    images = preprocessor.output_shape
     first, *rest = spec.models
     names = spec.model_stage_names()
     fan_out = spec.fan_out
+    if tokens and fan_out:
+        raise ValueError(f"{spec.preprocess} reads texts: a fan-out cuts images, not texts")
     # Enough decoded images, for each process of the model that reads them, for the
     # batch being inferred and the next two being assembled, and two in the hands of
     # each worker that writes or (a fan-out) still reads them; for the inputs the
@@ -74,6 +86,7 @@ def build_pipeline(
         + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0))
         + 2 * settings.fetch_concurrency
         + first.batch_size,
+        dtype=tokens.dtype if tokens else torch.uint8,
     )
     reader = _remote_reader(settings, blobs)
     log.info("inputs_fetched_in", where="preprocess" if reader else "threads")
@@ -129,6 +142,7 @@ def build_pipeline(
             keeps_slots=bool(fan_out),
             postprocess=None if fan_out else spec.postprocess,
             decoder=spec.preprocess if on_device else None,
+            tokens=tokens,
         ),
     ]
     if fan_out:
@@ -171,7 +185,7 @@ def _remote_reader(settings: Settings, blobs: BlobStore) -> RemoteReader | None:
 
 def open_fetch(
     open_reader: Callable[[int], ObjectReader], connections: int, max_bytes: int
-) -> Callable[[str | LocalPart], bytes]:
+) -> Callable[[str | LocalPart], bytes | str]:
     """A preprocessing process's fetcher, with a reader of its own for `connections`
     reads at once (and those the hedges of the slowest add, `hedged_reads`)."""
     return fetcher(open_reader(connections + hedged_reads(connections)), max_bytes)
@@ -184,16 +198,21 @@ def hedged_reads(connections: int) -> int:
 
 
 def on_this_machine(source: str | LocalPart) -> bool:
-    """Whether `fetcher` reads the input from this machine's disk (a member of a tar
-    copied here, the copy still there), not from S3."""
+    """Whether `fetcher` has the input here: a text, or a member of a tar copied here
+    (the copy still there), not an object in S3."""
+    if isinstance(source, TextInput):
+        return True
     return isinstance(source, LocalPart) and os.path.exists(source.path)
 
 
-def fetcher(get: ObjectReader, max_bytes: int) -> Callable[[str | LocalPart], bytes]:
+def fetcher(get: ObjectReader, max_bytes: int) -> Callable[[str | LocalPart], bytes | str]:
     """The fetcher of an input's bytes: an object's by its URI, or a member's of a tar
-    copied here; an input over `max_bytes` is not read (`ObjectTooLarge`)."""
+    copied here; an input over `max_bytes` is not read (`ObjectTooLarge`). A text input
+    is its text, with no read (`NotText` if it has none)."""
 
-    def fetch(source: str | LocalPart) -> bytes:
+    def fetch(source: str | LocalPart) -> bytes | str:
+        if isinstance(source, TextInput):
+            return text_of(source)
         if isinstance(source, LocalPart):
             return _read_part(source, get, max_bytes)
         return get(S3Location.parse(source), max_bytes)
@@ -228,10 +247,11 @@ def _model_stage(
     keeps_slots: bool = False,
     postprocess: str | None = None,
     decoder: str | None = None,
+    tokens: TokenSlots | None = None,
 ) -> ProcessStage:
     """One model's stage: a process per device, each loading and warming up the model
     (and the postprocessor, if the model's outputs are the results; and the
-    preprocessor, if it decodes inputs on the device)."""
+    preprocessor, if it decodes inputs on the device; `tokens` if it reads texts)."""
     return ProcessStage(
         name,
         [
@@ -250,6 +270,7 @@ def _model_stage(
                 postprocess=postprocess,
                 decoder=decoder,
                 compile=settings.compile,
+                tokens=tokens,
             )
             for device in _devices(step, settings)
         ],

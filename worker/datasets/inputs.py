@@ -5,8 +5,10 @@ of `Input`s (a URI, and the id its table gives it), never held whole:
 - `manifest`: a text file of URIs, one per line;
 - `inputs_prefix`: every object under a prefix (`inputs_suffix` keeps those whose key
   ends so), listed a page (1,000 keys) at a time, in S3's order;
-- `table`: a CSV (`.csv`, or gzipped `.csv.gz`) or Parquet table with a URI column and
-  an optional id column, carried into every result line;
+- `table`: a CSV (`.csv`, or gzipped `.csv.gz`), Parquet or JSON-lines table with a URI
+  column (or a text column: `worker.datasets.texts`) and an optional id column, carried
+  into every result line;
+- `texts`: the texts in the message (`worker.datasets.texts`);
 - `inventory`: an S3 Inventory report's manifest.json, whose CSV or Parquet files list
   the objects (`inputs_suffix` applies; delete markers and old versions are skipped).
 
@@ -27,15 +29,24 @@ import itertools
 import json
 import tempfile
 import urllib.parse
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
+import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from worker.datasets.streams import ChunkStream, gunzipped
+from worker.datasets.texts import (
+    MAX_TEXT_BYTES,
+    TextInput,
+    column_texts,
+    inline_texts,
+    shard_text_line,
+    text_from_shard_line,
+)
 from worker.errors import AccessDenied, MissingObject, ObjectTooLarge
 from worker.message import (
     JobMessage,
@@ -57,6 +68,9 @@ MAX_ID_BYTES = 1024
 # over its limit, and is refused before it is read. (A batch of 65,536 rows of a value
 # repeated on each would otherwise hold it 65,536 times.)
 MAX_PARQUET_ROW_BYTES = S3_MAX_URI_BYTES + MAX_ID_BYTES + 64
+# A text table's row: a text over its limit is its item's error, not the table's, so the
+# bound only says what no table of texts holds on average.
+MAX_PARQUET_TEXT_ROW_BYTES = 2**20
 PARQUET_GROUP_SLACK_BYTES = 2**16  # a row group's own headers, however few its rows
 # A Parquet record batch holds about this many bytes of those columns at most: fewer
 # rows than TABLE_BATCH_ROWS where they are long.
@@ -64,7 +78,6 @@ PARQUET_BATCH_BYTES = 8 * 2**20
 # A CSV row longer than this is no input's: pyarrow reads blocks of this size.
 CSV_BLOCK_BYTES = 2**20
 MAX_INVENTORY_MANIFEST_BYTES = 16 * 2**20
-GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's way of asking for a gzip header
 # An S3 Inventory's columns that keep a row out: a delete marker, an older version (by
 # their names in lower case without "_": a CSV's IsLatest is a Parquet file's is_latest).
 INVENTORY_SKIPS = {"isdeletemarker": True, "islatest": False}
@@ -91,8 +104,9 @@ BUCKET_BOUND = _Bound(MAX_BUCKET_CHARS, f"its bucket is over {MAX_BUCKET_CHARS} 
 FLAG_BOUND = _Bound(MAX_FLAG_BYTES, f"a flag of its is over {MAX_FLAG_BYTES} bytes")
 
 
-# A shard's inputs file's line: a URI and an id as JSON, each escaped character six.
-MAX_SHARD_LINE_BYTES = 16 * 1024
+# A shard's inputs file's line: a URI and an id (and a text) as JSON, each escaped
+# character six.
+MAX_SHARD_LINE_BYTES = 16 * 1024 + 6 * MAX_TEXT_BYTES
 
 
 class Input(NamedTuple):
@@ -127,6 +141,8 @@ class InputReader:
             )
         if spec.inputs_prefix:
             return self._prefix(S3Location.parse(spec.inputs_prefix), spec.inputs_suffix or "")
+        if spec.texts is not None:
+            return (Input(text) for text in inline_texts(spec.texts))
         if spec.table:
             return self._table(spec.table)
         assert spec.inventory is not None
@@ -155,6 +171,9 @@ class InputReader:
                     yield Input(f"s3://{prefix.bucket}/{key}")
 
     def _table(self, table: TableSource) -> Iterator[Input]:
+        if table.text_column:
+            yield from self._text_table(table, table.text_column)
+            return
         columns = [table.uri_column, *([table.id_column] if table.id_column else [])]
         rows = 0
         for batch in self._batches(table.uri, table.file_format(), columns, header=True):
@@ -164,6 +183,19 @@ class InputReader:
                 self._check(uri, f"{table.uri} row {number}")
                 yield Input(uri, input_id)
             rows += len(uris)
+
+    def _text_table(self, table: TableSource, text_column: str) -> Iterator[Input]:
+        """A table's rows as text inputs, a record batch at a time (no GET per input)."""
+        columns = [text_column, *([table.id_column] if table.id_column else [])]
+        rows = 0
+        text_rows = MAX_PARQUET_TEXT_ROW_BYTES
+        for batch in self._batches(
+            table.uri, table.file_format(), columns, header=True, row_bytes=text_rows
+        ):
+            texts = column_texts(batch.column(text_column), table.uri, rows)
+            ids = _ids_as_text(table, batch, rows) if table.id_column else [None] * len(texts)
+            yield from map(Input, texts, ids)
+            rows += len(texts)
 
     def _inventory(self, manifest_uri: str, suffix: str) -> Iterator[Input]:
         """The objects an S3 Inventory report lists, file by file in its manifest's order."""
@@ -212,36 +244,65 @@ class InputReader:
                 yield Input(input_uri)
 
     def _batches(
-        self, uri: str, file_format: str, columns: Columns, *, header: bool
+        self,
+        uri: str,
+        file_format: str,
+        columns: Columns,
+        *,
+        header: bool,
+        row_bytes: int = MAX_PARQUET_ROW_BYTES,
     ) -> Iterator[pa.RecordBatch]:
-        """A CSV or Parquet file's record batches, of its `columns` (a CSV's are named;
-        without a `header` they name its columns), each read as strings in a CSV."""
+        """A CSV, Parquet or JSON-lines file's record batches, of its `columns` (a CSV's
+        are named; without a `header` they name its columns), each read as strings in a
+        CSV; a Parquet row group over `row_bytes` a row is refused unread."""
         location = S3Location.parse(uri)
         with unreadable_is_poison(f"table {uri}"):
             if file_format == "parquet":
-                yield from self._parquet_batches(location, columns)
+                yield from self._parquet_batches(location, columns, row_bytes)
+            elif file_format == "jsonl":
+                assert isinstance(columns, list)
+                yield from self._json_lines_batches(location, columns)
             else:
                 assert isinstance(columns, list)
                 yield from self._csv_batches(location, columns, header)
 
-    def _parquet_batches(self, location: S3Location, columns: Columns) -> Iterator[pa.RecordBatch]:
+    def _parquet_batches(
+        self, location: S3Location, columns: Columns, row_bytes: int
+    ) -> Iterator[pa.RecordBatch]:
         # A Parquet file is read from its end (the footer) first: it is spooled to a
         # local file, which its reader then reads a batch at a time.
         with tempfile.TemporaryFile() as spool:
             for chunk in self._blobs.chunks(location, self._max_file_bytes):
                 spool.write(chunk)
             spool.seek(0)
-            yield from _parquet_file_batches(spool, columns, str(location))
+            yield from _parquet_file_batches(spool, columns, str(location), row_bytes)
+
+    def _json_lines_batches(
+        self, location: S3Location, columns: list[str]
+    ) -> Iterator[pa.RecordBatch]:
+        """A JSON-lines file's record batches (a block of lines at a time), of `columns`."""
+        chunks = self._blobs.chunks(location, self._max_file_bytes)
+        with contextlib.closing(chunks):
+            stream = io.BufferedReader(ChunkStream(self._unzipped(chunks, location)))
+            read = pa_json.ReadOptions(block_size=CSV_BLOCK_BYTES, use_threads=False)
+            for batch in pa_json.open_json(stream, read_options=read):
+                missing = [name for name in columns if name not in batch.schema.names]
+                if missing:
+                    raise PoisonMessage(f"table {location} has no column {missing[0]!r}")
+                yield batch.select(columns)
+
+    @staticmethod
+    def _unzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
+        return gunzipped(chunks, location) if location.key.lower().endswith(".gz") else chunks
 
     def _csv_batches(
         self, location: S3Location, columns: list[str], header: bool
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         with contextlib.closing(chunks):
-            pieces = (
-                _gunzipped(chunks, location) if location.key.lower().endswith(".gz") else chunks
+            stream = io.BufferedReader(
+                ChunkStream(self._unzipped(chunks, location)), CSV_BLOCK_BYTES
             )
-            stream = io.BufferedReader(_ChunkStream(pieces), CSV_BLOCK_BYTES)
             # One block at a time: with threads the reader parses as many blocks ahead
             # as it has threads, and what a table holds is a sender's to choose.
             read = pa_csv.ReadOptions(
@@ -294,9 +355,11 @@ def _inventory_report(uri: str, data: bytes) -> _InventoryReport:
     return _InventoryReport(bucket, file_format, columns, files)
 
 
-def _parquet_file_batches(file: IO[bytes], columns: Columns, uri: str) -> Iterator[pa.RecordBatch]:
+def _parquet_file_batches(
+    file: IO[bytes], columns: Columns, uri: str, row_bytes: int = MAX_PARQUET_ROW_BYTES
+) -> Iterator[pa.RecordBatch]:
     """The record batches of a Parquet file's `columns`, weighed before any is read:
-    poison at a row group whose footer says they take over `MAX_PARQUET_ROW_BYTES` a row;
+    poison at a row group whose footer says they take over `row_bytes` a row;
     then batches of about `PARQUET_BATCH_BYTES`, text read as a dictionary (each value
     once, however many rows repeat it: `_bounded` checks it before any row copies it)."""
     metadata = pq.read_metadata(file)
@@ -315,10 +378,10 @@ def _parquet_file_batches(file: IO[bytes], columns: Columns, uri: str) -> Iterat
     for number in range(metadata.num_row_groups):
         group = metadata.row_group(number)
         size = sum(group.column(leaf).total_uncompressed_size for leaf in read)
-        if size > group.num_rows * MAX_PARQUET_ROW_BYTES + PARQUET_GROUP_SLACK_BYTES:
+        if size > group.num_rows * row_bytes + PARQUET_GROUP_SLACK_BYTES:
             raise PoisonMessage(
                 f"table {uri} {_rows(first_row, group.num_rows)} take "
-                f"{size} bytes of {', '.join(wanted)}, over {MAX_PARQUET_ROW_BYTES} a row: "
+                f"{size} bytes of {', '.join(wanted)}, over {row_bytes} a row: "
                 f"some value is over its limit (a URI's key {S3_MAX_KEY_BYTES} bytes, an "
                 f"id {MAX_ID_BYTES})"
             )
@@ -407,8 +470,8 @@ def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[
             uri, input_id = line.decode(errors="replace"), None
         else:
             try:
-                uri, input_id = json.loads(line)
-            except ValueError as error:
+                uri, input_id = shard_line_input(line)
+            except (ValueError, TypeError) as error:
                 raise PoisonMessage(f"shard inputs line {number} is not [uri, id]") from error
         if isinstance(input_id, int | float) and not isinstance(input_id, bool):
             input_id = str(input_id)  # as planners wrote a number before ids were text
@@ -416,36 +479,29 @@ def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[
             raise PoisonMessage(f"shard inputs line {number}: its id is not text")
         if input_id is not None and len(input_id.encode(errors="replace")) > MAX_ID_BYTES:
             raise PoisonMessage(f"shard inputs line {number}: {ID_BOUND.over}")
-        try:
-            bucket = S3Location.parse(uri).bucket
-        except (ValueError, AttributeError) as error:
-            raise PoisonMessage(f"shard inputs line {number}: {error}") from error
-        check_buckets({bucket}, allowed)
+        if not isinstance(uri, TextInput):
+            try:
+                bucket = S3Location.parse(uri).bucket
+            except (ValueError, AttributeError) as error:
+                raise PoisonMessage(f"shard inputs line {number}: {error}") from error
+            check_buckets({bucket}, allowed)
         yield Input(uri, input_id)
 
 
 def shard_line(listed: Input) -> bytes:
     """`listed` as a line of a shard's inputs file."""
+    if isinstance(listed.uri, TextInput):
+        return shard_text_line(listed.uri, listed.id)
     return json.dumps([listed.uri, listed.id]).encode() + b"\n"
 
 
-def _gunzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
-    """A gzip file's bytes, inflated as they stream in (its members one after another);
-    poison if it is not gzip or is cut short. (pyarrow's own gzip stream raises the
-    OSError a local disk's failure raises too.)"""
-    inflate = zlib.decompressobj(wbits=GZIP_WBITS)
-    try:
-        for chunk in chunks:
-            pending = chunk
-            while pending:
-                yield inflate.decompress(pending)
-                pending = inflate.unused_data
-                if pending:
-                    inflate = zlib.decompressobj(wbits=GZIP_WBITS)
-    except zlib.error as error:
-        raise PoisonMessage(f"table {location} is not gzip: {error}") from error
-    if not inflate.eof:
-        raise PoisonMessage(f"table {location} is cut short (its gzip stream does not end)")
+def shard_line_input(line: bytes) -> Input:
+    """The input a `shard_line` is (a text input's text with it), its values unchecked;
+    ValueError or TypeError if it is not one."""
+    uri, input_id, *text = json.loads(line)
+    if text:  # [name, id, {text}]: its text, checked as its table's row was
+        uri = text_from_shard_line(uri, *text)
+    return Input(uri, input_id)
 
 
 def _truthy(value: Any) -> bool:
@@ -466,25 +522,3 @@ def unreadable_is_poison(what: str) -> Iterator[None]:
         raise PoisonMessage(f"{what} is {too_large}") from too_large
     except pa.ArrowException as error:  # a file it cannot parse (a local disk's error is not)
         raise PoisonMessage(f"{what} is not a table this worker reads: {error}") from error
-
-
-class _ChunkStream(io.RawIOBase):
-    """A file-like reader of an object's pieces as they stream in."""
-
-    def __init__(self, chunks: Iterator[bytes]):
-        self._chunks = chunks
-        self._pending = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        while not self._pending:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._pending = memoryview(chunk)
-        size = min(len(buffer), len(self._pending))
-        buffer[:size] = self._pending[:size]
-        self._pending = self._pending[size:]
-        return size

@@ -39,6 +39,41 @@ class Preprocessor(Protocol):
 
 
 @runtime_checkable
+class TextPreprocessor(Protocol):
+    """Turns one input's text (a text input's, `worker.datasets.texts`) into token ids
+    and their attention mask, written into `out`, an integer tensor of `output_shape`
+    `(2, longest sequence)` and `output_dtype` (ids in row 0, the mask in row 1, padded
+    with zeros), as the job's `params` ask; it returns its notes on the item, the fields
+    `notes` names (whether the text was cut to fit: `{"truncated": true}`), which the
+    item's result carries, or raises to refuse the text (its item's error).
+
+    The model is then called with the two, `model(input_ids, attention_mask)`, batches of
+    shape `(n, longest sequence)`: the sentence-transformers shape.
+    """
+
+    @property
+    def output_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def output_dtype(self) -> torch.dtype: ...
+
+    @property
+    def notes(self) -> dict[str, Any]:
+        """Each note with the value a result's probe carries (its field's type)."""
+
+    def __call__(self, text: str, out: torch.Tensor, params: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSlots:
+    """What the model's process knows of a `TextPreprocessor`'s slots: their dtype, and
+    the notes each result carries (with the probe's values)."""
+
+    dtype: torch.dtype
+    notes: dict[str, Any]
+
+
+@runtime_checkable
 class DecodesOnDevice(Preprocessor, Protocol):
     """A preprocessor that can also decode some inputs in batches on the model's device
     (JPEGs with nvJPEG), for `--decode gpu`: the preprocessing processes leave those

@@ -56,7 +56,7 @@ class CompileReport:
 
 
 class CompiledModel:
-    """`forward` (uint8 batch in, outputs out, on `device`) compiled at `sizes`: call
+    """`forward` (a batch of `dtype` in, outputs out, on `device`) compiled at `sizes`: call
     `compile()` once, then call it as `forward` on any batch."""
 
     def __init__(
@@ -65,6 +65,7 @@ class CompiledModel:
         device: torch.device,
         item_shape: Sequence[int],
         sizes: Sequence[int],
+        dtype: torch.dtype = torch.uint8,
     ):
         self._eager = forward
         with _compiler_warnings_ignored():
@@ -72,7 +73,7 @@ class CompiledModel:
         self._device = device
         self._sizes = sorted(set(sizes), reverse=True)
         # One static input for every size (a graph reads from where it was captured).
-        self._inputs = torch.zeros((self._sizes[0], *item_shape), dtype=torch.uint8, device=device)
+        self._inputs = torch.zeros((self._sizes[0], *item_shape), dtype=dtype, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._ready: list[int] = []

@@ -33,13 +33,21 @@ def probed_columns(answer: Encoded) -> tuple[bytes, dict[str, ArrayLayout]]:
     return b"{" + fields[1:] + b"}", array_layouts(arrays)
 
 
-def encoded_fields(postprocess: Postprocessor, output: Any, params: dict[str, Any]) -> Encoded:
-    """The postprocessor's fields for one model output, JSON-encoded as the members that
-    follow `input` in the item's results.jsonl line (`,"label":"cat",...`); those whose
-    value is an array (numpy or torch, not a scalar) apart, as arrays (`worker.datasets.arrays`)."""
+def encoded_fields(
+    postprocess: Postprocessor,
+    output: Any,
+    params: dict[str, Any],
+    notes: dict[str, Any] | None = None,
+) -> Encoded:
+    """The postprocessor's fields for one model output (and a text preprocessor's
+    `notes` on its input after them), JSON-encoded as the members that follow `input` in
+    the item's results.jsonl line (`,"label":"cat",...`); those whose value is an array
+    (numpy or torch, not a scalar) apart, as arrays (`worker.datasets.arrays`)."""
     fields = postprocess(output, params)
     if not isinstance(fields, dict):
         raise TypeError(f"the postprocessor returned a {type(fields).__name__}, not a dict")
+    if notes:
+        fields = {**fields, **notes}
     clash = RECORD_FIELDS.intersection(fields)
     if clash:
         raise ValueError(
@@ -80,11 +88,14 @@ def _scalar(value: Any) -> Any:
 
 
 def postprocessed(
-    postprocess: Postprocessor, output: Any, params: dict[str, Any]
+    postprocess: Postprocessor,
+    output: Any,
+    params: dict[str, Any],
+    notes: dict[str, Any] | None = None,
 ) -> Encoded | ItemError:
     """One output's encoded fields, or why the postprocessor failed on it."""
     try:
-        return encoded_fields(postprocess, output, params)
+        return encoded_fields(postprocess, output, params, notes)
     except Exception as error:
         return ItemError.from_exception(error, POSTPROCESS_STAGE)
 

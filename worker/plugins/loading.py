@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from worker.plugins import DecodesOnDevice, FanOut, PluginError, Postprocessor, Preprocessor
+from worker.plugins import (
+    DecodesOnDevice,
+    FanOut,
+    PluginError,
+    Postprocessor,
+    Preprocessor,
+    TextPreprocessor,
+    TokenSlots,
+)
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
 EXPORT_SUFFIX = ".pt2"
@@ -38,6 +46,18 @@ def load_object(reference: str) -> Any:
 
 def load_preprocessor(reference: str) -> Preprocessor:
     return _load_shaped(reference, "callable(data, out)")  # type: ignore[no-any-return]
+
+
+def token_slots(preprocessor: Preprocessor | TextPreprocessor) -> TokenSlots | None:
+    """What the model's process is to know of a text preprocessor's slots; None for one
+    of images."""
+    if not isinstance(preprocessor, TextPreprocessor):
+        return None
+    if preprocessor.output_dtype not in (torch.int32, torch.int64):
+        raise PluginError(
+            f"a text preprocessor writes int32 or int64 ids, not {preprocessor.output_dtype}"
+        )
+    return TokenSlots(preprocessor.output_dtype, dict(preprocessor.notes))
 
 
 def load_device_decoder(reference: str) -> DecodesOnDevice:

@@ -11,7 +11,15 @@ from typing import Any
 import torch
 
 from worker.engine import StageFunction, bisection_sizes
-from worker.plugins import InferenceFn, PluginError, WithParams, on_payload
+from worker.plugins import (
+    InferenceFn,
+    PluginError,
+    Preprocessor,
+    TextPreprocessor,
+    TokenSlots,
+    WithParams,
+    on_payload,
+)
 from worker.plugins.compiled import CompiledModel, CompileReport
 from worker.plugins.device_decoding import decode_or_defer, device_decoder
 from worker.plugins.encoding import Encoded, encoded_fields, postprocessed, probed_columns
@@ -40,6 +48,7 @@ def inference_setup(
     postprocess: str | None = None,
     decoder: str | None = None,
     compile: bool = False,
+    tokens: TokenSlots | None = None,
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
     batch of zeros, warm it up (with `compile`, compiled at every warm-up size first:
@@ -51,7 +60,8 @@ def inference_setup(
     `finish`, which waits for the batch's outputs): the batch function returns once
     the device has the batch's work, so the next batch is brought in while the model
     runs this one (`Staging`). Only the encoded fields and the arrays cross to the
-    daemon."""
+    daemon. With `tokens`, the slots hold a text preprocessor's token ids and mask: the
+    model is called with the two, and each result carries the preprocessor's notes."""
     device = resolve_device(device_name)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the streams and events of `Staging` are on it
@@ -61,11 +71,12 @@ def inference_setup(
     if channels_last:
         # Module.to takes memory_format (torch documents it); its type stubs omit it.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    dtype = tokens.dtype if tokens else torch.uint8
     infer = _Inference(
-        _forward(model, device, precision == "bfloat16", channels_last),
-        Staging(device, item_shape, decode),
+        _forward(model, device, precision == "bfloat16", channels_last, tokens=bool(tokens)),
+        Staging(device, item_shape, decode, dtype=dtype),
     )
-    zeros = torch.zeros((1, *item_shape), dtype=torch.uint8)
+    zeros = torch.zeros((1, *item_shape), dtype=dtype)
 
     def probe() -> None:
         infer.now(zeros, [None])
@@ -79,12 +90,13 @@ def inference_setup(
             "broken worker from bad inputs"
         ) from error
     sizes = bisection_sizes(batch_size)
-    compiled = infer.compile(device, item_shape, sizes) if compile else None
-    warm_up = _warm_up(infer.now, item_shape, sizes, compiled)
+    compiled = infer.compile(device, item_shape, sizes, dtype) if compile else None
+    warm_up = _warm_up(infer.now, item_shape, sizes, compiled, dtype)
     about: dict[str, Any] = {"model": identity.as_dict(), "warm_up": warm_up}
     if postprocess is None:
         return StageFunction(infer.now, probe, about)
-    finish, finish_probe, probed = _finishing(postprocess, answer_to_zeros, device)
+    notes = tokens.notes if tokens else None
+    finish, finish_probe, probed = _finishing(postprocess, answer_to_zeros, device, notes)
     # Each input's array fields must be these, of these shapes and dtypes; its other
     # fields' types are those of these (Parquet results' columns, `worker.datasets.tables`).
     about["fields"], about["arrays"] = probed_columns(probed)
@@ -113,10 +125,14 @@ class _Inference:
         return self(batch, values).handles()
 
     def compile(
-        self, device: torch.device, item_shape: tuple[int, ...], sizes: list[int]
+        self,
+        device: torch.device,
+        item_shape: tuple[int, ...],
+        sizes: list[int],
+        dtype: torch.dtype,
     ) -> CompileReport:
         """From now on, the model compiled at `sizes` (`CompiledModel`)."""
-        compiled = CompiledModel(self.forward, device, item_shape, sizes)
+        compiled = CompiledModel(self.forward, device, item_shape, sizes, dtype)
         try:
             report = compiled.compile()
         except Exception as error:
@@ -129,17 +145,18 @@ class _Inference:
 
 
 def _finishing(
-    postprocess: str, answer_to_zeros: Any, device: torch.device
+    postprocess: str, answer_to_zeros: Any, device: torch.device, notes: dict[str, Any] | None
 ) -> tuple[Callable[[list[Any], list[Any]], list[Any]], Callable[[], Encoded], Encoded]:
-    """The finish step that postprocesses a batch's outputs once they are there, its
-    probe, and what the postprocessor made of the model's answer to zeros; a
-    postprocessor that fails on that answer stops the start."""
+    """The finish step that postprocesses a batch's outputs once they are there (each
+    with its text preprocessor's `notes`, what it returned for the item, where the
+    inputs are texts), its probe, and what the postprocessor made of the model's answer
+    to zeros; a postprocessor that fails on that answer stops the start."""
     postprocessor = load_postprocessor(postprocess)
 
     def postprocess_all(outputs: list[Any], values: list[WithParams]) -> list[Any]:
         return [
-            postprocessed(postprocessor, output, params)
-            for output, (_, params) in zip(resolved(outputs), values, strict=True)
+            postprocessed(postprocessor, output, params, payload if notes else None)
+            for output, (payload, params) in zip(resolved(outputs), values, strict=True)
         ]
 
     def finish_probe() -> Encoded:
@@ -147,10 +164,10 @@ def _finishing(
         # error) shows here, as the worker's, not in the items' outputs alone.
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return encoded_fields(postprocessor, answer_to_zeros, {})
+        return encoded_fields(postprocessor, answer_to_zeros, {}, notes)
 
     try:
-        probed = encoded_fields(postprocessor, answer_to_zeros, {})
+        probed = encoded_fields(postprocessor, answer_to_zeros, {}, notes)
     except Exception as error:
         raise PluginError(
             f"{postprocess} fails on the model's answer to a batch of zeros with no params "
@@ -161,16 +178,22 @@ def _finishing(
 
 
 def _forward(
-    model: torch.nn.Module, device: torch.device, bfloat16: bool, channels_last: bool
+    model: torch.nn.Module,
+    device: torch.device,
+    bfloat16: bool,
+    channels_last: bool,
+    *,
+    tokens: bool = False,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The model on a uint8 batch on its device, as `inference_setup` was asked to run
-    it: what is compiled and captured with `--compile`."""
+    """The model on a batch on its device (uint8 images, or with `tokens` the ids and
+    masks it is called with apart), as `inference_setup` was asked to run it: what is
+    compiled and captured with `--compile`."""
 
     def forward(batch: torch.Tensor) -> torch.Tensor:
         if channels_last and batch.dim() == 4:  # the only rank it is defined for
             batch = batch.contiguous(memory_format=torch.channels_last)
         with torch.autocast(device.type, torch.bfloat16, enabled=bfloat16):
-            outputs: torch.Tensor = model(batch)
+            outputs: torch.Tensor = model(batch[:, 0], batch[:, 1]) if tokens else model(batch)
         return outputs.float() if outputs.dtype == torch.bfloat16 else outputs  # numpy has none
 
     return forward
@@ -181,6 +204,7 @@ def _warm_up(
     item_shape: tuple[int, ...],
     sizes: list[int],
     compiled: CompileReport | None = None,
+    dtype: torch.dtype = torch.uint8,
 ) -> dict[str, Any]:
     """Run a batch of zeros at each size the stage will meet first: the batch size, and
     the sizes that error bisection and OOM recovery fall back to. The first real jobs
@@ -191,7 +215,7 @@ def _warm_up(
     started = time.perf_counter()
     out_of_memory = list(compiled.out_of_memory) if compiled else []
     for size in sizes:
-        batch = torch.zeros((size, *item_shape), dtype=torch.uint8)
+        batch = torch.zeros((size, *item_shape), dtype=dtype)
         try:
             infer(batch, [None] * size)
         except torch.OutOfMemoryError:
@@ -223,36 +247,33 @@ def fan_out_setup(reference: str) -> StageFunction:
 
 def preprocess_setup(
     reference: str,
-    open_fetch: Callable[[], Callable[[Any], bytes]] | None = None,
+    open_fetch: Callable[[], Callable[[Any], bytes | str]] | None = None,
     *,
     local: Callable[[Any], bool] | None = None,
     defer_to_device: bool = False,
 ) -> StageFunction:
     """Runs once in each preprocessing process: load the preprocessor and decode its
     samples, which are its probe; with `open_fetch`, make the process's own fetcher of
-    an input's bytes by its URI, which prepares each item (those that `local` says are
-    on this machine's disk as their request comes in). They work on the payload of the
-    item's `WithParams`. With `defer_to_device`, the inputs the device decodes are
-    left undecoded in their slots (`decode_or_defer`)."""
+    an input's bytes by its URI (or a text input's text), which prepares each item
+    (those that `local` says are at hand as their request comes in). They work on the
+    payload of the item's `WithParams`; a `TextPreprocessor` is given the params too.
+    With `defer_to_device`, the inputs the device decodes are left undecoded in their
+    slots (`decode_or_defer`)."""
     torch.set_num_threads(1)
     preprocessor = load_preprocessor(reference)
     fetch = on_payload(open_fetch()) if open_fetch is not None else None
     at_hand = functools.partial(_payload_is, local) if local is not None else None
-    decode = (
-        functools.partial(decode_or_defer, load_device_decoder(reference))
-        if defer_to_device
-        else preprocessor
-    )
-    preprocess = on_payload(decode)
-    samples = tuple(getattr(preprocessor, "samples", ()))
-    if not samples:
+    if isinstance(preprocessor, TextPreprocessor):
+        preprocess, probe = _tokenizing(preprocessor)
+    else:
+        decode = (
+            functools.partial(decode_or_defer, load_device_decoder(reference))
+            if defer_to_device
+            else preprocessor
+        )
+        preprocess, probe = on_payload(decode), _decoding_samples(preprocessor)
+    if probe is None:
         return StageFunction(preprocess, prepare=fetch, at_hand=at_hand)
-    scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
-
-    def probe() -> None:
-        for sample in samples:
-            preprocessor(sample, scratch)
-
     try:
         probe()
     except Exception as error:
@@ -260,6 +281,43 @@ def preprocess_setup(
             f"{reference} cannot decode its own samples ({type(error).__name__}: {error})"
         ) from error
     return StageFunction(preprocess, probe, prepare=fetch, at_hand=at_hand)
+
+
+def _decoding_samples(preprocessor: Preprocessor) -> Callable[[], None] | None:
+    """The probe that decodes the preprocessor's samples; None if it has none."""
+    samples = tuple(getattr(preprocessor, "samples", ()))
+    if not samples:
+        return None
+    scratch = torch.empty(preprocessor.output_shape, dtype=torch.uint8)
+
+    def probe() -> None:
+        for sample in samples:
+            preprocessor(sample, scratch)
+
+    return probe
+
+
+def _tokenizing(
+    preprocessor: TextPreprocessor,
+) -> tuple[Callable[[WithParams, torch.Tensor], WithParams], Callable[[], None] | None]:
+    """A text preprocessor's stage function, on an item's text and its job's params
+    (its notes on the item go on as the item's payload, to its result), and the probe
+    that tokenizes its samples, if it has them."""
+
+    def tokenize(value: WithParams, out: torch.Tensor) -> WithParams:
+        text, params = value
+        return preprocessor(text, out, params), params
+
+    samples = tuple(getattr(preprocessor, "samples", ()))
+    if not samples:
+        return tokenize, None
+    scratch = torch.empty(preprocessor.output_shape, dtype=preprocessor.output_dtype)
+
+    def probe() -> None:
+        for sample in samples:
+            preprocessor(sample, scratch, {})
+
+    return tokenize, probe
 
 
 def _payload_is(test: Callable[[Any], bool], value: WithParams) -> bool:

@@ -179,9 +179,11 @@ class Staging:
         item_shape: Sequence[int],
         decode: DeviceDecoder | None,
         streams: Streams | None = None,
+        dtype: torch.dtype = torch.uint8,
     ):
         self.device = device
         self._item_shape = tuple(item_shape)
+        self._dtype = dtype
         self._decode = decode
         if streams is None and device.type == "cuda":
             streams = CudaStreams(device)
@@ -240,7 +242,7 @@ class Staging:
             streams.synchronize()  # nothing may still read the old ones
             shape = (rows, *self._item_shape)
             self._buffers = [
-                torch.empty(shape, dtype=torch.uint8, device=self.device) for _ in range(RING)
+                torch.empty(shape, dtype=self._dtype, device=self.device) for _ in range(RING)
             ]
             self._free = [None] * RING
         turn, self._turn = self._turn, (self._turn + 1) % RING

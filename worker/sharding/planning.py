@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from types import TracebackType
 
 import structlog
 
-from worker.datasets.inputs import Input, shard_line
+from worker.datasets.inputs import Input, shard_line, shard_line_input
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.job import Job, JobSettled
 from worker.jobs.outcomes import Lifecycle
@@ -70,9 +69,7 @@ class Snapshot:
         """The inputs added, in order (the file is this daemon's own, so not checked)."""
         self._file.flush()
         with self._path.open("rb") as lines:
-            for line in lines:
-                uri, input_id = json.loads(line)
-                yield Input(uri, input_id)
+            yield from map(shard_line_input, lines)
 
     def __enter__(self) -> Snapshot:
         return self

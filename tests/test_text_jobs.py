@@ -1,0 +1,106 @@
+"""Text jobs through the whole daemon, in this process against the in-memory fakes: a
+Parquet table of texts sharded into Parquet embeddings equal to the shipped text model's
+own answers, and inline texts whose bad values and over-long texts are their items'
+errors or cut as the job's params say."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset
+import pyarrow.parquet as pq
+import torch
+
+from stages.sentences import sentences
+from stages.text import MAX_TOKENS, text_model, tokens
+from tests.support.in_process import job_file, run_until_drained
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+
+TEXT_PIPELINE = {
+    "preprocess": "stages.text:tokens",
+    "model": "stages.text:text_model",
+    "postprocess": "stages.text:labelled",
+    "batch_size": 4,
+}
+LONG = " ".join(["rain"] * (2 * MAX_TOKENS))  # over the model's longest sequence
+
+
+def _answers(texts: list[str]) -> np.ndarray:
+    """What the shipped model answers for each text, tokenized as the daemon does."""
+    slots = torch.zeros((len(texts), *tokens.output_shape), dtype=tokens.output_dtype)
+    for text, slot in zip(texts, slots, strict=True):
+        tokens(text, slot, {})
+    with torch.inference_mode():
+        return text_model()(slots[:, 0], slots[:, 1]).numpy()  # type: ignore[no-any-return]
+
+
+def _run(tmp_path: Path, blobs: InMemoryBlobStore, **message: Any) -> None:
+    source = InMemoryJobSource()
+    source.send(json.dumps({"output": f"s3://bkt/out/{message['job_id']}/", **message}))
+    run_until_drained(source, blobs, tmp_path, **TEXT_PIPELINE)
+
+
+def test_a_table_of_texts_is_sharded_into_parquet_embeddings_equal_to_the_models(
+    tmp_path: Path,
+) -> None:
+    """Seven rows in shards of three, keyed by their ids in table order: each row's
+    label and embedding (a float32 fixed-size list) are the model's own answer to its
+    text; the row whose text is null is that row's error, the job goes on."""
+    drawn = list(sentences(7, seed=11))
+    texts: list[str | None] = [text for _, text in drawn]
+    texts[4] = None
+    blobs = InMemoryBlobStore()
+    sink = io.BytesIO()
+    ids = [f"doc-{row}" for row in range(len(texts))]
+    pq.write_table(pa.table({"id": ids, "body": texts}), sink)
+    blobs.objects["s3://bkt/texts.parquet"] = sink.getvalue()
+    table = {"uri": "s3://bkt/texts.parquet", "text_column": "body", "id_column": "id"}
+    _run(tmp_path, blobs, job_id="table", table=table, format="parquet", shard_items=3)
+
+    summary = job_file(blobs, "table", "job.json")
+    assert (summary["shards"]["count"], summary["succeeded"], summary["failed"]) == (3, 6, 1)
+    local = tmp_path / "results"
+    local.mkdir()
+    for name in (name for name in summary["outputs"] if name.startswith("results/")):
+        (local / name.split("/")[1]).write_bytes(blobs.objects[f"s3://bkt/out/table/{name}"])
+    results = pyarrow.dataset.dataset(local, format="parquet").to_table()
+    assert results.column("id").to_pylist() == ids
+    assert results.column("input").to_pylist()[:2] == [
+        "s3://bkt/texts.parquet#row=0",
+        "s3://bkt/texts.parquet#row=1",
+    ]
+    assert results.schema.field("embedding").type == pa.list_(pa.float32(), 64)
+    errors = results.column("error").to_pylist()
+    assert errors[4]["message"] == "its value is null, not text"
+    expected = _answers([text for text in texts if text is not None])
+    got = [row for row in results.to_pylist() if row["error"] is None]
+    for row, answer in zip(got, expected, strict=True):
+        assert row["label"] == ("weather", "sport", "food", "travel")[int(np.argmax(answer[:4]))]
+        assert np.allclose(row["embedding"], answer[4:], atol=1e-5)
+        assert row["truncated"] is False
+    assert [row["label"] for row in got[:4]] == ["weather", "sport", "food", "travel"]
+
+
+def test_inline_texts_that_are_empty_not_text_or_too_long_are_their_items_errors_or_cut(
+    tmp_path: Path,
+) -> None:
+    """An empty text and a number are their items' errors; a text over the model's
+    longest sequence is cut by default, the result saying so, and refused where the
+    job's params say `"truncate": false`."""
+    blobs = InMemoryBlobStore()
+    texts: list[Any] = ["the forecast says rain", "", 42, LONG]
+    _run(tmp_path / "cut", blobs, job_id="cut", texts=texts)
+    _run(tmp_path / "kept", blobs, job_id="kept", texts=texts, params={"truncate": False})
+    cut, kept = job_file(blobs, "cut", "results.jsonl"), job_file(blobs, "kept", "results.jsonl")
+    assert [line["input"] for line in cut] == ["the forecast says rain", "", "42", LONG]
+    assert (cut[0]["label"], cut[0]["truncated"]) == ("weather", False)
+    assert cut[1]["error"]["message"] == "its text is empty"
+    assert cut[2]["error"]["message"] == "its value is a int, not text"
+    assert (cut[3]["label"], cut[3]["truncated"]) == ("weather", True)
+    assert kept[3]["error"]["type"] == "TextTooLong"
+    assert kept[0]["truncated"] is False

@@ -1,0 +1,54 @@
+"""An object's bytes as they stream in: inflated (gzip), or as a file to read."""
+
+from __future__ import annotations
+
+import io
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+from worker.message import PoisonMessage
+from worker.ports import S3Location
+
+GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's way of asking for a gzip header
+
+
+def gunzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
+    """A gzip file's bytes, inflated as they stream in (its members one after another);
+    poison if it is not gzip or is cut short. (pyarrow's own gzip stream raises the
+    OSError a local disk's failure raises too.)"""
+    inflate = zlib.decompressobj(wbits=GZIP_WBITS)
+    try:
+        for chunk in chunks:
+            pending = chunk
+            while pending:
+                yield inflate.decompress(pending)
+                pending = inflate.unused_data
+                if pending:
+                    inflate = zlib.decompressobj(wbits=GZIP_WBITS)
+    except zlib.error as error:
+        raise PoisonMessage(f"table {location} is not gzip: {error}") from error
+    if not inflate.eof:
+        raise PoisonMessage(f"table {location} is cut short (its gzip stream does not end)")
+
+
+class ChunkStream(io.RawIOBase):
+    """A file-like reader of an object's pieces as they stream in."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks = chunks
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._pending = memoryview(chunk)
+        size = min(len(buffer), len(self._pending))
+        buffer[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size
