@@ -26,7 +26,7 @@ from bench.gpu import build_parser as gpu_bench_parser
 from bench.tables import build_parser as tables_bench_parser
 from tests.support.paths import REPO, TEMPLATE
 from worker.cli import build_parser
-from worker.demo import DEMO_SMALL_JOB_IMAGES, DEMO_SMALL_JOBS, LOCAL_AWS_ENV
+from worker.demo import DEMO_SMALL_JOB_IMAGES, DEMO_SMALL_JOBS, DEMO_TEXT_JOB, LOCAL_AWS_ENV
 from worker.jobs.job import TRANSITIONS, JobState
 from worker.jobs.ledger import Ledger
 from worker.settings import Settings
@@ -260,7 +260,8 @@ def test_the_settings_page_is_what_the_settings_render() -> None:
 @pytest.mark.e2e
 def test_make_demo_runs_end_to_end(tmp_path: Path) -> None:
     """`make demo`'s command with the fewest images: a moto server of its own, seven
-    jobs, each succeeded and copied out, the default model right on nearly all."""
+    image jobs and a text job, each succeeded and copied out, the default model and
+    the text model right on nearly all."""
     out = tmp_path / "demo-out"
     demo = subprocess.run(
         [sys.executable, "-m", "worker", "demo", "--out", str(out), "--images", "61"],
@@ -275,9 +276,9 @@ def test_make_demo_runs_end_to_end(tmp_path: Path) -> None:
     rows = {
         line.split()[0]: line.split()
         for line in demo.stdout.splitlines()
-        if line.split() and line.split()[0] in {*DEMO_SMALL_JOBS, "large"}
+        if line.split() and line.split()[0] in {*DEMO_SMALL_JOBS, "large", DEMO_TEXT_JOB}
     }
-    assert set(rows) == {*DEMO_SMALL_JOBS, "large"}
+    assert set(rows) == {*DEMO_SMALL_JOBS, "large", DEMO_TEXT_JOB}
     for job, (_, status, _items, failed, correct, *_) in rows.items():
         assert (status, failed) == ("succeeded", "0"), job
         assert float(correct.rstrip("%")) >= 90, job

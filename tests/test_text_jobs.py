@@ -14,11 +14,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset
 import pyarrow.parquet as pq
-import torch
 
 from stages.sentences import sentences
-from stages.text import MAX_TOKENS, text_model, tokens
+from stages.text import MAX_TOKENS
 from tests.support.in_process import job_file, run_until_drained
+from tests.support.texts import model_answers
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 
 TEXT_PIPELINE = {
@@ -28,15 +28,6 @@ TEXT_PIPELINE = {
     "batch_size": 4,
 }
 LONG = " ".join(["rain"] * (2 * MAX_TOKENS))  # over the model's longest sequence
-
-
-def _answers(texts: list[str]) -> np.ndarray:
-    """What the shipped model answers for each text, tokenized as the daemon does."""
-    slots = torch.zeros((len(texts), *tokens.output_shape), dtype=tokens.output_dtype)
-    for text, slot in zip(texts, slots, strict=True):
-        tokens(text, slot, {})
-    with torch.inference_mode():
-        return text_model()(slots[:, 0], slots[:, 1]).numpy()  # type: ignore[no-any-return]
 
 
 def _run(tmp_path: Path, blobs: InMemoryBlobStore, **message: Any) -> None:
@@ -77,7 +68,7 @@ def test_a_table_of_texts_is_sharded_into_parquet_embeddings_equal_to_the_models
     assert results.schema.field("embedding").type == pa.list_(pa.float32(), 64)
     errors = results.column("error").to_pylist()
     assert errors[4]["message"] == "its value is null, not text"
-    expected = _answers([text for text in texts if text is not None])
+    expected = model_answers([text for text in texts if text is not None])
     got = [row for row in results.to_pylist() if row["error"] is None]
     for row, answer in zip(got, expected, strict=True):
         assert row["label"] == ("weather", "sport", "food", "travel")[int(np.argmax(answer[:4]))]

@@ -6,6 +6,7 @@ also what the end-to-end tests build on.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -17,10 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import boto3
+import pyarrow as pa
+import pyarrow.parquet as pq
 
+from stages.sentences import sentences
 from stages.synthetic import samples
 from worker.adapters import aws
 from worker.ports import S3Location
@@ -48,6 +52,15 @@ DEMO_SMALL_JOBS = {
     "medium": 50,
 }
 DEMO_SMALL_JOB_IMAGES = sum(DEMO_SMALL_JOBS.values())
+# A job of texts (a Parquet table of generated sentences), run by a daemon of the shipped
+# text model on a queue of its own: a daemon serves one pipeline.
+DEMO_TEXT_JOB = "texts"
+DEMO_TEXTS = 200
+TEXT_PIPELINE = {
+    "preprocess": "stages.text:tokens",
+    "model": "stages.text:text_model",
+    "postprocess": "stages.text:labelled",
+}
 
 
 @dataclass(frozen=True)
@@ -139,15 +152,18 @@ def run_demo(out: str, images: int = DEMO_IMAGES) -> int:
         labels = upload_samples(s3, stack.bucket, images)
         print(f"uploaded {len(labels)} sample images to s3://{stack.bucket}/images/")
         jobs = _enqueue_demo_jobs(sqs, s3, stack, list(labels))
-        print(f"enqueued {len(jobs)} jobs; running the daemon until the queue is drained...")
-        started = time.monotonic()
-        exit_code = _run_daemon(stack, out_dir)
+        text_queue = create_stack(sqs, s3, "demo-texts").queue_url
+        jobs[DEMO_TEXT_JOB], topics = _enqueue_text_job(sqs, s3, stack, text_queue)
         print(
-            f"daemon exited with {exit_code} after {time.monotonic() - started:.1f} s "
-            f"(its log: {out_dir / 'daemon.log'})\n"
+            f"enqueued {len(jobs)} jobs; running the image daemon, then the text daemon, "
+            "until their queues are drained..."
         )
-        _print_table(s3, jobs, labels, out_dir)
-    return exit_code
+        with (out_dir / "daemon.log").open("w") as log:
+            exit_code = _run_daemon(stack, stack.queue_url, log)
+            text_exit_code = _run_daemon(stack, text_queue, log, **TEXT_PIPELINE)
+        print(f"(their log: {out_dir / 'daemon.log'})\n")
+        _print_table(s3, jobs, labels | topics, out_dir)
+    return exit_code or text_exit_code
 
 
 def _enqueue_demo_jobs(
@@ -175,25 +191,53 @@ def _enqueue_demo_jobs(
     return jobs
 
 
-def _run_daemon(stack: Stack, out_dir: Path) -> int:
+def _enqueue_text_job(
+    sqs: SQSClient, s3: S3Client, stack: Stack, queue_url: str
+) -> tuple[str, dict[str, str]]:
+    """A Parquet table of generated sentences and the job that embeds and labels it, in
+    Parquet; its output, and each row's input name with its true topic."""
+    drawn = list(sentences(DEMO_TEXTS, seed=3))
+    table = pa.table(
+        {"ticket": [f"t-{row:04d}" for row in range(len(drawn))], "body": [t for _, t in drawn]}
+    )
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    s3.put_object(Bucket=stack.bucket, Key="texts/tickets.parquet", Body=sink.getvalue())
+    uri = f"s3://{stack.bucket}/texts/tickets.parquet"
+    output = f"s3://{stack.bucket}/results/{DEMO_TEXT_JOB}/"
+    job = {
+        "job_id": DEMO_TEXT_JOB,
+        "table": {"uri": uri, "text_column": "body", "id_column": "ticket"},
+        "output": output,
+    }
+    sqs.send_message(QueueUrl=queue_url, MessageBody=json.dumps(job))
+    return output, {f"{uri}#row={row}": topic for row, (topic, _) in enumerate(drawn)}
+
+
+def _run_daemon(stack: Stack, queue_url: str, log: TextIO, **pipeline: str) -> int:
+    """A daemon of `pipeline` (the default's if not given) that drains `queue_url`,
+    logging to `log` (structlog is configured once a process: every daemon's goes there)."""
     from worker.daemon import Daemon
     from worker.jobs.joblog import configure_daemon_logging
     from worker.settings import Settings
 
     settings = Settings(
-        queue_url=stack.queue_url,
+        queue_url=queue_url,
         dlq_url=stack.dlq_url,
         drain=True,
         receive_wait_seconds=1,
-        log_dir=out_dir / "logs",
+        log_dir=Path(log.name).parent / "logs",
         batch_size=32,
         metrics_port=0,
+        **pipeline,  # type: ignore[arg-type]
     )
-    with (out_dir / "daemon.log").open("w") as daemon_log:
-        configure_daemon_logging(daemon_log)
-        source = aws.SqsJobSource(aws.sqs_client(), stack.queue_url, stack.dlq_url)
-        blobs = aws.S3BlobStore.from_environment(settings.s3_connections, settings.aws_max_attempts)
-        return Daemon(settings, source, blobs).run().code
+    started = time.monotonic()
+    configure_daemon_logging(log)
+    source = aws.SqsJobSource(aws.sqs_client(), queue_url, stack.dlq_url)
+    blobs = aws.S3BlobStore.from_environment(settings.s3_connections, settings.aws_max_attempts)
+    code = Daemon(settings, source, blobs).run().code
+    print(f"daemon exited with {code} after {time.monotonic() - started:.1f} s")
+    return code
 
 
 def _print_table(s3: S3Client, jobs: dict[str, str], labels: dict[str, str], out_dir: Path) -> None:

@@ -1,0 +1,84 @@
+"""A table of texts across the fleet: two daemon subprocesses running the shipped text
+model against the moto server split a Parquet table of texts into shards and merge one
+ordered Parquet result of embeddings, equal to the model's own answers."""
+
+from __future__ import annotations
+
+import io
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages.sentences import TOPICS, sentences
+from tests.support.aws import Aws
+from tests.support.daemons import StartDaemon, daemon_args
+from tests.support.jobs import job_output, upload
+from tests.support.texts import model_answers
+
+pytestmark = pytest.mark.e2e
+
+TEXT_FLAGS = [
+    "--preprocess",
+    "stages.text:tokens",
+    "--model",
+    "stages.text:text_model",
+    "--postprocess",
+    "stages.text:labelled",
+    "--batch-size",
+    "8",
+]
+
+
+def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embeddings(
+    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """60 rows in shards of 20 on two daemons: one row of results per text, in table
+    order, keyed by its id, each embedding (a float32 fixed-size list) the model's own
+    answer within float tolerance and each label its topic."""
+    stack = aws.stack()
+    drawn = list(sentences(60, seed=40))
+    texts = [text for _, text in drawn]
+    ids = [f"ticket-{row:03d}" for row in range(len(texts))]
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"ticket": ids, "body": texts}), sink, row_group_size=16)
+    table = upload(aws, stack, "tickets.parquet", sink.getvalue())
+    output = job_output(stack, "texts")
+    source = {"uri": table, "text_column": "body", "id_column": "ticket"}
+    aws.send(
+        stack.queue_url,
+        {
+            "job_id": "texts",
+            "table": source,
+            "output": output,
+            "format": "parquet",
+            "shard_items": 20,
+        },
+    )
+    fleet = [
+        start_daemon(daemon_args(stack, tmp_path / str(n), *TEXT_FLAGS), env=aws.env)
+        for n in range(2)
+    ]
+    deadline = time.monotonic() + 180
+    while not any(daemon.events("job_merged") for daemon in fleet):
+        assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
+        time.sleep(0.5)
+    for daemon in fleet:  # a daemon stopping finishes what it holds first
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0, daemon.stderr[-3000:]
+
+    summary = aws.summary(output)
+    assert (summary["status"], summary["shards"]["count"]) == ("succeeded", 3)
+    parts = sorted(name for name in aws.names(output) if name.startswith("results/"))
+    results = pa.concat_tables(pq.read_table(io.BytesIO(aws.read(output, p))) for p in parts)
+    assert results.column("id").to_pylist() == ids
+    assert results.column("index").to_pylist() == list(range(len(texts)))
+    assert results.schema.field("embedding").type == pa.list_(pa.float32(), 64)
+    answers = model_answers(texts)
+    embeddings = np.array(results.column("embedding").to_pylist(), dtype=np.float32)
+    assert np.allclose(embeddings, answers[:, len(TOPICS) :], atol=1e-5)
+    assert results.column("label").to_pylist() == [topic for topic, _ in drawn]
