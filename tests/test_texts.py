@@ -155,3 +155,28 @@ def test_a_text_needs_no_fetch_and_crosses_to_another_process_whole() -> None:
     assert fetcher(no_get, 10)(text) == "hello"
     with pytest.raises(NotText, match="empty"):
         fetcher(no_get, 10)(TextInput("s3://tables/a.csv#row=1", ""))
+
+
+def test_a_table_may_be_the_files_under_a_prefix_read_in_key_order() -> None:
+    """A Spark table's parts, in key order, each row named by its own file and row; the
+    writer's `_SUCCESS` and `.crc` files are not parts; a part of no known format and an
+    output under the prefix are refused."""
+    blobs = InMemoryBlobStore()
+    for part, texts in (("part-1.parquet", ["c"]), ("part-0.parquet", ["a", "b"])):
+        blobs.objects[f"s3://tables/run/{part}"] = _parquet(pa.table({"body": texts}))
+    blobs.objects["s3://tables/run/_SUCCESS"] = b""
+    blobs.objects["s3://tables/run/.part-0.parquet.crc"] = b"x"
+    listed = _read(blobs, table={"uri": "s3://tables/run/", "text_column": "body"})
+    assert [(name, text) for name, text, _ in _texts(listed)] == [
+        ("s3://tables/run/part-0.parquet#row=0", "a"),
+        ("s3://tables/run/part-0.parquet#row=1", "b"),
+        ("s3://tables/run/part-1.parquet#row=0", "c"),
+    ]
+    blobs.objects["s3://tables/run/notes.txt"] = b"x"
+    with pytest.raises(PoisonMessage, match=r"table file s3://tables/run/notes\.txt"):
+        _read(blobs, table={"uri": "s3://tables/run/", "text_column": "body"})
+    with pytest.raises(PoisonMessage, match="under the table's prefix"):
+        parse_job_message(
+            json.dumps({"output": "s3://tables/run/out/", "table": {"uri": "s3://tables/run/"}}),
+            NO_LIMIT,
+        )

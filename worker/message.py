@@ -44,7 +44,8 @@ class ShardRef(BaseModel):
 
 class TableSource(BaseModel):
     """A table of inputs: a CSV (a header row; gzipped if its key ends `.gz`), a Parquet
-    file or JSON lines, its URI column (or, with `text_column`, each row's text is the
+    file or JSON lines, or the files under a prefix (a `uri` ending `/`: a Spark or Hive
+    table's parts), its URI column (or, with `text_column`, each row's text is the
     input itself) and, optionally, an id column carried into results."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -58,15 +59,21 @@ class TableSource(BaseModel):
 
     @model_validator(mode="after")
     def _known_format(self) -> TableSource:
-        self.file_format()
+        if not self.is_prefix:
+            self.file_format()
         if self.text_column is not None and "uri_column" in self.model_fields_set:
             raise ValueError("a table's inputs are its 'uri_column' or its 'text_column'")
         return self
 
-    def file_format(self) -> str:
+    @property
+    def is_prefix(self) -> bool:
+        return self.uri.endswith("/")
+
+    def file_format(self, uri: str | None = None) -> str:
+        """The format of the table's file at `uri` (its own `uri` by default)."""
         if self.format is not None:
             return self.format
-        key = self.uri.lower()
+        key = (uri or self.uri).lower()
         if key.endswith(".parquet"):
             return "parquet"
         if key.endswith((".csv", ".csv.gz")):
@@ -140,6 +147,8 @@ class JobMessage(BaseModel):
                 "the 'output' is under the 'inputs_prefix': the job's own outputs would "
                 "be listed as its inputs (and change them on every delivery)"
             )
+        if self.table and self.table.is_prefix and self._output_is_listed(self.table.uri):
+            raise ValueError("the 'output' is under the table's prefix: its files would be read")
         if self.tar is not None and (self.texts or (self.table and self.table.text_column)):
             raise ValueError("'tar' reads the objects listed: texts are inputs themselves")
         if self.texts is not None:

@@ -171,28 +171,45 @@ class InputReader:
                     yield Input(f"s3://{prefix.bucket}/{key}")
 
     def _table(self, table: TableSource) -> Iterator[Input]:
-        if table.text_column:
-            yield from self._text_table(table, table.text_column)
+        """A table's rows, file by file (a prefix's in key order), each a URI or a text."""
+        rows_of = self._text_rows if table.text_column else self._uri_rows
+        for uri in self._table_files(table):
+            try:
+                file_format = table.file_format(uri)
+            except ValueError as error:
+                raise PoisonMessage(f"table file {uri}: {error}") from error
+            yield from rows_of(table, uri, file_format)
+
+    def _table_files(self, table: TableSource) -> Iterator[str]:
+        """The table's file, or the files under its prefix in key order, without the
+        names a Spark or Hive writer leaves beside its parts (`_SUCCESS`, `.part.crc`)."""
+        if not table.is_prefix:
+            yield table.uri
             return
+        prefix = S3Location.parse(table.uri)
+        for key in self._blobs.keys_under(prefix):
+            if not key.endswith("/") and not key.rsplit("/", 1)[-1].startswith(("_", ".")):
+                yield f"s3://{prefix.bucket}/{key}"
+
+    def _uri_rows(self, table: TableSource, uri: str, file_format: str) -> Iterator[Input]:
         columns = [table.uri_column, *([table.id_column] if table.id_column else [])]
         rows = 0
-        for batch in self._batches(table.uri, table.file_format(), columns, header=True):
-            uris = _bounded(batch.column(table.uri_column), URI_BOUND, table.uri, rows)
+        for batch in self._batches(uri, file_format, columns, header=True):
+            uris = _bounded(batch.column(table.uri_column), URI_BOUND, uri, rows)
             ids = _ids_as_text(table, batch, rows) if table.id_column else [None] * len(uris)
-            for number, (uri, input_id) in enumerate(zip(uris, ids, strict=True), rows + 1):
-                self._check(uri, f"{table.uri} row {number}")
-                yield Input(uri, input_id)
+            for number, (listed, input_id) in enumerate(zip(uris, ids, strict=True), rows + 1):
+                self._check(listed, f"{uri} row {number}")
+                yield Input(listed, input_id)
             rows += len(uris)
 
-    def _text_table(self, table: TableSource, text_column: str) -> Iterator[Input]:
-        """A table's rows as text inputs, a record batch at a time (no GET per input)."""
-        columns = [text_column, *([table.id_column] if table.id_column else [])]
+    def _text_rows(self, table: TableSource, uri: str, file_format: str) -> Iterator[Input]:
+        """A table file's rows as text inputs, a record batch at a time (no GET per input)."""
+        assert table.text_column is not None
+        columns = [table.text_column, *([table.id_column] if table.id_column else [])]
         rows = 0
         text_rows = MAX_PARQUET_TEXT_ROW_BYTES
-        for batch in self._batches(
-            table.uri, table.file_format(), columns, header=True, row_bytes=text_rows
-        ):
-            texts = column_texts(batch.column(text_column), table.uri, rows)
+        for batch in self._batches(uri, file_format, columns, header=True, row_bytes=text_rows):
+            texts = column_texts(batch.column(table.text_column), uri, rows)
             ids = _ids_as_text(table, batch, rows) if table.id_column else [None] * len(texts)
             yield from map(Input, texts, ids)
             rows += len(texts)
