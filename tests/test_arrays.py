@@ -225,13 +225,15 @@ def test_a_job_over_its_shard_size_with_array_files_is_refused_with_the_reason(
     tmp_path: Path,
 ) -> None:
     """.npy files are not merged across shards: a job that would be planned into shards
-    is dead-lettered with what to do instead, not run with rows out of place."""
+    is dead-lettered with what to do instead, not run with rows out of place; its output
+    holds the reason (rejected.json) and nothing else."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     blobs.objects["s3://bkt/img/0"] = next(iter(samples(1, seed=3)))[1]
     _embed(tmp_path, ["s3://bkt/img/0"] * 3, source, blobs, shard_items=2)
     [(_, reason)] = source.dead_letters
     assert 'merged across shards only as Parquet columns: give "format": "parquet"' in reason
-    assert not any(uri.startswith("s3://bkt/out/emb/") for uri in blobs.objects)
+    under = [uri for uri in blobs.objects if uri.startswith("s3://bkt/out/emb/")]
+    assert under == ["s3://bkt/out/emb/rejected.json"]
 
 
 def test_a_sharded_job_s_arrays_come_back_as_parquet_columns_equal_to_the_npy_rows(
