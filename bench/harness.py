@@ -10,6 +10,7 @@ import functools
 import io
 import json
 import math
+import os
 import random
 import statistics
 import tarfile
@@ -193,6 +194,8 @@ class TimedSource(InMemoryJobSource):
         self.last_ack_s = 0.0
         self.cpu_at_first_receive_s = 0.0
         self.cpu_at_last_ack_s = 0.0
+        self.machine_cpu_at_first_receive_s = 0.0
+        self.machine_cpu_at_last_ack_s = 0.0
         self.received_at: dict[str, float] = {}
         self.held_s = 0.0
         self.redeliveries = 0
@@ -208,6 +211,7 @@ class TimedSource(InMemoryJobSource):
             if messages and now < self.first_receive_s:
                 self.first_receive_s = now
                 self.cpu_at_first_receive_s = time.process_time()
+                self.machine_cpu_at_first_receive_s = machine_cpu_s()
                 self.receiving.set()
             for message in messages:
                 self.received_at[message.receipt_handle] = now
@@ -221,6 +225,7 @@ class TimedSource(InMemoryJobSource):
             if now > self.last_ack_s:
                 self.last_ack_s = now
                 self.cpu_at_last_ack_s = time.process_time()
+                self.machine_cpu_at_last_ack_s = machine_cpu_s()
 
     def ack(self, receipt_handle: str) -> None:
         super().ack(receipt_handle)
@@ -238,6 +243,19 @@ class TimedSource(InMemoryJobSource):
     def cpu_s(self) -> float:
         """This process's CPU from the first receive to the last ack."""
         return self.cpu_at_last_ack_s - self.cpu_at_first_receive_s
+
+    @property
+    def machine_cpu_s(self) -> float:
+        """Every process's CPU on the machine from the first receive to the last ack."""
+        return self.machine_cpu_at_last_ack_s - self.machine_cpu_at_first_receive_s
+
+
+def machine_cpu_s() -> float:
+    """The CPU time every process on the machine has used since it started (user, nice
+    and system time, from /proc/stat)."""
+    with open("/proc/stat") as stat:
+        user, nice, system = (int(field) for field in stat.readline().split()[1:4])
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
 # Inputs. --------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from bench.harness import (
     run_daemon,
 )
 from bench.processes import backlog, fetch_clients, host_cpu
+from bench.scaling import control_plane_scaling
 from bench.tables import parquet_output, results_file_sizes
 from stages.model import default_classifier
 from stages.preprocess import default_preprocessor
@@ -461,6 +462,8 @@ TARGETS = {
     "longest_stall_ms": ("<=", 25.0),
     # Issue 39's: a one-image job received with a job naming 300,000 objects.
     "small_job_beside_a_prefix_ratio": ("<=", 2.0),
+    # Issue 38's: the daemon's own CPU per item may not grow with its processes.
+    "main_cpu_growth": ("<=", 1.1),
     # Issue 25's: the control plane with tar-shard inputs.
     "host_ceiling_items_per_s_tar_shards": (">=", 20000.0),
 }
@@ -503,6 +506,9 @@ def main(out: Path, quick: bool, only: list[str] | None = None) -> int:
             "fleet": lambda: fleet(work_dir, 1600 if quick else 3200),
             "request_counts": lambda: request_counts(work_dir, 2000, 200),
             "admission": lambda: admission(work_dir, runs),
+            "control_plane_scaling": lambda: control_plane_scaling(
+                work_dir, 10_000 if quick else 40_000
+            ),
         }
         unknown = sorted(set(only or []) - steps.keys())
         if unknown:

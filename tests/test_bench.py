@@ -13,6 +13,7 @@ from bench.admission import admission
 from bench.gpu import decode_speedup, gpu_overlap, moto_end_to_end
 from bench.processes import exited_process_cpu_s, fetch_clients
 from bench.run import array_output, host_ceiling
+from bench.scaling import control_plane_scaling
 from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore
 
@@ -149,3 +150,15 @@ def test_the_admission_figure_times_the_small_job_from_the_first_receive(
     monkeypatch.setattr("bench.admission.LIST_PAGE_S", 0.2)
     figures = admission(tmp_path, 1)
     assert figures["small_job_idle_s"] > 0 and figures["small_job_beside_a_prefix_s"] > 0
+
+
+def test_the_scaling_figure_runs_the_control_plane_at_each_process_count(
+    tmp_path: Path,
+) -> None:
+    """One and two preprocessing processes over a job of 500 items: each count's rate and
+    CPU per item, and the main process's growth between them."""
+    figures = control_plane_scaling(tmp_path, 500, counts=(1, 2))
+    for count in (1, 2):
+        assert figures[f"scaling_{count}_items_per_s"] > 0
+        assert figures[f"scaling_{count}_main_cpu_ms_per_item"] > 0
+    assert figures["main_cpu_growth"] > 0
