@@ -68,7 +68,8 @@ class Settings(BaseSettings):
         default="stages.model:default_classifier",
         description="The model: 'module:factory' (a function returning a torch module), a "
         "torch.export archive 'path.pt2' or a TorchScript file 'path.pt'. It takes a uint8 "
-        "NCHW batch on the device.",
+        "NCHW batch of images on the device, or, after a text preprocessor, (input_ids, "
+        "attention_mask) (docs/models.md).",
     )
     model_name: str | None = Field(
         default=None,
@@ -82,7 +83,8 @@ class Settings(BaseSettings):
     )
     preprocess: str = Field(
         default="stages.preprocess:default_preprocessor",
-        description="'module:object': decodes one input's bytes into a uint8 tensor slot.",
+        description="'module:object': decodes one input's bytes into a uint8 tensor slot, "
+        "or tokenizes one text into a slot of token ids and their mask (docs/models.md).",
     )
     postprocess: str = Field(
         default="stages.postprocess:top_k",
