@@ -4,6 +4,7 @@ a job that cannot fit now is told apart from one that can never fit."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import threading
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench.harness import tar_of
-from worker.adapters.fakes import InMemoryBlobStore
+from tests.support.in_process import run_until_drained
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.datasets.disk import DiskBudget, NoDiskRoom
 from worker.datasets.tars import TarCopies
 from worker.errors import TransientError
@@ -137,3 +139,26 @@ def test_a_budget_by_default_is_three_quarters_of_the_free_space_of_its_disk(
     budget = DiskBudget.of(tmp_path / "logs" / "not-yet", None)
     assert abs(budget.total_bytes - 0.75 * free) < 0.01 * free
     assert DiskBudget.of(tmp_path, 12345).total_bytes == 12345
+
+
+def test_a_listing_planned_into_shards_claims_the_budget_for_its_snapshot(
+    tmp_path: Path,
+) -> None:
+    """A job over its shard size is planned from a snapshot of its listing on this
+    machine's disk: its bytes are claimed of the same budget as tar copies, so a prefix
+    of more keys than the budget holds is poison naming the limit, where a sender could
+    fill the disk; with a budget it fits in, the same job is planned and runs."""
+    for budget in (2_000, 1_000_000):
+        source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+        for number in range(300):  # about 7 kB of lines
+            blobs.objects[f"s3://bkt/many/{number:05d}"] = b"not an image"
+        body = {"job_id": "many", "inputs_prefix": "s3://bkt/many/", "output": "s3://bkt/out/"}
+        source.send(json.dumps(body))
+        run_until_drained(source, blobs, tmp_path, shard_items=100, tar_disk_bytes=budget)
+        if budget == 2_000:
+            [(_, reason)] = source.dead_letters
+            assert "the snapshot of its listing would take more than the disk" in reason
+            assert "--tar-disk-bytes, 2000 bytes" in reason
+        else:
+            assert source.dead_letters == []
+            assert json.loads(blobs.objects["s3://bkt/out/job.json"])["items"] == 300

@@ -1,11 +1,12 @@
-"""The disk a daemon's tar copies may take, all of them together (`--tar-disk-bytes`):
-whole tar jobs and tar shards alike copy their tars to this machine (`worker.datasets.tars`),
-each claiming its bytes of one budget as its copies grow, before each piece is written,
-and giving them back when its copies are removed.
+"""The disk what jobs copy to this machine may take, all of it together
+(`--tar-disk-bytes`): whole tar jobs and tar shards copy their tars here
+(`worker.datasets.tars`), and a job planned into shards its listing (a snapshot read back
+to write the shards' inputs files); each claims its bytes of one budget as it grows,
+before each piece is written, and gives them back when its copy is removed.
 
 A claim that others' copies leave no room for now is `NoDiskRoom`, transient: the job
 goes back to the queue, uncharged, to run when room is made (here or elsewhere); one
-whose own copies are over the whole budget can never fit here, and is poison.
+whose own copy is over the whole budget can never fit here, and is poison.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ NO_DISK_ROOM_RETRY_S = 60
 
 
 class NoDiskRoom(TransientError):
-    """The tar copies of other jobs held here take the disk budget now: hand the job
-    back to run later, without charging it (it did nothing wrong)."""
+    """The copies of other jobs held here take the disk budget now: hand the job back to
+    run later, without charging it (it did nothing wrong)."""
 
 
 class DiskBudget:
-    """Bytes of disk that a daemon's tar copies may hold at once, shared by all of them."""
+    """Bytes of disk that a daemon's copies may hold at once, shared by all of them."""
 
     def __init__(self, total_bytes: int):
         self.total_bytes = total_bytes
@@ -50,9 +51,9 @@ class DiskBudget:
     def held_bytes(self) -> int:
         return self._held_bytes
 
-    def claim(self) -> DiskClaim:
-        """A claim holding nothing yet: one job's copies."""
-        return DiskClaim(self)
+    def claim(self, copies: str = "the copies of its tars") -> DiskClaim:
+        """A claim holding nothing yet: one job's `copies`, as its errors name them."""
+        return DiskClaim(self, copies)
 
     def take(self, claim: DiskClaim, size: int) -> None:
         """`size` more bytes for `claim`: poison if the claim alone would then be over
@@ -60,13 +61,13 @@ class DiskBudget:
         with self._lock:
             if claim.held_bytes + size > self.total_bytes:
                 raise PoisonMessage(
-                    f"its tars take more than the disk this worker gives tar copies "
-                    f"(--tar-disk-bytes, {self.total_bytes} bytes)"
+                    f"{claim.copies} would take more than the disk this worker gives jobs' "
+                    f"copies (--tar-disk-bytes, {self.total_bytes} bytes)"
                 )
             if self._held_bytes + size > self.total_bytes:
                 raise NoDiskRoom(
-                    f"no room for its tars on this machine's disk now: other jobs' copies "
-                    f"hold {self._held_bytes - claim.held_bytes} of its "
+                    f"no room for {claim.copies} on this machine's disk now: other jobs' "
+                    f"copies hold {self._held_bytes - claim.held_bytes} of its "
                     f"{self.total_bytes} bytes (--tar-disk-bytes)"
                 )
             self._held_bytes += size
@@ -80,11 +81,12 @@ class DiskBudget:
 
 
 class DiskClaim:
-    """What one job's tar copies hold of a budget: grown before each piece is written,
-    given back whole when the copies are removed."""
+    """What one job's copies hold of a budget: grown before each piece is written, given
+    back whole when the copies are removed."""
 
-    def __init__(self, budget: DiskBudget):
+    def __init__(self, budget: DiskBudget, copies: str):
         self._budget = budget
+        self.copies = copies  # what they are, as the claim's errors name them
         self.held_bytes = 0  # changed under the budget's lock
 
     def grow(self, size: int) -> None:

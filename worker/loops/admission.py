@@ -293,7 +293,9 @@ class AdmissionReader:
                 'columns: give "format": "parquet", or a larger \'shard_items\' to run '
                 "it whole"
             )
-        with Snapshot(self._arrays.directory) as snapshot:
+        with Snapshot(
+            self._arrays.directory, self._disk.claim("the snapshot of its listing")
+        ) as snapshot:
             listing = itertools.chain(first, stream)
             self._plan(
                 job, spec, listing, snapshot, job_id=job_id, model=model, shard_items=shard_items

@@ -25,6 +25,7 @@ from types import TracebackType
 
 import structlog
 
+from worker.datasets.disk import DiskClaim
 from worker.datasets.inputs import Input, shard_line, shard_line_input
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.job import Job, JobSettled
@@ -49,24 +50,39 @@ log = structlog.get_logger()
 
 SHARDS_DIR = "shards/"
 MAX_SENT_NOTE_BYTES = 1024  # a `.sent` note: the id of the message that sent the shard
+SNAPSHOT_WRITE_BYTES = 2**16  # written (and claimed of the disk budget) at a time
 
 
 class Snapshot:
     """A job's listing as it was read once, in a file of this machine's disk (a line an
     input, as a shard's inputs file holds them), read back as often as planning needs;
-    removed once the job is planned."""
+    removed once the job is planned. Its bytes are claimed of the daemon's disk budget
+    (`claim`) before they are written, `SNAPSHOT_WRITE_BYTES` at a time."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, claim: DiskClaim):
         directory.mkdir(parents=True, exist_ok=True)
         descriptor, name = tempfile.mkstemp(prefix="listing-", dir=directory)
         self._path = Path(name)
         self._file = os.fdopen(descriptor, "wb")
+        self._claim = claim
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
 
     def add(self, listed: Input) -> None:
-        self._file.write(shard_line(listed))
+        line = shard_line(listed)
+        self._pending.append(line)
+        self._pending_bytes += len(line)
+        if self._pending_bytes >= SNAPSHOT_WRITE_BYTES:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        self._claim.grow(self._pending_bytes)
+        self._file.writelines(self._pending)
+        self._pending, self._pending_bytes = [], 0
 
     def inputs(self) -> Iterator[Input]:
         """The inputs added, in order (the file is this daemon's own, so not checked)."""
+        self._write_pending()
         self._file.flush()
         with self._path.open("rb") as lines:
             yield from map(shard_line_input, lines)
@@ -82,6 +98,7 @@ class Snapshot:
     ) -> None:
         self._file.close()
         self._path.unlink(missing_ok=True)
+        self._claim.release()
 
 
 class Planner:
