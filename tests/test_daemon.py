@@ -324,13 +324,15 @@ class RecordingBlobs(InMemoryBlobStore):
 
 
 def test_a_small_job_is_not_stuck_behind_a_big_one_received_with_it(tmp_path: Path) -> None:
-    """One receive brings a 40-item job and then a one-item job: the small one is fed
+    """One receive brings a 160-item job and then a one-item job: the small one is fed
     in turn with the big one and finishes first, and neither message is ever seen
-    again while held (both were leased from their receive)."""
+    again while held (both were leased from their receive). The big one's items take 4 s
+    of the model's: were the small one admitted only after the big one's first items
+    were fed, on a loaded machine, it still comes in turn long before the last."""
     source, blobs = InMemoryJobSource(), RecordingBlobs()
-    uris = sample_images(blobs, 41)
-    send_job(source, "big", uris[:40])
-    send_job(source, "small", uris[40:])
+    uris = sample_images(blobs, 161)
+    send_job(source, "big", uris[:160])
+    send_job(source, "small", uris[160:])
     run_until_drained(
         source,
         blobs,
