@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu test-fleet lint chaos bench bench-full bench-gpu
+.PHONY: demo test test-gpu test-fleet lint chaos prove bench bench-full bench-gpu
 
 # torch through pip, which finds the machine's own build of it; the rest through uv,
 # which installs it in seconds where pip took most of a minute of CI's time. Compiled
@@ -55,6 +55,13 @@ test-fleet: $(VENV)/installed
 chaos: $(VENV)/installed
 	CHAOS_SEEDS=$${CHAOS_SEEDS:-1,2,4,5,6} CHAOS_SECONDS=$${CHAOS_SECONDS:-90} \
 		$(PY) -m pytest tests/e2e/test_random_fault_schedules.py
+
+# Not part of `make test`: the fleet's protocol played in many more orders, at random
+# (PROTOCOL_EXAMPLES games of up to 60 steps; `make test` plays the same 60 short ones
+# each time). Tens of minutes on 2 cores.
+prove: $(VENV)/installed
+	PROTOCOL_PROOF=long PROTOCOL_EXAMPLES=$${PROTOCOL_EXAMPLES:-2000} \
+		$(PY) -m pytest tests/test_protocol_properties.py --timeout 0
 
 # Not part of `make test`: minutes of CPU on purpose. Writes bench-out/report.json,
 # timeline.json (Chrome trace) and timeline.png.

@@ -45,12 +45,14 @@ from worker.jobs.plan import (
     read_commit,
     shard_directory,
     shard_file,
+    shard_name,
     watch_body,
     watch_file,
 )
 from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
 from worker.sharding.merging import (
+    MERGE_CLAIM_S,
     AlreadyMerged,
     Fenced,
     Incomplete,
@@ -174,18 +176,34 @@ class Shards:
 
     def committed_elsewhere(self, job: Job) -> bool:
         """Whether another run of the shard this job runs has committed, or the whole job
-        is merged (its shards' files gone): this run is then of no use."""
-        assert job.spec is not None and job.spec.shard is not None and job.plan is not None
-        prefix = shard_file(job.spec, job.plan.request_digest, job.spec.shard.index, ".")
+        is merged (its shards' files gone): this run is then of no use, and its message
+        is deleted. Not a run of another delivery of this same message (SQS delivers at
+        least once): that run may be merging, and should it die, this message is what
+        brings its merge back; this run goes on instead, and its commit, finding the
+        other's marker, sees to the merge (`commit`)."""
+        spec, plan = job.spec, job.plan
+        assert spec is not None and spec.shard is not None and plan is not None
+        prefix = shard_file(spec, plan.request_digest, spec.shard.index, ".")
         names = {name.removeprefix(".") for name in self._blobs.objects_under(prefix)}
-        return COMMIT_SUFFIX[1:] in names or INPUTS_SUFFIX[1:] not in names
+        if INPUTS_SUFFIX[1:] not in names:
+            return True
+        if COMMIT_SUFFIX[1:] not in names:
+            return False
+        directory = shard_directory(spec, plan.request_digest)
+        marker = f"{shard_name(spec.shard.index)}{COMMIT_SUFFIX}"
+        try:
+            committed = read_commit(self._blobs, directory, marker).run
+        except MissingObject:
+            return True  # merged meanwhile
+        return not committed.endswith(f"-{job.message.message_id}")
 
     def commit(
         self, job: Job, summary: dict[str, Any], results: list[Output]
     ) -> dict[str, Any] | None:
         """Write this run's results (results.jsonl, or its Parquet files) and log, then
         its commit marker if no run of the shard has one; then merge the job if every
-        shard is committed. Returns the job.json written if this run wrote it."""
+        shard is committed (whichever run's commit counts). Returns the job.json written
+        if this run wrote it."""
         spec, plan = job.spec, job.plan
         assert spec is not None and spec.shard is not None and plan is not None
         assert job.log is not None
@@ -235,7 +253,9 @@ class Shards:
             if read_commit(self._blobs, shard_directory(spec, digest), _name(marker)).run != run:
                 log.info("shard_duplicate", job_id=job.job_id, shard=index, run=run)
                 self._blobs.delete([location for location, _, _ in outputs])
-                return None
+                # Before its message goes, as a redelivery of a committed shard does: the
+                # other run may be of this same message, and have died merging.
+                return self.merge(spec, plan, merger)
         job.committed = True
         log.info("shard_committed", job_id=job.job_id, shard=index, run=run, items=len(job.inputs))
         return self.merge(spec, plan, merger, watch_in_s=watch_delay_s(commit.seconds))
@@ -245,9 +265,10 @@ class Shards:
     ) -> dict[str, Any] | None:
         """Merge the job if every shard is committed (`Merger.merge`, as `merger`), and
         see to what the answer leaves: the job.json this merge wrote, to announce; a
-        watch due in `watch_in_s` while shards are left, or when another merger's claim
-        runs out (should it be lost); the shards' files removed once the job is done; a
-        merge fenced off leaves everything to the one that fenced it."""
+        watch due in `watch_in_s` while shards are left, or while another merger's claim
+        stands (should its merger be lost), by when it runs out; the shards' files
+        removed once the job is done; a merge fenced off leaves everything to the one
+        that fenced it."""
         outcome = self.merger.merge(spec, plan, merger)
         match outcome:
             case Merged(summary):
@@ -257,10 +278,36 @@ class Shards:
             case Incomplete():
                 self.watch(spec, plan, watch_in_s)
             case MergingElsewhere(until):
-                self.watch(spec, plan, claim_watch_delay_s(until))
+                self._watch_claim(spec, plan, until, watch_in_s)
             case Fenced():
                 pass
         return None
+
+    def _watch_claim(self, spec: JobMessage, plan: Plan, until: float, soonest_s: int) -> None:
+        """Have a watch due while another merger's claim stands (until `until`), in place
+        of one due by now: that one may be the watch merging now, or one that merged and
+        ended, the marker naming it still. Were it kept, no watch would follow, and a
+        claim whose merger died with its message gone (one delivery of two, the other
+        deleting it) would stand unmerged for ever. A watch that finds the claim
+        standing again watches again, until the merge ends or the claim runs out and it
+        merges: in `soonest_s` while the claim was renewed lately (its merger is at
+        work), and later the longer it was not, a few times over a dead merger's
+        claim. Never raises."""
+        unrenewed_s = math.ceil(MERGE_CLAIM_S - (until - time.time()))
+        delay_s = min(claim_watch_delay_s(until), max(soonest_s, unrenewed_s))
+        try:
+            marker = watch_file(spec, plan.request_digest)
+            armed = self.armed_watch(spec, plan, self._blobs.objects_under(marker).get(""))
+            now = time.time()
+            # A watch taken at most the clocks' slack early.
+            soonest, latest = now + WATCH_SLACK_S, now + delay_s + WATCH_MIN_S
+            if armed is not None and armed.due is not None and soonest < armed.due <= latest:
+                return  # one to come
+            self.arm_watch(spec, plan, delay_s, armed)
+        except PreconditionFailed:
+            return  # another was armed meanwhile
+        except Exception as error:
+            log.warning("watch_not_armed", job_id=plan.job_id, error=repr(error))
 
     def started(self, spec: JobMessage, plan: Plan, *, held: bool) -> None:
         """Note when this run of the shard began, as admitted (a watch compares it with

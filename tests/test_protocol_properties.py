@@ -1,0 +1,406 @@
+"""The fleet's protocol for a job split into shards, proven by exploring orders (issue 39,
+point 2), not only by examples.
+
+A hypothesis state machine plays one job of a few shards on as many daemons as it likes,
+over one store with S3's conditional writes (`If-None-Match: *`, `If-Match`) and its
+strongly consistent listing, whose ETags are not MD5s (as under SSE-KMS: the same bytes
+written twice are two versions), and one queue with SQS's leases and delays. Each
+delivery of a message runs on a daemon of its own, on a thread that stops before every
+call it makes to S3 or SQS until the machine lets it make it. So the machine picks which
+daemon goes on at each call, which message is delivered (again, to a second daemon,
+while the first still holds it: at-least-once), when a daemon dies (before a call, or
+after it with the answer lost; its message comes back once its lease runs out), and when
+time passes (watches come due, merge claims run out). What runs is the daemon's own
+code: `Intake` admits each message (plans the job, checks a shard against its plan,
+carries out a watch), a shard's items get the results a model gives them, with a
+checkpoint half-way and the check a running shard makes for another run's commit, and
+`Finisher` commits it (`Shards.commit`, which merges: `Merger`).
+
+After every step it checks what the design promises (docs/DESIGN.md, "The protocol,
+proven"): at most one job.json per request; job.json, once written, names results equal
+to an unsharded run's; nothing a written or running merge needs is removed; from any
+state, every daemon then holding a message dead, the messages left run the job to its
+end (none dead-lettered); and once it has, nothing is left of its shards.
+
+`make test` plays a few hundred short games, the same ones each time; `make prove`
+(PROTOCOL_PROOF=long) plays many more, longer, at random.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from tests.support.fleet import (
+    CLOCK,
+    LEASE_S,
+    OUTPUT,
+    START_S,
+    Daemon,
+    World,
+    inputs,
+    job_body,
+    one_after_another,
+    unsharded,
+    world_at,
+)
+from tests.support.gated import Actor, Fate
+from worker.jobs.plan import COMMIT_SUFFIX, Commit
+from worker.loops import results
+from worker.ports import S3Location
+from worker.retry import Backoff
+from worker.sharding import merging, planning, shards, stragglers
+
+LONG = os.environ.get("PROTOCOL_PROOF") == "long"
+MOST_DAEMONS = 3  # holding a message at once
+# What is left under the output of a job run to its end: plan.json and the job's outputs,
+# the mark that its notices went, and progress.json, the job's last word.
+FINAL = {"plan.json", "results.jsonl", "job.log", "job.json", "announced", "progress.json"}
+# job.json's fields that differ between two runs of a job, or say how it was run.
+RUN_FIELDS = {
+    "received_at",
+    "finished_at",
+    "duration_s",
+    "worker",
+    "outputs",
+    "device_s",
+    "attempt",
+    "resumed",
+    "shards",
+}
+
+
+class FleetProtocol(RuleBasedStateMachine):
+    """Daemons taking one sharded job's messages in any order, dying anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        CLOCK.now = START_S
+        self._directory = Path(tempfile.mkdtemp(prefix="protocol-"))
+        self.world = world_at(self._directory)
+        self.actors: dict[str, Actor] = {}
+        self._names = itertools.count(1)
+        self._committed: dict[str, bytes] = {}  # commit markers seen, by name
+        self._checked_at: tuple[Any, ...] = ()
+        self._ended: World | None = None
+        self.items = 0
+
+    @initialize(items=st.integers(2, 6), shard_items=st.integers(1, 3))
+    def send_the_job(self, items: int, shard_items: int) -> None:
+        """A job of `items` inputs in shards of `shard_items` (two shards at least)."""
+        self.items = items
+        shard_items = min(shard_items, items - 1)
+        self.world.queue.send(job_body(inputs(items), shard_items))
+
+    def teardown(self) -> None:
+        for actor in self.actors.values():
+            while not actor.ended:
+                actor.step("dies")
+        self.world.arrays.close()
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+    # What the daemons and the queue do ------------------------------------------
+
+    def _live(self) -> list[str]:
+        return sorted(name for name, actor in self.actors.items() if not actor.ended)
+
+    def _deliverable(self) -> bool:
+        return bool(self.world.queue.visible()) and len(self._live()) < MOST_DAEMONS
+
+    def _held(self) -> list[str]:
+        live = {self.actors[name].message_id for name in self._live()}
+        return sorted(message for message in live if message in self.world.queue.messages)
+
+    def start(self, message_id: str) -> Actor:
+        """A daemon of its own receives the message, and goes up to its first call."""
+        name = f"d{next(self._names)}"
+        message = self.world.queue.deliver(message_id, name)
+        actor = self.actors[name] = Actor(name, message_id)
+        daemon = Daemon(self.world, actor, name)  # its parts make no call as they are made
+        actor.start(functools.partial(daemon.take, message))
+        self._after(actor)
+        return actor
+
+    def kill(self, actor: Actor, fate: Fate = "dies") -> None:
+        actor.step(fate)
+        self._after(actor)
+
+    def finish(self, actor: Actor) -> None:
+        """Let the daemon make every call left to it."""
+        while not actor.ended:
+            actor.step()
+        self._after(actor)
+
+    def check(self) -> None:
+        """Every promise, as after a step."""
+        self.at_most_one_job_json_per_request()
+        self.job_json_names_the_unsharded_runs_results()
+        self.a_merge_keeps_what_it_needs()
+        self.every_run_that_can_still_finish_does()
+        self.nothing_is_left_once_the_job_is_done()
+
+    @precondition(lambda self: self._deliverable())
+    @rule(data=st.data())
+    def deliver(self, data: st.DataObject) -> None:
+        """A daemon receives a visible message."""
+        self.start(data.draw(st.sampled_from(sorted(self.world.queue.visible())), "message"))
+
+    @precondition(lambda self: self._held() and len(self._live()) < MOST_DAEMONS)
+    @rule(data=st.data())
+    def deliver_again(self, data: st.DataObject) -> None:
+        """A message held by a live daemon is delivered to another too (SQS delivers at
+        least once; a lease lost unnoticed)."""
+        self.start(data.draw(st.sampled_from(self._held()), "message"))
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data(), calls=st.integers(1, 40))
+    def go_on(self, data: st.DataObject, calls: int) -> None:
+        """A daemon makes its next calls to S3 and SQS (its whole run, at most)."""
+        self._go_on(self._daemon(data), calls, "lives")
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data(), calls=st.integers(0, 30), answered=st.booleans())
+    def die(self, data: st.DataObject, calls: int, answered: bool) -> None:
+        """A daemon makes its next `calls` calls, then dies before the next one, or
+        after it with the answer lost."""
+        self._go_on(self._daemon(data), calls, "dies_unanswered" if answered else "dies")
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data(), calls=st.integers(0, 30), retried=st.booleans())
+    def call_fails(self, data: st.DataObject, calls: int, retried: bool) -> None:
+        """A daemon makes its next `calls` calls, then the next one fails: S3 or SQS
+        refuse it (throttled), or do it and the answer is lost, and the adapter's
+        retry answers."""
+        self._go_on(self._daemon(data), calls, "retried" if retried else "fails")
+
+    def _go_on(self, actor: Actor, calls: int, then: Fate) -> None:
+        """`calls` calls made, then the next one's fate is `then`."""
+        for number in range(calls + 1):
+            if actor.ended:
+                break
+            actor.step(then if number == calls else "lives")
+        self._after(actor)
+
+    def _daemon(self, data: st.DataObject) -> Actor:
+        return self.actors[data.draw(st.sampled_from(self._live()), "daemon")]
+
+    @rule(seconds=st.sampled_from([5, LEASE_S, merging.MERGE_CLAIM_S + 1, 3600]))
+    def time_passes(self, seconds: float) -> None:
+        CLOCK.now += seconds
+
+    def _after(self, actor: Actor) -> None:
+        if actor.ended:
+            self.world.queue.let_go(actor.name)
+
+    # What the design promises -----------------------------------------------------
+
+    @invariant()
+    def at_most_one_job_json_per_request(self) -> None:
+        assert self.world.store.job_json_writes <= 1
+
+    @invariant()
+    def job_json_names_the_unsharded_runs_results(self) -> None:
+        _check_done(self.world, self.items)
+
+    @invariant()
+    def a_merge_keeps_what_it_needs(self) -> None:
+        """Until job.json is written, a shard's commit marker, once written, stays as it
+        is, and so do the files it names."""
+        if OUTPUT + "job.json" in self.world.store.objects:
+            return
+        objects = self.world.store.objects
+        for uri, data in objects.items():
+            if uri.endswith(COMMIT_SUFFIX):
+                self._committed.setdefault(uri, data)
+        for uri, data in self._committed.items():
+            assert objects.get(uri) == data, f"{uri} removed or changed before job.json"
+            commit = Commit.model_validate_json(data)
+            directory = uri.rsplit("/", 1)[0] + "/"
+            for file in [*commit.results, commit.log]:
+                assert directory + file.name in objects, f"{file.name} removed before job.json"
+
+    @invariant()
+    def every_run_that_can_still_finish_does(self) -> None:
+        """Every daemon holding a message now dead, the messages left, run one after
+        another, end the job: job.json written, what it names as an unsharded run's,
+        nothing dead-lettered."""
+        ended = self._run_to_end()
+        assert not ended.queue.dead_letters, ended.queue.dead_letters
+        assert OUTPUT + "job.json" in ended.store.objects, sorted(ended.names())
+        _check_done(ended, self.items)
+        assert ended.store.job_json_writes <= 1
+
+    @invariant()
+    def nothing_is_left_once_the_job_is_done(self) -> None:
+        """Once job.json is written and no message of the job is left, nothing of its
+        shards (or checkpoints) is left either; so after running it to its end."""
+        if OUTPUT + "job.json" in self.world.store.objects and not self.world.queue.messages:
+            assert self.world.names() <= FINAL, sorted(self.world.names() - FINAL)
+        ended = self._run_to_end()
+        assert ended.names() <= FINAL, sorted(ended.names() - FINAL)
+
+    def _run_to_end(self) -> World:
+        """The world as it ends if every daemon now holding a message dies now and the
+        messages left run one after another (worked out once per state)."""
+        queue = self.world.queue.messages.values()
+        state = (self.world.store.changes, CLOCK.now, *((m.handle, m.visible_at) for m in queue))
+        if self._ended is None or state != self._checked_at:
+            now = CLOCK.now
+            ended = self.world.copy()
+            for name in self._live():
+                ended.queue.let_go(name)
+            try:
+                ended.run_to_end()
+            finally:
+                CLOCK.now = now
+            self._ended, self._checked_at = ended, state
+        return self._ended
+
+
+def _check_done(world: World, items: int) -> None:
+    """If job.json is written: it is the only one, it completes the job (the outputs it
+    names are those there), and its results and fields are an unsharded run's."""
+    objects = world.store.objects
+    if OUTPUT + "job.json" not in objects:
+        return
+    summary = json.loads(objects[OUTPUT + "job.json"])
+    listing = world.store.objects_under(S3Location.parse(OUTPUT))
+    assert all(listing.get(name) == etag for name, etag in summary["outputs"].items()), (
+        "job.json names outputs no longer there"
+    )
+    results, whole = unsharded(items)
+    assert objects[OUTPUT + "results.jsonl"] == results
+    fields = {key: value for key, value in summary.items() if key not in RUN_FIELDS}
+    assert fields == {key: value for key, value in whole.items() if key not in RUN_FIELDS}
+
+
+@pytest.fixture
+def protocol(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The protocol's modules on the model's clock, their calls one after another, a
+    finish tried again at once; the daemons' logs kept out of the test's output."""
+    for module in (shards, merging, stragglers):
+        monkeypatch.setattr(module, "time", CLOCK)
+    for module in (shards, merging, stragglers, planning):
+        monkeypatch.setattr(module, "each_at_once", one_after_another)
+    monkeypatch.setattr(results, "FINISH_BACKOFF", Backoff(base_s=0.0, cap_s=0.0))
+    with structlog.testing.capture_logs():
+        yield
+
+
+# `make test` plays the same short games every time, and reports a failing one as found
+# (shrinking it can take longer than a test may); `make prove` plays many more, at random,
+# and shrinks what fails.
+PROFILE = (
+    settings(
+        max_examples=int(os.environ.get("PROTOCOL_EXAMPLES", "2000")),
+        stateful_step_count=60,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    if LONG
+    else settings(
+        max_examples=60,
+        stateful_step_count=30,
+        derandomize=True,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+)
+
+
+def test_the_protocol_keeps_its_promises_in_every_order(protocol: None) -> None:
+    """Every game the machine plays keeps the five promises after each step."""
+    run_state_machine_as_test(FleetProtocol, settings=PROFILE)
+
+
+def _go_on_until(actor: Actor, call: str) -> None:
+    """Let the daemon make its calls up to the first that `call` (a pattern) matches."""
+    while not re.fullmatch(call, actor.pending):
+        assert not actor.ended, f"{actor.name} ended before {call}"
+        actor.step()
+
+
+def test_a_merge_claim_left_by_a_merger_whose_message_is_gone_is_watched_until_it_runs_out(
+    protocol: None,
+) -> None:
+    """A game the machine found. Shard 0's message is delivered twice; the later
+    delivery commits the shard and deletes the message. The last shard's run commits
+    and dies before its merge; the earlier delivery of shard 0 finds every shard
+    committed, takes the merge claim, and dies: nothing brings its message back. The
+    watch that comes finds the claim standing, and has a watch due once it runs out,
+    in place of itself: the marker named it, so it counted as the one due, no watch
+    followed (nor did the last shard's redelivery arm one, the marker saying a watch
+    was due), and the job waited without job.json for ever."""
+    game = FleetProtocol()
+    try:
+        game.send_the_job(items=2, shard_items=1)
+        game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
+        # Shard 0's message delivered twice: the later delivery commits the shard, arms
+        # a watch (m4) and deletes the message, with the latest receipt handle.
+        first, second = game.start("m2"), game.start("m2")
+        game.finish(second)
+        last = game.start("m3")
+        _go_on_until(last, r"put shards/\w+/000001\.commit")
+        last.step()
+        _go_on_until(last, r"list shards/\w+/")  # its merge begins
+        game.kill(last)
+        _go_on_until(first, "compose .*")  # it holds the claim
+        game.kill(first)
+        CLOCK.now += shards.WATCH_MIN_S
+        game.finish(game.start("m4"))
+        game.check()
+    finally:
+        game.teardown()
+
+
+def test_a_run_that_finds_its_shard_committed_by_its_own_messages_other_delivery_merges(
+    protocol: None,
+) -> None:
+    """A game the machine found. Shard 1 commits, its watch not armed (S3 refuses the
+    marker). Shard 0's message is delivered twice: the earlier delivery commits the
+    shard, takes the merge claim and dies; the later one, running, sees the marker.
+    It stopped and deleted the message, the only thing that could bring the dead
+    merge back, and the job waited without job.json for ever. It goes on now, and
+    its commit, finding the other's marker, merges the job (its claim is the same
+    message's) before the message goes."""
+    game = FleetProtocol()
+    try:
+        game.send_the_job(items=4, shard_items=2)  # a check half-way through a run
+        game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
+        last = game.start("m3")
+        _go_on_until(last, r"put shards/\w+/watch")
+        last.step("fails")
+        game.finish(last)
+        earlier, later = game.start("m2"), game.start("m2")
+        _go_on_until(later, r"list shards/\w+/000000\.")  # a running shard's check
+        _go_on_until(earlier, "compose .*")  # committed, and it holds the claim
+        game.kill(earlier)
+        game.finish(later)
+        assert OUTPUT + "job.json" in game.world.store.objects
+        game.check()
+    finally:
+        game.teardown()
