@@ -220,9 +220,9 @@ class Settings(BaseSettings):
         description="Most bytes of disk the local copies of tars, and the snapshots of "
         "listings planned into shards, may take at once, all jobs' together, claimed as "
         "they are written: a job that finds no room now is handed back to run later, "
-        "uncharged; one whose own copy alone takes more is poison. Default: three quarters of the space free on "
-        "--log-dir's disk at start (daemons sharing a disk should each be given their "
-        "share).",
+        "uncharged; one whose own copy alone takes more is poison. Default: three "
+        "quarters of the space free on --log-dir's disk at start (daemons sharing a "
+        "disk should each be given their share).",
     )
     parquet_file_bytes: int = Field(
         default=256 * 2**20,
