@@ -562,26 +562,27 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, dev
 def test_the_set_up_limit_is_a_setting_and_the_warm_up_adds_to_it(tmp_path: Path) -> None:
     """`--setup-timeout-seconds` bounds a stage process's start; a model's process also
     has `--inference-timeout-seconds` for each batch size its warm-up runs: a warm-up of
-    4 s starts within a 3 s set-up limit, and a model that takes 6 s to load does not
-    start (in any of its three tries) within 3 s and seven warm-up sizes of 0.125 s.
-    (The preprocessing processes have the same limit: 3 s, for a loaded machine.)"""
+    4 s starts within a 6 s set-up limit, and a model that takes 30 s to load does not
+    start (in any of its three tries) within 6 s and seven warm-up sizes of 0.125 s.
+    (The preprocessing processes have the same limit: 6 s, for a loaded machine, where
+    3 s was once too short for one to start.)"""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     send_job(source, "one", sample_images(blobs, 1))
     warming = draining_settings(
         tmp_path,
         model="tests.support.slow_model:slow_to_warm_up",
         batch_size=16,  # warm-up batches of 16, 8, 4 and 2 images: 1 s each
-        setup_timeout_seconds=3,
+        setup_timeout_seconds=6,
         inference_timeout_seconds=5,
     )
     assert Daemon(warming, source, blobs).run() is ExitCode.DRAINED
     loading = draining_settings(
         tmp_path,
         model="tests.support.slow_model:slow_to_load",
-        setup_timeout_seconds=3,
-        inference_timeout_seconds=0.125,  # 7 warm-up batch sizes: 3.875 s in all
+        setup_timeout_seconds=6,
+        inference_timeout_seconds=0.125,  # 7 warm-up batch sizes: 6.875 s in all
     )
-    with pytest.raises(StageSetupTimeout, match=r"inference-0 did not start: .* in 3\.875 s"):
+    with pytest.raises(StageSetupTimeout, match=r"inference-0 did not start: .* in 6\.875 s"):
         Daemon(loading, source, blobs).run()
 
 

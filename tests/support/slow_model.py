@@ -79,6 +79,6 @@ def slow_to_warm_up() -> nn.Module:
 
 
 def slow_to_load() -> nn.Module:
-    """Six seconds to load (a large model, or one compiled at load)."""
-    time.sleep(6)
+    """Thirty seconds to load (a large model, or one compiled at load)."""
+    time.sleep(30)
     return SlowToWarmUp()
