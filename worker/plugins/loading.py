@@ -111,8 +111,7 @@ def load_model(reference: str, device: torch.device) -> torch.nn.Module:
     if reference.endswith((EXPORT_SUFFIX, *TORCHSCRIPT_SUFFIXES)) and not Path(reference).is_file():
         raise PluginError(f"model file {reference} does not exist")
     if reference.endswith(EXPORT_SUFFIX):
-        # Exported programs refuse .eval(); they are traced in inference mode already.
-        return torch.export.load(reference).module().to(device)
+        return _exported(reference, device)
     if reference.endswith(TORCHSCRIPT_SUFFIXES):
         with warnings.catch_warnings():
             # torch 2.13 deprecates TorchScript, but models exported with it are common.
@@ -126,3 +125,45 @@ def load_model(reference: str, device: torch.device) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise PluginError(f"{reference} gave a {type(model).__name__}, not a torch.nn.Module")
     return model.to(device).eval()
+
+
+def _exported(reference: str, device: torch.device) -> torch.nn.Module:
+    """A `torch.export` archive's module, called with its integer inputs in the dtypes
+    it was exported with: an exported program refuses any other, and a text model
+    exported with the int64 ids of a Hugging Face tokenizer is then fed the int32 ids
+    of `stages.text:tokens` (a cast of a few kB a batch on the device)."""
+    program = torch.export.load(reference)
+    placeholders = {
+        node.name: node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder"
+    }
+    dtypes = [
+        getattr(placeholders[name], "dtype", None) for name in program.graph_signature.user_inputs
+    ]
+    # Exported programs refuse .eval(); they are traced in inference mode already.
+    return _IntegersCast(program.module().to(device), dtypes)
+
+
+def _integer(dtype: torch.dtype | None) -> bool:
+    return dtype is not None and not (
+        dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+    )
+
+
+class _IntegersCast(torch.nn.Module):
+    """`module`, each integer tensor it is given cast to the integer dtype `dtypes` names
+    for its place (a tensor of any other dtype is left as it is, for the module to
+    refuse)."""
+
+    def __init__(self, module: torch.nn.Module, dtypes: list[torch.dtype | None]):
+        super().__init__()
+        self.module = module
+        self.dtypes = dtypes
+
+    def forward(self, *inputs: Any) -> Any:
+        cast = [
+            value.to(dtype)
+            if isinstance(value, torch.Tensor) and _integer(value.dtype) and _integer(dtype)
+            else value
+            for value, dtype in zip(inputs, self.dtypes, strict=False)
+        ]
+        return self.module(*cast, *inputs[len(cast) :])
