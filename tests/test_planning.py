@@ -73,7 +73,7 @@ def test_a_planner_holds_at_most_two_shards_inputs_while_it_writes_them(tmp_path
             yield Input(uri)
 
     outcomes, progress = SimpleNamespace(ack=lambda job: None), SimpleNamespace(beat=lambda: None)
-    lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=progress)
+    lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=progress, ledger=None)
     job = Job("big", ReceivedMessage("m", json.dumps(body), "handle", 1))
     Planner(blobs, source, lifecycle).plan(job, spec, plan, listed)
 
@@ -109,7 +109,7 @@ def test_a_planner_whose_job_is_handed_back_writes_and_sends_no_more(tmp_path: P
             yield Input(uri)
 
     outcomes, progress = SimpleNamespace(ack=lambda job: None), SimpleNamespace(beat=lambda: None)
-    lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=progress)
+    lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=progress, ledger=None)
     with pytest.raises(JobSettled):
         Planner(blobs, source, lifecycle).plan(job, spec, plan, listed)
     assert blobs.inputs_written < len(uris) and len(source) == 0

@@ -404,3 +404,37 @@ def test_a_run_that_finds_its_shard_committed_by_its_own_messages_other_delivery
         game.check()
     finally:
         game.teardown()
+
+
+@pytest.mark.parametrize("late", ["dies", "goes_on"])
+def test_a_late_planners_inputs_files_are_removed_once_the_job_is_merged(
+    protocol: None, late: str
+) -> None:
+    """A game the machine found. The job's message is delivered twice: the later
+    delivery finds plan.json written and no shard marked sent, and stops before writing
+    shard 0's inputs file; the earlier one sends the shards, which commit and merge.
+    The later delivery then writes the file, under the shards' directory the merge
+    removed, and dies: its message came back, found the job done, and the file stayed
+    for ever. The delivery that finds the job done removes it now; and one that goes
+    on sees the job merged once its files are written, removes them and sends no
+    shard."""
+    game = FleetProtocol()
+    try:
+        game.send_the_job(items=2, shard_items=1)
+        earlier, later = game.start("m1"), game.start("m1")
+        _go_on_until(earlier, r"send shard 0,shard 1 in 0 s")
+        _go_on_until(later, r"put shards/\w+/000000\.inputs")
+        game.finish(earlier)
+        game.finish(game.start("m2"))
+        game.finish(game.start("m3"))
+        assert OUTPUT + "job.json" in game.world.store.objects
+        later.step()
+        if late == "dies":
+            game.kill(later)
+        else:
+            game.finish(later)
+            bodies = [json.loads(m.body) for m in game.world.queue.messages.values()]
+            assert not [body for body in bodies if "shard" in body], "a merged job's shards sent"
+        game.check()
+    finally:
+        game.teardown()

@@ -211,6 +211,13 @@ def each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list
     return results
 
 
+def shards_files(blobs: BlobStore, spec: JobMessage, request_digest: str) -> list[S3Location]:
+    """Every file under plan `request_digest`'s shards' directory."""
+    directory = shard_directory(spec, request_digest)
+    names = blobs.objects_under(directory)
+    return [S3Location(directory.bucket, directory.key + name) for name in names]
+
+
 def merge_file(spec: JobMessage, request_digest: str) -> S3Location:
     directory = shard_directory(spec, request_digest)
     return S3Location(directory.bucket, directory.key + MERGE)

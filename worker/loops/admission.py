@@ -322,7 +322,8 @@ class AdmissionReader:
             digest.add(uri, input_id)
             snapshot.add(Input(uri, input_id))
         request = digest.hexdigest(spec.params, model.as_dict(), spec.format, spec.tar)
-        if self._finished(job, spec, job_id, request):
+        summary = self._planner.finished(spec, job_id, request)
+        if self._done_already(job, spec, summary, job_id):
             return
         if spec.tar and count > shard_items * MAX_SHARDS:  # its shards would hold more tars
             raise PoisonMessage(

@@ -40,6 +40,7 @@ from worker.jobs.plan import (
     read_commit,
     shard_directory,
     shard_name,
+    shards_files,
 )
 from worker.jobs.summary import job_summary
 from worker.message import JobMessage, PoisonMessage
@@ -216,11 +217,9 @@ class Merger:
         the job is done. Never raises: whoever finds the job done next removes what is
         left."""
         try:
-            directory = shard_directory(spec, plan.request_digest)
-            names = self._blobs.objects_under(directory)
             checkpoints = self._blobs.objects_under(spec.output_location(CHECKPOINT_PREFIX))
             self._blobs.delete(
-                [S3Location(directory.bucket, directory.key + name) for name in names]
+                shards_files(self._blobs, spec, plan.request_digest)
                 + [spec.output_location(CHECKPOINT_PREFIX + name) for name in checkpoints]
             )
         except Exception as error:

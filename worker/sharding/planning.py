@@ -22,12 +22,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import structlog
 
 from worker.datasets.disk import DiskClaim
 from worker.datasets.inputs import Input, shard_line, shard_line_input
 from worker.errors import MissingObject, PreconditionFailed, TransientError
+from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobSettled
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
@@ -42,6 +44,7 @@ from worker.jobs.plan import (
     shard_directory,
     shard_file,
     shard_name,
+    shards_files,
 )
 from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource, S3Location
@@ -109,6 +112,7 @@ class Planner:
         self._source = source
         self._outcomes = lifecycle.outcomes
         self._progress = lifecycle.progress
+        self._checkpoints = Checkpoints(blobs, lifecycle.ledger)
 
     def plan(
         self, job: Job, spec: JobMessage, new_plan: Plan, inputs: Callable[[], Iterator[Input]]
@@ -134,6 +138,13 @@ class Planner:
         unsent = self._unsent(spec, plan)
         if unsent and plan.request_digest == new_plan.request_digest:
             self._write_inputs(job, spec, plan, inputs(), frozenset(unsent))
+            # Looked at after the files are written: a merge writes job.json before it
+            # lists the shards' files to remove, so a file it did not list is seen here
+            # (another delivery of the message sent the shards, and they merged).
+            if self.finished(spec, plan.job_id, plan.request_digest) is not None:
+                log.info("job_merged_while_planned", job_id=plan.job_id)
+                self._outcomes.ack(job)
+                return
         self._send(job, spec, plan, unsent, sender)
         log.info(
             "job_planned",
@@ -144,6 +155,16 @@ class Planner:
             message_id=job.message.message_id,
         )
         self._outcomes.ack(job)
+
+    def finished(self, spec: JobMessage, job_id: str, digest: str) -> dict[str, Any] | None:
+        """The job.json under the output if it completes request `digest`, what a planner
+        wrote under its shards after their merge removed first: a delivery of the job's
+        message that wrote its inputs files late and died before it saw the job merged
+        left them for the next delivery, which finds the job done."""
+        summary = self._checkpoints.finished(spec, job_id, digest)
+        if summary is not None:
+            self._blobs.delete(shards_files(self._blobs, spec, digest))
+        return summary
 
     def _written_plan(self, spec: JobMessage, digest: str) -> tuple[Plan | None, str]:
         """The plan under the job's output if it is this request's; else None and the
