@@ -138,6 +138,9 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description="Preprocessing (decode/resize) processes, at least: the floor.",
+    max_batch_tokens: int = Field(
+        default=0, ge=0, description="Padded tokens a batch of texts holds at most; 0: off."
+    )
     )
     preprocess_workers_max: int | None = Field(
         default=None,

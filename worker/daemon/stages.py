@@ -24,7 +24,9 @@ from worker.engine import (
     StageObserver,
     TensorArena,
     ThreadStage,
+    TokenBudget,
     bisection_sizes,
+    bucket_lengths,
 )
 from worker.errors import ObjectTooLarge, TransientError
 from worker.plugins import TokenSlots, on_payload
@@ -35,7 +37,7 @@ from worker.plugins.loading import (
     load_preprocessor,
     token_slots,
 )
-from worker.plugins.setups import fan_out_setup, inference_setup, preprocess_setup
+from worker.plugins.setups import fan_out_setup, inference_setup, preprocess_setup, tokens_of
 from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
 from worker.ports import BlobStore, LocalPart, ObjectReader, RemoteReader, S3Location
 from worker.settings import Settings
@@ -74,6 +76,7 @@ def build_pipeline(
     fan_out = spec.fan_out
     if tokens and fan_out:
         raise ValueError(f"{spec.preprocess} reads texts: a fan-out cuts images, not texts")
+    budget = _token_budget(settings, tokens, images[-1])
     # Enough decoded images, for each process of the model that reads them, for the
     # batch being inferred and the next two being assembled, and two in the hands of
     # each worker that writes or (a fan-out) still reads them; for the inputs the
@@ -85,7 +88,8 @@ def build_pipeline(
         3 * first.batch_size * len(_devices(first, settings))
         + 2 * (decode_ceiling + (fan_out.workers if fan_out else 0))
         + 2 * settings.fetch_concurrency
-        + first.batch_size,
+        + first.batch_size
+        + (budget.window(first.batch_size) if budget else 0),
         dtype=tokens.dtype if tokens else torch.uint8,
     )
     reader = _remote_reader(settings, blobs)
@@ -143,6 +147,7 @@ def build_pipeline(
             postprocess=None if fan_out else spec.postprocess,
             decoder=spec.preprocess if on_device else None,
             tokens=tokens,
+            budget=budget,
         ),
     ]
     if fan_out:
@@ -248,10 +253,12 @@ def _model_stage(
     postprocess: str | None = None,
     decoder: str | None = None,
     tokens: TokenSlots | None = None,
+    budget: TokenBudget | None = None,
 ) -> ProcessStage:
     """One model's stage: a process per device, each loading and warming up the model
     (and the postprocessor, if the model's outputs are the results; and the
-    preprocessor, if it decodes inputs on the device; `tokens` if it reads texts)."""
+    preprocessor, if it decodes inputs on the device; `tokens` if it reads texts, in
+    batches sized in tokens with a `budget`)."""
     return ProcessStage(
         name,
         [
@@ -271,6 +278,7 @@ def _model_stage(
                 decoder=decoder,
                 compile=settings.compile,
                 tokens=tokens,
+                lengths=budget.lengths if budget else (),
             )
             for device in _devices(step, settings)
         ],
@@ -282,7 +290,20 @@ def _model_stage(
         + len(bisection_sizes(step.batch_size)) * settings.inference_timeout_seconds,
         reads=arena,
         keeps_slots=keeps_slots,
+        token_budget=budget,
     )
+
+
+def _token_budget(
+    settings: Settings, tokens: TokenSlots | None, longest: int
+) -> TokenBudget | None:
+    """Batches of texts sized in tokens (`--max-batch-tokens`), or None: by items. A
+    compiled model is compiled at its longest sequence alone, so it is not cut."""
+    if tokens is None or not settings.max_batch_tokens:
+        return None
+    if settings.compile:
+        raise ValueError("--max-batch-tokens cuts batches to lengths --compile does not compile")
+    return TokenBudget(settings.max_batch_tokens, bucket_lengths(longest), tokens_of)
 
 
 def _devices(step: ModelStep, settings: Settings) -> list[str]:

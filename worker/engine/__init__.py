@@ -30,7 +30,8 @@ What runs where. In the daemon's process: `pipeline` (the stages and channels),
 `stage` (thread stages, and what all stages share), `process_stage` (a process stage's
 driver threads), `child_handle` (starting, feeding and replacing one child), `scaler`.
 In each child process: `child_main`. Between them: `wire` (what crosses the pipe) and
-`arena` (what crosses through shared memory). `items` is the data all of them move.
+`arena` (what crosses through shared memory). `items` is the data all of them move;
+`token_batches` chooses batches sized in tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from worker.engine.process_stage import (
 )
 from worker.engine.scaler import WorkerScaler
 from worker.engine.stage import ThreadStage
+from worker.engine.token_batches import TokenBudget, bucket_lengths, bucket_of
 from worker.engine.wire import PROBE
 
 __all__ = [
@@ -90,12 +92,15 @@ __all__ = [
     "StageSetupTimeout",
     "TensorArena",
     "ThreadStage",
+    "TokenBudget",
     "WorkerDied",
     "WorkerFailedProbe",
     "WorkerHung",
     "WorkerLost",
     "WorkerScaler",
     "bisection_sizes",
+    "bucket_lengths",
+    "bucket_of",
     "host_oom_kills",
     "isolate_failures",
 ]

@@ -14,13 +14,18 @@ ran the batch before go at once, and one that just came waits at most as long.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+# Which entries to take (`Channel.get_chosen`): given the entries, when each came in and
+# the time now, their positions, or the seconds it may wait at most for more.
+Choose = Callable[[Sequence[T], Sequence[float], float], "list[int] | float"]
 
 
 class Closed(Exception):
@@ -100,12 +105,8 @@ class Channel(Generic[T]):
         `unless()` holds while it waits for the first (checked on `wake`).
         """
         with self._not_empty:
-            while not self._held() and not self._closed:
-                if unless is not None and unless():
-                    return []
-                self._not_empty.wait()
-            if self._closed:
-                raise Closed
+            if not self._first_came(unless):
+                return []
             deadline = self._oldest_at() + max_wait_s
             while self._held() < max_entries and not self._closed:
                 remaining_s = deadline - time.monotonic()
@@ -118,6 +119,66 @@ class Channel(Generic[T]):
             if self._held():
                 self._not_empty.notify()
             return batch
+
+    def get_chosen(
+        self, choose: Choose[T], window: int, unless: Callable[[], bool] | None = None
+    ) -> list[T]:
+        """Take the entries `choose` picks among the first `window` (those ahead first,
+        then oldest first), waiting for the first entry and then until it picks some:
+        it is given them, when each came in and the time now, and answers the positions
+        to take, or how long it may wait at most (asked again as more come). Returns
+        nothing if `unless()` holds while it waits for the first (checked on `wake`)."""
+        with self._not_empty:
+            while True:
+                if not self._first_came(unless):
+                    return []
+                chosen = self._chosen(choose, window)
+                if isinstance(chosen, list):
+                    if self._held():
+                        self._not_empty.notify()
+                    return chosen
+                self._not_empty.wait(chosen)
+
+    def _first_came(self, unless: Callable[[], bool] | None) -> bool:
+        """Wait for an entry (the lock held): False if `unless()` held first; raises
+        `Closed` once closed."""
+        while not self._held() and not self._closed:
+            if unless is not None and unless():
+                return False
+            self._not_empty.wait()
+        if self._closed:
+            raise Closed
+        return True
+
+    def take_chosen_now(self, choose: Choose[T], window: int) -> list[T] | None:
+        """Take the entries `choose` picks now (`get_chosen`), or none: never waits."""
+        with self._lock:
+            if self._closed:
+                raise Closed
+            if not self._held():
+                return None
+            chosen = self._chosen(choose, window)
+            return chosen if isinstance(chosen, list) else None
+
+    def _chosen(self, choose: Choose[T], window: int) -> list[T] | float:
+        """The entries `choose` picks of the first `window`, taken; or how long it
+        waits (the lock held, an entry there)."""
+        lanes = ((self._first, self._first_at), (self._entries, self._entries_at))
+        entries: list[T] = []
+        arrived: list[float] = []
+        for lane, lane_at in lanes:
+            entries += itertools.islice(lane, window - len(entries))
+            arrived += itertools.islice(lane_at, window - len(arrived))
+        chosen = choose(entries, arrived, time.monotonic())
+        if not isinstance(chosen, list):
+            return chosen
+        in_first = min(len(self._first), window)
+        for position in sorted(chosen, reverse=True):
+            lane, lane_at = lanes[0] if position < in_first else lanes[1]
+            index = position if position < in_first else position - in_first
+            del lane[index], lane_at[index]
+        self._not_full.notify(len(chosen))
+        return [entries[position] for position in chosen]
 
     def take(self, count: int) -> list[T]:
         """Take `count` entries together, waiting until that many are in (none taken

@@ -34,6 +34,7 @@ from worker.engine.items import (
 )
 from worker.engine.lessons import StageLessons
 from worker.engine.stage import live_items
+from worker.engine.token_batches import TokenBudget
 from worker.engine.wire import ArenaMode, ChildPlan, Reply, WireTask
 from worker.errors import WorkerFault
 
@@ -99,6 +100,9 @@ class ProcessStage(FeedsAsPrepared):
     milliseconds, or wait for slow fetches, keeps its small requests, and an urgent item
     sent to a child waits about `request_s` (once the pace has caught up with a change
     of items: a request or two).
+
+    With `token_budget`, a batch is sized in tokens (`worker.engine.token_batches`):
+    items of one padded length, at most `batch_size` of them.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class ProcessStage(FeedsAsPrepared):
         request_s: float | None = None,
         max_request_items: int | None = None,
         niceness: int = 0,
+        token_budget: TokenBudget | None = None,
     ):
         super().__init__(
             name,
@@ -144,6 +149,7 @@ class ProcessStage(FeedsAsPrepared):
         self.oom_cooldown_s = oom_cooldown_s
         self.request_s = request_s
         self.niceness = niceness
+        self.token_budget = token_budget
         self.max_request_items = max(batch_size, max_request_items or batch_size)
         # The latest two requests' (time in a child, items): together they size the
         # next, so that a short request, whose time is mostly its wait behind a long
@@ -159,6 +165,8 @@ class ProcessStage(FeedsAsPrepared):
         smaller inbox would only hold up the stage before it with items that are ready
         (and an urgent one behind them)."""
         floor = max(super().inbox_capacity, 2 * self.max_request_items)
+        if self.token_budget is not None:  # a window of items to choose batches among
+            floor = max(floor, self.token_budget.window(self.batch_size))
         return max(floor, self.reads.slots) if self.reads is not None else floor
 
     def current_batch_size(self) -> int:
@@ -254,7 +262,7 @@ class ProcessStage(FeedsAsPrepared):
         reserved = self._reserve_ahead(batch_size)
         if reserved is None:
             return None
-        items = self._inbox.take_now(batch_size, self.max_batch_wait_s)
+        items = self._batch_now(batch_size)
         if items is None:
             self._give_back(reserved)
             return None

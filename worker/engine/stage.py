@@ -13,6 +13,7 @@ import structlog
 
 from worker.engine.channel import Channel, Closed
 from worker.engine.items import Item, StageObserver, apply_outcomes, isolate_failures
+from worker.engine.token_batches import TokenBudget
 
 log = structlog.get_logger()
 
@@ -33,6 +34,8 @@ class Stage:
         self.max_batch_wait_s = max_batch_wait_ms / 1000
         self._threads: list[threading.Thread] = []
         self._lowered_batch_size: tuple[int, float] | None = None  # (size, until monotonic)
+        # With one, batches are sized in tokens, `batch_size` their most rows.
+        self.token_budget: TokenBudget | None = None
         self.stopping = threading.Event()
 
     def lower_batch_size(self, batch_size: int, for_s: float) -> None:
@@ -100,7 +103,21 @@ class Stage:
             self._observer.stage_broken(self.name, error, None)
 
     def _next_batch(self, unless: Callable[[], bool] | None = None) -> list[Item]:
-        return self._inbox.get_batch(self.current_batch_size(), self.max_batch_wait_s, unless)
+        """The next batch, waiting for it: of `current_batch_size()` items, or sized in
+        tokens (`token_budget`); less once its oldest item has waited `max_batch_wait_s`."""
+        batch_size = self.current_batch_size()
+        if self.token_budget is None:
+            return self._inbox.get_batch(batch_size, self.max_batch_wait_s, unless)
+        choose = self.token_budget.chooser(batch_size, self.max_batch_wait_s)
+        return self._inbox.get_chosen(choose, self.token_budget.window(batch_size), unless)
+
+    def _batch_now(self, batch_size: int) -> list[Item] | None:
+        """A batch of the items in now if it is full, or its oldest item has waited
+        `max_batch_wait_s` (as `_next_batch` forms it), else None: never waits."""
+        if self.token_budget is None:
+            return self._inbox.take_now(batch_size, self.max_batch_wait_s)
+        choose = self.token_budget.chooser(batch_size, self.max_batch_wait_s)
+        return self._inbox.take_chosen_now(choose, self.token_budget.window(batch_size))
 
 
 class ThreadStage(Stage):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from worker.engine import StageFunction, bisection_sizes
+from worker.engine import StageFunction, bisection_sizes, bucket_of
 from worker.plugins import (
     InferenceFn,
     PluginError,
@@ -49,6 +49,7 @@ def inference_setup(
     decoder: str | None = None,
     compile: bool = False,
     tokens: TokenSlots | None = None,
+    lengths: tuple[int, ...] = (),
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
     batch of zeros, warm it up (with `compile`, compiled at every warm-up size first:
@@ -61,7 +62,9 @@ def inference_setup(
     the device has the batch's work, so the next batch is brought in while the model
     runs this one (`Staging`). Only the encoded fields and the arrays cross to the
     daemon. With `tokens`, the slots hold a text preprocessor's token ids and mask: the
-    model is called with the two, and each result carries the preprocessor's notes."""
+    model is called with the two, and each result carries the preprocessor's notes;
+    with `lengths` too (batches sized in tokens), each batch cut to the shortest of
+    them that holds its longest text (`cut_to_length`), each length tried at start."""
     device = resolve_device(device_name)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the streams and events of `Staging` are on it
@@ -75,6 +78,7 @@ def inference_setup(
     infer = _Inference(
         _forward(model, device, precision == "bfloat16", channels_last, tokens=bool(tokens)),
         Staging(device, item_shape, decode, dtype=dtype),
+        lengths,
     )
     zeros = torch.zeros((1, *item_shape), dtype=dtype)
 
@@ -89,6 +93,7 @@ def inference_setup(
             "daemon runs one at start, and again whenever a whole batch fails, to tell a "
             "broken worker from bad inputs"
         ) from error
+    _try_lengths(infer, item_shape, lengths, dtype)
     sizes = bisection_sizes(batch_size)
     compiled = infer.compile(device, item_shape, sizes, dtype) if compile else None
     warm_up = _warm_up(infer.now, item_shape, sizes, compiled, dtype)
@@ -107,14 +112,23 @@ class _Inference:
     """The inference process's batch function: the batch in through `staging`, the
     model (`forward`, compiled once `compile` has run), its outputs out."""
 
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], staging: Staging):
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        staging: Staging,
+        lengths: tuple[int, ...] = (),
+    ):
         self.forward = forward
         self.staging = staging
+        self.lengths = lengths
 
     def __call__(self, batch: torch.Tensor, values: Sequence[Any]) -> PendingRows:
         with torch.inference_mode():
+            # Measured on the gathered batch, on the host: on the device it would wait.
+            length = cut_to_length(batch, self.lengths) if self.lengths else None
             staged = self.staging.inputs(batch, values)
-            return self.staging.outputs(self.forward(staged.inputs), staged)
+            inputs = staged.inputs if length is None else staged.inputs[..., :length]
+            return self.staging.outputs(self.forward(inputs), staged)
 
     def now(self, batch: torch.Tensor, values: Sequence[Any]) -> list[Any]:
         """The batch's rows, waited for."""
@@ -144,6 +158,43 @@ class _Inference:
         return report
 
 
+def cut_to_length(batch: torch.Tensor, lengths: Sequence[int]) -> int:
+    """The length a batch of token slots is cut to: the shortest of `lengths` that holds
+    every row's tokens (up to the last its mask marks)."""
+    return bucket_of(_marked_up_to(batch[:, 1].any(dim=0)), lengths)
+
+
+def _marked_up_to(mask: torch.Tensor) -> int:
+    """The tokens of a mask: up to its last marked one (none: 0)."""
+    marked = mask.nonzero()
+    return int(marked[-1]) + 1 if len(marked) else 0
+
+
+def tokens_of(value: WithParams) -> int:
+    """The tokens of a tokenized text's item (`_tokenizing`): its size in a batch
+    sized in tokens."""
+    (_notes, tokens), _params = value
+    return int(tokens)
+
+
+def _try_lengths(
+    infer: _Inference, item_shape: tuple[int, ...], lengths: Sequence[int], dtype: torch.dtype
+) -> None:
+    """Run the model once at each length a batch may be cut to: a model that takes
+    only its longest sequence (exported at that shape) stops the start, not a job."""
+    for length in lengths:
+        zeros = torch.zeros((1, *item_shape), dtype=dtype)
+        zeros[:, 1, length - 1] = 1  # the mask's last token: the batch is cut here
+        try:
+            infer.now(zeros, [None])
+        except Exception as error:
+            raise PluginError(
+                f"the model fails on texts cut to {length} tokens ({type(error).__name__}: "
+                f"{error}); run it without --max-batch-tokens, which cuts batches to "
+                f"the lengths {list(lengths)}"
+            ) from error
+
+
 def _finishing(
     postprocess: str, answer_to_zeros: Any, device: torch.device, notes: dict[str, Any] | None
 ) -> tuple[Callable[[list[Any], list[Any]], list[Any]], Callable[[], Encoded], Encoded]:
@@ -155,7 +206,7 @@ def _finishing(
 
     def postprocess_all(outputs: list[Any], values: list[WithParams]) -> list[Any]:
         return [
-            postprocessed(postprocessor, output, params, payload if notes else None)
+            postprocessed(postprocessor, output, params, payload[0] if notes else None)
             for output, (payload, params) in zip(resolved(outputs), values, strict=True)
         ]
 
@@ -301,12 +352,13 @@ def _tokenizing(
     preprocessor: TextPreprocessor,
 ) -> tuple[Callable[[WithParams, torch.Tensor], WithParams], Callable[[], None] | None]:
     """A text preprocessor's stage function, on an item's text and its job's params
-    (its notes on the item go on as the item's payload, to its result), and the probe
-    that tokenizes its samples, if it has them."""
+    (its notes on the item go on as the item's payload, to its result, with the text's
+    tokens: `tokens_of`), and the probe that tokenizes its samples, if it has them."""
 
     def tokenize(value: WithParams, out: torch.Tensor) -> WithParams:
         text, params = value
-        return preprocessor(text, out, params), params
+        notes = preprocessor(text, out, params)
+        return (notes, _marked_up_to(out[1])), params
 
     samples = tuple(getattr(preprocessor, "samples", ()))
     if not samples:

@@ -1,0 +1,171 @@
+"""Batches sized in tokens (issue 40, `worker.engine.token_batches`): the lengths a batch
+is padded to, which ready items a batch takes (a pure function, with a manual clock),
+the channel's bounded window, a stage forming them, the model called cut to a batch's
+length, and a text job whose results are the same with and without a token budget."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages.sentences import sentences
+from tests.support.in_process import job_file, run_until_drained
+from tests.support.pipelines import RecordingObserver, run_items
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.engine import Channel, Item, Pipeline, ThreadStage, TokenBudget, bucket_lengths
+from worker.engine.token_batches import choose_batch
+from worker.plugins.setups import cut_to_length
+
+LENGTHS = bucket_lengths(64)  # 16, 20, 24, 28, 32, 40, 48, 56, 64
+
+
+def _rows(budget: int, max_rows: int = 64) -> Any:
+    return lambda length: TokenBudget(budget, LENGTHS, int).rows(length, max_rows)
+
+
+def test_lengths_are_a_few_fixed_ones_and_a_text_takes_the_shortest_that_holds_it() -> None:
+    """Four lengths per doubling from 16 to the model's longest, which is always one:
+    21 to 512, 9 to 64; a text goes to the shortest length that holds its tokens."""
+    assert LENGTHS == (16, 20, 24, 28, 32, 40, 48, 56, 64)
+    assert len(bucket_lengths(512)) == 21 and bucket_lengths(512)[-1] == 512
+    assert bucket_lengths(100)[-2:] == (96, 100)
+    budget = TokenBudget(1000, LENGTHS, int)
+    sizes = [0, 5, 16, 17, 33, 64]
+    assert [budget.length_of(Item("j", 0, size)) for size in sizes] == [16, 16, 16, 20, 40, 64]
+
+
+def test_a_batch_holds_texts_of_one_length_within_the_budget_of_padded_tokens() -> None:
+    """With no text due yet, a length whose texts fill a batch (rows x length within the
+    budget) is taken, only its texts, oldest first; the first such length in the
+    window's order goes first; a budget under one row's length still takes one row."""
+    lengths = [16, 64, 16, 32, 16, 64, 16, 16]
+    arrived = [0.0] * len(lengths)
+    chosen = choose_batch(lengths, arrived, 0.01, rows=_rows(64), max_wait_s=1.0, window_full=False)
+    assert chosen == [0, 2, 4, 6]  # 4 rows of 16 = 64 tokens; the fifth waits
+    assert choose_batch(
+        [64, 16, 64], arrived[:3], 0.01, rows=_rows(128), max_wait_s=1.0, window_full=False
+    ) == [0, 2]
+    assert _rows(10)(64) == 1
+    assert _rows(10_000, max_rows=8)(16) == 8  # at most the stage's batch size of rows
+
+
+def test_the_oldest_text_waits_no_longer_than_the_batch_wait_even_beside_full_batches() -> None:
+    """Until the oldest text has waited `max_wait_s` nothing is taken and the answer is
+    how long until it is due; once due, its length's batch goes however few it holds,
+    ahead of a full batch of another length."""
+    lengths = [32, 16, 16, 16, 16]
+    rows = _rows(64)
+    arrived = [0.0, 0.3, 0.3, 0.3, 0.3]
+    assert (
+        choose_batch(lengths[:1], arrived[:1], 0.25, rows=rows, max_wait_s=1.0, window_full=False)
+        == 0.75
+    )
+    assert choose_batch(lengths, arrived, 0.5, rows=rows, max_wait_s=1.0, window_full=False) == [
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert choose_batch(lengths, arrived, 1.0, rows=rows, max_wait_s=1.0, window_full=False) == [0]
+
+
+def test_a_full_window_takes_the_length_holding_most_tokens_rather_than_idle() -> None:
+    """When the window is full and no length fills a batch, nothing behind it can help:
+    the length whose texts hold the most padded tokens goes at once."""
+    lengths = [16, 64, 32, 16]
+    chosen = choose_batch(
+        lengths, [0.0] * 4, 0.0, rows=_rows(256), max_wait_s=1.0, window_full=True
+    )
+    assert chosen == [1]  # 64 tokens, against 32 of each other length
+    assert choose_batch(
+        [16, 32, 32, 32], [0.0] * 4, 0.0, rows=_rows(256), max_wait_s=1.0, window_full=True
+    ) == [1, 2, 3]
+
+
+def test_the_channel_shows_its_chooser_a_bounded_window_and_keeps_the_rest_in_order() -> None:
+    """The chooser sees only the first `window` entries (those ahead first); the ones it
+    picks are taken in its order, the others stay, in theirs."""
+    channel: Channel[int] = Channel(20, ahead=lambda entry: entry >= 100)
+    channel.put_all([1, 2, 3, 4, 5, 100])
+    seen: list[list[int]] = []
+
+    def choose(entries: Any, arrived: Any, now: float) -> list[int] | float:
+        seen.append(list(entries))
+        return [2, 0]
+
+    assert channel.get_chosen(choose, 4) == [2, 100]
+    assert seen == [[100, 1, 2, 3]]
+    assert channel.take_chosen_now(lambda entries, arrived, now: 1.0, 4) is None
+    assert channel.take_up_to(10) == [1, 3, 4, 5]
+
+
+def test_a_stage_with_a_token_budget_runs_batches_of_one_length_each() -> None:
+    """Items of three lengths, interleaved, through a stage with a budget of 128 tokens:
+    each batch its stage function sees holds one length, within the budget, and every
+    item comes out with its own value."""
+    sizes = [10, 30, 60, 10, 30, 10, 60, 10, 30, 10, 10, 30, 10, 10]
+    batches: list[list[int]] = []
+
+    def record(values: list[int]) -> list[int]:
+        batches.append(values)
+        return values
+
+    stage = ThreadStage("model", record, batch_size=8, max_batch_wait_ms=60_000)
+    stage.token_budget = TokenBudget(128, LENGTHS, int)
+    items = [Item("job", index, size) for index, size in enumerate(sizes)]
+    with Pipeline([stage], RecordingObserver()) as pipeline:
+        out = run_items(pipeline, items)
+    assert sorted((item.index, item.value) for item in out) == list(enumerate(sizes))
+    assert sorted(batches) == sorted([[10] * 8, [30] * 4, [60] * 2])
+
+
+def test_the_model_is_called_cut_to_the_shortest_length_holding_the_batchs_longest_text() -> None:
+    """A batch's longest text (up to its mask's last token) decides its length: 17
+    tokens go to 20; a batch of zeros (the probe) to the shortest."""
+    batch = torch.zeros((3, 2, 64), dtype=torch.int32)
+    batch[1, 1, :17] = 1
+    assert cut_to_length(batch, LENGTHS) == 20
+    assert cut_to_length(torch.zeros((1, 2, 64), dtype=torch.int32), LENGTHS) == 16
+
+
+def test_a_text_job_in_token_batches_answers_in_input_order_as_in_item_batches(
+    tmp_path: Path,
+) -> None:
+    """Texts of many lengths, one job run in batches of four texts and again in batches
+    of at most 64 padded tokens: both results are in input order, each line naming its
+    text, with the same labels and embeddings (the model cut to a batch's length
+    answers as at the longest: its padding is masked out)."""
+    texts = [text for _, text in sentences(10, seed=3)]
+    texts = [" ".join(texts[: 1 + n % 5]) for n in range(len(texts))]  # 8 to 60 tokens
+    blobs = InMemoryBlobStore()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for name, budget in (("items", 0), ("tokens", 64)):
+        source = InMemoryJobSource()
+        output = f"s3://bkt/out/{name}/"
+        source.send(json.dumps({"job_id": name, "texts": texts, "output": output}))
+        run_until_drained(
+            source,
+            blobs,
+            tmp_path / name,
+            preprocess="stages.text:tokens",
+            model="stages.text:text_model",
+            postprocess="stages.text:labelled",
+            batch_size=4,
+            max_batch_tokens=budget,
+        )
+        runs[name] = job_file(blobs, name, "results.jsonl")
+    for lines in runs.values():
+        assert [line["index"] for line in lines] == list(range(len(texts)))
+        assert [line["input"] for line in lines] == texts
+    assert [line["label"] for line in runs["tokens"]] == [line["label"] for line in runs["items"]]
+    embeddings = {
+        name: np.load(io.BytesIO(blobs.objects[f"s3://bkt/out/{name}/embedding.npy"]))
+        for name in runs
+    }
+    assert [line["embedding"]["row"] for line in runs["tokens"]] == list(range(len(texts)))
+    assert np.allclose(embeddings["tokens"], embeddings["items"], atol=1e-5)
