@@ -38,7 +38,7 @@ from worker.errors import (
     PreconditionFailed,
     TransientError,
 )
-from worker.ports import ABSENT, ObjectReader, S3Location
+from worker.ports import ABSENT, ObjectHead, ObjectReader, S3Location
 
 
 @pytest.fixture(params=["moto", "fake"])
@@ -154,13 +154,16 @@ def test_dead_letter_moves_message_with_reason(parts: tuple[Any, Any, Any]) -> N
 
 
 def test_blob_round_trip_and_missing_key(parts: tuple[Any, Any, Any]) -> None:
-    """Objects read back as written; a missing key is `MissingObject`."""
+    """Objects read back as written, and a HEAD gives the ETag the write gave and the
+    size; a missing key is `MissingObject` to both."""
     _, blobs, _ = parts
     location = S3Location.parse("s3://bkt/a/b.bin")
-    blobs.put(location, b"\x00\x01", "application/octet-stream")
+    etag = blobs.put(location, b"\x00\x01", "application/octet-stream")
     assert blobs.get(location) == b"\x00\x01"
-    with pytest.raises(MissingObject):
-        blobs.get(S3Location.parse("s3://bkt/nope"))
+    assert blobs.head(location) == ObjectHead(etag, 2)
+    for read in (blobs.get, blobs.head):
+        with pytest.raises(MissingObject):
+            read(S3Location.parse("s3://bkt/nope"))
 
 
 def test_conditional_writes_listing_and_delete(parts: tuple[Any, Any, Any]) -> None:

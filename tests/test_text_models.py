@@ -12,26 +12,13 @@ import pytest
 import torch
 
 from stages.text import tokens
-from tests.support.text_encoders import SAVERS, encoder
+from tests.support.text_encoders import SAVERS, encoder, encoder_answers, tokenized
 from worker.plugins.identity import identify
 from worker.plugins.loading import load_model, token_slots
 from worker.plugins.setups import inference_setup
 
 TEXTS = ["the forecast says rain", "a late train to the coast", "soup", ""]
 FACTORY = "tests.support.text_encoders:encoder"
-
-
-def _slots(texts: list[str]) -> torch.Tensor:
-    """The texts' slots as the preprocessing processes write them: int32 ids and mask."""
-    slots = torch.zeros((len(texts), *tokens.output_shape), dtype=tokens.output_dtype)
-    for text, slot in zip(texts, slots, strict=True):
-        tokens(text, slot, {})
-    return slots
-
-
-def _own_answers(ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
-    with torch.inference_mode():
-        return encoder()(ids.long(), mask.long()).numpy()  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("form", [*SAVERS, FACTORY])
@@ -47,16 +34,16 @@ def test_a_users_text_model_in_each_form_answers_as_the_module_itself(
     if form in SAVERS:
         reference = str(tmp_path / form)
         SAVERS[form](Path(reference))
-    slots = _slots(TEXTS)
+    slots = tokenized(TEXTS)
     stage = inference_setup(
         reference, "cpu", tokens.output_shape, batch_size=4, tokens=token_slots(tokens)
     )
     answers = np.stack(stage.run(slots, [None] * len(TEXTS)))
-    assert np.allclose(answers, _own_answers(slots[:, 0], slots[:, 1]), atol=1e-6)
+    assert np.allclose(answers, encoder_answers(slots[:, 0], slots[:, 1]), atol=1e-6)
     assert np.allclose(np.linalg.norm(answers[:3], axis=1), 1.0, atol=1e-6)
 
     short = slots[:, :, :8]
     with torch.inference_mode():
         cut = load_model(reference, torch.device("cpu"))(short[:, 0], short[:, 1]).numpy()
-    assert np.allclose(cut, _own_answers(short[:, 0], short[:, 1]), atol=1e-6)
+    assert np.allclose(cut, encoder_answers(short[:, 0], short[:, 1]), atol=1e-6)
     assert stage.about["model"] == identify(reference, encoder(), None, None).as_dict()

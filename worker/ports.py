@@ -215,8 +215,19 @@ class RemoteReader:
     imports: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class ObjectHead:
+    """What S3 says of an object without its bytes (HEAD)."""
+
+    etag: str
+    size: int
+
+
 class BlobStore(Protocol):
     """Object storage (S3)."""
+
+    def head(self, location: S3Location) -> ObjectHead:
+        """The object's ETag and size; raises as `get` does."""
 
     def get(
         self,

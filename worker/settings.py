@@ -67,9 +67,9 @@ class Settings(BaseSettings):
     model: str = Field(
         default="stages.model:default_classifier",
         description="The model: 'module:factory' (a function returning a torch module), a "
-        "torch.export archive 'path.pt2' or a TorchScript file 'path.pt'. It takes a uint8 "
-        "NCHW batch of images on the device, or, after a text preprocessor, (input_ids, "
-        "attention_mask) (docs/models.md).",
+        "torch.export archive 'path.pt2' or a TorchScript file 'path.pt', on disk or in S3 "
+        "(s3://bucket/key.pt2). It takes a uint8 NCHW batch of images on the device, or, "
+        "after a text preprocessor, (input_ids, attention_mask) (docs/models.md).",
     )
     model_name: str | None = Field(
         default=None,
@@ -80,6 +80,11 @@ class Settings(BaseSettings):
         default=None,
         description="The model's version (default: the module's model_version attribute, "
         "else the first 12 digits of its sha256 digest).",
+    )
+    model_cache_dir: Path = Field(
+        default=Path("model-cache"),
+        description="Where a model in S3 is kept, by its bucket, key and ETag: fetched at "
+        "start unless that ETag's copy is here already.",
     )
     preprocess: str = Field(
         default="stages.preprocess:default_preprocessor",

@@ -8,11 +8,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from stages.text import TOKENIZER
+from stages.text import TOKENIZER, tokens
 
 WIDTH = 16
 
@@ -35,6 +36,20 @@ class MeanPooledEncoder(nn.Module):
 def encoder() -> MeanPooledEncoder:
     """The factory: an encoder over the shipped tokenizer's vocabulary."""
     return MeanPooledEncoder(Tokenizer.from_file(str(TOKENIZER)).get_vocab_size()).eval()
+
+
+def tokenized(texts: list[str]) -> torch.Tensor:
+    """The texts' slots as the preprocessing processes write them: int32 ids and mask."""
+    slots = torch.zeros((len(texts), *tokens.output_shape), dtype=tokens.output_dtype)
+    for text, slot in zip(texts, slots, strict=True):
+        tokens(text, slot, {})
+    return slots
+
+
+def encoder_answers(ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+    """The encoder's own embeddings of the texts of those ids and mask."""
+    with torch.inference_mode():
+        return encoder()(ids.long(), mask.long()).numpy()  # type: ignore[no-any-return]
 
 
 def _example() -> tuple[torch.Tensor, torch.Tensor]:

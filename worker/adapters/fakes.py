@@ -26,6 +26,7 @@ from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.ports import (
     ABSENT,
     ByteRange,
+    ObjectHead,
     ObjectReader,
     QueueCounts,
     ReceivedMessage,
@@ -280,6 +281,13 @@ class InMemoryBlobStore:
         # Each object's reads in this process (a GET each, whole, streamed or ranged),
         # which tests and figures count.
         self.reads: Counter[str] = Counter()
+
+    def head(self, location: S3Location) -> ObjectHead:
+        with self._lock:
+            uri = str(location)
+            if uri not in self.objects:
+                raise MissingObject(f"{location} does not exist")
+            return ObjectHead(self._etag(uri), len(self.objects[uri]))
 
     def get(
         self,

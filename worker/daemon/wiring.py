@@ -53,6 +53,7 @@ from worker.loops.intake import Feeder, Intake
 from worker.loops.reporting import JobObserver, ProgressReporter
 from worker.loops.results import Finisher, Regrouper
 from worker.plugins import PluginError
+from worker.plugins.artifacts import ModelCache, with_local_models
 from worker.plugins.encoding import chain_postprocess_fault, encoded_fields, probed_columns
 from worker.plugins.identity import ModelIdentity, pipeline_identity
 from worker.plugins.loading import load_postprocessor
@@ -152,7 +153,12 @@ class Daemon:
             if settings.timeline_dir and timeline is not None
             else None
         )
-        self._spec = spec = settings.pipeline_spec()
+        # Models in S3 are fetched here, once, before the processes that load them start.
+        self._spec = spec = with_local_models(
+            settings.pipeline_spec(),
+            ModelCache(settings.model_cache_dir, blobs),
+            "--pipeline" if settings.pipeline else "--model",
+        )
         observer = JobObserver(
             ledger,
             metrics,

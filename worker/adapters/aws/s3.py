@@ -15,7 +15,14 @@ import structlog
 
 from worker.adapters.aws.calls import Retrying, client_config, retried_call_s
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
-from worker.ports import ABSENT, ByteRange, ObjectReader, RemoteReader, S3Location
+from worker.ports import (
+    ABSENT,
+    ByteRange,
+    ObjectHead,
+    ObjectReader,
+    RemoteReader,
+    S3Location,
+)
 from worker.retry import DEFAULT_AWS_MAX_ATTEMPTS
 
 if TYPE_CHECKING:
@@ -305,14 +312,17 @@ class S3BlobStore(Retrying):
                 raise
             return ours
 
+    def head(self, location: S3Location) -> ObjectHead:
+        reply = self._call(
+            lambda: self._client.head_object(Bucket=location.bucket, Key=location.key)
+        )
+        return ObjectHead(reply["ETag"], reply["ContentLength"])
+
     def _etag(self, location: S3Location) -> str | None:
         try:
-            reply = self._call(
-                lambda: self._client.head_object(Bucket=location.bucket, Key=location.key)
-            )
+            return self.head(location).etag
         except MissingObject:
             return None
-        return reply["ETag"]
 
     def objects_under(self, prefix: S3Location) -> dict[str, str]:
         pages = self._client.get_paginator("list_objects_v2").paginate(

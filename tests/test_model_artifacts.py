@@ -1,0 +1,172 @@
+"""Models in S3 (`worker.plugins.artifacts`): fetched once into the local cache, read
+from it again while their ETag holds, fetched anew under a new one, written whole or not
+at all, and refused at start, naming the setting, when they cannot be had."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Generator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.text_encoders import save_script
+from worker.adapters.fakes import InMemoryBlobStore
+from worker.errors import AccessDenied, CannotStart, TransientError
+from worker.plugins.artifacts import ModelCache
+from worker.plugins.identity import ModelIdentity, identify
+from worker.plugins.loading import load_model
+from worker.ports import ObjectHead, S3Location
+
+MODEL = "s3://bkt/models/encoder.pt"
+
+
+def _identity(path: str) -> ModelIdentity:
+    return identify(path, load_model(path, torch.device("cpu")), None, None)
+
+
+@pytest.fixture
+def encoder_bytes(tmp_path: Path) -> bytes:
+    """A TorchScript text encoder's file."""
+    path = tmp_path / "built" / "encoder.pt"
+    path.parent.mkdir()
+    save_script(path)
+    return path.read_bytes()
+
+
+def test_a_model_in_s3_is_fetched_once_and_is_the_same_model_as_its_file_on_disk(
+    tmp_path: Path, encoder_bytes: bytes
+) -> None:
+    """The first start GETs it; the next finds the copy of that ETag and reads it from
+    disk. The copy keeps the key's file name, so its identity (name, version, digest)
+    is that of the same file given by its path; other references are left as given."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = encoder_bytes
+    first = ModelCache(tmp_path / "cache", blobs).local(MODEL, "--model")
+    again = ModelCache(tmp_path / "cache", blobs).local(MODEL, "--model")
+    assert first == again and Path(first).read_bytes() == encoder_bytes
+    assert blobs.reads[MODEL] == 1
+    on_disk = tmp_path / "encoder.pt"
+    on_disk.write_bytes(encoder_bytes)
+    assert _identity(first) == _identity(str(on_disk))
+    assert _identity(first).digest == f"sha256:{hashlib.sha256(encoder_bytes).hexdigest()}"
+    cache = ModelCache(tmp_path / "cache", blobs)
+    for reference in ("stages.text:text_model", str(on_disk)):
+        assert cache.local(reference, "--model") == reference
+
+
+def test_an_object_uploaded_again_under_its_key_is_fetched_anew(tmp_path: Path) -> None:
+    """A new ETag is a new copy, read by the next start; the old one stays for a daemon
+    still running it."""
+    blobs = InMemoryBlobStore()
+    cache = ModelCache(tmp_path, blobs)
+    blobs.objects[MODEL] = b"version one"
+    old = cache.local(MODEL, "--model")
+    blobs.put(S3Location.parse(MODEL), b"version two", "application/octet-stream")
+    new = cache.local(MODEL, "--model")
+    assert new != old and Path(new).name == Path(old).name == "encoder.pt"
+    assert (Path(old).read_bytes(), Path(new).read_bytes()) == (b"version one", b"version two")
+    assert blobs.reads[MODEL] == 2
+
+
+class _CutShort(InMemoryBlobStore):
+    """Each GET of an object is reset after its first piece, `cuts` times."""
+
+    def __init__(self, cuts: int) -> None:
+        super().__init__(chunk_bytes=4)
+        self.cuts = cuts
+
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
+        pieces = super().chunks(location, max_bytes, expect=expect)
+        if self.cuts:
+            self.cuts -= 1
+            yield next(pieces)
+            raise TransientError("connection reset mid-body")
+        yield from pieces
+
+
+def test_a_download_cut_short_leaves_no_file_and_is_tried_again(tmp_path: Path) -> None:
+    """A GET reset mid-body is tried again from the HEAD (the third try reads it whole);
+    one reset on every try stops the start, leaving no file, partial or otherwise, in
+    the cache."""
+    blobs = _CutShort(cuts=2)
+    blobs.objects[MODEL] = b"twelve bytes"
+    assert Path(ModelCache(tmp_path / "kept", blobs).local(MODEL, "--model")).read_bytes() == (
+        b"twelve bytes"
+    )
+
+    blobs.cuts = 3
+    with pytest.raises(CannotStart, match="3 tries, the last: connection reset mid-body"):
+        ModelCache(tmp_path / "lost", blobs).local(MODEL, "--model")
+    assert [path for path in (tmp_path / "lost").rglob("*") if path.is_file()] == []
+
+
+class _ReplacedAfterHead(InMemoryBlobStore):
+    """Its first HEAD gives the ETag of an upload that has since been replaced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stale = True
+
+    def head(self, location: S3Location) -> ObjectHead:
+        head = super().head(location)
+        if self.stale:
+            self.stale = False
+            return ObjectHead('"an-earlier-upload"', head.size)
+        return head
+
+
+def test_an_object_replaced_between_its_head_and_its_get_is_fetched_as_it_now_is(
+    tmp_path: Path,
+) -> None:
+    """The GET is If-Match the HEAD's ETag, so a copy never holds another upload's bytes
+    under this one's name: the replaced one's GET fails, and the fetch starts again; the
+    copy is the current upload's, which the next start reads from disk."""
+    blobs = _ReplacedAfterHead()
+    blobs.objects[MODEL] = b"the upload now"
+    path = ModelCache(tmp_path, blobs).local(MODEL, "--model")
+    assert ModelCache(tmp_path, blobs).local(MODEL, "--model") == path
+    assert Path(path).read_bytes() == b"the upload now"
+    assert blobs.reads[MODEL] == 1
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == [Path(path)]
+
+
+def test_an_object_over_the_room_in_the_cache_is_refused_unread(tmp_path: Path) -> None:
+    """Its size, from the HEAD, against the room the cache has (by default the space
+    free on its disk): the start stops naming both and --model-cache-dir, no GET made."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"x" * 100
+    with pytest.raises(CannotStart) as refused:
+        ModelCache(tmp_path, blobs, room_bytes=99).local(MODEL, "--model")
+    assert "it is 100 bytes" in str(refused.value) and "has room for 99" in str(refused.value)
+    assert "--model-cache-dir" in str(refused.value)
+    assert blobs.reads[MODEL] == 0
+
+
+class _Denied(InMemoryBlobStore):
+    def head(self, location: S3Location) -> ObjectHead:
+        raise AccessDenied(f"{location}: Forbidden")
+
+
+@pytest.mark.parametrize(
+    ("blobs", "reference", "said"),
+    [
+        (InMemoryBlobStore(), MODEL, "does not exist"),
+        (_Denied(), MODEL, "Forbidden"),
+        (InMemoryBlobStore(), "s3://bkt/models/model.tar.gz", "a torch.export archive (.pt2)"),
+        (InMemoryBlobStore(), "s3://B/k.pt2", "not an s3://bucket/key URI"),
+    ],
+    ids=["missing", "denied", "not-a-model-file", "not-a-uri"],
+)
+def test_a_model_in_s3_that_cannot_be_had_stops_the_start_naming_the_setting(
+    tmp_path: Path, blobs: InMemoryBlobStore, reference: str, said: str
+) -> None:
+    """A missing object (or bucket), one the daemon may not read, a key that is no model
+    file, a URI that names no object: `CannotStart` (exit 2) with the reason and the
+    setting that named it."""
+    with pytest.raises(CannotStart, match="--pipeline") as refused:
+        ModelCache(tmp_path, blobs).local(reference, "--pipeline")
+    assert said in str(refused.value)
