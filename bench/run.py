@@ -47,6 +47,7 @@ from bench.harness import (
 from bench.processes import backlog, fetch_clients, host_cpu
 from bench.scaling import control_plane_scaling
 from bench.tables import parquet_output, results_file_sizes
+from bench.tokens import token_batches
 from stages.model import default_classifier
 from stages.preprocess import default_preprocessor
 from worker.adapters.aws.s3 import STREAM_CHUNK_BYTES
@@ -466,6 +467,9 @@ TARGETS = {
     "main_cpu_growth": ("<=", 1.1),
     # Issue 25's: the control plane with tar-shard inputs.
     "host_ceiling_items_per_s_tar_shards": (">=", 20000.0),
+    # Issue 40's: texts of lognormal lengths in batches sized in tokens.
+    "token_padding_efficiency": (">=", 0.9),
+    "token_throughput_ratio": (">=", 0.95),
 }
 
 
@@ -509,6 +513,7 @@ def main(out: Path, quick: bool, only: list[str] | None = None) -> int:
             "control_plane_scaling": lambda: control_plane_scaling(
                 work_dir, 10_000 if quick else 40_000
             ),
+            "tokens": lambda: token_batches(work_dir, 6000 if quick else 20_000, 1280),
         }
         unknown = sorted(set(only or []) - steps.keys())
         if unknown:

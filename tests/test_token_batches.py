@@ -11,15 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from stages.sentences import sentences
+from stages.text import MAX_TOKENS
+from stages.text import tokens as text_tokens
 from tests.support.in_process import job_file, run_until_drained
 from tests.support.pipelines import RecordingObserver, run_items
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.engine import Channel, Item, Pipeline, ThreadStage, TokenBudget, bucket_lengths
 from worker.engine.token_batches import choose_batch
-from worker.plugins.setups import cut_to_length
+from worker.plugins import PluginError
+from worker.plugins.loading import token_slots
+from worker.plugins.setups import cut_to_length, inference_setup
 
 LENGTHS = bucket_lengths(64)  # 16, 20, 24, 28, 32, 40, 48, 56, 64
 
@@ -125,12 +130,35 @@ def test_a_stage_with_a_token_budget_runs_batches_of_one_length_each() -> None:
 
 
 def test_the_model_is_called_cut_to_the_shortest_length_holding_the_batchs_longest_text() -> None:
-    """A batch's longest text (up to its mask's last token) decides its length: 17
-    tokens go to 20; a batch of zeros (the probe) to the shortest."""
-    batch = torch.zeros((3, 2, 64), dtype=torch.int32)
-    batch[1, 1, :17] = 1
-    assert cut_to_length(batch, LENGTHS) == 20
-    assert cut_to_length(torch.zeros((1, 2, 64), dtype=torch.int32), LENGTHS) == 16
+    """A batch's longest text (the tokens its preprocessing counted, up to its mask's
+    last) decides its length: 17 tokens go to 20; the probe's zeros to the shortest."""
+    texts = [((notes, tokens), {}) for notes, tokens in (({}, 3), ({}, 17), ({}, 9))]
+    assert cut_to_length(texts, LENGTHS) == 20
+    assert cut_to_length([None], LENGTHS) == 16
+
+
+class LongestOnly(torch.nn.Module):
+    """A text model that takes only its longest sequence, as one exported at that shape."""
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] != MAX_TOKENS:
+            raise RuntimeError(f"expected {MAX_TOKENS} tokens, got {ids.shape[1]}")
+        return mask.float()
+
+
+def longest_only() -> torch.nn.Module:
+    return LongestOnly()
+
+
+def test_a_model_that_takes_only_its_longest_sequence_stops_the_start_with_a_budget() -> None:
+    """Set up for batches cut to lengths, a model that fails on a shorter one stops its
+    start, saying which and what to do, rather than failing every short text's batch;
+    without the lengths it starts."""
+    reference = "tests.test_token_batches:longest_only"
+    slots = token_slots(text_tokens)
+    with pytest.raises(PluginError, match=r"cut to 56 tokens.*without --max-batch-tokens"):
+        inference_setup(reference, "cpu", text_tokens.output_shape, tokens=slots, lengths=LENGTHS)
+    assert inference_setup(reference, "cpu", text_tokens.output_shape, tokens=slots).probe
 
 
 def test_a_text_job_in_token_batches_answers_in_input_order_as_in_item_batches(
