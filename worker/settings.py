@@ -81,10 +81,10 @@ class Settings(BaseSettings):
         description="The model's version (default: the module's model_version attribute, "
         "else the first 12 digits of its sha256 digest).",
     )
-    model_cache_dir: Path = Field(
-        default=Path("model-cache"),
-        description="Where a model in S3 is kept, by its bucket, key and ETag: fetched at "
-        "start unless that ETag's copy is here already.",
+    model_cache_dir: Path | None = Field(
+        default=None,
+        description="Where a model in S3 is kept, by bucket, key and ETag, and fetched at "
+        "start unless that ETag's copy is here (default: model-cache under --log-dir).",
     )
     preprocess: str = Field(
         default="stages.preprocess:default_preprocessor",

@@ -24,9 +24,10 @@ TEXTS = ["the forecast says rain", "a late train to the coast", "soup"]
 
 
 def test_a_model_in_s3_is_fetched_at_start_and_answers_a_job(aws: Aws, tmp_path: Path) -> None:
-    """A torch.export archive in the stack's bucket: the daemon fetches it into
-    --model-cache-dir before its model's process starts, job.json names it by the
-    archive's own sha256 and file name, and the job's embeddings are the model's."""
+    """A torch.export archive in the stack's bucket: the daemon fetches it into its model
+    cache (model-cache under --log-dir by default) before its model's process starts,
+    job.json names it by the archive's own sha256 and file name, and the job's
+    embeddings are the model's."""
     stack = aws.stack()
     archive = tmp_path / "encoder.pt2"
     save_export(archive)
@@ -36,14 +37,16 @@ def test_a_model_in_s3_is_fetched_at_start_and_answers_a_job(aws: Aws, tmp_path:
         stack.queue_url,
         {"job_id": "embedded", "texts": TEXTS, "output": output, "format": "parquet"},
     )
-    flags = ["--drain", "--model", model, "--model-cache-dir", str(tmp_path / "cache")]
+    flags = ["--drain", "--model", model]
     text_flags = ["--preprocess", "stages.text:tokens", "--postprocess", "stages.text:embedding"]
     run = run_daemon(aws, daemon_args(stack, tmp_path / "logs", *flags, *text_flags), 120)
     assert run.returncode == 0, run.stderr[-3000:]
 
     [fetched] = [json.loads(line) for line in run.stdout.splitlines() if '"model_fetched"' in line]
     assert (fetched["location"], fetched["bytes"]) == (model, archive.stat().st_size)
-    assert Path(fetched["path"]).read_bytes() == archive.read_bytes()
+    copy = Path(fetched["path"])
+    assert copy.read_bytes() == archive.read_bytes()
+    assert copy.is_relative_to(tmp_path / "logs" / "model-cache")  # by default
     summary = aws.summary(output)
     assert summary["status"] == "succeeded"
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()

@@ -53,7 +53,7 @@ from worker.loops.intake import Feeder, Intake
 from worker.loops.reporting import JobObserver, ProgressReporter
 from worker.loops.results import Finisher, Regrouper
 from worker.plugins import PluginError
-from worker.plugins.artifacts import ModelCache, with_local_models
+from worker.plugins.artifacts import MODEL_CACHE_DIR, ModelCache, with_local_models
 from worker.plugins.encoding import chain_postprocess_fault, encoded_fields, probed_columns
 from worker.plugins.identity import ModelIdentity, pipeline_identity
 from worker.plugins.loading import load_postprocessor
@@ -156,7 +156,7 @@ class Daemon:
         # Models in S3 are fetched here, once, before the processes that load them start.
         self._spec = spec = with_local_models(
             settings.pipeline_spec(),
-            ModelCache(settings.model_cache_dir, blobs),
+            ModelCache(settings.model_cache_dir or settings.log_dir / MODEL_CACHE_DIR, blobs),
             "--pipeline" if settings.pipeline else "--model",
         )
         observer = JobObserver(

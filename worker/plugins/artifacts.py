@@ -37,6 +37,7 @@ from worker.ports import BlobStore, ObjectHead, S3Location
 log = structlog.get_logger()
 
 S3_SCHEME = "s3://"
+MODEL_CACHE_DIR = "model-cache"  # under --log-dir, unless --model-cache-dir says where
 MODEL_SUFFIXES = (EXPORT_SUFFIX, *TORCHSCRIPT_SUFFIXES)
 # A download cut short (a reset mid-body) or an object replaced between its HEAD and its
 # GET starts again from the HEAD, this many times in all.
