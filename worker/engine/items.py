@@ -98,6 +98,9 @@ class Item:
     # Taken before the items that are not at every stage (its job is waited for; the
     # others are background work).
     urgent: bool = False
+    # The length a stage sizing its batches in tokens pads it to, read from its value
+    # once there (`TokenBudget.length_of`): its batches are chosen again and again.
+    padded_length: int | None = None
 
 
 # What a process stage runs once in each child: it makes the function the child runs.

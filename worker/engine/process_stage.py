@@ -370,10 +370,11 @@ class ProcessStage(FeedsAsPrepared):
 
     def _forward(self, items: list[Item]) -> None:
         """Hand the batch on, giving back the arena slots a reading stage is done with.
-        An item's tries are this stage's: the next stage gives it as many again."""
+        An item's tries and padded length are this stage's: the next stage gives it as
+        many tries again, and reads its length from its value then."""
         done_with: list[int] = []
         for item in items:
-            item.attempts = 0
+            item.attempts, item.padded_length = 0, None
             if self.reads is not None and not self.keeps_slots and item.slot is not None:
                 done_with.append(item.slot)
                 item.slot = None

@@ -71,8 +71,10 @@ class TokenBudget:
     def length_of(self, item: Item) -> int:
         """The length the item is padded to (an item that failed already: the
         shortest, it only passes through)."""
-        size = 0 if item.error is not None else self.size_of(item.value)
-        return bucket_of(size, self.lengths)
+        if item.padded_length is None:
+            size = 0 if item.error is not None else self.size_of(item.value)
+            item.padded_length = bucket_of(size, self.lengths)
+        return item.padded_length
 
     def rows(self, length: int, max_rows: int) -> int:
         return max(1, min(max_rows, self.max_tokens // length))
@@ -87,7 +89,7 @@ class TokenBudget:
         def choose(
             items: Sequence[Item], arrived: Sequence[float], now: float
         ) -> list[int] | float:
-            lengths = [self.length_of(item) for item in items]
+            lengths = [item.padded_length or self.length_of(item) for item in items]
             return choose_batch(
                 lengths,
                 arrived,
@@ -121,8 +123,8 @@ def choose_batch(
     by_length: dict[int, list[int]] = {}
     for position, length in enumerate(lengths):
         by_length.setdefault(length, []).append(position)
-    due = next((position for position, at in enumerate(arrived) if now - at >= max_wait_s), None)
-    if due is not None:
+    if now - min(arrived) >= max_wait_s:  # the first due, in the order they go
+        due = next(position for position, at in enumerate(arrived) if now - at >= max_wait_s)
         length = lengths[due]
         return by_length[length][: rows(length)]
     full = [group for length, group in by_length.items() if len(group) >= rows(length)]
