@@ -7,7 +7,8 @@ label and an embedding (trained by `python -m stages.text_train` on generated se
 
 - `tokens` (a `TextPreprocessor`) runs in the preprocessing processes: Hugging Face
   `tokenizers` turns a text into ids and an attention mask in the item's slot, cut to
-  the model's longest sequence unless the job's params say `"truncate": false`.
+  the model's longest sequence unless the job's params say `"truncate": false`; its
+  result notes whether it was cut and its tokens, [CLS] and [SEP] included.
 - `text_model` takes `(input_ids, attention_mask)`, as a sentence-transformers model
   does, and answers a row per text: the topics' probabilities, then the embedding
   (mean-pooled over the text's tokens, normalised).
@@ -44,7 +45,8 @@ class Tokens:
     """A `TextPreprocessor` of a tokenizer.json: a text's ids and mask, as int32."""
 
     output_dtype = torch.int32
-    notes = {"truncated": False}  # noqa: RUF012 (read only: the contract's field defaults)
+    # Whether the text was cut, and its tokens (an OpenAI batch's usage counts them).
+    notes = {"truncated": False, "tokens": 0}  # noqa: RUF012 (read only: the contract's defaults)
     samples = ("the forecast says rain",)
 
     def __init__(self, path: Path, max_tokens: int):
@@ -74,7 +76,7 @@ class Tokens:
         out.zero_()
         out[0, : len(ids)] = ids
         out[1, : len(ids)] = 1
-        return {"truncated": truncated}
+        return {"truncated": truncated, "tokens": len(encoding.ids)}
 
 
 tokens = Tokens(TOKENIZER, MAX_TOKENS)

@@ -18,15 +18,9 @@ import pyarrow.parquet as pq
 from stages.sentences import sentences
 from stages.text import MAX_TOKENS
 from tests.support.in_process import job_file, run_until_drained
-from tests.support.texts import model_answers
+from tests.support.texts import TEXT_PIPELINE, model_answers
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 
-TEXT_PIPELINE = {
-    "preprocess": "stages.text:tokens",
-    "model": "stages.text:text_model",
-    "postprocess": "stages.text:labelled",
-    "batch_size": 4,
-}
 LONG = " ".join(["rain"] * (2 * MAX_TOKENS))  # over the model's longest sequence
 
 

@@ -20,7 +20,15 @@ DIGEST_PATTERN = r"^[0-9a-f]{16}$"
 
 
 T = TypeVar("T")
-INPUT_SOURCES = ("inputs", "manifest", "inputs_prefix", "table", "inventory", "texts")
+INPUT_SOURCES = (
+    "inputs",
+    "manifest",
+    "inputs_prefix",
+    "table",
+    "inventory",
+    "texts",
+    "openai_batch",
+)
 # What SQS takes in one message body: inline `texts` must fit in it with the rest.
 SQS_MAX_BODY_BYTES = 256 * 1024
 # The object under a job's output that cancels it: a producer writes it, every run of
@@ -114,6 +122,10 @@ class JobMessage(BaseModel):
     # The inputs are these texts themselves (`worker.datasets.texts`); with the rest of
     # the message, within what SQS takes (`SQS_MAX_BODY_BYTES`).
     texts: list[Any] | None = Field(default=None, min_length=1)
+    # An OpenAI Batch API input file of /v1/embeddings requests, each text of each an
+    # input; its results are written as that API's output and error files too
+    # (`worker.datasets.openai_batch`).
+    openai_batch: S3Uri | None = None
     # Of the objects under `inputs_prefix` or in the `inventory`, those whose key ends so.
     inputs_suffix: str | None = Field(default=None, min_length=1, max_length=1024)
     # The listed objects are tar shards, whose members are the inputs.
@@ -149,7 +161,8 @@ class JobMessage(BaseModel):
             )
         if self.table and self.table.is_prefix and self._output_is_listed(self.table.uri):
             raise ValueError("the 'output' is under the table's prefix: its files would be read")
-        if self.tar is not None and (self.texts or (self.table and self.table.text_column)):
+        texts = self.texts or self.openai_batch or (self.table and self.table.text_column)
+        if self.tar is not None and texts:
             raise ValueError("'tar' reads the objects listed: texts are inputs themselves")
         if self.texts is not None:
             check_texts_size(self.texts)
@@ -172,7 +185,7 @@ class JobMessage(BaseModel):
 
     def buckets(self) -> set[str]:
         """Every bucket the message names directly."""
-        listings = [self.manifest, self.inputs_prefix, self.inventory]
+        listings = [self.manifest, self.inputs_prefix, self.inventory, self.openai_batch]
         uris = [self.output, *(self.inputs or []), *filter(None, listings)]
         if self.table is not None:
             uris.append(self.table.uri)

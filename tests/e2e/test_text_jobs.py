@@ -18,20 +18,11 @@ from stages.sentences import TOPICS, sentences
 from tests.support.aws import Aws
 from tests.support.daemons import StartDaemon, daemon_args
 from tests.support.jobs import job_output, upload
-from tests.support.texts import model_answers
+from tests.support.texts import TEXT_MODEL_FLAGS, model_answers
 
 pytestmark = pytest.mark.e2e
 
-TEXT_FLAGS = [
-    "--preprocess",
-    "stages.text:tokens",
-    "--model",
-    "stages.text:text_model",
-    "--postprocess",
-    "stages.text:labelled",
-    "--batch-size",
-    "8",
-]
+TEXT_FLAGS = [*TEXT_MODEL_FLAGS, "--batch-size", "8"]
 
 
 def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embeddings(

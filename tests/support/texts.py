@@ -1,5 +1,6 @@
 """What the shipped text model answers for texts, tokenized as the daemon does: what a
-text job's results are checked against."""
+text job's results are checked against; the flags a daemon runs it with; a request of
+an OpenAI batch file."""
 
 from __future__ import annotations
 
@@ -7,6 +8,23 @@ import numpy as np
 import torch
 
 from stages.text import text_model, tokens
+
+# The settings of a daemon running the shipped text model in a test's process.
+TEXT_PIPELINE = {
+    "preprocess": "stages.text:tokens",
+    "model": "stages.text:text_model",
+    "postprocess": "stages.text:labelled",
+    "batch_size": 4,
+}
+# `worker run` flags for the shipped text model, its tokenizer and its labels.
+TEXT_MODEL_FLAGS = [
+    "--preprocess",
+    "stages.text:tokens",
+    "--model",
+    "stages.text:text_model",
+    "--postprocess",
+    "stages.text:labelled",
+]
 
 
 def model_answers(texts: list[str]) -> np.ndarray:
@@ -17,3 +35,14 @@ def model_answers(texts: list[str]) -> np.ndarray:
         tokens(text, slot, {})
     with torch.inference_mode():
         return text_model()(slots[:, 0], slots[:, 1]).numpy()  # type: ignore[no-any-return]
+
+
+def embeddings_request(custom_id: str, text: object, **body: object) -> dict[str, object]:
+    """A line of an OpenAI batch input file: an embeddings request of `text` (a text or
+    a list of them), with more of its `body`."""
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": "text-embedding-3-small", "input": text, **body},
+    }

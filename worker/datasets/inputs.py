@@ -9,6 +9,7 @@ of `Input`s (a URI, and the id its table gives it), never held whole:
   column (or a text column: `worker.datasets.texts`) and an optional id column, carried
   into every result line;
 - `texts`: the texts in the message (`worker.datasets.texts`);
+- `openai_batch`: the texts of an OpenAI Batch API file (`worker.datasets.openai_batch`);
 - `inventory`: an S3 Inventory report's manifest.json, whose CSV or Parquet files list
   the objects (`inputs_suffix` applies; delete markers and old versions are skipped).
 
@@ -38,6 +39,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from worker.datasets.openai_batch import batch_requests
 from worker.datasets.streams import ChunkStream, gunzipped
 from worker.datasets.texts import (
     MAX_TEXT_BYTES,
@@ -132,7 +134,7 @@ class InputReader:
         if not listed:
             raise PoisonMessage("the job lists no inputs")
 
-    def _listed(self, spec: JobMessage) -> Iterator[Input]:
+    def _listed(self, spec: JobMessage) -> Iterator[Input]:  # noqa: PLR0911 (one per source)
         if spec.inputs:
             return (Input(uri) for uri in spec.inputs)
         if spec.manifest:
@@ -145,6 +147,11 @@ class InputReader:
             return (Input(text) for text in inline_texts(spec.texts))
         if spec.table:
             return self._table(spec.table)
+        if spec.openai_batch:
+            uri = spec.openai_batch
+            return self._read(
+                "OpenAI batch", uri, lambda chunks: (Input(*t) for t in batch_requests(chunks, uri))
+            )
         assert spec.inventory is not None
         return self._inventory(spec.inventory, spec.inputs_suffix or "")
 

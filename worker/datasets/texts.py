@@ -8,7 +8,9 @@ read an object, hands the text on instead (`text_of`), and a text needs no GET.
 
 - a table row's name is the table's URI and its row, from 0 (`s3://b/t.parquet#row=17`);
 - an inline text's name is the text itself: the request digest then covers what the
-  message says (a sender has its texts at hand, and they are small).
+  message says (a sender has its texts at hand, and they are small);
+- an OpenAI batch file's text is named by its request's line and its place in the
+  request's input (`worker.datasets.openai_batch`).
 
 A value that is no text (a null, a number, a text over `MAX_TEXT_BYTES`) is its item's
 error where it is taken (`NotText`), never the message's: a row is an item whatever it
@@ -66,7 +68,7 @@ def inline_texts(texts: list[Any]) -> Iterator[TextInput]:
     """A message's `texts`, each named by itself."""
     for value in texts:
         if isinstance(value, str):
-            yield _bounded_text(value, value)
+            yield bounded_text(value, value)
         else:
             yield TextInput(json.dumps(value), None, _not_text(type(value).__name__))
 
@@ -91,7 +93,8 @@ def column_texts(column: pa.Array, table_uri: str, first_row: int) -> list[TextI
     ]
 
 
-def _bounded_text(name: str, text: str) -> TextInput:
+def bounded_text(name: str, text: str) -> TextInput:
+    """`text` named `name`, or, over `MAX_TEXT_BYTES`, its size as its problem."""
     size = len(text.encode(errors="replace"))
     return (
         TextInput(name, None, _problem(None, size))
@@ -129,4 +132,4 @@ def text_from_shard_line(name: Any, value: Any) -> TextInput:
         return TextInput(name, None, str(problem))
     if not isinstance(text, str):
         raise ValueError("its text is not a string")
-    return _bounded_text(name, text)
+    return bounded_text(name, text)

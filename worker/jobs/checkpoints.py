@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import structlog
 
 from worker.datasets.arrays import ARRAY_FILE_SUFFIX
+from worker.datasets.openai_batch import OPENAI_ERRORS_FILE, OPENAI_OUTPUT_FILE
 from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 
-FINAL_OUTPUTS = ("results.jsonl", "job.log", "job.json")
+FINAL_OUTPUTS = ("results.jsonl", "job.log", "job.json", OPENAI_OUTPUT_FILE, OPENAI_ERRORS_FILE)
 CHECKPOINT_PREFIX = "checkpoint-"
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
 Halt = Literal["superseded", "cancelled"]

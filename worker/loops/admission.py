@@ -285,6 +285,11 @@ class AdmissionReader:
                 raise PoisonMessage(f"its tars hold no members (ending {spec.tar.member_suffix!r})")
             prior = self._checkpoints.read(spec, job_id, request, items.places)
             return Admission(spec, items, prior)
+        if spec.openai_batch is not None:  # its output and error files are one run's
+            raise PoisonMessage(
+                f"its OpenAI batch file holds over {shard_items} texts, the shard size: split "
+                "it into files of fewer (OpenAI's own batches hold at most 50,000)"
+            )
         # A chain's are not known: it may write arrays.
         if spec.format == JSON_LINES and self._arrays.layouts != {}:
             raise PoisonMessage(
@@ -448,8 +453,10 @@ def _split(listed: list[Input], with_ids: bool) -> _Listed:
 
 
 def _with_ids(spec: JobMessage) -> bool:
-    """Whether the job's inputs have ids (its table's id column)."""
-    return spec.table is not None and spec.table.id_column is not None
+    """Whether the job's inputs have ids (its table's id column, an OpenAI batch file's
+    custom_ids)."""
+    has_id_column = spec.table is not None and spec.table.id_column is not None
+    return has_id_column or spec.openai_batch is not None
 
 
 def _check_breakages(message: ReceivedMessage) -> None:

@@ -10,8 +10,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import structlog
 
+from worker.datasets.openai_batch import BatchItem, write_batch_files
 from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
@@ -319,13 +321,15 @@ class Finisher:
     def _results(self, job: Job, lines: bytes) -> list[Output]:
         """(name, content or the local file of it, content type) of each results file,
         in the order they are written: the array files and results.jsonl that refers to
-        them, or the Parquet files (a shard's named by its number)."""
+        them, or the Parquet files (a shard's named by its number); then, for a job of
+        an OpenAI batch file, that API's output and error files."""
         assert job.spec is not None and job.arrays is not None
         arrays = job.arrays.files()
         if job.spec.format == JSON_LINES:
             return [
                 *((name, path, NPY_CONTENT_TYPE) for name, path in arrays.items()),
                 ("results.jsonl", lines, NDJSON),
+                *_openai_batch_files(job, arrays),
             ]
         shard = job.spec.shard.index if job.spec.shard else 0
         directory = job.arrays.directory / PARQUET_DIR
@@ -333,8 +337,11 @@ class Finisher:
             lines, arrays, directory, ids=job.ids is not None, members=job.parts is not None
         )
         return [
-            (table_name(shard, number), path, PARQUET_CONTENT_TYPE)
-            for number, path in enumerate(files)
+            *(
+                (table_name(shard, number), path, PARQUET_CONTENT_TYPE)
+                for number, path in enumerate(files)
+            ),
+            *_openai_batch_files(job, arrays),
         ]
 
     def _write(self, job: Job, lines: bytes, summary: dict[str, Any]) -> dict[str, Any]:
@@ -389,3 +396,16 @@ class Finisher:
             device_hour_price=self._device_hour_price,
             format=job.spec.format,
         )
+
+
+def _openai_batch_files(job: Job, arrays: dict[str, Path]) -> list[Output]:
+    """The output and error files of a job whose inputs are an OpenAI batch file, made
+    of its results (a cancelled job's: those it has) and their embeddings."""
+    assert job.spec is not None and job.arrays is not None
+    if job.spec.openai_batch is None:
+        return []
+    assert job.ids is not None  # their custom_ids
+    records = (None if result is None else orjson.loads(result.line) for result in job.results)
+    items = map(BatchItem, job.inputs, job.ids, records)
+    written = write_batch_files(items, arrays, job.arrays.directory, job.request_digest)
+    return [(path.name, path, NDJSON) for path in written]
