@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     enqueue.add_argument("--job-id", help="job id (default: a new uuid)")
     sources = enqueue.add_argument_group(
         "inputs",
-        "Exactly one of: URIs as arguments, --manifest, --inputs-prefix, --table, --inventory.",
+        "Exactly one of: URIs as arguments, --manifest, --inputs-prefix, --table, --inventory, "
+        "--openai-batch.",
     )
     sources.add_argument("--manifest", help="s3:// URI of a file listing one input URI per line")
     sources.add_argument(
@@ -108,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         help='a --table column of ids, carried into each input\'s result as "id"',
     )
     sources.add_argument("--inventory", help="s3:// URI of an S3 Inventory report's manifest.json")
+    sources.add_argument(
+        "--openai-batch",
+        help="s3:// URI of an OpenAI Batch API file of /v1/embeddings requests, answered in "
+        "that API's output and error files too",
+    )
     sources.add_argument(
         "--inputs-suffix",
         help="keep only the objects of --inputs-prefix or --inventory whose key ends so (.jpg)",
@@ -366,6 +372,7 @@ def _enqueue(args: argparse.Namespace) -> int:
             inputs_suffix=args.inputs_suffix,
             table=_table(args),
             inventory=args.inventory,
+            openai_batch=args.openai_batch,
             params=json.loads(args.params),
             format=args.format,
             shard_items=args.shard_items,

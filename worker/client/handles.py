@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import pyarrow as pa
@@ -20,6 +21,8 @@ from pydantic_core import PydanticSerializationError
 
 from worker.adapters import aws
 from worker.client.outputs import JOB_JSON, Outputs, Summary
+from worker.datasets.openai_batch import OPENAI_ERRORS_FILE, OPENAI_OUTPUT_FILE
+from worker.datasets.tables import NDJSON
 from worker.errors import MessageRefused, TransientError
 from worker.message import (
     CANCEL_MARKER,
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 # has the daemon's settings.
 ALLOWED_BUCKETS_ENV = "WORKER_ALLOWED_BUCKETS"
 S3_CONNECTIONS = 2  # the client reads one object at a time
+# Where `submit_openai_batch` puts a local batch file, under the job's output by default.
+UPLOADED_REQUESTS = "openai-requests.jsonl"
 Answer = TypeVar("Answer")
 
 
@@ -138,6 +143,7 @@ class Jobs:
         table: TableSource | dict[str, Any] | None = None,
         inventory: str | None = None,
         texts: Sequence[Any] | None = None,
+        openai_batch: str | None = None,
         params: dict[str, Any] | None = None,
         format: Literal["jsonl", "parquet"] = "jsonl",
         job_id: str | None = None,
@@ -154,8 +160,7 @@ class Jobs:
         if isinstance(tar, TarMembers):
             tar = tar.model_dump(exclude_none=True)
         fields = {
-            "job_id": job_id or uuid.uuid4().hex,
-            "request_id": uuid.uuid4().hex,
+            "job_id": job_id,
             "inputs": None if inputs is None else list(inputs),
             "manifest": manifest,
             "inputs_prefix": inputs_prefix,
@@ -163,20 +168,65 @@ class Jobs:
             "table": table,
             "inventory": inventory,
             "texts": None if texts is None else list(texts),
+            "openai_batch": openai_batch,
             "output": output,
             "params": params,
             "format": format,
             "shard_items": shard_items,
             "tar": tar,
         }
+        return self._send(self._message(fields))
+
+    def submit_openai_batch(
+        self,
+        requests: str | Path,
+        output: str,
+        *,
+        upload_to: str | None = None,
+        job_id: str | None = None,
+        params: dict[str, Any] | None = None,
+        format: Literal["jsonl", "parquet"] = "jsonl",
+    ) -> Job:
+        """Send a job of an OpenAI Batch API input file of /v1/embeddings requests (docs/
+        jobs.md, "OpenAI batch files"): an s3:// URI, or a local file, uploaded first to
+        `upload_to` (by default `<output>openai-requests.jsonl`). Its handle's
+        `openai_batch_files` fetches the output and error files once it has finished.
+        `InvalidJob`, and nothing uploaded, if the daemon would refuse the job."""
+        local = not (isinstance(requests, str) and requests.startswith("s3://"))
+        uploaded = upload_to or f"{output.rstrip('/')}/{UPLOADED_REQUESTS}"
+        fields = {
+            "job_id": job_id,
+            "openai_batch": uploaded if local else str(requests),
+            "output": output,
+            "params": params,
+            "format": format,
+        }
+        message = self._message(fields)
+        if local:
+            assert message.openai_batch is not None
+            location = S3Location.parse(message.openai_batch)
+            self._blobs.put_file(location, Path(requests), NDJSON)
+        return self._send(message)
+
+    def _message(self, fields: dict[str, Any]) -> JobMessage:
+        """The job message of `fields` (None: not given), with a job id (a new uuid
+        unless given) and a new request id; `InvalidJob` if the daemon would refuse it."""
+        fields = {
+            **fields,
+            "job_id": fields.get("job_id") or uuid.uuid4().hex,
+            "request_id": uuid.uuid4().hex,
+        }
         try:
             body = json.dumps({name: value for name, value in fields.items() if value is not None})
         except (TypeError, ValueError) as error:
             raise InvalidJob(f"invalid job message: params are not JSON: {error}") from error
         try:
-            message = parse_job_message(body, allowed_buckets=self._allowed_buckets)
+            return parse_job_message(body, allowed_buckets=self._allowed_buckets)
         except PoisonMessage as error:
             raise InvalidJob(str(error)) from error
+
+    def _send(self, message: JobMessage) -> Job:
+        """Send a job's message, its own message group; its handle."""
         assert message.job_id is not None and message.request_id is not None
         try:
             self._queue.send_many([_sendable(message)], message.job_id)
@@ -298,6 +348,17 @@ class Job:
         a time, each batch with the columns of the batches before it (and their types)
         and any its lines add. `JobNotFinished` before job.json is written."""
         return self._outputs.batches(self._finished())
+
+    def openai_batch_files(self, directory: Path) -> tuple[Path, Path]:
+        """The finished job's OpenAI output file and error file (a job of an
+        `openai_batch`), copied into `directory` as job.json names them (their ETags
+        checked: `OutputReplaced` if a later run replaced them); their paths.
+        `JobNotFinished` before job.json is written."""
+        summary = self._finished()
+        return (
+            self._outputs.download(summary, OPENAI_OUTPUT_FILE, directory),
+            self._outputs.download(summary, OPENAI_ERRORS_FILE, directory),
+        )
 
     def cancel(self, reason: str = "") -> S3Location:
         """Write the `cancel` object a daemon stops the job for (docs/jobs.md), naming

@@ -8,6 +8,7 @@ import io
 import json
 import tempfile
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import orjson
@@ -117,6 +118,17 @@ class Outputs:
         if summary.format == PARQUET:
             return self._parquet_batches(summary)
         return self._json_batches(*self._results_jsonl(summary))
+
+    def download(self, summary: Summary, name: str, directory: Path) -> Path:
+        """The output `name` job.json `summary` names, copied into `directory` (as it
+        names it, or `OutputReplaced`); its path."""
+        if name not in summary.outputs:
+            raise UnreadableOutput(f"{self.location(JOB_JSON)} names no {name}")
+        path = directory / name
+        with path.open("wb") as copy:
+            for chunk in self._chunks(self.location(name), summary.outputs[name]):
+                copy.write(chunk)
+        return path
 
     def _read(self, model: type[Read], name: str) -> Read | None:
         document = self._document(name)
