@@ -5,9 +5,11 @@ length, and a text job whose results are the same with and without a token budge
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,8 @@ from worker.engine import Channel, Item, Pipeline, ThreadStage, TokenBudget, buc
 from worker.engine.token_batches import choose_batch
 from worker.plugins import PluginError
 from worker.plugins.loading import token_slots
-from worker.plugins.setups import cut_to_length, inference_setup
+from worker.plugins.setups import _Inference, cut_to_length, inference_setup
+from worker.plugins.staging import Staging
 
 LENGTHS = bucket_lengths(64)  # 16, 20, 24, 28, 32, 40, 48, 56, 64
 
@@ -135,6 +138,49 @@ def test_the_model_is_called_cut_to_the_shortest_length_holding_the_batchs_longe
     texts = [((notes, tokens), {}) for notes, tokens in (({}, 3), ({}, 17), ({}, 9))]
     assert cut_to_length(texts, LENGTHS) == 20
     assert cut_to_length([None], LENGTHS) == 16
+
+
+class _Streams:
+    """A GPU's streams on the CPU (`worker.plugins.staging.Streams`): each copy runs at
+    once, every wait is already over."""
+
+    copying, decoding = "copy", "decode"
+
+    def compute(self) -> str:
+        return "compute"
+
+    def on(self, stream: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def recorded(self, stream: str) -> Any:
+        return SimpleNamespace(synchronize=lambda: None, query=lambda: True)
+
+    def wait(self, stream: str, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype)
+
+
+def test_on_a_gpus_path_a_batch_crosses_whole_and_the_model_is_given_it_cut() -> None:
+    """On a GPU the batch is copied to the device at the slot's shape (the device
+    batches keep one shape) and the model is given it cut to its length there."""
+    shapes: list[tuple[int, ...]] = []
+
+    def forward(batch: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(batch.shape))
+        return batch[:, 1].sum(dim=1, keepdim=True).float()
+
+    staging = Staging(torch.device("cpu"), (2, 64), None, _Streams(), dtype=torch.int32)
+    infer = _Inference(forward, staging, LENGTHS)
+    batch = torch.zeros((3, 2, 64), dtype=torch.int32)
+    batch[0, :, :17], batch[1, :, :5] = 1, 1
+    rows = infer.now(batch, [((None, 17), {}), ((None, 5), {}), ((None, 0), {})])
+    assert shapes == [(3, 2, 20)]
+    assert [row.tolist() for row in rows] == [[17.0], [5.0], [0.0]]
 
 
 class LongestOnly(torch.nn.Module):
