@@ -6,6 +6,7 @@ a whole job of such a file through the daemon in this process."""
 from __future__ import annotations
 
 import base64
+import codecs
 import json
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,10 @@ def _file(*lines: Any) -> bytes:
 
 def test_each_text_of_each_request_is_an_item_and_a_line_served_nowhere_is_its_own() -> None:
     """A text input is one item, a list one item per text, each named by its line and
-    place with the request's options, its custom_id its id; a blank line is skipped;
-    each line that is no request served here is one item with no text, the reason its
-    problem, and no custom_id where it names none."""
+    place with the request's options, its custom_id its id; a blank line is skipped,
+    and a byte order mark before the first; each line that is no request served here
+    is one item with no text, the reason its problem, and no custom_id where it names
+    none."""
     lines = _file(
         embeddings_request("one", "the forecast says rain"),
         embeddings_request("two", ["a late train", "fresh bread"], encoding_format="base64"),
@@ -111,7 +113,7 @@ def test_each_text_of_each_request_is_an_item_and_a_line_served_nowhere_is_its_o
         embeddings_request("wide", "x", dimensions=0),
         embeddings_request("float", "y", encoding_format="float", dimensions=64),
     )
-    items = list(batch_requests([lines[:50], lines[50:]], FILE))
+    items = list(batch_requests([codecs.BOM_UTF8 + lines[:50], lines[50:]], FILE))
     named = [(str(text), custom_id, text.text) for text, custom_id in items]
     assert named[:3] == [
         (f"{FILE}#line=1&input=0", "one", "the forecast says rain"),

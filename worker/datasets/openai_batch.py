@@ -73,7 +73,8 @@ class RequestText(NamedTuple):
 def batch_requests(chunks: Iterable[bytes], uri: str) -> Iterator[RequestText]:
     """The items of the batch input file at `uri`, as its bytes stream in: each text
     of each request, in order; a line that is no request served here, one item with its
-    problem. Blank lines are skipped (their numbers still count)."""
+    problem. Blank lines are skipped (their numbers still count); a UTF-8 byte order
+    mark before the first (an editor's on Windows) is read past, as JSON's decoder does."""
     seen: set[str] = set()
     for number, line in enumerate(lines(chunks, "OpenAI batch", MAX_REQUEST_LINE_BYTES), 1):
         if line.strip():
