@@ -22,12 +22,14 @@ from stages.text import tokens as text_tokens
 from tests.support.in_process import job_file, run_until_drained
 from tests.support.pipelines import RecordingObserver, run_items
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.daemon.stages import _token_budget
 from worker.engine import Channel, Item, Pipeline, ThreadStage, TokenBudget, bucket_lengths
 from worker.engine.token_batches import choose_batch
 from worker.plugins import PluginError
 from worker.plugins.loading import token_slots
 from worker.plugins.setups import _Inference, cut_to_length, inference_setup
 from worker.plugins.staging import Staging
+from worker.settings import Settings
 
 LENGTHS = bucket_lengths(64)  # 16, 20, 24, 28, 32, 40, 48, 56, 64
 
@@ -205,6 +207,21 @@ def test_a_model_that_takes_only_its_longest_sequence_stops_the_start_with_a_bud
     with pytest.raises(PluginError, match=r"cut to 56 tokens.*without --max-batch-tokens"):
         inference_setup(reference, "cpu", text_tokens.output_shape, tokens=slots, lengths=LENGTHS)
     assert inference_setup(reference, "cpu", text_tokens.output_shape, tokens=slots).probe
+
+
+def test_only_a_text_pipeline_is_batched_in_tokens_and_never_a_compiled_one() -> None:
+    """The budget sizes a text model's batches, to the preprocessor's longest sequence;
+    an image pipeline's batches stay counted in images; a compiled model, captured at
+    its longest sequence, is refused the budget at start rather than run uncut."""
+    settings = Settings(queue_url="q", max_batch_tokens=4096)
+    slots = token_slots(text_tokens)
+    budget = _token_budget(settings, slots, MAX_TOKENS)
+    assert budget is not None and (budget.max_tokens, budget.lengths) == (4096, LENGTHS)
+    assert _token_budget(settings, None, MAX_TOKENS) is None
+    assert _token_budget(Settings(queue_url="q"), slots, MAX_TOKENS) is None
+    compiled = Settings(queue_url="q", max_batch_tokens=4096, compile=True)
+    with pytest.raises(ValueError, match="--compile"):
+        _token_budget(compiled, slots, MAX_TOKENS)
 
 
 def test_a_text_job_in_token_batches_answers_in_input_order_as_in_item_batches(
