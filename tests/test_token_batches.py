@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stages.sentences import sentences
 from stages.text import MAX_TOKENS
@@ -95,6 +97,36 @@ def test_a_full_window_takes_the_length_holding_most_tokens_rather_than_idle() -
     assert choose_batch(
         [16, 32, 32, 32], [0.0] * 4, 0.0, rows=_rows(256), max_wait_s=1.0, window_full=True
     ) == [1, 2, 3]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(LENGTHS), st.floats(0, 2)), min_size=1, max_size=40),
+    st.integers(16, 512),
+    st.booleans(),
+)
+def test_every_choice_is_one_length_within_budget_and_the_first_due_goes_first(
+    ready: list[tuple[int, float]], budget: int, window_full: bool
+) -> None:
+    """Whatever is ready: a batch holds one length, at most its rows, in window order;
+    if a text is due, its length goes, the first of that length first; if none is
+    taken, none is due, no length is full, the window is not, and the wait ends when
+    the oldest is due."""
+    lengths, arrived = [length for length, _ in ready], [at for _, at in ready]
+    rows, now, max_wait_s = _rows(budget, max_rows=8), 2.0, 1.0
+    chosen = choose_batch(
+        lengths, arrived, now, rows=rows, max_wait_s=max_wait_s, window_full=window_full
+    )
+    due = [position for position, at in enumerate(arrived) if now - at >= max_wait_s]
+    if isinstance(chosen, float):
+        assert not due and not window_full
+        assert all(lengths.count(length) < rows(length) for length in lengths)
+        assert chosen == pytest.approx(min(arrived) + max_wait_s - now)
+        return
+    (length,) = {lengths[position] for position in chosen}
+    assert chosen == sorted(set(chosen)) and 1 <= len(chosen) <= rows(length)
+    if due:
+        same = [position for position, other in enumerate(lengths) if other == length]
+        assert length == lengths[due[0]] and chosen == same[: rows(length)]
 
 
 def test_the_channel_shows_its_chooser_a_bounded_window_and_keeps_the_rest_in_order() -> None:
