@@ -244,8 +244,8 @@ def test_a_batch_file_runs_into_output_and_error_files_of_the_models_embeddings(
     """A batch file through the daemon: each request's embeddings are the model's own
     answers to its texts, in file order; the bad lines are error lines and the job goes
     on; each request's usage counts its texts' tokens; job.json names both files, and
-    the job sent again replaces them. A file of more texts than a shard is refused:
-    one run writes its files."""
+    the job sent again (with Parquet results) replaces them. A file of more texts than
+    a shard is refused: one run writes its files."""
     texts = ["the forecast says rain", "a late train", "fresh bread at dawn"]
     blobs = InMemoryBlobStore()
     blobs.objects[FILE] = _file(
@@ -254,9 +254,11 @@ def test_a_batch_file_runs_into_output_and_error_files_of_the_models_embeddings(
         embeddings_request("b", texts[1:]),
         embeddings_request("c", ["", "fine"]),
     )
-    for run in ("first", "again"):
+    written = {}
+    for run, results_format in (("first", "jsonl"), ("again", "parquet")):
         source = InMemoryJobSource()
         message = {"job_id": "batch", "request_id": run, "openai_batch": FILE}
+        message["format"] = results_format
         source.send(json.dumps({**message, "output": "s3://bkt/out/batch/"}))
         sharded = {"job_id": "sharded", "openai_batch": FILE, "shard_items": 5}
         source.send(json.dumps({**sharded, "output": "s3://bkt/out/sharded/"}))
@@ -266,6 +268,8 @@ def test_a_batch_file_runs_into_output_and_error_files_of_the_models_embeddings(
         summary = job_file(blobs, "batch", "job.json")
         assert (summary["request_id"], summary["items"], summary["failed"]) == (run, 6, 2)
         assert {OPENAI_OUTPUT_FILE, OPENAI_ERRORS_FILE} <= summary["outputs"].keys()
+        written[run] = summary["outputs"].keys()
+    assert "results/part-000000-0000.parquet" in written["again"]
 
     output = [
         json.loads(line) for line in job_file(blobs, "batch", OPENAI_OUTPUT_FILE).splitlines()
@@ -282,7 +286,8 @@ def test_a_batch_file_runs_into_output_and_error_files_of_the_models_embeddings(
         ("chat", 400),
         ("c", 400),
     ]
-    results = job_file(blobs, "batch", "results.jsonl")
+    assert "results.jsonl" in written["first"]
+    results = job_file(blobs, "batch", "results.jsonl")  # the first run's (the second's: Parquet)
     assert [line.get("id") for line in results] == ["a", "chat", "b", "b", "c", "c"]
     tokenizer = Tokenizer.from_file(str(TOKENIZER))
     counted = [len(tokenizer.encode(text).ids) for text in texts]
