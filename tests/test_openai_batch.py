@@ -1,7 +1,7 @@
 """OpenAI Batch API files: a batch input file read into text items (a line that is no
 request served here is its own item's error), and a job's results written back as the
-API's output and error files, field for field as its documentation shows them; then
-a whole job of such a file through the daemon in this process."""
+API's output and error files, field for field as its documentation shows them; a
+whole job of such a file through the daemon in this process; the client's upload."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from stages.text import TOKENIZER
 from tests.support.in_process import job_file, run_until_drained
 from tests.support.texts import TEXT_PIPELINE, embeddings_request, model_answers
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.client import InvalidJob, Jobs
 from worker.datasets.openai_batch import (
     OPENAI_ERRORS_FILE,
     OPENAI_OUTPUT_FILE,
@@ -297,3 +298,27 @@ def test_a_batch_file_runs_into_output_and_error_files_of_the_models_embeddings(
         {"prompt_tokens": counted[0], "total_tokens": counted[0]},
         {"prompt_tokens": sum(counted[1:]), "total_tokens": sum(counted[1:])},
     ]
+
+
+def test_the_client_uploads_a_local_batch_file_only_for_a_job_the_daemon_takes(
+    tmp_path: Path,
+) -> None:
+    """A local file goes under the job's output, then its job is sent naming it; a job
+    the daemon would refuse (a bucket outside the allow-list) is `InvalidJob`, with
+    nothing uploaded and nothing sent; an s3:// file is named as it is."""
+    queue, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    jobs = Jobs(queue, blobs, allowed_buckets=frozenset({"bkt"}))
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(_file(embeddings_request("a", "the forecast says rain")))
+    with pytest.raises(InvalidJob, match="bucket"):
+        jobs.submit_openai_batch(requests, "s3://elsewhere/out/")
+    assert (len(queue), blobs.objects) == (0, {})
+
+    jobs.submit_openai_batch(requests, "s3://bkt/out/local/", job_id="local")
+    jobs.submit_openai_batch(FILE, "s3://bkt/out/remote/", job_id="remote")
+    sent = [json.loads(message.body) for message in queue.receive(10, 0, 30)]
+    assert [message["openai_batch"] for message in sent] == [
+        "s3://bkt/out/local/openai-requests.jsonl",
+        FILE,
+    ]
+    assert blobs.objects["s3://bkt/out/local/openai-requests.jsonl"] == requests.read_bytes()
