@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu test-fleet lint chaos prove bench bench-full bench-gpu
+.PHONY: demo test test-gpu test-fleet test-bench lint chaos prove bench bench-full bench-gpu
 
 # torch through pip, which finds the machine's own build of it; the rest through uv,
 # which installs it in seconds where pip took most of a minute of CI's time. Compiled
@@ -49,6 +49,11 @@ test-gpu: $(VENV)/installed
 # killed at random, for many minutes of moto's time.
 test-fleet: $(VENV)/installed
 	$(PY) -m pytest -m fleet -p no:xdist
+
+# Not part of `make test`: each benchmark step run end to end on a small size (the tests
+# marked `bench`), that `make bench` still measures what it says; about 5 minutes.
+test-bench: $(VENV)/installed
+	$(PY) -m pytest -m bench -n 3 --dist worksteal
 
 # Not part of `make test`: the randomized fault test with more seeds, each for longer
 # (about 2 minutes a seed on 2 cores). `make test` plays one seed for 20 s.

@@ -18,6 +18,7 @@ from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore
 
 
+@pytest.mark.bench
 @pytest.mark.e2e
 def test_bench_runs_the_overlap_figure_on_any_model(tmp_path: Path) -> None:
     """A model that takes 0.1 s a batch of 16 runs at 160 images/s alone; the daemon
@@ -77,6 +78,7 @@ def test_a_process_cpu_is_its_own_not_its_childrens() -> None:
     assert 0.55 <= cpu_s <= 0.95, cpu_s
 
 
+@pytest.mark.bench
 def test_the_host_ceiling_moves_every_item_of_its_jobs(tmp_path: Path) -> None:
     """The control-plane figure is a real run on the daemon's S3 path: both 500-item
     jobs finish, every item succeeded, the preprocessing processes read every input
@@ -90,6 +92,7 @@ def test_the_host_ceiling_moves_every_item_of_its_jobs(tmp_path: Path) -> None:
     assert figures["host_ceiling_items_per_s"] > 0 and figures["host_cpu_ms_per_item_fakes"] > 0
 
 
+@pytest.mark.bench
 def test_each_fetch_client_reads_every_object_whole() -> None:
     """The clients' figures come from real reads: each candidate, in a process of its
     own, reads every object back whole from a moto server (else the step raises)."""
@@ -99,6 +102,7 @@ def test_each_fetch_client_reads_every_object_whole() -> None:
         assert figures[f"fetch_gets_per_s_{client}"] > 0
 
 
+@pytest.mark.bench
 def test_the_array_output_figure_checks_every_row_it_wrote(tmp_path: Path) -> None:
     """`array_output` runs the classifier and the embedding model over the same jobs and
     raises unless each job's embedding.npy holds a (non-zero) row per input."""
@@ -114,6 +118,7 @@ PHOTO_DECODER = "tests.support.faults:standin_photo_decoder"
 MODELLED = {"device": "cpu", "model": "bench.harness:noop_model", "preprocess": PHOTO_DECODER}
 
 
+@pytest.mark.bench
 def test_the_gpu_decode_figure_compares_runs_that_decoded_where_they_were_asked(
     tmp_path: Path,
 ) -> None:
@@ -124,6 +129,7 @@ def test_the_gpu_decode_figure_compares_runs_that_decoded_where_they_were_asked(
     assert report["decode_cpu_images_per_s"] > 0 and report["decode_gpu_images_per_s"] > 0
 
 
+@pytest.mark.bench
 def test_the_gpu_overlap_figure_runs_one_and_two_inference_processes(tmp_path: Path) -> None:
     """In bfloat16 and channels-last on photos decoded in the model's process, with one
     inference process and with two, each run's timeline drawn."""
@@ -134,6 +140,7 @@ def test_the_gpu_overlap_figure_runs_one_and_two_inference_processes(tmp_path: P
     assert (out / "timeline.png").is_file() and (out / "two-processes/timeline.png").is_file()
 
 
+@pytest.mark.bench
 def test_the_gpu_end_to_end_figure_runs_the_daemon_against_moto(tmp_path: Path) -> None:
     """One job of 16 photos (fewer than a job holds at most) through the daemon subprocess."""
     out = tmp_path / "out"
@@ -141,6 +148,7 @@ def test_the_gpu_end_to_end_figure_runs_the_daemon_against_moto(tmp_path: Path) 
     assert (out / "moto/timeline.png").is_file()
 
 
+@pytest.mark.bench
 def test_the_admission_figure_times_the_small_job_from_the_first_receive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -152,6 +160,7 @@ def test_the_admission_figure_times_the_small_job_from_the_first_receive(
     assert figures["small_job_idle_s"] > 0 and figures["small_job_beside_a_prefix_s"] > 0
 
 
+@pytest.mark.bench
 def test_the_scaling_figure_runs_the_control_plane_at_each_process_count(
     tmp_path: Path,
 ) -> None:

@@ -22,6 +22,7 @@ SMALL = {
 }
 
 
+@pytest.mark.bench
 def test_the_model_alone_runs_as_the_daemon_runs_it_and_compiled_when_asked() -> None:
     """The baseline of every overlap figure runs the inference process's own function,
     one batch ahead, and with `compile` the model compiled first: it says how long
@@ -32,6 +33,7 @@ def test_the_model_alone_runs_as_the_daemon_runs_it_and_compiled_when_asked() ->
     assert eager["compile_s"] == 0 and compiled["compile_s"] > 0
 
 
+@pytest.mark.bench
 def test_quick_runs_what_a_cpu_can_and_writes_each_step_s_figures(tmp_path: Path) -> None:
     """`--quick` on the CPU: the model that costs nothing, decoding in the preprocessing
     processes, the steps that need nvJPEG left out; the daemon's images/s, its overlap

@@ -485,6 +485,7 @@ def test_a_job_of_objects_writes_its_plan_and_commits_as_workers_before_tars_did
     assert len(commits) == 2 and not any("items" in commit for commit in commits)
 
 
+@pytest.mark.bench
 def test_the_tar_figure_runs_every_member_reading_each_tar_once(tmp_path: Path) -> None:
     """The bench's tar-shard figure (`bench.run.tar_shards`) is a real run of both kinds
     of input, every item of which succeeds (it raises otherwise): one GET per input
