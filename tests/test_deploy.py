@@ -208,7 +208,8 @@ def test_template_scopes_the_daemons_data_policy() -> None:
     for output in ("", "results/job-1/", "a/b/c/"):
         assert _deletable(f"{output}{CHECKPOINT_PREFIX}0123abcd-m1-0.jsonl")
         assert _deletable(f"{output}{SUPERSEDED_PREFIX}m1")
-        assert _deletable(f"{output}shards/0123456789abcdef/3.commit")
+        assert _deletable(f"{output}shards/0123456789abcdef/000003.inputs")
+        assert _deletable(f"{output}shards/0123456789abcdef/commits/000003.commit")
         assert _deletable(f"{output}results/part-000003-0001.parquet")
         kept = [*FINAL_OUTPUTS, CANCEL_MARKER, "scores.npy", f"my{CHECKPOINT_PREFIX}x"]
         kept += ["shards/0001.tar", "shards/train/0001.tar", "results/_SUCCESS"]
@@ -250,6 +251,7 @@ def test_every_key_the_daemon_deletes_is_one_its_policy_lets_it(tmp_path: Path) 
     assert [key for key in blobs.deleted if not _deletable(key)] == []
     assert "out/table/results/part-000009-0000.parquet" in blobs.deleted
     assert any(key.startswith("out/table/shards/") for key in blobs.deleted)
+    assert any("/commits/" in key for key in blobs.deleted)  # the commit markers' folder
     assert any(key.startswith("shards/") for key in blobs.deleted)  # the root's
 
 

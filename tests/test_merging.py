@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 
+from worker.adapters import fakes
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.ledger import Ledger
-from worker.jobs.plan import COMMIT_SUFFIX, Commit, Plan, RunFile, shard_file
-from worker.message import JobMessage, parse_job_message
+from worker.jobs.plan import COMMIT_SUFFIX, Commit, Plan, RunFile, commit_file, shard_file
+from worker.message import JobMessage, ShardRef, parse_job_message
 from worker.ports import S3Location
+from worker.sharding import merging
 from worker.sharding.merging import (
     AlreadyMerged,
     Fenced,
@@ -101,7 +103,7 @@ def _committed_job(blobs: InMemoryBlobStore, shards: int = 2) -> tuple[JobMessag
             device_s=0.0,
             seconds=1.0,
         )
-        marker = shard_file(spec, DIGEST, shard, COMMIT_SUFFIX)
+        marker = commit_file(spec, DIGEST, shard)
         blobs.put(marker, commit.model_dump_json().encode(), "application/json")
     return spec, plan
 
@@ -226,14 +228,74 @@ def test_a_merge_fenced_by_another_request_removes_nothing(store: _PausingStore)
     thread.join(10)
     assert isinstance(outcome[0], Fenced)
     assert "job.json" not in _names(store)
-    assert {f"shards/{DIGEST}/{shard:06d}{COMMIT_SUFFIX}" for shard in (0, 1)} <= _names(store)
+    assert {f"shards/{DIGEST}/commits/{shard:06d}{COMMIT_SUFFIX}" for shard in (0, 1)} <= _names(
+        store
+    )
 
 
 def test_an_incomplete_job_is_not_merged(store: _PausingStore) -> None:
     """With a shard's marker missing there is nothing to merge, and nothing is claimed."""
     spec, plan = _committed_job(store, shards=3)
-    del store.objects[str(shard_file(spec, DIGEST, 2, COMMIT_SUFFIX))]
+    del store.objects[str(commit_file(spec, DIGEST, 2))]
     merger, _ = _merger(store)
     before = dict(store.objects)
     assert isinstance(merger.merge(spec, plan, "early"), Incomplete)
     assert dict(store.objects) == before
+
+
+class _CountedListings(InMemoryBlobStore):
+    """Counts the keys listed under a job's shards, and the pages (S3's LIST calls,
+    1,000 keys each) that brought them: a page read at all is read whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys = self.pages = 0
+
+    def _listed(self, prefix: S3Location, keys: int) -> None:
+        if "/shards/" in prefix.key:
+            self.pages += max(1, -(-keys // fakes.FAKE_LIST_PAGE))
+            self.keys += keys
+
+    def objects_under(self, prefix: S3Location) -> dict[str, str]:
+        listed = super().objects_under(prefix)
+        self._listed(prefix, len(listed))
+        return listed
+
+    def keys_under(self, prefix: S3Location) -> Iterator[str]:
+        keys = list(super().keys_under(prefix))
+        for start in range(0, max(len(keys), 1), fakes.FAKE_LIST_PAGE):
+            page = keys[start : start + fakes.FAKE_LIST_PAGE]
+            self._listed(prefix, len(page))
+            yield from page
+
+
+def test_a_commit_lists_a_page_of_commit_markers_not_every_shards_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Review L4. A job of 240 shards, each with its inputs file, sent and started notes
+    and its run's results and log beside its marker, committed one after another as a
+    queue hands them out, with pages of 100 keys (S3's 1,000, scaled down with the job):
+    each commit's merge (incomplete but the last) lists one page, of the markers of its
+    block up to its own (two at a block's end: the next block's, empty), where it
+    listed all of the shards' files (1,440 keys, 15 pages) each time; the last merges
+    the job, across its three blocks."""
+    monkeypatch.setattr(fakes, "FAKE_LIST_PAGE", 100)
+    monkeypatch.setattr(merging, "MARKERS_A_BLOCK", 100)
+    store = _CountedListings()
+    spec, plan = _committed_job(store, shards=240)
+    markers = [store.objects.pop(str(commit_file(spec, DIGEST, n))) for n in range(plan.shards)]
+    for shard in range(plan.shards):
+        for suffix in (".inputs", ".sent", ".started"):
+            store.objects[str(shard_file(spec, DIGEST, shard, suffix))] = b"{}"
+    merger, _ = _merger(store)
+    most_keys = most_pages = 0
+    for shard, marker in enumerate(markers):
+        store.objects[str(commit_file(spec, DIGEST, shard))] = marker
+        store.keys = store.pages = 0
+        shard_spec = spec.model_copy(update={"shard": ShardRef(index=shard, plan=DIGEST)})
+        outcome = merger.merge(shard_spec, plan, f"m{shard}")
+        if shard < plan.shards - 1:
+            assert isinstance(outcome, Incomplete)
+            most_keys, most_pages = max(most_keys, store.keys), max(most_pages, store.pages)
+    assert isinstance(outcome, Merged)
+    assert most_pages <= 2 and most_keys <= 100, (most_keys, most_pages)

@@ -236,7 +236,7 @@ class FleetProtocol(RuleBasedStateMachine):
         for uri, data in self._committed.items():
             assert objects.get(uri) == data, f"{uri} removed or changed before job.json"
             commit = Commit.model_validate_json(data)
-            directory = uri.rsplit("/", 1)[0] + "/"
+            directory = uri.rsplit("/", 2)[0] + "/"  # the files beside the markers' folder
             for file in [*commit.results, commit.log]:
                 assert directory + file.name in objects, f"{file.name} removed before job.json"
 
@@ -364,9 +364,9 @@ def test_a_merge_claim_left_by_a_merger_whose_message_is_gone_is_watched_until_i
         first, second = game.start("m2"), game.start("m2")
         game.finish(second)
         last = game.start("m3")
-        _go_on_until(last, r"put shards/\w+/000001\.commit")
+        _go_on_until(last, r"put shards/\w+/commits/000001\.commit")
         last.step()
-        _go_on_until(last, r"list shards/\w+/")  # its merge begins
+        _go_on_until(last, r"list shards/\w+/commits/\d+")  # its merge begins
         game.kill(last)
         _go_on_until(first, "compose .*")  # it holds the claim
         game.kill(first)
@@ -396,7 +396,7 @@ def test_a_run_that_finds_its_shard_committed_by_its_own_messages_other_delivery
         last.step("fails")
         game.finish(last)
         earlier, later = game.start("m2"), game.start("m2")
-        _go_on_until(later, r"list shards/\w+/000000\.")  # a running shard's check
+        _go_on_until(later, r"list shards/\w+/000000\.inputs")  # a running shard's check
         _go_on_until(earlier, "compose .*")  # committed, and it holds the claim
         game.kill(earlier)
         game.finish(later)
@@ -435,6 +435,39 @@ def test_a_late_planners_inputs_files_are_removed_once_the_job_is_merged(
             game.finish(later)
             bodies = [json.loads(m.body) for m in game.world.queue.messages.values()]
             assert not [body for body in bodies if "shard" in body], "a merged job's shards sent"
+        game.check()
+    finally:
+        game.teardown()
+
+
+@pytest.mark.parametrize(
+    "write", [r"put shards/\w+/merge", r"put job\.json"], ids=["claim", "job.json"]
+)
+def test_a_merge_write_retried_after_its_answer_was_lost_is_its_own(
+    protocol: None, write: str
+) -> None:
+    """A game the machine found. The last shard's merge renews its claim (or writes
+    job.json), and the answer is lost: the adapter's retry fails its condition against
+    the first try's write, whose ETag, not an MD5 of the bytes, tells it nothing. The
+    merge took itself for fenced off by another and left everything, its message
+    deleted and no watch to come (shard 0's was not armed): the job never ended (or its
+    shards' files stayed for ever). The merge now finds its own bytes there and goes
+    on."""
+    game = FleetProtocol()
+    try:
+        game.send_the_job(items=2, shard_items=1)
+        game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
+        first = game.start("m2")
+        _go_on_until(first, r"put shards/\w+/watch")
+        first.step("fails")  # no watch to come
+        game.finish(first)
+        last = game.start("m3")
+        _go_on_until(last, r"compose results\.jsonl")  # it holds the claim
+        last.step()
+        _go_on_until(last, write)
+        last.step("retried")
+        game.finish(last)
+        assert OUTPUT + "job.json" in game.world.store.objects
         game.check()
     finally:
         game.teardown()

@@ -32,7 +32,15 @@ from worker.client import Job, JobStalled, Phase
 from worker.daemon import Daemon, ExitCode
 from worker.errors import TransientError
 from worker.jobs.checkpoints import part_prefix, request_digest
-from worker.jobs.plan import Commit, Plan, RunFile, shard_body, shard_file, watch_body
+from worker.jobs.plan import (
+    Commit,
+    Plan,
+    RunFile,
+    commit_file,
+    shard_body,
+    shard_file,
+    watch_body,
+)
 from worker.loops.results import FINISH_ATTEMPTS
 from worker.message import JobMessage
 from worker.plugins.identity import ModelIdentity
@@ -391,9 +399,9 @@ def test_a_job_with_a_dead_lettered_shard_waits_for_its_redrive_then_ends_whole(
     assert stalled["shards_left"] == [2] and "score: int64" in stalled["reason"]
     left = _names_under(blobs, "stalled")
     assert "job.json" not in left and len(source) == 0
-    assert {name.rsplit("/", 1)[1] for name in left if name.startswith("shards/")} >= {
-        "000000.commit",
-        "000001.commit",
+    assert {name.split("/", 2)[2] for name in left if name.startswith("shards/")} >= {
+        "commits/000000.commit",
+        "commits/000001.commit",
         "000002.dead",
     }
     assert not any(name.endswith("/watch") for name in left)
@@ -431,7 +439,7 @@ def test_a_shard_that_breaks_workers_is_dead_lettered_and_its_job_waits_for_it(
     assert [entry["shards_left"] for entry in logs if entry["event"] == "job_stalled"] == [[1]]
     shards = f"s3://bkt/out/breaks/shards/{plan.request_digest}/"
     assert json.loads(blobs.objects[shards + "000001.dead"])["reason"] == reason
-    assert shards + "000000.commit" in blobs.objects and len(source) == 0
+    assert shards + "commits/000000.commit" in blobs.objects and len(source) == 0
 
 
 def test_a_planner_that_finds_another_s_plan_writes_that_plan_s_shards(tmp_path: Path) -> None:
@@ -560,7 +568,7 @@ def test_every_shard_whose_message_is_gone_gets_a_duplicate_one_a_watch(tmp_path
     source.send(shard_body(spec, plan, 0))
     # Of the probe's model; stopped here, as the job's watch comes back while it waits.
     daemon = Daemon(draining_settings(tmp_path), source, blobs)
-    commit = str(shard_file(spec, plan.request_digest, 2, ".commit"))
+    commit = str(commit_file(spec, plan.request_digest, 2))
     with capture_logs() as logs:
 
         def drive() -> None:

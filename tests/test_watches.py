@@ -17,7 +17,7 @@ from worker.errors import TransientError
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.ledger import Ledger
-from worker.jobs.plan import Commit, Plan, shard_file, watch_body, watch_file
+from worker.jobs.plan import Commit, Plan, commit_file, shard_file, watch_body, watch_file
 from worker.message import JobMessage, parse_job_message
 from worker.ports import S3Location
 from worker.sharding.merging import Merger
@@ -45,15 +45,7 @@ class _Watched:
     def __init__(self, clock: _Clock, source: InMemoryJobSource, blobs: InMemoryBlobStore):
         self.clock, self.source, self.blobs = clock, source, blobs
         self.spec, self.plan = planned(blobs, "watched", [f"s3://bkt/{n}" for n in range(6)], MODEL)
-        files = {
-            "results": [{"name": f"000000.{RUN}.jsonl", "bytes": 0}],
-            "log": {"name": f"000000.{RUN}.log", "bytes": 0},
-        }
-        counts = {"succeeded": 2, "failed": 0, "resumed": 0, "attempt": 1, "device_s": 0.0}
-        commit = Commit.model_validate(
-            {"run": RUN, **files, **counts, "cancelled": False, "seconds": SHARD_S}
-        )
-        self.put(0, ".commit", commit.model_dump_json().encode())
+        self.commit(0, commit_file(self.spec, self.plan.request_digest, 0))
         for shard in (1, 2):
             self.put(shard, ".started", json.dumps({"at": clock.now, "held": False}).encode())
         self.blobs.objects[str(watch_file(self.spec, self.plan.request_digest))] = json.dumps(
@@ -68,6 +60,20 @@ class _Watched:
             blobs, source, shards, outcomes, announce_merged=_no_notices, lost_after_s=3600
         )
         self.duplicates: list[int] = []
+
+    def commit(self, shard: int, marker: S3Location) -> None:
+        """Shard `shard` committed (its run's files empty), its marker at `marker`."""
+        files = {
+            "results": [{"name": f"{shard:06d}.{RUN}.jsonl", "bytes": 0}],
+            "log": {"name": f"{shard:06d}.{RUN}.log", "bytes": 0},
+        }
+        for name in (files["results"][0]["name"], files["log"]["name"]):
+            self.put(shard, name.removeprefix(f"{shard:06d}"), b"")
+        counts = {"succeeded": 2, "failed": 0, "resumed": 0, "attempt": 1, "device_s": 0.0}
+        commit = Commit.model_validate(
+            {"run": RUN, **files, **counts, "cancelled": False, "seconds": SHARD_S}
+        )
+        self.blobs.objects[str(marker)] = commit.model_dump_json().encode()
 
     def put(self, shard: int, suffix: str, data: bytes) -> None:
         self.blobs.objects[str(shard_file(self.spec, self.plan.request_digest, shard, suffix))] = (
@@ -176,3 +182,22 @@ def test_two_watches_of_a_job_due_within_the_slack_become_one(clock: _Clock) -> 
     watched.send_watch(delay_s=3)
     watched.run_until(60)
     assert watched.watches_waiting() == 1
+
+
+def test_a_job_whose_shards_workers_from_before_the_commits_folder_committed_is_merged(
+    clock: _Clock,
+) -> None:
+    """A rolling upgrade: shard 0's marker is in the commit markers' folder, shards 1
+    and 2's beside their files, where workers from before the folder wrote them. The
+    watch counts all three committed and merges the job, and what the shards left goes,
+    markers of both kinds with it."""
+    watched = _Watched(clock, InMemoryJobSource(clock), InMemoryBlobStore())
+    for shard in (1, 2):
+        watched.commit(
+            shard, shard_file(watched.spec, watched.plan.request_digest, shard, ".commit")
+        )
+    watched.send_watch()
+    watched.run_until(5)
+    names = {uri.removeprefix("s3://bkt/out/watched/") for uri in watched.blobs.objects}
+    assert "job.json" in names and not watched.duplicates
+    assert not [name for name in names if name.startswith("shards/")]

@@ -6,7 +6,7 @@
         <n>.inputs                     shard n's inputs, a JSON [uri, id] per line
         <n>.sent                       shard n's message is sent
         <n>.<run>.jsonl, <n>.<run>.log what one run of shard n wrote (results, log)
-        <n>.commit                     the run whose results count: written once, conditionally
+        commits/<n>.commit             the run whose results count: written once, conditionally
         <n>.started                    when the latest run of shard n was admitted
         <n>.duplicated                 a duplicate of shard n was sent (a straggler)
         <n>.dead                       shard n's message was dead-lettered, and why
@@ -16,6 +16,14 @@
 `<request>` is the whole job's request digest, `<n>` the shard's number (six digits)
 and `<run>` one delivery of its message. Everything under `shards/<request>/` goes once
 the job's job.json is written.
+
+The commit markers have a folder of their own: whoever commits a shard lists them to see
+whether the job can be merged, a block of 1,000 (a page of a listing) at a time, and
+stops at the first shard not committed; where they were beside the shards' files, each
+commit listed all of them (at 10,000 shards, 80,000 keys in 80 pages a commit). Workers
+from before wrote `<n>.commit` beside the shard's other files: a watch, which lists
+those anyway, counts such a marker (a rolling upgrade: a job whose shards both kinds of
+worker commit is merged by its next watch).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ MAX_PLAN_BYTES = 2 * 2**20
 # parts of an upload, so a merge can copy every part.
 MAX_SHARDS = 10_000
 COMMIT_SUFFIX = ".commit"
+COMMITS = "commits/"
 INPUTS_SUFFIX = ".inputs"
 SENT_SUFFIX = ".sent"
 STARTED_SUFFIX = ".started"
@@ -100,6 +109,33 @@ def shard_file(spec: JobMessage, request_digest: str, shard: int, suffix: str) -
     """Where a shard's file goes (`suffix` one of the names above, with its dot)."""
     directory = shard_directory(spec, request_digest)
     return S3Location(directory.bucket, f"{directory.key}{shard_name(shard)}{suffix}")
+
+
+def commits_directory(spec: JobMessage, request_digest: str) -> S3Location:
+    return spec.output_location(f"shards/{request_digest}/{COMMITS}")
+
+
+def commit_file(spec: JobMessage, request_digest: str, shard: int) -> S3Location:
+    """Shard `shard`'s commit marker."""
+    directory = commits_directory(spec, request_digest)
+    return S3Location(directory.bucket, f"{directory.key}{shard_name(shard)}{COMMIT_SUFFIX}")
+
+
+def commit_markers(
+    spec: JobMessage, plan: Plan, listing: dict[str, str], commits: dict[str, str]
+) -> dict[int, S3Location]:
+    """The committed shards of `plan`, each with its marker: in the commits' folder
+    (listed as `commits`), or beside the shard's files, where a worker from before the
+    folder wrote it (in the shards' directory's `listing`)."""
+    directory = shard_directory(spec, plan.request_digest)
+    markers = {}
+    for shard in range(plan.shards):
+        name = f"{shard_name(shard)}{COMMIT_SUFFIX}"
+        if name in commits:
+            markers[shard] = commit_file(spec, plan.request_digest, shard)
+        elif name in listing:
+            markers[shard] = S3Location(directory.bucket, directory.key + name)
+    return markers
 
 
 def watch_file(spec: JobMessage, request_digest: str) -> S3Location:
@@ -187,13 +223,13 @@ class Commit(BaseModel):
         return {**fields, "results": [results]}
 
 
-def read_commit(blobs: BlobStore, directory: S3Location, name: str) -> Commit:
-    """The commit marker `name` in a job's shards' `directory`; poison if it is not one."""
-    data = blobs.get(S3Location(directory.bucket, directory.key + name), MAX_COMMIT_BYTES)
+def read_commit(blobs: BlobStore, marker: S3Location) -> Commit:
+    """The commit marker at `marker`; poison if it is not one."""
+    data = blobs.get(marker, MAX_COMMIT_BYTES)
     try:
         return Commit.model_validate_json(data)
     except ValidationError as error:
-        raise PoisonMessage(f"commit marker {name} is not one: {error}") from error
+        raise PoisonMessage(f"commit marker {marker} is not one: {error}") from error
 
 
 def each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list[T]:
@@ -212,10 +248,14 @@ def each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list
 
 
 def shards_files(blobs: BlobStore, spec: JobMessage, request_digest: str) -> list[S3Location]:
-    """Every file under plan `request_digest`'s shards' directory."""
-    directory = shard_directory(spec, request_digest)
-    names = blobs.objects_under(directory)
-    return [S3Location(directory.bucket, directory.key + name) for name in names]
+    """Every file under plan `request_digest`'s shards' directory, its commit markers'
+    folder's too."""
+    directories = (shard_directory(spec, request_digest), commits_directory(spec, request_digest))
+    return [
+        S3Location(directory.bucket, directory.key + name)
+        for directory in directories
+        for name in blobs.objects_under(directory)
+    ]
 
 
 def merge_file(spec: JobMessage, request_digest: str) -> S3Location:

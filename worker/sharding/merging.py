@@ -21,20 +21,23 @@ that means three things is where such protocols lose data.
 from __future__ import annotations
 
 import json
+import math
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from worker.datasets.tables import JSON_LINES, NDJSON, PARQUET_CONTENT_TYPE, table_name
-from worker.errors import MissingObject, PreconditionFailed
+from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
     Commit,
     Plan,
     RunFile,
+    commits_directory,
     each_at_once,
     merge_file,
     read_commit,
@@ -53,6 +56,9 @@ log = structlog.get_logger()
 # by its message's redelivery at once, and by anyone once its claim has run out.
 MERGE_CLAIM_S = SQS_MAX_DELAY_S
 MAX_CLAIM_BYTES = 4096
+# Commit markers are read a block of shards at a time, a page of S3's listing (1,000
+# keys): a power of ten, so that the names of a block's markers share a prefix.
+MARKERS_A_BLOCK = 1000
 
 
 @dataclass(frozen=True)
@@ -112,21 +118,29 @@ class Merger:
         self._worker_info = worker_info
         self._device_hour_price = device_hour_price
 
-    def merge(self, spec: JobMessage, plan: Plan, merger: str) -> MergeOutcome:
+    def merge(
+        self,
+        spec: JobMessage,
+        plan: Plan,
+        merger: str,
+        markers: dict[int, S3Location] | None = None,
+    ) -> MergeOutcome:
         """Merge the job if every shard is committed, as `merger` (what names the message
-        chain doing it: its redeliveries and continuations resume its claim)."""
-        directory = shard_directory(spec, plan.request_digest)
-        listing = self._blobs.objects_under(directory)
-        names = [f"{shard_name(shard)}{COMMIT_SUFFIX}" for shard in range(plan.shards)]
-        if not all(name in listing for name in names):
+        chain doing it: its redeliveries and continuations resume its claim); `markers`:
+        each committed shard's marker, as a watch found them (`commit_markers`), else
+        the commit markers' folder is listed."""
+        if markers is None:
+            markers = self._committed(spec, plan)
+        if len(markers) < plan.shards:
             done = self._checkpoints.finished(spec, plan.job_id, plan.request_digest)
             return Incomplete() if done is None else AlreadyMerged(done)
-        claim = _Claim(self._blobs, merge_file(spec, plan.request_digest), merger)
-        holder = claim.take(listing.get(claim.name))
+        location = merge_file(spec, plan.request_digest)
+        claim = _Claim(self._blobs, location, merger)
+        holder = claim.take(self._blobs.objects_under(location).get(""))
         if holder is not None:
             return holder
         try:
-            return self._merge(spec, plan, directory, names, claim)
+            return self._merge(spec, plan, markers, claim)
         except _ClaimLost as lost:
             log.info("merge_fenced", job_id=plan.job_id, error=str(lost))
             return Fenced(str(lost))
@@ -138,8 +152,47 @@ class Merger:
                 raise
             return AlreadyMerged(done)
 
+    def _committed(self, spec: JobMessage, plan: Plan) -> dict[int, S3Location]:
+        """Every shard's commit marker if all are committed; else fewer. The markers are
+        read a block of shards at a time (a page of a listing), the block of the shard
+        the message is of first (the one a run just committed: the shards after it are
+        the likeliest left), each no further than its first shard not committed, and
+        none after a block that has one: a commit that leaves shards to run reads a
+        page of markers, not every shard's files."""
+        blocks = range(math.ceil(plan.shards / MARKERS_A_BLOCK))
+        first = spec.shard.index // MARKERS_A_BLOCK if spec.shard is not None else 0
+        markers: dict[int, S3Location] = {}
+        for block in [*blocks[first:], *blocks[:first]]:
+            start = block * MARKERS_A_BLOCK
+            shards = range(start, min(plan.shards, start + MARKERS_A_BLOCK))
+            found = self._committed_in(spec, plan, shards)
+            markers |= found
+            if len(found) < len(shards):
+                break
+        return markers
+
+    def _committed_in(self, spec: JobMessage, plan: Plan, shards: range) -> dict[int, S3Location]:
+        """The markers of a block's `shards`, in order, up to the first shard not
+        committed (their names sort in shard order)."""
+        folder = commits_directory(spec, plan.request_digest)
+        digits = len(str(MARKERS_A_BLOCK)) - 1  # those that differ within a block
+        block = S3Location(folder.bucket, folder.key + shard_name(shards.start)[:-digits])
+        wanted = iter(shards)
+        shard = next(wanted)
+        markers: dict[int, S3Location] = {}
+        for key in self._blobs.keys_under(block):
+            expected = f"{shard_name(shard)}{COMMIT_SUFFIX}"
+            name = key.removeprefix(folder.key)
+            if name > expected:
+                break  # shard `shard` is not committed
+            if name == expected:  # else not a marker a worker writes
+                markers[shard] = S3Location(folder.bucket, key)
+                if (shard := next(wanted, -1)) < 0:
+                    break
+        return markers
+
     def _merge(
-        self, spec: JobMessage, plan: Plan, directory: S3Location, names: list[str], claim: _Claim
+        self, spec: JobMessage, plan: Plan, markers: dict[int, S3Location], claim: _Claim
     ) -> MergeOutcome:
         # Listed once, under the claim, before anything is read: what is written after
         # this is another's, and fences this merge off.
@@ -148,11 +201,13 @@ class Merger:
         if done is not None:
             self.remove(spec, plan)
             return AlreadyMerged(done)
-        commits = each_at_once(lambda name: read_commit(self._blobs, directory, name), names)
-        for name, commit in zip(names, commits, strict=True):
-            shard = name.removesuffix(COMMIT_SUFFIX)
-            if not all(file.name.startswith(f"{shard}.") for file in [*commit.results, commit.log]):
-                raise PoisonMessage(f"commit marker {name} names another shard's files")
+        shards = range(plan.shards)
+        commits = each_at_once(lambda shard: read_commit(self._blobs, markers[shard]), shards)
+        for shard, commit in zip(shards, commits, strict=True):
+            name = shard_name(shard)
+            if not all(file.name.startswith(f"{name}.") for file in [*commit.results, commit.log]):
+                raise PoisonMessage(f"commit marker {markers[shard]} names another shard's files")
+        directory = shard_directory(spec, plan.request_digest)
 
         def compose(name: str, files: list[RunFile], content_type: str) -> tuple[str, str]:
             parts = [(S3Location(directory.bucket, directory.key + f.name), f.bytes) for f in files]
@@ -174,10 +229,11 @@ class Merger:
             summary = self._summary(plan, commits, spec.request_id)
             summary["outputs"] = outputs
             claim.renew()
-            self._blobs.put(
+            written = json.dumps(summary).encode() + b"\n"  # its finished_at its own
+            _put_once(
+                self._blobs,
                 spec.output_location("job.json"),
-                json.dumps(summary).encode() + b"\n",
-                "application/json",
+                written,
                 expect=top.get("job.json", ABSENT),
             )
         except PreconditionFailed as error:
@@ -227,7 +283,7 @@ class Merger:
 
 
 class _Claim:
-    """A job's merge claim: `{"merger", "until"}`, its ETag kept to renew it."""
+    """A job's merge claim: `{"merger", "until", "write"}`, its ETag kept to renew it."""
 
     def __init__(self, blobs: BlobStore, location: S3Location, merger: str):
         self._blobs = blobs
@@ -265,9 +321,32 @@ class _Claim:
             raise _ClaimLost(f"another merger took the merge over: {error}") from error
 
     def _write(self, expect: str) -> None:
+        # Each write's bytes its own (`write`), so that a try of it found written is told
+        # from another merger's claim (`_put_once`).
         note = {"merger": self._merger, "until": time.time() + MERGE_CLAIM_S}
-        data = json.dumps(note).encode()
-        self._etag = self._blobs.put(self._location, data, "application/json", expect=expect)
+        data = json.dumps({**note, "write": uuid.uuid4().hex}).encode()
+        self._etag = _put_once(self._blobs, self._location, data, expect)
+
+
+def _put_once(blobs: BlobStore, location: S3Location, data: bytes, expect: str) -> str:
+    """Write `data` (JSON) on `expect`'s condition; its ETag. Refused, it may be a try of
+    this same write whose answer was lost, retried by the adapter, which then fails its
+    condition against the first try's write (where ETags are not the bytes' MD5s, as
+    under SSE-KMS, the adapter cannot tell): if the object holds `data`, the write is
+    done, and its ETag is the one listed (listed before it is read: the bytes read are
+    that ETag's or later ones', and these are written once). Else `PreconditionFailed`:
+    another's write."""
+    try:
+        return blobs.put(location, data, "application/json", expect=expect)
+    except PreconditionFailed:
+        etag = blobs.objects_under(location).get("")
+        try:
+            ours = etag is not None and blobs.get(location, len(data)) == data
+        except (MissingObject, ObjectTooLarge):
+            ours = False
+        if not ours or etag is None:
+            raise
+        return etag
 
 
 def _json_object(data: bytes) -> dict[str, Any]:

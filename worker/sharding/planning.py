@@ -33,12 +33,13 @@ from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobSettled
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
-    COMMIT_SUFFIX,
     INPUTS_SUFFIX,
     MAX_PLAN_BYTES,
     PLAN,
     SENT_SUFFIX,
     Plan,
+    commit_markers,
+    commits_directory,
     each_at_once,
     shard_body,
     shard_directory,
@@ -246,11 +247,12 @@ class Planner:
     def _unsent(self, spec: JobMessage, plan: Plan) -> list[int]:
         """The shards neither marked sent nor committed."""
         listing = self._blobs.objects_under(shard_directory(spec, plan.request_digest))
+        commits = self._blobs.objects_under(commits_directory(spec, plan.request_digest))
+        committed = commit_markers(spec, plan, listing, commits)
         return [
             shard
             for shard in range(plan.shards)
-            if f"{shard_name(shard)}{SENT_SUFFIX}" not in listing
-            and f"{shard_name(shard)}{COMMIT_SUFFIX}" not in listing
+            if f"{shard_name(shard)}{SENT_SUFFIX}" not in listing and shard not in committed
         ]
 
     def _send(self, job: Job, spec: JobMessage, plan: Plan, unsent: list[int], sender: str) -> None:

@@ -32,7 +32,6 @@ from worker.jobs.checkpoints import MAX_MARKER_BYTES, Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import (
-    COMMIT_SUFFIX,
     DEAD_SUFFIX,
     INPUTS_SUFFIX,
     MAX_PLAN_BYTES,
@@ -41,11 +40,10 @@ from worker.jobs.plan import (
     Commit,
     Plan,
     RunFile,
+    commit_file,
     each_at_once,
     read_commit,
-    shard_directory,
     shard_file,
-    shard_name,
     watch_body,
     watch_file,
 )
@@ -171,7 +169,7 @@ class Shards:
     def committed(self, spec: JobMessage, plan: Plan) -> bool:
         """Whether the shard's commit marker is written: a run of it counts already."""
         assert spec.shard is not None
-        marker = shard_file(spec, plan.request_digest, spec.shard.index, COMMIT_SUFFIX)
+        marker = commit_file(spec, plan.request_digest, spec.shard.index)
         return bool(self._blobs.objects_under(marker))
 
     def committed_elsewhere(self, job: Job) -> bool:
@@ -183,19 +181,14 @@ class Shards:
         other's marker, sees to the merge (`commit`)."""
         spec, plan = job.spec, job.plan
         assert spec is not None and spec.shard is not None and plan is not None
-        prefix = shard_file(spec, plan.request_digest, spec.shard.index, ".")
-        names = {name.removeprefix(".") for name in self._blobs.objects_under(prefix)}
-        if INPUTS_SUFFIX[1:] not in names:
+        index, digest = spec.shard.index, plan.request_digest
+        if not self._blobs.objects_under(shard_file(spec, digest, index, INPUTS_SUFFIX)):
             return True
-        if COMMIT_SUFFIX[1:] not in names:
-            return False
-        directory = shard_directory(spec, plan.request_digest)
-        marker = f"{shard_name(spec.shard.index)}{COMMIT_SUFFIX}"
         try:
-            committed = read_commit(self._blobs, directory, marker).run
+            committed = read_commit(self._blobs, commit_file(spec, digest, index))
         except MissingObject:
-            return True  # merged meanwhile
-        return not committed.endswith(f"-{job.message.message_id}")
+            return False  # or merged since the inputs were listed: its commit finds out
+        return not committed.run.endswith(f"-{job.message.message_id}")
 
     def commit(
         self, job: Job, summary: dict[str, Any], results: list[Output]
@@ -239,7 +232,7 @@ class Shards:
             seconds=time.time() - (job.started_at or job.received_at),
             items=len(job.inputs) if plan.tar else None,
         )
-        marker = shard_file(spec, digest, index, COMMIT_SUFFIX)
+        marker = commit_file(spec, digest, index)
         try:
             self._blobs.put(
                 # Without `items` but for a tar job: a worker of before tars reads it.
@@ -250,7 +243,7 @@ class Shards:
             )
         except PreconditionFailed:
             # Either another run's marker, or our own: a try whose answer was lost.
-            if read_commit(self._blobs, shard_directory(spec, digest), _name(marker)).run != run:
+            if read_commit(self._blobs, marker).run != run:
                 log.info("shard_duplicate", job_id=job.job_id, shard=index, run=run)
                 self._blobs.delete([location for location, _, _ in outputs])
                 # Before its message goes, as a redelivery of a committed shard does: the
@@ -261,15 +254,22 @@ class Shards:
         return self.merge(spec, plan, merger, watch_in_s=watch_delay_s(commit.seconds))
 
     def merge(
-        self, spec: JobMessage, plan: Plan, merger: str, *, watch_in_s: int = WATCH_MIN_S
+        self,
+        spec: JobMessage,
+        plan: Plan,
+        merger: str,
+        *,
+        watch_in_s: int = WATCH_MIN_S,
+        markers: dict[int, S3Location] | None = None,
     ) -> dict[str, Any] | None:
-        """Merge the job if every shard is committed (`Merger.merge`, as `merger`), and
+        """Merge the job if every shard is committed (`Merger.merge`, as `merger`, with
+        the `markers` a watch found), and
         see to what the answer leaves: the job.json this merge wrote, to announce; a
         watch due in `watch_in_s` while shards are left, or while another merger's claim
         stands (should its merger be lost), by when it runs out; the shards' files
         removed once the job is done; a merge fenced off leaves everything to the one
         that fenced it."""
-        outcome = self.merger.merge(spec, plan, merger)
+        outcome = self.merger.merge(spec, plan, merger, markers)
         match outcome:
             case Merged(summary):
                 return summary

@@ -44,13 +44,14 @@ from worker.jobs.checkpoints import MAX_MARKER_BYTES
 from worker.jobs.job import Job
 from worker.jobs.outcomes import Outcomes
 from worker.jobs.plan import (
-    COMMIT_SUFFIX,
     DEAD_SUFFIX,
     DUPLICATED_SUFFIX,
     INPUTS_SUFFIX,
     STARTED_SUFFIX,
     WATCH,
     Plan,
+    commit_markers,
+    commits_directory,
     each_at_once,
     read_commit,
     shard_body,
@@ -113,15 +114,16 @@ class Stragglers:
             return
         # A watch sent before watches carried the job's format (a rolling upgrade).
         spec = spec.model_copy(update={"format": plan.format})
-        directory = shard_directory(spec, plan.request_digest)
-        listing = self._blobs.objects_under(directory)
+        listing = self._blobs.objects_under(shard_directory(spec, plan.request_digest))
+        commits = self._blobs.objects_under(commits_directory(spec, plan.request_digest))
+        markers = commit_markers(spec, plan, listing, commits)
 
         def has(shard: int, suffix: str) -> bool:
             return f"{shard_name(shard)}{suffix}" in listing
 
-        left = [shard for shard in range(plan.shards) if not has(shard, COMMIT_SUFFIX)]
+        left = [shard for shard in range(plan.shards) if shard not in markers]
         if not left or not any(name.endswith(INPUTS_SUFFIX) for name in listing):
-            self._merge(job, spec, plan)
+            self._merge(job, spec, plan, markers)
             return
         armed = self._shards.armed_watch(spec, plan, listing.get(WATCH))
         if armed is None or (armed.due is not None and armed.due > time.time() + WATCH_SLACK_S):
@@ -134,14 +136,11 @@ class Stragglers:
             self._stall(spec, plan, left, self._dead_reason(spec, plan, left[0]))
             self._outcomes.ack(job)
             return
-        committed = [shard for shard in range(plan.shards) if has(shard, COMMIT_SUFFIX)]
-        commits = each_at_once(
-            lambda shard: read_commit(
-                self._blobs, directory, f"{shard_name(shard)}{COMMIT_SUFFIX}"
-            ),
-            committed[:MEDIAN_SAMPLE],
+        sample = each_at_once(
+            lambda marker: read_commit(self._blobs, marker),
+            list(markers.values())[:MEDIAN_SAMPLE],
         )
-        shard_s = statistics.median(commit.seconds for commit in commits) if commits else None
+        shard_s = statistics.median(commit.seconds for commit in sample) if sample else None
         # How long a shard may take before it is taken for stuck: before any commit there
         # is nothing to compare with, but a run's longest.
         patience_s = STRAGGLER_FACTOR * shard_s if shard_s is not None else self._lost_after_s
@@ -199,11 +198,14 @@ class Stragglers:
         self._outcomes.ack(job)
         return None
 
-    def _merge(self, job: Job, spec: JobMessage, plan: Plan) -> None:
-        """Every shard committed: merge the job (the last committer's merge may have
-        failed for good), or find it merged; its notices go before the ack: a watch
-        whose send failed comes back, and finds the job merged and not announced."""
-        merged = self._shards.merge(spec, plan, job.message.job_message_id)
+    def _merge(
+        self, job: Job, spec: JobMessage, plan: Plan, markers: dict[int, S3Location]
+    ) -> None:
+        """Every shard committed (each with its marker, `markers`): merge the job (the
+        last committer's merge may have failed for good), or find it merged; its notices
+        go before the ack: a watch whose send failed comes back, and finds the job
+        merged and not announced."""
+        merged = self._shards.merge(spec, plan, job.message.job_message_id, markers=markers)
         if merged is not None:
             sweep_replaced(self._blobs, spec, plan)
         if self._announce_merged(spec, plan, merged, job):
