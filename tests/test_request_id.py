@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.in_process import job_file, run_until_drained, sample_images
+from worker import cli
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.client import Job
 from worker.message import PoisonMessage, parse_job_message
 
 BODY = {"inputs": ["s3://bkt/a"], "output": "s3://bkt/out/j1/"}
@@ -69,6 +71,34 @@ def test_a_cancel_stops_only_the_run_it_names(tmp_path: Path) -> None:
     run_until_drained(source, blobs, tmp_path)
     statuses = {job_id: job_file(blobs, job_id, "job.json")["status"] for job_id in cancels}
     assert statuses == {"other": "succeeded", "own": "cancelled", "bare": "cancelled"}
+
+
+def test_worker_cancel_with_a_request_id_stops_that_run_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`worker cancel --job-id j --request-id r-2` writes a cancel naming that run: the
+    job sent to the output as run r-1 runs (the cancel stood when it came), and run r-2
+    is cancelled; where the command cancelled the job by its id, any run. An id no
+    message could give is a usage error (exit 2), nothing written."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    output = "s3://bkt/out/j/"
+
+    def connect(cls: type[Job], output: str, *ids: str | None, **_: object) -> Job:
+        return cls(blobs, output, *ids)
+
+    monkeypatch.setattr(Job, "connect", classmethod(connect))
+    for request_id, code in (("a b", 2), ("r-2", 0)):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["cancel", "--output", output, "--job-id", "j", "--request-id", request_id])
+        assert exited.value.code == code
+        assert (output + "cancel" in blobs.objects) is (code == 0)
+    body = {"job_id": "j", "inputs": sample_images(blobs, 2), "output": output}
+    statuses = []
+    for request_id in ("r-1", "r-2"):
+        source.send(json.dumps({**body, "request_id": request_id}))
+        run_until_drained(source, blobs, tmp_path)
+        statuses.append(job_file(blobs, "j", "job.json")["status"])
+    assert statuses == ["succeeded", "cancelled"]
 
 
 @pytest.mark.parametrize("shard_items", [None, 1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -30,7 +31,7 @@ from worker.client import (
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
 from worker.errors import CannotStart
 from worker.jobs.joblog import configure_daemon_logging
-from worker.message import TarMembers
+from worker.message import REQUEST_ID_PATTERN, TarMembers
 from worker.plugins import PluginError
 from worker.settings import DEFAULT_METRICS_PORT, Settings
 
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cancel only the job of this id at --output (refused if another job writes "
         "its progress there); without it, whatever job writes to --output",
     )
+    cancel.add_argument(
+        "--request-id",
+        type=_request_id,
+        help="cancel only this run of the job (the request_id its message gave, which its "
+        "job.json echoes): another run sent to --output, earlier or later, is not stopped, "
+        "and the command exits 1 if this run's job.json is written; without it, any run",
+    )
     cancel.add_argument("--reason", default="", help="a note kept in the cancel object")
 
     demo = commands.add_parser(
@@ -245,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "enqueue":
         sys.exit(_enqueue(args))
     if args.command == "cancel":
-        sys.exit(_cancel(args.output, args.job_id, args.reason))
+        sys.exit(_cancel(args.output, args.job_id, args.request_id, args.reason))
     if args.command == "healthcheck":
         sys.exit(_healthcheck(args.port))
     if args.command == "bench":
@@ -409,9 +417,17 @@ def _table(args: argparse.Namespace) -> dict[str, str] | None:
     return {"uri": args.table, **{name: column for name, column in columns.items() if column}}
 
 
-def _cancel(output: str, job_id: str | None, reason: str) -> int:
+def _request_id(value: str) -> str:
+    """A request id as a job's message may give one (a cancel naming any other stops
+    nothing)."""
+    if not re.fullmatch(REQUEST_ID_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"not a request id ({REQUEST_ID_PATTERN}): {value!r}")
+    return value
+
+
+def _cancel(output: str, job_id: str | None, request_id: str | None, reason: str) -> int:
     try:
-        job = Job.connect(output, job_id)
+        job = Job.connect(output, job_id, request_id)
     except ValueError as error:
         print(f"--output: {error}", file=sys.stderr)
         return EXIT_USAGE
