@@ -36,9 +36,9 @@ from torch import nn
 from bench.harness import TimedSource
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.daemon import Daemon
-from worker.engine import bucket_lengths, bucket_of
+from worker.engine import TokenBudget, bucket_lengths, bucket_of
 from worker.plugins.loading import token_slots
-from worker.plugins.setups import inference_setup
+from worker.plugins.setups import inference_setup, tokens_of
 from worker.settings import Settings
 
 LONGEST = 512
@@ -160,20 +160,21 @@ def _model_alone_tokens_per_s(lengths: list[int]) -> float:
     warmed up, each batch cut to its length), on the batches a budget makes of all the
     texts at once: each length's texts in full batches, then its last."""
     buckets = bucket_lengths(LONGEST)
+    budget = TokenBudget(MAX_BATCH_TOKENS, buckets, tokens_of)
     infer = inference_setup(
         MODEL,
         "cpu",
         LengthTokens.output_shape,
         batch_size=TOKEN_BATCH_ROWS,
         tokens=token_slots(length_tokens),
-        lengths=buckets,
+        budget=budget,
     ).run
     by_length: dict[int, list[int]] = {}
     for length in lengths:
         by_length.setdefault(bucket_of(length, buckets), []).append(length)
     batches = []
     for bucket, members in by_length.items():
-        rows = max(1, min(TOKEN_BATCH_ROWS, MAX_BATCH_TOKENS // bucket))
+        rows = budget.rows(bucket, TOKEN_BATCH_ROWS)
         batches += [members[start : start + rows] for start in range(0, len(members), rows)]
     slots: list[tuple[torch.Tensor, list[Any]]] = [
         (_slots(batch), [((None, length), {}) for length in batch]) for batch in batches

@@ -28,12 +28,14 @@ from worker.daemon.stages import _token_budget
 from worker.engine import Channel, Item, Pipeline, ThreadStage, TokenBudget, bucket_lengths
 from worker.engine.token_batches import choose_batch
 from worker.plugins import PluginError
+from worker.plugins.compiled import CompiledModel
 from worker.plugins.loading import token_slots
-from worker.plugins.setups import _Inference, cut_to_length, inference_setup
+from worker.plugins.setups import _Inference, cut_to_length, inference_setup, tokens_of
 from worker.plugins.staging import Staging
 from worker.settings import Settings
 
 LENGTHS = bucket_lengths(64)  # 16, 20, 24, 28, 32, 40, 48, 56, 64
+BUDGET = TokenBudget(64, LENGTHS, tokens_of)  # 4 texts of 16 tokens, one of 64
 
 
 def _rows(budget: int, max_rows: int = 64) -> Any:
@@ -217,6 +219,32 @@ def test_on_a_gpus_path_a_batch_crosses_whole_and_the_model_is_given_it_cut() ->
     assert [row.tolist() for row in rows] == [[17.0], [5.0], [0.0]]
 
 
+def _tokens_and_length(batch: torch.Tensor) -> torch.Tensor:
+    """Each text's tokens, and the length the batch was cut to, per row."""
+    tokens = batch[:, 1].sum(dim=1, keepdim=True).float()
+    return torch.cat([tokens, torch.full_like(tokens, batch.shape[-1])], dim=1)
+
+
+def test_a_compiled_model_is_compiled_at_each_lengths_sizes_and_answers_as_eager() -> None:
+    """Compiled at sizes 4, 2, 1 for length 16 and 1 for 64: a batch of 3 texts cut to
+    16 runs at 4 and answers its 3 rows, one of 64 runs compiled, and a batch of a
+    length or size not compiled runs eagerly; each is given its batch at its length."""
+    compiled = CompiledModel(
+        _tokens_and_length, torch.device("cpu"), (2, 64), {16: [4, 2, 1], 64: [1]}, torch.int32
+    )
+    report = compiled.compile()
+    assert report.out_of_memory == [] and compiled.sizes == [1, 2, 4]
+    batch = torch.zeros((3, 2, 64), dtype=torch.int32)
+    for row, tokens in enumerate((3, 16, 9)):
+        batch[row, :, :tokens] = 1
+    with torch.inference_mode():
+        for count, length in ((3, 16), (1, 64), (2, 64), (2, 20)):
+            cut = batch[:count, :, :length]
+            answers = compiled(cut).tolist()
+            assert answers == _tokens_and_length(cut).tolist(), (count, length)
+            assert [length for _, length in answers] == [float(length)] * count
+
+
 class LongestOnly(torch.nn.Module):
     """A text model that takes only its longest sequence, as one exported at that shape."""
 
@@ -237,23 +265,19 @@ def test_a_model_that_takes_only_its_longest_sequence_stops_the_start_with_a_bud
     reference = "tests.test_token_batches:longest_only"
     slots = token_slots(text_tokens)
     with pytest.raises(PluginError, match=r"cut to 56 tokens.*without --max-batch-tokens"):
-        inference_setup(reference, "cpu", text_tokens.output_shape, tokens=slots, lengths=LENGTHS)
+        inference_setup(reference, "cpu", text_tokens.output_shape, tokens=slots, budget=BUDGET)
     assert inference_setup(reference, "cpu", text_tokens.output_shape, tokens=slots).probe
 
 
-def test_only_a_text_pipeline_is_batched_in_tokens_and_never_a_compiled_one() -> None:
+def test_only_a_text_pipeline_is_batched_in_tokens() -> None:
     """The budget sizes a text model's batches, to the preprocessor's longest sequence;
-    an image pipeline's batches stay counted in images; a compiled model, captured at
-    its longest sequence, is refused the budget at start rather than run uncut."""
+    an image pipeline's batches stay counted in images."""
     settings = Settings(queue_url="q", max_batch_tokens=4096)
     slots = token_slots(text_tokens)
     budget = _token_budget(settings, slots, MAX_TOKENS)
     assert budget is not None and (budget.max_tokens, budget.lengths) == (4096, LENGTHS)
     assert _token_budget(settings, None, MAX_TOKENS) is None
     assert _token_budget(Settings(queue_url="q"), slots, MAX_TOKENS) is None
-    compiled = Settings(queue_url="q", max_batch_tokens=4096, compile=True)
-    with pytest.raises(ValueError, match="--compile"):
-        _token_budget(compiled, slots, MAX_TOKENS)
 
 
 def test_a_text_job_in_token_batches_answers_in_input_order_as_in_item_batches(

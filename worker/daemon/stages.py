@@ -278,7 +278,7 @@ def _model_stage(
                 decoder=decoder,
                 compile=settings.compile,
                 tokens=tokens,
-                lengths=budget.lengths if budget else (),
+                budget=budget,
             )
             for device in _devices(step, settings)
         ],
@@ -297,12 +297,9 @@ def _model_stage(
 def _token_budget(
     settings: Settings, tokens: TokenSlots | None, longest: int
 ) -> TokenBudget | None:
-    """Batches of texts sized in tokens (`--max-batch-tokens`), or None: by items. A
-    compiled model is compiled at its longest sequence alone, so it is not cut."""
+    """Batches of texts sized in tokens (`--max-batch-tokens`), or None: by items."""
     if tokens is None or not settings.max_batch_tokens:
         return None
-    if settings.compile:
-        raise ValueError("--max-batch-tokens cuts batches to lengths --compile does not compile")
     return TokenBudget(settings.max_batch_tokens, bucket_lengths(longest), tokens_of)
 
 

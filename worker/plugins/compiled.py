@@ -19,6 +19,11 @@ smallest compiled size that holds it, the rest of it zeros, and the padding's ou
 dropped: a model whose rows depend on one another would answer differently (as it
 would to error bisection's halves). A size that ran out of memory while compiling is
 run eagerly, as the stage's out-of-memory recovery expects.
+
+Batches of texts sized in tokens (`--max-batch-tokens`) come cut to a few lengths, each
+at the sizes a batch of that length may have: the length is compiled as a dynamic size
+too, and each (size, length) gets a graph of its own, reading its rows and columns of
+the one static input. A batch of a length not compiled runs eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,33 +60,45 @@ class CompileReport:
     seconds: float
 
 
+# A batch's shape as compiled: its size, and the length it is cut to (None: uncut).
+Shape = tuple[int, int | None]
+
+
 class CompiledModel:
-    """`forward` (a batch of `dtype` in, outputs out, on `device`) compiled at `sizes`: call
-    `compile()` once, then call it as `forward` on any batch."""
+    """`forward` (a batch of `dtype` in, outputs out, on `device`) compiled at `sizes`, or,
+    for batches cut to lengths (their last dimension), at the sizes given for each
+    length: call `compile()` once, then call it as `forward` on any batch."""
 
     def __init__(
         self,
         forward: Callable[[torch.Tensor], torch.Tensor],
         device: torch.device,
         item_shape: Sequence[int],
-        sizes: Sequence[int],
+        sizes: Sequence[int] | Mapping[int, Sequence[int]],
         dtype: torch.dtype = torch.uint8,
     ):
         self._eager = forward
         with _compiler_warnings_ignored():
             self._compiled = torch.compile(forward)
         self._device = device
-        self._sizes = sorted(set(sizes), reverse=True)
-        # One static input for every size (a graph reads from where it was captured).
-        self._inputs = torch.zeros((self._sizes[0], *item_shape), dtype=dtype, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._ready: list[int] = []
+        self._cut = isinstance(sizes, Mapping)
+        by_length = sizes if isinstance(sizes, Mapping) else {None: sizes}
+        self._shapes: list[Shape] = sorted(
+            {(size, length) for length, each in by_length.items() for size in each},
+            key=lambda shape: (shape[0], shape[1] or 0),
+            reverse=True,
+        )
+        # One static input for every shape (a graph reads from where it was captured).
+        largest = max(size for size, _ in self._shapes)
+        self._inputs = torch.zeros((largest, *item_shape), dtype=dtype, device=device)
+        self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[Shape, torch.Tensor] = {}
+        self._ready: dict[int | None, list[int]] = {}
 
     @property
     def sizes(self) -> list[int]:
-        """The sizes compiled and warmed up, smallest first."""
-        return list(self._ready)
+        """The sizes compiled and warmed up (at any length), smallest first."""
+        return sorted({size for sizes in self._ready.values() for size in sizes})
 
     @property
     def graphed(self) -> bool:
@@ -92,44 +109,55 @@ class CompiledModel:
         on a GPU; a size that runs out of memory is left to run eagerly."""
         import torch._dynamo as dynamo  # 1.6 s to import: only where a model is compiled
 
-        # Every size may be compiled on its own if the model pins the batch size.
-        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, len(self._sizes) + 1)
+        # Every shape may be compiled on its own if the model pins the batch size.
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, len(self._shapes) + 1)
         started = time.perf_counter()
         out_of_memory = []
         pool = torch.cuda.graph_pool_handle() if self._device.type == "cuda" else None
-        for size in self._sizes:
+        for shape in self._shapes:
             try:
-                self._compile_size(size, pool, first=size == self._sizes[0])
+                self._compile_shape(shape, pool, first=shape == self._shapes[0])
             except torch.OutOfMemoryError:
-                out_of_memory.append(size)
+                out_of_memory.append(shape[0])
                 if self._device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            self._ready.append(size)
-        self._ready.sort()
-        return CompileReport(out_of_memory, round(time.perf_counter() - started, 3))
+            self._ready.setdefault(shape[1], []).append(shape[0])
+        for sizes in self._ready.values():
+            sizes.sort()
+        return CompileReport(
+            sorted(set(out_of_memory), reverse=True), round(time.perf_counter() - started, 3)
+        )
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         count = len(inputs)
-        size = padded_size(count, self._ready)
+        length = inputs.shape[-1] if self._cut else None
+        size = padded_size(count, self._ready.get(length, []))
         if size is None:
             return self._eager(inputs)
-        static = self._inputs[:size]
+        static = self._static((size, length))
         static[:count].copy_(inputs)
         if size > count:
             static[count:].zero_()
-        graph = self._graphs.get(size)
+        graph = self._graphs.get((size, length))
         if graph is None:
             return self._compiled(static)[:count]
         graph.replay()
-        return self._outputs[size][:count]
+        return self._outputs[(size, length)][:count]
 
-    def _compile_size(self, size: int, pool: _POOL_HANDLE | None, *, first: bool) -> None:
-        static = self._inputs[:size]
-        if first:  # one compiled graph for every batch size, not one each
+    def _static(self, shape: Shape) -> torch.Tensor:
+        """The static input's rows and columns for a batch of this shape."""
+        size, length = shape
+        return self._inputs[:size] if length is None else self._inputs[:size, ..., :length]
+
+    def _compile_shape(self, shape: Shape, pool: _POOL_HANDLE | None, *, first: bool) -> None:
+        static = self._static(shape)
+        if first:  # one compiled graph for every batch size (and length), not one each
             import torch._dynamo as dynamo
 
             dynamo.maybe_mark_dynamic(static, 0)
+            if self._cut:
+                dynamo.maybe_mark_dynamic(static, static.dim() - 1)
         with torch.inference_mode(), _compiler_warnings_ignored():
             self._compiled(static)
             if self._device.type != "cuda":
@@ -144,7 +172,7 @@ class CompiledModel:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 output = self._compiled(static)
-        self._graphs[size], self._outputs[size] = graph, output
+        self._graphs[shape], self._outputs[shape] = graph, output
 
 
 @contextlib.contextmanager

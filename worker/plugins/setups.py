@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from worker.engine import StageFunction, bisection_sizes, bucket_of
+from worker.engine import StageFunction, TokenBudget, bisection_sizes, bucket_of
 from worker.plugins import (
     InferenceFn,
     PluginError,
@@ -49,7 +49,7 @@ def inference_setup(
     decoder: str | None = None,
     compile: bool = False,
     tokens: TokenSlots | None = None,
-    lengths: tuple[int, ...] = (),
+    budget: TokenBudget | None = None,
 ) -> StageFunction:
     """Runs once in the inference process: load the model, check that it answers a
     batch of zeros, warm it up (with `compile`, compiled at every warm-up size first:
@@ -63,8 +63,9 @@ def inference_setup(
     runs this one (`Staging`). Only the encoded fields and the arrays cross to the
     daemon. With `tokens`, the slots hold a text preprocessor's token ids and mask: the
     model is called with the two, and each result carries the preprocessor's notes;
-    with `lengths` too (batches sized in tokens), each batch cut to the shortest of
-    them that holds its longest text (`cut_to_length`), each length tried at start."""
+    with a `budget` too (batches sized in tokens), each batch cut to the shortest of
+    its lengths that holds its longest text (`cut_to_length`), each length tried at
+    start, and compiled at the sizes a batch of that length may have."""
     device = resolve_device(device_name)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # the streams and events of `Staging` are on it
@@ -75,6 +76,7 @@ def inference_setup(
         # Module.to takes memory_format (torch documents it); its type stubs omit it.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     dtype = tokens.dtype if tokens else torch.uint8
+    lengths = budget.lengths if budget else ()
     infer = _Inference(
         _forward(model, device, precision == "bfloat16", channels_last, tokens=bool(tokens)),
         Staging(device, item_shape, decode, dtype=dtype),
@@ -95,7 +97,8 @@ def inference_setup(
             "broken worker from bad inputs"
         ) from error
     sizes = bisection_sizes(batch_size)
-    compiled = infer.compile(device, item_shape, sizes, dtype) if compile else None
+    shapes = _compiled_shapes(sizes, budget)
+    compiled = infer.compile(device, item_shape, shapes, dtype) if compile else None
     warm_up = _warm_up(infer.now, item_shape, sizes, compiled, dtype)
     about: dict[str, Any] = {"model": identity.as_dict(), "warm_up": warm_up}
     if postprocess is None:
@@ -141,10 +144,11 @@ class _Inference:
         self,
         device: torch.device,
         item_shape: tuple[int, ...],
-        sizes: list[int],
+        sizes: list[int] | dict[int, list[int]],
         dtype: torch.dtype,
     ) -> CompileReport:
-        """From now on, the model compiled at `sizes` (`CompiledModel`)."""
+        """From now on, the model compiled at `sizes`, or at each length's
+        (`CompiledModel`)."""
         compiled = CompiledModel(self.forward, device, item_shape, sizes, dtype)
         try:
             report = compiled.compile()
@@ -155,6 +159,17 @@ class _Inference:
             ) from error
         self.forward = compiled
         return report
+
+
+def _compiled_shapes(
+    sizes: list[int], budget: TokenBudget | None
+) -> list[int] | dict[int, list[int]]:
+    """The sizes the model is compiled at: those its warm-up runs, or, for batches sized
+    in tokens, at each length those a batch of that length may have (its rows within
+    the budget, and the sizes error bisection falls back to from there)."""
+    if budget is None:
+        return sizes
+    return {length: bisection_sizes(budget.rows(length, sizes[0])) for length in budget.lengths}
 
 
 def cut_to_length(values: Sequence[WithParams | None], lengths: Sequence[int]) -> int:
