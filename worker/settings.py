@@ -138,14 +138,14 @@ class Settings(BaseSettings):
     max_batch_wait_ms: float = Field(
         default=20, ge=0, description="How long a partial batch waits for more items."
     )
+    max_batch_tokens: int = Field(
+        default=0, ge=0, description="Padded tokens a batch of texts holds at most; 0: off."
+    )
     preprocess_workers: int = Field(
         default=2,
         ge=1,
         le=256,
         description="Preprocessing (decode/resize) processes, at least: the floor.",
-    max_batch_tokens: int = Field(
-        default=0, ge=0, description="Padded tokens a batch of texts holds at most; 0: off."
-    )
     )
     preprocess_workers_max: int | None = Field(
         default=None,
