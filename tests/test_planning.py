@@ -3,6 +3,7 @@ writes the shards' inputs files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -39,6 +40,20 @@ class _SlowInputsFiles(InMemoryBlobStore):
             with self._count_lock:
                 self.inputs_written += data.count(b"\n")
         return etag
+
+
+def _plan(job_id: str, items: int, shard_items: int) -> Plan:
+    """A plan of `items` inputs in shards of `shard_items`."""
+    return Plan(
+        job_id=job_id,
+        request_digest="0123456789abcdef",
+        items=items,
+        shard_items=shard_items,
+        model={"name": "m"},
+        params={},
+        received_at=time.time(),
+        attempt=1,
+    )
 
 
 def test_a_planner_holds_at_most_two_shards_inputs_while_it_writes_them(tmp_path: Path) -> None:
@@ -90,16 +105,7 @@ def test_a_planner_whose_job_is_handed_back_writes_and_sends_no_more(tmp_path: P
     uris = [f"s3://pix/{number:05d}.jpg" for number in range(40)]
     body = {"job_id": "stopped", "inputs": uris[:1], "output": "s3://bkt/out/stopped/"}
     spec = parse_job_message(json.dumps(body), frozenset())
-    plan = Plan(
-        job_id="stopped",
-        request_digest="0123456789abcdef",
-        items=len(uris),
-        shard_items=4,
-        model={"name": "m"},
-        params={},
-        received_at=time.time(),
-        attempt=1,
-    )
+    plan = _plan("stopped", len(uris), shard_items=4)
     job = Job("stopped", ReceivedMessage("m", json.dumps(body), "handle", 1))
 
     def listed() -> Iterator[Input]:
@@ -113,3 +119,50 @@ def test_a_planner_whose_job_is_handed_back_writes_and_sends_no_more(tmp_path: P
     with pytest.raises(JobSettled):
         Planner(blobs, source, lifecycle).plan(job, spec, plan, listed)
     assert blobs.inputs_written < len(uris) and len(source) == 0
+
+
+def test_a_job_sent_again_while_another_run_of_it_has_its_shards_out_waits_for_that_run(
+    tmp_path: Path,
+) -> None:
+    """The same job (the same inputs: the same plan) sent again with another request id
+    while its first run's shards are out: its planner finds them sent by another
+    message and hands its message over for later, sending nothing, where it was acked
+    and never answered (job.json names the first run). A redelivery of the first run's
+    own message goes on as before. Once the first run is merged (its shards' files
+    gone), the continuation plans and sends the shards anew, with its request id."""
+    blobs, source = InMemoryBlobStore(), InMemoryJobSource()
+    uris = [f"s3://pix/{number}.jpg" for number in range(8)]
+    body = {"job_id": "again", "inputs": uris, "output": "s3://bkt/out/again/"}
+    plan = _plan("again", len(uris), shard_items=4)
+    settled: list[tuple[str, str]] = []
+    outcomes = SimpleNamespace(
+        ack=lambda job: settled.append(("acked", job.message.job_message_id)),
+        hand_over=lambda job, reason, delay_s: settled.append(
+            ("handed over", job.message.job_message_id)
+        ),
+    )
+    lifecycle: Any = SimpleNamespace(
+        outcomes=outcomes, progress=SimpleNamespace(beat=lambda: None), ledger=None
+    )
+    planner = Planner(blobs, source, lifecycle)
+
+    def deliver(request_id: str, message: ReceivedMessage) -> None:
+        text = json.dumps({**body, "request_id": request_id})
+        planner.plan(
+            Job("again", dataclasses.replace(message, body=text)),
+            parse_job_message(text, frozenset()),
+            plan,
+            lambda: iter(map(Input, uris)),
+        )
+
+    deliver("r-1", ReceivedMessage("first", "", "h1", 1))
+    deliver("r-2", ReceivedMessage("second", "", "h2", 1))
+    deliver("r-1", ReceivedMessage("first", "", "h3", 2))  # the first run's, again
+    assert settled == [("acked", "first"), ("handed over", "second"), ("acked", "first")]
+    assert len(source) == plan.shards
+    for uri in [uri for uri in blobs.objects if "/shards/" in uri]:  # merged
+        del blobs.objects[uri]
+    deliver("r-2", ReceivedMessage("later", "", "h4", 1, first_message_id="second"))
+    assert settled[-1] == ("acked", "second") and len(source) == 2 * plan.shards
+    sent = [json.loads(message.body) for message in source.receive(10, 0, 60)]
+    assert sorted(message["request_id"] for message in sent) == ["r-1", "r-1", "r-2", "r-2"]

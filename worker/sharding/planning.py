@@ -55,6 +55,8 @@ log = structlog.get_logger()
 SHARDS_DIR = "shards/"
 MAX_SENT_NOTE_BYTES = 1024  # a `.sent` note: the id of the message that sent the shard
 SNAPSHOT_WRITE_BYTES = 2**16  # written (and claimed of the disk budget) at a time
+# A job whose plan another run of it is running looks again this long after.
+RUN_WAIT_S = 60
 
 
 class Snapshot:
@@ -137,6 +139,15 @@ class Planner:
             # Its listing changed since this message sent shards of the plan.
             log.info("plan_kept", job_id=plan.job_id, listed=new_plan.request_digest)
         unsent = self._unsent(spec, plan)
+        if len(unsent) < plan.shards and self._sender(spec, plan) not in (None, sender):
+            # Another message sent its shards: another run of this same request (the job
+            # sent again, with another request id, while that run goes on), whose
+            # job.json will name that run. This one waits for it to end, then finds its
+            # job.json (a copy of that message) or runs again, where it was acked and
+            # never answered (or sent the shards left, with its own request id).
+            log.info("plan_running_for_another_message", job_id=plan.job_id)
+            self._outcomes.hand_over(job, "another run of the job is running", RUN_WAIT_S)
+            return
         if unsent and plan.request_digest == new_plan.request_digest:
             self._write_inputs(job, spec, plan, inputs(), frozenset(unsent))
             # Looked at after the files are written: a merge writes job.json before it
@@ -182,23 +193,29 @@ class Planner:
     def _sent_by(self, spec: JobMessage, sender: str) -> Plan | None:
         """The plan under the output if an earlier delivery of this same message (its
         first id, `sender`) sent any of its shards: the listing changed since, and the
-        plan stands (its inputs files were all written before any shard was sent)."""
+        plan stands (its inputs files were all written before any shard was sent).
+        Else, with nothing of it running, it is replaced at no cost."""
         try:
             plan = Plan.parse(self._blobs.get(spec.output_location(PLAN), MAX_PLAN_BYTES))
         except (MissingObject, PoisonMessage):
             return None
-        listing = self._blobs.objects_under(shard_directory(spec, plan.request_digest))
+        return plan if self._sender(spec, plan) == sender else None
+
+    def _sender(self, spec: JobMessage, plan: Plan) -> str | None:
+        """The first id of the job's message that sent `plan`'s shards (as its first
+        shard marked sent names it); None if none is marked."""
+        directory = shard_directory(spec, plan.request_digest)
+        listing = self._blobs.objects_under(directory)
         sent = next((name for name in sorted(listing) if name.endswith(SENT_SUFFIX)), None)
         if sent is None:
-            return None  # nothing of it runs: replaced at no cost
-        directory = shard_directory(spec, plan.request_digest)
+            return None
         try:
             note = self._blobs.get(
                 S3Location(directory.bucket, directory.key + sent), MAX_SENT_NOTE_BYTES
             )
         except Exception:  # gone (merged meanwhile), or not a planner's
             return None
-        return plan if note.decode(errors="replace") == sender else None
+        return note.decode(errors="replace")
 
     def _write_inputs(
         self,
