@@ -27,6 +27,7 @@ from worker.sharding.merging import (
     Merged,
     Merger,
     MergingElsewhere,
+    Refused,
 )
 
 DIGEST = "0123456789abcdef"
@@ -214,10 +215,13 @@ def test_a_merger_whose_claim_was_taken_over_writes_nothing_more(
     assert checkpoints.finished(spec, "j", DIGEST) == taken_over.summary
 
 
-def test_a_merge_fenced_by_another_request_removes_nothing(store: _PausingStore) -> None:
+def test_a_merge_refused_by_another_requests_write_removes_nothing_and_merges_again(
+    store: _PausingStore,
+) -> None:
     """Another request writes the job's output while the merge runs (its job.log
-    first): the merge is fenced off, writes no job.json, and leaves the shards' files
-    and markers where they are."""
+    first): the merge is refused, writes no job.json, and leaves the shards' files and
+    markers where they are; tried again (its message comes back), it lists the outputs
+    anew and merges, as a whole job fenced off is released and runs again."""
     spec, plan = _committed_job(store)
     merger, _ = _merger(store)
     store.pause_at = {"merger": "job.log"}
@@ -226,11 +230,14 @@ def test_a_merge_fenced_by_another_request_removes_nothing(store: _PausingStore)
     store.put(S3Location("bkt", "out/j/job.log"), b"another request's\n", "text/plain")
     store.go_on.set()
     thread.join(10)
-    assert isinstance(outcome[0], Fenced)
+    assert isinstance(outcome[0], Refused)
     assert "job.json" not in _names(store)
     assert {f"shards/{DIGEST}/commits/{shard:06d}{COMMIT_SUFFIX}" for shard in (0, 1)} <= _names(
         store
     )
+    store.pause_at = {}
+    assert isinstance(merger.merge(spec, plan, "merger"), Merged)
+    assert not any(name.startswith("shards/") for name in _names(store))
 
 
 def test_an_incomplete_job_is_not_merged(store: _PausingStore) -> None:

@@ -441,7 +441,9 @@ def test_a_late_planners_inputs_files_are_removed_once_the_job_is_merged(
 
 
 @pytest.mark.parametrize(
-    "write", [r"put shards/\w+/merge", r"put job\.json"], ids=["claim", "job.json"]
+    "write",
+    [r"put shards/\w+/merge", r"compose job\.log", r"put job\.json"],
+    ids=["claim", "compose", "job.json"],
 )
 def test_a_merge_write_retried_after_its_answer_was_lost_is_its_own(
     protocol: None, write: str

@@ -11,11 +11,11 @@ job.json naming ETags no longer there, and the job would never count as done.
 
 A merger then lists the outputs, and writes results.jsonl (or the Parquet files) and
 job.log, joined from the shards' files in shard order, then job.json, each on
-condition that it is as listed: a write of another request to the same output fences
-the merge off. Only a merge that wrote job.json (or finds it written) removes the
-shards' files; a merge fenced off, or one that finds another merging, leaves
-everything for the one that can finish. Each answer is a type of its own: a `None`
-that means three things is where such protocols lose data.
+condition that it is as listed: a write refused (another request wrote to the same
+output) stops the merge, to be tried again. Only a merge that wrote job.json (or finds
+it written) removes the shards' files; a merge fenced off, refused, or one that finds
+another merging, leaves everything for the one that can finish. Each answer is a type
+of its own: a `None` that means three things is where such protocols lose data.
 """
 
 from __future__ import annotations
@@ -89,13 +89,23 @@ class MergingElsewhere:
 
 @dataclass(frozen=True)
 class Fenced:
-    """A write of this merge was refused: another request wrote to the job's output, or
-    another merger took the claim over. Nothing is removed."""
+    """Another merger took the claim over: it merges. Nothing is removed."""
 
     reason: str
 
 
-MergeOutcome = Merged | AlreadyMerged | Incomplete | MergingElsewhere | Fenced
+@dataclass(frozen=True)
+class Refused:
+    """A write of this merge's outputs was refused: the output changed since it was
+    listed (another request wrote there; or a try of this merge's own compose, retried
+    after its answer was lost, found the first try's, which it cannot read back). Nothing
+    is removed, and the merge is to be tried again: it lists the outputs anew, as a
+    whole job fenced off is released and runs again."""
+
+    reason: str
+
+
+MergeOutcome = Merged | AlreadyMerged | Incomplete | MergingElsewhere | Fenced | Refused
 
 
 class _ClaimLost(Exception):
@@ -237,8 +247,8 @@ class Merger:
                 expect=top.get("job.json", ABSENT),
             )
         except PreconditionFailed as error:
-            log.info("merge_fenced", job_id=plan.job_id, error=str(error))
-            return Fenced(str(error))
+            log.info("merge_refused", job_id=plan.job_id, error=str(error))
+            return Refused(str(error))
         log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
         self._checkpoints.remove_stale(spec, top, outputs)
         self.remove(spec, plan)

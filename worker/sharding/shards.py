@@ -57,6 +57,7 @@ from worker.sharding.merging import (
     Merged,
     Merger,
     MergingElsewhere,
+    Refused,
 )
 
 log = structlog.get_logger()
@@ -268,7 +269,7 @@ class Shards:
         watch due in `watch_in_s` while shards are left, or while another merger's claim
         stands (should its merger be lost), by when it runs out; the shards' files
         removed once the job is done; a merge fenced off leaves everything to the one
-        that fenced it."""
+        that fenced it, and one refused (its output changed) raises, to be tried again."""
         outcome = self.merger.merge(spec, plan, merger, markers)
         match outcome:
             case Merged(summary):
@@ -281,6 +282,8 @@ class Shards:
                 self._watch_claim(spec, plan, until, watch_in_s)
             case Fenced():
                 pass
+            case Refused(reason):  # raised: its message comes back, and merges again
+                raise TransientError(f"a write of the merge was refused: {reason}")
         return None
 
     def _watch_claim(self, spec: JobMessage, plan: Plan, until: float, soonest_s: int) -> None:
