@@ -29,6 +29,7 @@ from worker.client import (
     UnreadableOutput,
     outputs,
 )
+from worker.message import parse_job_message
 from worker.ports import S3Location
 
 OUTPUT = "s3://bkt/out/j1/"
@@ -88,6 +89,32 @@ def test_a_job_the_daemon_would_refuse_is_refused_before_anything_is_sent(
     with pytest.raises(InvalidJob, match=reason):
         Jobs(queue, blobs).submit(OUTPUT, **fields)
     assert len(queue) == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"inputs": ["s3://bkt/a.jpg"]},
+        {"table": {"uri": "s3://bkt/t.csv", "id_column": "key"}},
+        {"table": {"uri": "s3://bkt/t.parquet", "text_column": "body", "id_column": "ticket"}},
+        {"texts": ["a late train", ""]},
+        {"inputs_prefix": "s3://bkt/tars/", "tar": {"member_suffix": ".jpg"}},
+    ],
+)
+def test_the_message_sent_is_one_the_daemon_takes_as_it_was_given(
+    queue: InMemoryJobSource, blobs: InMemoryBlobStore, fields: dict[str, Any]
+) -> None:
+    """What `submit` sends parses on the daemon's side (`parse_job_message`) into the
+    message it was given: a field's default is left to the daemon, not written out (a
+    table of texts sent with its default URI column was refused as naming both)."""
+    job = Jobs(queue, blobs).submit(OUTPUT, **fields)
+    [message] = queue.receive(1, 0, 30)
+    received = parse_job_message(message.body, allowed_buckets=frozenset())
+    assert received.job_id == job.job_id and received.request_id is not None
+    given = parse_job_message(
+        json.dumps({**fields, "output": OUTPUT, "job_id": job.job_id}), allowed_buckets=frozenset()
+    )
+    assert received.model_copy(update={"request_id": None}) == given
 
 
 def test_a_job_sent_is_followed_and_read_back_the_same_in_either_format(

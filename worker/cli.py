@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     sources = enqueue.add_argument_group(
         "inputs",
         "Exactly one of: URIs as arguments, --manifest, --inputs-prefix, --table, --inventory, "
-        "--openai-batch.",
+        "--openai-batch, --text.",
     )
     sources.add_argument("--manifest", help="s3:// URI of a file listing one input URI per line")
     sources.add_argument(
@@ -106,10 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sources.add_argument("--uri-column", help="the --table column of input URIs (default: uri)")
     sources.add_argument(
+        "--text-column",
+        help="the --table column of texts: each row's text is an input (a text pipeline's job)",
+    )
+    sources.add_argument(
         "--id-column",
         help='a --table column of ids, carried into each input\'s result as "id"',
     )
     sources.add_argument("--inventory", help="s3:// URI of an S3 Inventory report's manifest.json")
+    sources.add_argument(
+        "--text",
+        action="append",
+        dest="texts",
+        metavar="TEXT",
+        help="a text that is an input, given in the message (repeat it; for more, a --table)",
+    )
     sources.add_argument(
         "--openai-batch",
         help="s3:// URI of an OpenAI Batch API file of /v1/embeddings requests, answered in "
@@ -380,6 +391,7 @@ def _enqueue(args: argparse.Namespace) -> int:
             inputs_suffix=args.inputs_suffix,
             table=_table(args),
             inventory=args.inventory,
+            texts=args.texts,
             openai_batch=args.openai_batch,
             params=json.loads(args.params),
             format=args.format,
@@ -402,8 +414,8 @@ def _enqueue_usage_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with enqueue's flags together, before anything is sent."""
     if not args.queue_url:
         return "--queue-url (or WORKER_QUEUE_URL) is required"
-    if (args.uri_column or args.id_column) and not args.table:
-        return "--uri-column and --id-column name columns of --table"
+    if (args.uri_column or args.text_column or args.id_column) and not args.table:
+        return "--uri-column, --text-column and --id-column name columns of --table"
     if args.member_suffix and not args.tar:
         return "--member-suffix keeps members of --tar shards"
     return None
@@ -413,7 +425,11 @@ def _table(args: argparse.Namespace) -> dict[str, str] | None:
     """The message's `table`, from `--table` and the columns given."""
     if not args.table:
         return None
-    columns = {"uri_column": args.uri_column, "id_column": args.id_column}
+    columns = {
+        "uri_column": args.uri_column,
+        "text_column": args.text_column,
+        "id_column": args.id_column,
+    }
     return {"uri": args.table, **{name: column for name, column in columns.items() if column}}
 
 

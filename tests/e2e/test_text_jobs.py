@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 from stages.sentences import TOPICS, sentences
 from tests.support.aws import Aws
 from tests.support.daemons import StartDaemon, daemon_args
-from tests.support.jobs import job_output, upload
+from tests.support.jobs import enqueue_command, job_output, upload
 from tests.support.texts import TEXT_MODEL_FLAGS, model_answers
 
 pytestmark = pytest.mark.e2e
@@ -28,9 +29,10 @@ TEXT_FLAGS = [*TEXT_MODEL_FLAGS, "--batch-size", "8"]
 def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embeddings(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
-    """60 rows in shards of 20 on two daemons: one row of results per text, in table
-    order, keyed by its id, each embedding (a float32 fixed-size list) the model's own
-    answer within float tolerance and each label its topic."""
+    """60 rows in shards of 20 on two daemons, sent by `worker enqueue --text-column`:
+    one row of results per text, in table order, keyed by its id, each embedding (a
+    float32 fixed-size list) the model's own answer within float tolerance and each
+    label its topic. Beside it, two texts sent in the message (`enqueue --text`)."""
     stack = aws.stack()
     drawn = list(sentences(60, seed=40))
     texts = [text for _, text in drawn]
@@ -39,23 +41,25 @@ def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embedding
     pq.write_table(pa.table({"ticket": ids, "body": texts}), sink, row_group_size=16)
     table = upload(aws, stack, "tickets.parquet", sink.getvalue())
     output = job_output(stack, "texts")
-    source = {"uri": table, "text_column": "body", "id_column": "ticket"}
-    aws.send(
-        stack.queue_url,
-        {
-            "job_id": "texts",
-            "table": source,
-            "output": output,
-            "format": "parquet",
-            "shard_items": 20,
-        },
-    )
+    columns = ["--text-column", "body", "--id-column", "ticket"]
+    sharded = ["--format", "parquet", "--shard-items", "20"]
+    inline_output = job_output(stack, "inline")
+    for command in (
+        enqueue_command(stack.queue_url, "texts", output, "--table", table, *columns, *sharded),
+        enqueue_command(stack.queue_url, "inline", inline_output, "--text", texts[0], "--text", ""),
+    ):
+        subprocess.run(command, env=aws.env, check=True, capture_output=True, timeout=60)
     fleet = [
         start_daemon(daemon_args(stack, tmp_path / str(n), *TEXT_FLAGS), env=aws.env)
         for n in range(2)
     ]
     deadline = time.monotonic() + 180
-    while not any(daemon.events("job_merged") for daemon in fleet):
+
+    def both_done() -> bool:
+        merged = any(daemon.events("job_merged") for daemon in fleet)
+        return merged and "job.json" in aws.names(inline_output)
+
+    while not both_done():
         assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
         time.sleep(0.5)
     for daemon in fleet:  # a daemon stopping finishes what it holds first
@@ -73,3 +77,6 @@ def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embedding
     embeddings = np.array(results.column("embedding").to_pylist(), dtype=np.float32)
     assert np.allclose(embeddings, answers[:, len(TOPICS) :], atol=1e-5)
     assert results.column("label").to_pylist() == [topic for topic, _ in drawn]
+    inline = aws.results(inline_output)
+    assert [result["input"] for result in inline] == [texts[0], ""]
+    assert inline[0]["label"] == drawn[0][0] and "error" in inline[1]

@@ -412,11 +412,13 @@ class Job:
 
 
 def _sendable(message: JobMessage) -> str:
-    """The message's body, as SQS takes it; `InvalidJob` if it holds a character SQS
-    refuses in a message (U+FFFE, U+FFFF, a lone surrogate...), which no retry of the
-    send would get past."""
+    """The message's body, as SQS takes it: the fields given, defaults left to the
+    daemon (a table's default `uri_column` written out beside a `text_column` names
+    two sources of inputs); `InvalidJob` if it holds a character SQS refuses in a
+    message (U+FFFE, U+FFFF, a lone surrogate...), which no retry of the send would get
+    past."""
     try:
-        body = message.model_dump_json(exclude_none=True)
+        body = message.model_dump_json(exclude_none=True, exclude_unset=True)
     except PydanticSerializationError as error:  # a lone surrogate is not UTF-8 at all
         raise InvalidJob(f"invalid job message: it is not UTF-8: {error}") from error
     refused = SQS_UNSENDABLE.search(body)
