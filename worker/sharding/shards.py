@@ -264,12 +264,12 @@ class Shards:
         markers: dict[int, S3Location] | None = None,
     ) -> dict[str, Any] | None:
         """Merge the job if every shard is committed (`Merger.merge`, as `merger`, with
-        the `markers` a watch found), and
-        see to what the answer leaves: the job.json this merge wrote, to announce; a
-        watch due in `watch_in_s` while shards are left, or while another merger's claim
-        stands (should its merger be lost), by when it runs out; the shards' files
-        removed once the job is done; a merge fenced off leaves everything to the one
-        that fenced it, and one refused (its output changed) raises, to be tried again."""
+        the `markers` a watch found), and see to what the answer leaves: the job.json
+        this merge wrote, to announce; a watch due in `watch_in_s` while shards are
+        left, or while another merger's claim stands (should its merger be lost), by
+        when it runs out; the shards' files removed once the job is done; a merge fenced
+        off leaves everything to the one that fenced it, and one refused (its output
+        changed) raises, to be tried again."""
         outcome = self.merger.merge(spec, plan, merger, markers)
         match outcome:
             case Merged(summary):
