@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import random
 import signal
@@ -18,7 +19,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +40,14 @@ FLEET = 4
 POLL_S = 0.1
 # The small job's figures are the median of this many, each sent once the last is done.
 SMALL_JOBS = 3
-FLEET_FLAGS = (
-    *("--model", "bench.harness:fleet_device_model", "--batch-size", str(BATCH)),
+# Every fleet daemon's: short polls, no metrics port for several on one machine.
+DAEMON_FLAGS = (
     *("--receive-wait-seconds", "1", "--metrics-port", "0"),
     *("--progress-interval-seconds", "2"),
+)
+FLEET_FLAGS = (
+    *("--model", "bench.harness:fleet_device_model", "--batch-size", str(BATCH)),
+    *DAEMON_FLAGS,
 )
 
 
@@ -71,19 +77,19 @@ def fleet(work_dir: Path, items: int, one_queue: bool = False) -> dict[str, floa
                 "output": f"s3://{stack.bucket}/out/{job_id}/",
             }
 
-        lanes = () if one_queue else ("--shard-queue-url", stack.shard_queue_url)
-        with _daemons(env, stack, work_dir / "one", 1, *lanes):
-            one_s = _sent_until_done(sqs, s3, stack, giant("one"))
-        with _daemons(env, stack, work_dir / "fleet", FLEET, *lanes):
-            all_s = _sent_until_done(sqs, s3, stack, giant("all"))
+        flags = FLEET_FLAGS if one_queue else (*FLEET_FLAGS, *shard_lane(stack))
+        with running_daemons(env, stack, work_dir / "one", 1, *flags):
+            one_s = sent_until_done(sqs, s3, stack, giant("one"))
+        with running_daemons(env, stack, work_dir / "fleet", FLEET, *flags):
+            all_s = sent_until_done(sqs, s3, stack, giant("all"))
             idle_s = statistics.median(
-                _sent_until_done(sqs, s3, stack, small(f"idle-{n}")) for n in range(SMALL_JOBS)
+                sent_until_done(sqs, s3, stack, small(f"idle-{n}")) for n in range(SMALL_JOBS)
             )
             _send(sqs, stack, giant("busy-giant"))
             time.sleep(SHARD_ITEMS / BATCH * FLEET_DEVICE_BATCH_S / 2)  # every daemon busy
             busy = []
             for n in range(SMALL_JOBS):  # one after another, at any point of a batch
-                busy.append(_sent_until_done(sqs, s3, stack, small(f"busy-{n}")))
+                busy.append(sent_until_done(sqs, s3, stack, small(f"busy-{n}")))
                 time.sleep(FLEET_DEVICE_BATCH_S * random.random())
             busy_s = statistics.median(busy)
     return {
@@ -96,65 +102,106 @@ def fleet(work_dir: Path, items: int, one_queue: bool = False) -> dict[str, floa
     }
 
 
+def shard_lane(stack: Stack) -> tuple[str, ...]:
+    """The flags that give shards a queue of their own, as the template deploys a fleet."""
+    return ("--shard-queue-url", stack.shard_queue_url)
+
+
 def _send(sqs: Any, stack: Stack, job: dict[str, Any]) -> None:
     sqs.send_message(QueueUrl=stack.queue_url, MessageBody=json.dumps(job))
 
 
-def _sent_until_done(sqs: Any, s3: Any, stack: Stack, job: dict[str, Any]) -> float:
-    """Send `job`; the seconds until its job.json is written."""
+def sent_until_done(
+    sqs: Any,
+    s3: Any,
+    stack: Stack,
+    job: dict[str, Any],
+    *,
+    fleet: Sequence[FleetDaemon] = (),
+    timeout_s: float = math.inf,
+) -> float:
+    """Send `job`; the seconds until its job.json is written. Raises where it is
+    rejected, a daemon of `fleet` exits, or `timeout_s` passes first."""
     started = time.perf_counter()
     _send(sqs, stack, job)
-    key = f"out/{job['job_id']}/job.json"
-    while not s3.list_objects_v2(Bucket=stack.bucket, Prefix=key).get("KeyCount"):
+    output = f"out/{job['job_id']}/"
+    while not _written(s3, stack, f"{output}job.json"):
+        if _written(s3, stack, f"{output}rejected.json"):
+            rejected = s3.get_object(Bucket=stack.bucket, Key=f"{output}rejected.json")
+            raise RuntimeError(f"the job was rejected: {rejected['Body'].read().decode()}")
+        if exited := [d.process.returncode for d in fleet if d.process.poll() is not None]:
+            raise RuntimeError(f"a daemon exited {exited[0]} before the job was done")
+        if time.perf_counter() - started > timeout_s:
+            raise TimeoutError(f"job {job['job_id']} not done in {timeout_s:.0f} s")
         time.sleep(POLL_S)
     return time.perf_counter() - started
 
 
+def _written(s3: Any, stack: Stack, key: str) -> bool:
+    return bool(s3.list_objects_v2(Bucket=stack.bucket, Prefix=key).get("KeyCount"))
+
+
+@dataclass
+class FleetDaemon:
+    """A daemon of a running fleet: its process, and the shards it committed (their
+    `shard_committed` log events: `shard` and `items`), as they come."""
+
+    process: subprocess.Popen[str]
+    started: threading.Event = field(default_factory=threading.Event)
+    committed: list[dict[str, Any]] = field(default_factory=list)
+
+
 @contextlib.contextmanager
-def _daemons(
+def running_daemons(
     env: dict[str, str], stack: Stack, log_dir: Path, count: int, *flags: str
-) -> Iterator[None]:
+) -> Iterator[list[FleetDaemon]]:
     """`count` daemons on the stack's queue (with `flags`), started and ready; stopped
     after."""
-    processes = []
-    ready = []
+    fleet: list[FleetDaemon] = []
+    readers = []
     try:
         for number in range(count):
-            process = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "worker", "run", "--queue-url", stack.queue_url),
-                    *("--log-dir", str(log_dir / str(number)), *FLEET_FLAGS, *flags),
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+            daemon = FleetDaemon(
+                subprocess.Popen(
+                    [
+                        *(sys.executable, "-m", "worker", "run", "--queue-url", stack.queue_url),
+                        *("--log-dir", str(log_dir / str(number)), *flags),
+                    ],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             )
-            processes.append(process)
-            started = threading.Event()
-            threading.Thread(target=_read, args=(process, started), daemon=True).start()
-            ready.append(started)
-        for process, started in zip(processes, ready, strict=True):
-            while not started.wait(1):
-                if process.poll() is not None:
-                    raise RuntimeError(f"a daemon exited {process.returncode} at start")
-        yield
+            fleet.append(daemon)
+            readers.append(threading.Thread(target=_read, args=(daemon,), daemon=True))
+            readers[-1].start()
+        for daemon in fleet:
+            while not daemon.started.wait(1):
+                if daemon.process.poll() is not None:
+                    raise RuntimeError(f"a daemon exited {daemon.process.returncode} at start")
+        yield fleet
     finally:
-        for process in processes:
+        for daemon in fleet:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGTERM)
-        for process in processes:
-            process.wait(120)
+                os.kill(daemon.process.pid, signal.SIGTERM)
+        for daemon in fleet:
+            daemon.process.wait(120)
+        for reader in readers:  # to the end of its daemon's log, which it closes
+            reader.join(30)  # bounded: a stage process left behind may hold the pipe
 
 
-def _read(process: subprocess.Popen[str], started: threading.Event) -> None:
-    """Drain the daemon's log, noting when it has started."""
-    assert process.stdout is not None
-    for line in process.stdout:
-        if '"daemon_started"' in line:
-            started.set()
-        elif not started.is_set() and not line.startswith("{"):
-            print(line, end="", file=sys.stderr)  # why it did not start
+def _read(daemon: FleetDaemon) -> None:
+    """Drain the daemon's log, noting when it has started and the shards it committed."""
+    assert daemon.process.stdout is not None
+    with daemon.process.stdout as log:
+        for line in log:
+            if '"daemon_started"' in line:
+                daemon.started.set()
+            elif '"shard_committed"' in line:
+                daemon.committed.append(json.loads(line))
+            elif not daemon.started.is_set() and not line.startswith("{"):
+                print(line, end="", file=sys.stderr)  # why it did not start
 
 
 # An idle daemon's calls (polls, `--drain`'s readings of the queue), not a job's.
