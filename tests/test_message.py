@@ -53,6 +53,7 @@ def test_output_without_trailing_slash_is_a_prefix() -> None:
         (body(inputs=["http://x/y"]), "inputs.0"),
         (json.dumps({"inputs": ["s3://inputs/a"]}), "output"),
         (json.dumps([1, 2]), "body"),
+        (body(params={"array_dtype": "int8"}), "params.array_dtype is one of 'float32', 'float16'"),
     ],
 )
 def test_poison_messages_say_why(raw: str | bytes, reason: str) -> None:

@@ -89,3 +89,23 @@ def test_inline_texts_that_are_empty_not_text_or_too_long_are_their_items_errors
     assert (cut[3]["label"], cut[3]["truncated"]) == ("weather", True)
     assert kept[3]["error"]["type"] == "TextTooLong"
     assert kept[0]["truncated"] is False
+
+
+def test_embeddings_are_written_as_float16_where_the_job_asks(tmp_path: Path) -> None:
+    """`params.array_dtype: "float16"` halves the embeddings' bytes: embedding.npy of a
+    JSON-lines job and the Parquet column of another hold float16 rows, each the model's
+    own answer within float16's precision."""
+    texts = [text for _, text in sentences(3, seed=12)]
+    answers = model_answers(texts)[:, 4:]
+    blobs, source = InMemoryBlobStore(), InMemoryJobSource()
+    for job_id, format in (("npy", "jsonl"), ("pq", "parquet")):
+        message = {"job_id": job_id, "texts": texts, "output": f"s3://bkt/out/{job_id}/"}
+        source.send(json.dumps({**message, "format": format, "params": {"array_dtype": "float16"}}))
+    run_until_drained(source, blobs, tmp_path, **TEXT_PIPELINE)
+
+    rows = np.load(io.BytesIO(blobs.objects["s3://bkt/out/npy/embedding.npy"]))
+    assert rows.dtype == np.float16 and np.allclose(rows, answers, atol=2e-3)
+    [part] = [name for name in job_file(blobs, "pq", "job.json")["outputs"] if ".parquet" in name]
+    column = pq.read_table(io.BytesIO(blobs.objects[f"s3://bkt/out/pq/{part}"])).column("embedding")
+    assert column.type == pa.list_(pa.float16(), 64)
+    assert np.allclose(np.array(column.to_pylist(), dtype=np.float32), answers, atol=2e-3)

@@ -29,6 +29,10 @@ INPUT_SOURCES = (
     "texts",
     "openai_batch",
 )
+# What a job's float arrays (an embedding) are stored as: `params.array_dtype`, a worker's
+# param, not the pipeline's, since the arrays' files are the worker's (float16: half the
+# bytes, for an embedding's three significant digits).
+ARRAY_DTYPES = ("float32", "float16")
 # What SQS takes in one message body: inline `texts` must fit in it with the rest.
 SQS_MAX_BODY_BYTES = 256 * 1024
 # The object under a job's output that cancels it: a producer writes it, every run of
@@ -166,6 +170,8 @@ class JobMessage(BaseModel):
             raise ValueError("'tar' reads the objects listed: texts are inputs themselves")
         if self.texts is not None:
             check_texts_size(self.texts)
+        if self.params.get("array_dtype", "float32") not in ARRAY_DTYPES:
+            raise ValueError(f"params.array_dtype is one of {', '.join(map(repr, ARRAY_DTYPES))}")
         if self.shard is not None and (self.job_id is None or self.manifest is None):
             raise ValueError("a shard names its job's 'job_id' and its inputs' 'manifest'")
         return self
@@ -176,6 +182,13 @@ class JobMessage(BaseModel):
         return listed.bucket == outputs.bucket and (
             outputs.key.startswith(listed.key) or listed.key.startswith(outputs.key)
         )
+
+    @property
+    def array_floats(self) -> str | None:
+        """What the job's float arrays are stored as, where it asks for other than the
+        model gives (float16); None: as given."""
+        dtype = self.params.get("array_dtype")
+        return dtype if dtype == "float16" else None
 
     def output_location(self, name: str) -> S3Location:
         """Where the output file `name` of this job goes."""

@@ -83,13 +83,22 @@ def _remove_if_unlocked(directory: Path) -> None:
 # output for zeros gave them at start (`about["arrays"]`).
 class ArrayFiles:
     """One job's array files, in `directory`: a file per field, `rows` rows each, each
-    row of the field's `layouts` (where they are not known, a chain's, of its first row).
+    row of the field's `layouts` (where they are not known, a chain's, of its first row),
+    float arrays as `floats` where given (float16).
     A row's disk blocks are taken as it is written, not the whole file's up front."""
 
-    def __init__(self, directory: Path, rows: int, layouts: ArrayLayouts | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        rows: int,
+        layouts: ArrayLayouts | None = None,
+        floats: str | None = None,
+    ):
         self.directory = directory  # the job's own: its Parquet files are written here too
         self._rows = rows
         self._layouts = layouts
+        # What float arrays are stored as, where the job asks (`JobMessage.array_floats`).
+        self._floats = np.dtype(floats) if floats else None
         self._files: dict[str, _ArrayFile] = {}
         self._lock = threading.Lock()  # `remove` comes from whichever thread settles the job
         self._removed = False
@@ -103,7 +112,8 @@ class ArrayFiles:
             if self._removed:  # the job was settled meanwhile: nothing will read them
                 return b""
             files = []
-            for field, array in arrays.items():
+            for field, given in arrays.items():
+                array = self._stored(given)
                 file = self._files.get(field)
                 dtype, shape = file.layout if file else self._layout(field, array)
                 if array.shape != shape or array.dtype != dtype:
@@ -120,6 +130,12 @@ class ArrayFiles:
             for field in arrays
         )
 
+    def _stored(self, array: np.ndarray) -> np.ndarray:
+        """The array as its file holds it: a float one as `floats`, where given."""
+        if self._floats is not None and array.dtype.kind == "f":
+            return array.astype(self._floats)
+        return array
+
     def _layout(self, field: str, first: np.ndarray) -> ArrayLayout:
         """The dtype and shape of a field's rows: the probe's, or (unprobed) its first row's."""
         check_field_name(field)
@@ -134,6 +150,8 @@ class ArrayFiles:
             )
         if dtype.hasobject:
             raise ValueError(f"the {field} array holds Python objects, not numbers")
+        if self._floats is not None and dtype.kind == "f":
+            dtype = self._floats
         return dtype, shape
 
     def _open(self, field: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> _ArrayFile:

@@ -384,7 +384,9 @@ class Intake:
         job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
         log_file = JobLog(local_log_path(log_dir, job_id, spec.output), job_id, prior.earlier_log)
-        job.arrays = ArrayFiles(self._arrays.directory / job.key, len(inputs), self._arrays.layouts)
+        job.arrays = ArrayFiles(
+            self._arrays.directory / job.key, len(inputs), self._arrays.layouts, spec.array_floats
+        )
         admitted = self._ledger.admit(
             job, spec, inputs, log_file, prior.resumed, cancelled=prior.cancel_requested
         )
