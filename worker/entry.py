@@ -8,10 +8,12 @@ import signal
 import sys
 
 # What the stage processes' fork server imports before it forks the first: what they
-# all import (`worker.engine.child_handle`), and the readers of S3 they fetch with.
+# all import (`worker.engine.child_handle`), their set-ups (`worker.daemon.stages`:
+# each child took a second of CPU importing them), and the readers of S3 they fetch with.
 FORK_SERVER_PRELOAD = (
     "torch",
     "worker.engine",
+    "worker.daemon.stages",
     "worker.adapters.aws.s3",
     "worker.adapters.aws.obstore_reads",
 )
