@@ -60,7 +60,7 @@ def test_cli_reports_invalid_settings_and_exits_2() -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
         check=False,
     )
     assert result.returncode == 2

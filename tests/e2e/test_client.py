@@ -42,7 +42,7 @@ def test_the_readme_python_example_sends_follows_and_reads_a_job(aws: Aws, tmp_p
         # One preprocessing process, for three images: one process fewer to start.
         args = daemon_args(stack, tmp_path, "--drain", "--preprocess-workers", "1", dlq=False)
         run = run_daemon(aws, args)
-        printed, errors = example_run.communicate(timeout=60)
+        printed, errors = example_run.communicate(timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     assert example_run.returncode == 0, errors
     status, *records = printed.splitlines()

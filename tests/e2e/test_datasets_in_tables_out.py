@@ -90,7 +90,7 @@ def test_each_kind_of_input_listing_runs_and_parquet_results_read_as_one_table(
     tar_flags = ["--inputs-prefix", f"s3://{stack.bucket}/tars/", "--tar"]
     tar_flags += ["--member-suffix", ".png", "--shard-items", "1"]
     command = enqueue_command(stack.queue_url, "tars", job_output(stack, "tars"), *tar_flags)
-    subprocess.run(command, env=aws.env, check=True, capture_output=True, timeout=60)
+    subprocess.run(command, env=aws.env, check=True, capture_output=True, timeout=180)
     daemon = start_daemon(daemon_args(stack, tmp_path, "--drain"))
     assert daemon.wait(180) == 0, daemon.stderr[-3000:]
 

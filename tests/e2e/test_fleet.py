@@ -227,7 +227,7 @@ def test_protection_asked_for_but_unavailable_stops_the_start(aws: Aws, tmp_path
         },
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
         check=False,
     )
     assert started.returncode == 2

@@ -77,7 +77,7 @@ def test_mixed_jobs_complete_in_order_with_real_answers(aws: Aws, tmp_path: Path
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=180,
         check=True,
     )
     assert enqueue.stdout.strip() == "manifest"
@@ -176,7 +176,7 @@ def test_job_longer_than_four_visibility_timeouts_is_received_once(
                 "0.5",
             ),
         )
-        followed, progress_bar = follower.communicate(timeout=60)
+        followed, progress_bar = follower.communicate(timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(aws.read(output, "job.json"))
     assert summary["duration_s"] >= 4 * 2

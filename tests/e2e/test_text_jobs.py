@@ -48,7 +48,7 @@ def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embedding
         enqueue_command(stack.queue_url, "texts", output, "--table", table, *columns, *sharded),
         enqueue_command(stack.queue_url, "inline", inline_output, "--text", texts[0], "--text", ""),
     ):
-        subprocess.run(command, env=aws.env, check=True, capture_output=True, timeout=60)
+        subprocess.run(command, env=aws.env, check=True, capture_output=True, timeout=180)
     fleet = [
         start_daemon(daemon_args(stack, tmp_path / str(n), *TEXT_FLAGS), env=aws.env)
         for n in range(2)

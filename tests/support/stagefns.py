@@ -322,20 +322,30 @@ def pixel_embedder() -> torch.nn.Module:
     return PixelEmbedder()
 
 
-def finishing_runner(run_s: float, finish_s: float) -> StageFunction:
+def finishing_runner(run_s: float, finish_s: float, spans: str | None = None) -> StageFunction:
     """Runs each request for `run_s` (the device), raising on `bad-run`; then finishes
     it for `finish_s` (postprocessing), logging `finished` for each value: `bad` gets
     an error of its own, a request holding `explode` makes the whole finish raise, and
-    `unsendable` an outcome that cannot be pickled."""
+    `unsendable` an outcome that cannot be pickled. With `spans`, a file, each run and
+    finish appends a line to it: its kind, then when it started and ended."""
+
+    def spanned(kind: str, started: float) -> None:
+        if spans is not None:
+            with open(spans, "a") as file:
+                file.write(f"{kind} {started} {time.monotonic()}\n")
 
     def run(values: Sequence[str]) -> list[str]:
+        started = time.monotonic()
         time.sleep(run_s)
+        spanned("run", started)
         if "bad-run" in values:
             raise ValueError("the run refuses bad-run")
         return [f"ran:{value}" for value in values]
 
     def finish(outputs: list[str], values: list[str]) -> list[Any]:
+        started = time.monotonic()
         time.sleep(finish_s)
+        spanned("finish", started)
         if "explode" in values:
             raise RuntimeError("finish broke")
         for value in values:
