@@ -153,6 +153,20 @@ def test_an_array_field_that_cannot_name_its_file_is_refused_where_it_is_made() 
             encoded_fields(lambda *_, n=name: {n: np.zeros(2)}, None, {})
 
 
+def test_a_float16_job_refuses_a_value_beyond_float16_s_range_and_writes_the_rest(
+    tmp_path: Path,
+) -> None:
+    """A job storing its floats as float16: a row over 65,504 is refused (the item's
+    error, as a `ValueError`), nothing of it written, where it would have been an
+    infinity; a row within range is stored as float16."""
+    files = ArrayFiles(tmp_path, 2, {"embedding": (np.dtype(np.float32), (2,))}, "float16")
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        files.write(0, {"embedding": np.array([1.0, 1e6], dtype=np.float32)})
+    files.write(1, {"embedding": np.array([0.5, -2.0], dtype=np.float32)})
+    rows = np.load(files.files()["embedding.npy"])
+    assert rows.dtype == np.float16 and rows.tolist() == [[0.0, 0.0], [0.5, -2.0]]
+
+
 # A daemon's spool with a job's array file in it, and the daemon SIGKILLed holding it.
 KILLED_WITH_ARRAYS = """
 import os, signal, sys

@@ -13,6 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from pydantic import BaseModel
 
 from tests.support.in_process import run_until_drained, sample_images
 from worker import cli
@@ -29,7 +30,7 @@ from worker.client import (
     UnreadableOutput,
     outputs,
 )
-from worker.message import parse_job_message
+from worker.message import TableSource, TarMembers, parse_job_message
 from worker.ports import S3Location
 
 OUTPUT = "s3://bkt/out/j1/"
@@ -99,6 +100,8 @@ def test_a_job_the_daemon_would_refuse_is_refused_before_anything_is_sent(
         {"table": {"uri": "s3://bkt/t.parquet", "text_column": "body", "id_column": "ticket"}},
         {"texts": ["a late train", ""]},
         {"inputs_prefix": "s3://bkt/tars/", "tar": {"member_suffix": ".jpg"}},
+        {"table": TableSource(uri="s3://bkt/t.parquet", text_column="body")},
+        {"inputs_prefix": "s3://bkt/tars/", "tar": TarMembers()},
     ],
 )
 def test_the_message_sent_is_one_the_daemon_takes_as_it_was_given(
@@ -111,8 +114,12 @@ def test_the_message_sent_is_one_the_daemon_takes_as_it_was_given(
     [message] = queue.receive(1, 0, 30)
     received = parse_job_message(message.body, allowed_buckets=frozenset())
     assert received.job_id == job.job_id and received.request_id is not None
+    as_json = {
+        name: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+        for name, value in fields.items()
+    }
     given = parse_job_message(
-        json.dumps({**fields, "output": OUTPUT, "job_id": job.job_id}), allowed_buckets=frozenset()
+        json.dumps({**as_json, "output": OUTPUT, "job_id": job.job_id}), allowed_buckets=frozenset()
     )
     assert received.model_copy(update={"request_id": None}) == given
 

@@ -156,9 +156,9 @@ class Jobs:
         one always (the handle takes only the files this run writes); the job is its own
         message group, as its shards will be (the tenant, on an SQS fair queue)."""
         if isinstance(table, TableSource):
-            table = table.model_dump(exclude_none=True)
+            table = table.model_dump(exclude_none=True, exclude_unset=True)
         if isinstance(tar, TarMembers):
-            tar = tar.model_dump(exclude_none=True)
+            tar = tar.model_dump(exclude_none=True, exclude_unset=True)
         fields = {
             "job_id": job_id,
             "inputs": None if inputs is None else list(inputs),

@@ -113,7 +113,7 @@ class ArrayFiles:
                 return b""
             files = []
             for field, given in arrays.items():
-                array = self._stored(given)
+                array = self._stored(field, given)
                 file = self._files.get(field)
                 dtype, shape = file.layout if file else self._layout(field, array)
                 if array.shape != shape or array.dtype != dtype:
@@ -130,11 +130,16 @@ class ArrayFiles:
             for field in arrays
         )
 
-    def _stored(self, array: np.ndarray) -> np.ndarray:
-        """The array as its file holds it: a float one as `floats`, where given."""
-        if self._floats is not None and array.dtype.kind == "f":
-            return array.astype(self._floats)
-        return array
+    def _stored(self, field: str, array: np.ndarray) -> np.ndarray:
+        """The array as its file holds it: a float one as `floats`, where given; a value
+        beyond their range is the item's error, not an infinity in its results."""
+        if self._floats is None or array.dtype.kind != "f":
+            return array
+        with np.errstate(over="ignore"):
+            stored = array.astype(self._floats)
+        if not np.isfinite(stored).all() and np.isfinite(array).all():
+            raise ValueError(f"the {field} array holds values beyond {self._floats}'s range")
+        return stored
 
     def _layout(self, field: str, first: np.ndarray) -> ArrayLayout:
         """The dtype and shape of a field's rows: the probe's, or (unprobed) its first row's."""
