@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu test-fleet test-bench lint chaos prove bench bench-full bench-gpu
+.PHONY: demo test test-gpu test-fleet test-bench lint chaos prove bench bench-full bench-gpu bench-texts
 
 # torch through pip, which finds the machine's own build of it; the rest through uv,
 # which installs it in seconds where pip took most of a minute of CI's time. Compiled
@@ -75,6 +75,14 @@ bench: $(VENV)/installed
 
 bench-full: $(VENV)/installed
 	$(PY) -m worker bench --out bench-out
+
+# Not part of `make test`: issue 40's run, a table of TEXTS_ROWS texts (a million) over
+# TEXTS_DAEMONS daemons against a moto server, every embedding checked against the
+# model's own; 7 to 12 minutes on 2 cores. Writes bench-out/texts_fleet.json.
+bench-texts: $(VENV)/installed
+	mkdir -p bench-out
+	$(PY) -m bench.texts_fleet --rows $${TEXTS_ROWS:-1000000} --daemons $${TEXTS_DAEMONS:-3} \
+		--out bench-out/texts_fleet.json
 
 # On a GPU host: the figures only a GPU gives (bench/gpu.py), into bench-out-gpu/.
 bench-gpu: $(VENV)/installed

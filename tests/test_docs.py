@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 from bench.fleet import build_parser as fleet_bench_parser
 from bench.gpu import build_parser as gpu_bench_parser
 from bench.tables import build_parser as tables_bench_parser
+from bench.texts_fleet import build_parser as texts_fleet_bench_parser
 from tests.support.paths import REPO, TEMPLATE
 from worker.cli import build_parser
 from worker.demo import DEMO_SMALL_JOB_IMAGES, DEMO_SMALL_JOBS, DEMO_TEXT_JOB, LOCAL_AWS_ENV
@@ -109,12 +110,13 @@ def _commands() -> dict[str, argparse.ArgumentParser]:
 
 @functools.cache
 def _flags() -> frozenset[str]:
-    """The worker's flags, `python -m bench.gpu`'s, `bench.fleet`'s and `bench.tables`',
-    and `docker run`'s as the stack uses them."""
+    """The worker's flags, `python -m bench.gpu`'s, `bench.fleet`'s, `bench.tables`' and
+    `bench.texts_fleet`'s, and `docker run`'s as the stack uses them."""
     flags = {flag for sub in _commands().values() for flag in sub._option_string_actions}
     flags |= set(gpu_bench_parser()._option_string_actions)
     flags |= set(fleet_bench_parser()._option_string_actions)
     flags |= set(tables_bench_parser()._option_string_actions)
+    flags |= set(texts_fleet_bench_parser()._option_string_actions)
     flags |= set(re.findall(r"(?<= )(--[a-z][a-z0-9-]+)(?= )", TEMPLATE.read_text()))
     return frozenset(flags)
 
