@@ -101,34 +101,63 @@ def test_a_full_window_takes_the_length_holding_most_tokens_rather_than_idle() -
     ) == [1, 2, 3]
 
 
+def test_an_urgent_text_beside_background_ones_goes_at_once_ahead_of_their_full_batches() -> None:
+    """A one-text job's text (urgent: the channel's lane ahead puts it first) beside a
+    giant job's shard, whose texts fill a batch of another length and none is due: the
+    urgent text's length goes now, filled with the background texts of its length
+    within the budget; urgent texts alone are chosen among as any (the full length)."""
+    budget = TokenBudget(128, LENGTHS, int)
+    assert (budget.rows(40, 8), budget.rows(16, 8)) == (3, 8)
+    chooser = budget.chooser(max_rows=8, max_wait_s=1.0)
+    urgent = Item("small", 0, 40, urgent=True)
+    shard = [Item("giant", index, 16) for index in range(8)]
+    arrived = [0.5] * 10
+    assert chooser([urgent, *shard], arrived, 0.6) == [0]
+    assert chooser([urgent, *shard, Item("giant", 8, 40)], arrived, 0.6) == [0, 9]
+    alone = [Item("small", index, 16, urgent=True) for index in range(1, 9)]
+    assert chooser([urgent, *alone], arrived, 0.6) == list(range(1, 9))
+
+
 @given(
     st.lists(st.tuples(st.sampled_from(LENGTHS), st.floats(0, 2)), min_size=1, max_size=40),
     st.integers(16, 512),
     st.booleans(),
+    st.integers(0, 40),
 )
-def test_every_choice_is_one_length_within_budget_and_the_first_due_goes_first(
-    ready: list[tuple[int, float]], budget: int, window_full: bool
+def test_every_choice_is_one_length_within_budget_and_the_first_urgent_or_due_goes_first(
+    ready: list[tuple[int, float]], budget: int, window_full: bool, urgent_count: int
 ) -> None:
-    """Whatever is ready: a batch holds one length, at most its rows, in window order;
-    if a text is due, its length goes, the first of that length first; if none is
-    taken, none is due, no length is full, the window is not, and the wait ends when
-    the oldest is due."""
+    """Whatever is ready (the first `urgent_count` urgent, as the lane ahead puts them):
+    a batch holds one length, at most its rows, in window order; if urgent and
+    background texts are both there, the first urgent's length goes, else if a text is
+    due, its length goes, the first of that length first; if none is taken, none is
+    due, no length is full, the window is not, and the wait ends when the oldest is
+    due."""
     lengths, arrived = [length for length, _ in ready], [at for _, at in ready]
+    urgent = [position < urgent_count for position in range(len(ready))]
     rows, now, max_wait_s = _rows(budget, max_rows=8), 2.0, 1.0
     chosen = choose_batch(
-        lengths, arrived, now, rows=rows, max_wait_s=max_wait_s, window_full=window_full
+        lengths,
+        arrived,
+        now,
+        rows=rows,
+        max_wait_s=max_wait_s,
+        window_full=window_full,
+        urgent=urgent,
     )
+    passing = 0 < urgent_count < len(ready)
     due = [position for position, at in enumerate(arrived) if now - at >= max_wait_s]
     if isinstance(chosen, float):
-        assert not due and not window_full
+        assert not passing and not due and not window_full
         assert all(lengths.count(length) < rows(length) for length in lengths)
         assert chosen == pytest.approx(min(arrived) + max_wait_s - now)
         return
     (length,) = {lengths[position] for position in chosen}
     assert chosen == sorted(set(chosen)) and 1 <= len(chosen) <= rows(length)
-    if due:
+    first = 0 if passing else due[0] if due else None
+    if first is not None:
         same = [position for position, other in enumerate(lengths) if other == length]
-        assert length == lengths[due[0]] and chosen == same[: rows(length)]
+        assert length == lengths[first] and chosen == same[: rows(length)]
 
 
 def test_the_channel_shows_its_chooser_a_bounded_window_and_keeps_the_rest_in_order() -> None:

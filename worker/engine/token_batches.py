@@ -8,13 +8,21 @@ model meets a few shapes. A batch takes the items of one length only, as many as
 the budget of rows x length (and at most the stage's batch size of rows), chosen
 among the first `window` items ready (those taken ahead first, then oldest first):
 
-1. an item that has waited `max_wait_s` has its length's batch taken at once, however
-   few it holds: nothing waits for company longer than an item-count batch would;
-2. else a length with a full batch of items ready, the one whose first item comes
+1. an urgent item (`Item.urgent`) seen beside background ones (a small job's texts
+   beside a giant job's shard) has its length's batch taken at once, however few it
+   holds, its background texts of that length filling it: it passes the full batches
+   of the background, as it passes them in an item-count batch and in every queue;
+2. else an item that has waited `max_wait_s` has its length's batch taken at once,
+   however few it holds: nothing waits for company longer than an item-count batch
+   would;
+3. else a length with a full batch of items ready, the one whose first item comes
    first;
-3. else, when the window is full (no item behind it can be seen), the length whose
+4. else, when the window is full (no item behind it can be seen), the length whose
    items hold the most tokens, rather than the device waiting for the oldest to be due;
-4. else none yet: asked again when more come, or when the oldest is due.
+5. else none yet: asked again when more come, or when the oldest is due.
+
+Urgent items alone (every job's but a shard's, when no shard runs) are chosen among
+by the rules after the first, as any: being ahead of nothing, nothing is to pass.
 
 Order within a job is not kept here: results regroup by index downstream, as they do
 across devices.
@@ -97,6 +105,7 @@ class TokenBudget:
                 rows=lambda length: self.rows(length, max_rows),
                 max_wait_s=max_wait_s,
                 window_full=len(items) >= window,
+                urgent=[item.urgent for item in items],
             )
 
         return choose
@@ -114,15 +123,20 @@ def choose_batch(
     rows: Callable[[int], int],
     max_wait_s: float,
     window_full: bool,
+    urgent: Sequence[bool] = (),
 ) -> list[int] | float:
-    """Which of the ready items (their padded `lengths`, in the order they go, and when
-    each `arrived`) a batch takes now, by their positions, in that order; or, if none
-    yet, the seconds until the first is due (the module's docstring says which)."""
+    """Which of the ready items (their padded `lengths`, in the order they go, when
+    each `arrived`, and whether each is `urgent`: none if not given) a batch takes now,
+    by their positions, in that order; or, if none yet, the seconds until the first is
+    due (the module's docstring says which)."""
     if not lengths:
         return max_wait_s
     by_length: dict[int, list[int]] = {}
     for position, length in enumerate(lengths):
         by_length.setdefault(length, []).append(position)
+    if any(urgent) and not all(urgent):  # the first urgent, in the order they go
+        length = lengths[urgent.index(True)]
+        return by_length[length][: rows(length)]
     if now - min(arrived) >= max_wait_s:  # the first due, in the order they go
         due = next(position for position, at in enumerate(arrived) if now - at >= max_wait_s)
         length = lengths[due]
