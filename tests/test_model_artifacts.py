@@ -1,10 +1,17 @@
 """Models in S3 (`worker.plugins.artifacts`): fetched once into the local cache, read
 from it again while their ETag holds, fetched anew under a new one, written whole or not
-at all, and refused at start, naming the setting, when they cannot be had."""
+at all, the copies and partial files no process holds removed, and refused at start,
+naming the setting, when they cannot be had.
+
+A daemon's hold on its copy is a lock on an open file, which lasts as long as its
+process: here, a `ModelCache` is a daemon still running, and a daemon gone is one
+whose files are written by hand (`copy_path`), as no process holds them."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 from collections.abc import Generator
 from pathlib import Path
 
@@ -14,12 +21,14 @@ import torch
 from tests.support.text_encoders import save_script
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.errors import AccessDenied, CannotStart, TransientError
-from worker.plugins.artifacts import ModelCache
+from worker.plugins import artifacts
+from worker.plugins.artifacts import PARTIAL_PREFIX, ModelCache, copy_path
 from worker.plugins.identity import ModelIdentity, identify
 from worker.plugins.loading import load_model
 from worker.ports import ObjectHead, S3Location
 
 MODEL = "s3://bkt/models/encoder.pt"
+LOCATION = S3Location.parse(MODEL)
 
 
 def _identity(path: str) -> ModelIdentity:
@@ -68,6 +77,90 @@ def test_an_object_uploaded_again_under_its_key_is_fetched_anew(tmp_path: Path) 
     assert new != old and Path(new).name == Path(old).name == "encoder.pt"
     assert (Path(old).read_bytes(), Path(new).read_bytes()) == (b"version one", b"version two")
     assert blobs.reads[MODEL] == 2
+
+
+def _left_by_a_daemon_gone(cache: Path, etag: str, name: str, location: S3Location) -> Path:
+    """A file of `location`'s upload `etag` in the cache that no process holds."""
+    path = copy_path(cache, location, etag).with_name(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"left")
+    return path
+
+
+def _files(directory: Path) -> set[Path]:
+    return {path for path in directory.rglob("*") if path.is_file()}
+
+
+def test_a_start_removes_the_object_uploads_and_dead_downloads_no_process_holds(
+    tmp_path: Path,
+) -> None:
+    """A model redeployed under its key: the copy of its earlier upload that no daemon
+    runs, and the partial files of downloads whose process died (the current upload's
+    too), are removed with their directories by the next start, before it fetches; a
+    copy of another object is not its to judge, and stays."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"the upload now"
+    cache = tmp_path / "cache"
+    earlier = _left_by_a_daemon_gone(cache, '"earlier"', "encoder.pt", LOCATION)
+    _left_by_a_daemon_gone(cache, '"earlier"', f"{PARTIAL_PREFIX}x", LOCATION)
+    _left_by_a_daemon_gone(cache, '"another"', f"{PARTIAL_PREFIX}y", LOCATION)
+    current = blobs.head(LOCATION).etag
+    _left_by_a_daemon_gone(cache, current, f"{PARTIAL_PREFIX}z", LOCATION)
+    other = _left_by_a_daemon_gone(
+        cache, '"earlier"', "other.pt", S3Location.parse("s3://bkt/models/other.pt")
+    )
+    path = Path(ModelCache(cache, blobs).local(MODEL, "--model"))
+    assert path.read_bytes() == b"the upload now"
+    assert _files(cache) == {path, other}
+    assert list(earlier.parent.parent.iterdir()) == [path.parent]
+
+
+def test_a_copy_a_running_daemon_holds_and_a_download_under_way_stay(tmp_path: Path) -> None:
+    """Two daemons on a host share the cache: one runs the first upload when the second
+    starts on the next, and a third start's download is under way. Both files stay
+    while their processes hold them (a model process replaced later loads the copy
+    again); the download's, once its process is gone, goes with the next start."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"version one"
+    cache = tmp_path / "cache"
+    running = ModelCache(cache, blobs).local(MODEL, "--model")
+    downloading = _left_by_a_daemon_gone(cache, '"coming"', f"{PARTIAL_PREFIX}x", LOCATION)
+    download = os.open(downloading, os.O_RDONLY)
+    fcntl.flock(download, fcntl.LOCK_EX)
+    blobs.put(LOCATION, b"version two", "application/octet-stream")
+    try:
+        started = ModelCache(cache, blobs).local(MODEL, "--model")
+        assert _files(cache) == {Path(running), Path(started), downloading}
+    finally:
+        os.close(download)  # the downloading process died
+    assert ModelCache(cache, blobs).local(MODEL, "--model") == started
+    assert _files(cache) == {Path(running), Path(started)}
+    assert Path(running).read_bytes() == b"version one"
+    assert blobs.reads[MODEL] == 2
+
+
+def test_a_copy_removed_before_a_start_could_hold_it_is_fetched_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another start may remove a copy no daemon holds between this start's open and
+    its lock: the start sees its file gone under the lock and fetches the object again,
+    never running a copy that is not there."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"the upload now"
+    path = copy_path(tmp_path, LOCATION, blobs.head(LOCATION).etag)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"the upload now")
+    lock, removals = fcntl.flock, [path]
+
+    def removed_first(descriptor: int, operation: int) -> None:
+        if operation == fcntl.LOCK_SH and removals:
+            removals.pop().unlink()
+        lock(descriptor, operation)
+
+    monkeypatch.setattr(artifacts.fcntl, "flock", removed_first)
+    assert ModelCache(tmp_path, blobs).local(MODEL, "--model") == str(path)
+    assert path.read_bytes() == b"the upload now"
+    assert blobs.reads[MODEL] == 1
 
 
 class _CutShort(InMemoryBlobStore):

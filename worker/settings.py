@@ -84,7 +84,9 @@ class Settings(BaseSettings):
     model_cache_dir: Path | None = Field(
         default=None,
         description="Where a model in S3 is kept, by bucket, key and ETag, and fetched at "
-        "start unless that ETag's copy is here (default: model-cache under --log-dir).",
+        "start unless that ETag's copy is here; a start removes the object's other copies "
+        "that no process on the host holds (docs/models.md; default: model-cache under "
+        "--log-dir).",
     )
     preprocess: str = Field(
         default="stages.preprocess:default_preprocessor",

@@ -2,17 +2,30 @@
 fetched once, at start, by the daemon's main process into a local cache, before the
 model's processes start and load the copy as they load any file.
 
-A copy is `<cache>/<sha256 of the bucket, key and ETag>/<the key's file name>`: a
-start finds the ETag by a HEAD and reads a copy of that ETag from disk, and fetches an
-object uploaded again under the same key (a new ETag) afresh. It is written under a
-temporary name and renamed once whole, so a start killed mid-download leaves no file the
-cache would take. The model's identity is then the file's digest, as for any file: the
-same artifact in S3 or on disk is the same model, with the same name (the key's file
-name) and version (`worker.plugins.identity`).
+A copy is `<cache>/<sha256 of the bucket and key>/<sha256 of the ETag>/<the key's file
+name>`: a start finds the ETag by a HEAD and reads a copy of that ETag from disk, and
+fetches an object uploaded again under the same key (a new ETag) afresh. It is written
+under a temporary name and linked into place once whole, so a start killed mid-download
+leaves no file the cache would take. The model's identity is then the file's digest, as
+for any file: the same artifact in S3 or on disk is the same model, with the same name
+(the key's file name) and version (`worker.plugins.identity`).
+
+The cache keeps what is in use, and only that, of each object it is asked for. A daemon
+holds a shared lock (`flock`) on the copy it runs from the start on, never let go: the
+kernel lets go when its process ends, however it ends, and until then a model process
+replaced later loads the file again. A download holds an exclusive lock on its partial
+file. Each start, once the HEAD has said which upload is current, removes the files of
+the object's other uploads and the partial files that no process holds, before it
+fetches (so their room counts): the copy of a redeployed model goes with the last daemon
+on the host that ran it, a dead download's file with the next start. Whoever takes a
+lock checks that the file is still there under its name (a start may remove it between
+another's open and its lock), and fetches again if not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -98,8 +111,10 @@ class ModelCache:
 
     def _fetched_once(self, location: S3Location) -> Path:
         head = self._blobs.head(location)
-        path = self._path(location, head)
-        if path.is_file() and path.stat().st_size == head.size:
+        path = copy_path(self._directory, location, head.etag)
+        held = _held(path, head.size)
+        self._remove_unheld(path.parent.parent)
+        if held:
             log.info("model_cached", location=str(location), etag=head.etag, path=str(path))
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +123,8 @@ class ModelCache:
             raise ObjectTooLarge(head.size, room)
         started = time.monotonic()
         self._download(location, head, path)
+        if not _held(path, head.size):
+            raise TransientError("its copy was removed by another start as it was fetched")
         log.info(
             "model_fetched",
             location=str(location),
@@ -118,28 +135,92 @@ class ModelCache:
         )
         return path
 
-    def _path(self, location: S3Location, head: ObjectHead) -> Path:
-        named = f"{location.bucket}\n{location.key}\n{head.etag}".encode()
-        return self._directory / hashlib.sha256(named).hexdigest() / Path(location.key).name
-
     def _download(self, location: S3Location, head: ObjectHead, path: Path) -> None:
         """The object's bytes of `head`'s ETag (If-Match: not a newer upload's) into
-        `path`, whole or not at all."""
-        with tempfile.NamedTemporaryFile(
-            dir=path.parent, prefix=PARTIAL_PREFIX, delete=False
-        ) as partial:
-            try:
+        `path`, whole or not at all; another start's whole copy there is as good."""
+        try:
+            descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=PARTIAL_PREFIX)
+        except FileNotFoundError:  # another start removed the directory, found empty
+            raise TransientError("its directory was removed by another start") from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)  # a download under way, not a dead one
+            if not os.fstat(descriptor).st_nlink:
+                raise TransientError("its partial file was removed by another start")
+            with os.fdopen(descriptor, "wb", closefd=False) as out:
                 written = 0
                 for chunk in self._blobs.chunks(location, head.size, expect=head.etag):
-                    written += partial.write(chunk)
+                    written += out.write(chunk)
                 if written != head.size:
                     raise TransientError(f"read {written} of its {head.size} bytes")
-                partial.flush()
-                os.fsync(partial.fileno())
-            except BaseException:  # a stop at start (SIGTERM) too: no partial file stays
-                os.unlink(partial.name)
-                raise
-        os.replace(partial.name, path)
+            os.fsync(descriptor)
+            # A link, never a rename, puts it in place: a file under a copy's name is
+            # never replaced, so a start that locked it removes the file it locked.
+            with contextlib.suppress(FileExistsError):
+                os.link(partial, path)
+        finally:  # a stop at start (SIGTERM) too: no partial file stays
+            os.close(descriptor)
+            with contextlib.suppress(FileNotFoundError):  # removed by another start
+                os.unlink(partial)
+
+    def _remove_unheld(self, directory: Path) -> None:
+        """Remove the files under `directory` (an object's: its uploads' copies and
+        partial files) that no process holds, and the uploads' directories then empty.
+        The start goes on if it cannot (what it could not remove stays)."""
+        try:
+            uploads = [path for path in directory.glob("*") if path.is_dir()]
+            for upload in uploads:
+                for file in list(upload.iterdir()):
+                    if _removed_unless_held(file):
+                        log.info("model_copy_removed", path=str(file))
+                with contextlib.suppress(OSError):  # not empty: a copy in use, a download
+                    upload.rmdir()
+        except OSError as error:
+            log.warning("model_cache_kept", directory=str(directory), error=str(error))
+
+
+def copy_path(directory: Path, location: S3Location, etag: str) -> Path:
+    """Where the cache in `directory` keeps the upload of `location` whose ETag is
+    `etag`: beside the object's other uploads, one directory each."""
+    name = Path(location.key).name
+    return directory / _digest(f"{location.bucket}\n{location.key}") / _digest(etag) / name
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _held(path: Path, size: int) -> bool:
+    """Whether the whole copy (of `size` bytes) at `path` is held now, with a shared
+    lock this process keeps: no other start removes it while it lives."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    fcntl.flock(descriptor, fcntl.LOCK_SH)
+    found = os.fstat(descriptor)
+    if found.st_nlink and found.st_size == size:
+        return True  # never closed: the lock lasts as long as the process
+    os.close(descriptor)
+    return False
+
+
+def _removed_unless_held(file: Path) -> bool:
+    """Remove `file` unless a process holds it (a lock of any kind), as the file that
+    was locked, not another linked there since."""
+    try:
+        descriptor = os.open(file, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not os.path.samestat(os.fstat(descriptor), os.stat(file)):
+            return False
+        os.unlink(file)
+    except (BlockingIOError, FileNotFoundError):  # held; removed by another start
+        return False
+    finally:
+        os.close(descriptor)
+    return True
 
 
 def with_local_models(spec: PipelineSpec, cache: ModelCache, setting: str) -> PipelineSpec:
