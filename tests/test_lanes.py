@@ -8,14 +8,23 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
-from tests.support.in_process import job_file, run_while, sample_images, serving_settings
+from tests.support.in_process import (
+    draining_settings,
+    job_file,
+    run_while,
+    sample_images,
+    serving_settings,
+)
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon import Daemon, ExitCode
 from worker.jobs.lanes import SHARDS_LANE, Lanes
 from worker.jobs.plan import Plan, shard_body
+from worker.loops import intake
+from worker.loops.intake import SPARE_SHARD
 from worker.message import JobMessage
 
 
@@ -103,3 +112,26 @@ def test_a_shard_on_the_jobs_queue_is_handed_back_with_a_delay(tmp_path: Path) -
     spares = [e for e in logs if e["event"] == "job_released" and "another worker" in e["reason"]]
     on_jobs_lane = [e for e in spares if e["retry_in_s"] > 0]
     assert len(on_jobs_lane) == 1 and on_jobs_lane[0]["retry_in_s"] >= 10, spares
+
+
+def test_a_daemon_alone_on_a_job_s_shards_hands_none_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job of 30 inputs in shards of 5, on one daemon that holds about a shard's work
+    (a batch of 1 and 4 fetches ahead): the shards lane takes a shard only once the one
+    before is admitted, so each shard it takes is one it holds. A shard taken while the
+    one before was still being admitted was found one too many once admitted, and
+    handed back to be taken again at once (9 hand-backs for these 6 shards), each a
+    receive, an admission's S3 reads and two SQS calls (`bench.fleet`'s requests per
+    shard). However long an admission takes here (a loaded machine), the lane waits."""
+    monkeypatch.setattr(intake, "ADMISSION_PATIENCE_S", 60.0)
+    jobs, shards, blobs = InMemoryJobSource(), InMemoryJobSource(), InMemoryBlobStore()
+    inputs = sample_images(blobs, 30)
+    giant = {"job_id": "giant", "inputs": inputs, "output": "s3://bkt/out/giant/"}
+    jobs.send(json.dumps({**giant, "shard_items": 5}))
+    settings = draining_settings(tmp_path, batch_size=1, prefetch_batches=1, fetch_concurrency=4)
+    with capture_logs() as logs:
+        assert Daemon(settings, jobs, blobs, shard_source=shards).run() is ExitCode.DRAINED
+    assert job_file(blobs, "giant", "job.json")["shards"]["count"] == 6
+    spares = [e for e in logs if e["event"] == "job_released" and e["reason"] == SPARE_SHARD]
+    assert spares == []

@@ -191,14 +191,21 @@ class Intake:
         """Receive and admit from the jobs lane, or the one queue, until stopping (or
         drained, with `--drain`)."""
         if self._lanes is None:
-            self._serve(self._source.receive, self.room, drains=True)
+            self._serve(
+                self._source.receive,
+                self.room,
+                drains=True,
+                paced=lambda: self._ledger.shards_held() > 0,
+            )
         else:
-            self._serve(self._lanes.receive, self.room_for_jobs, drains=True)
+            self._serve(self._lanes.receive, self.room_for_jobs, drains=True, paced=lambda: False)
 
     def run_shards_lane(self) -> None:
         """Receive and admit from the shards lane until stopping."""
         assert self._lanes is not None
-        self._serve(self._lanes.receive_shards, self.room_for_a_shard, drains=False)
+        self._serve(
+            self._lanes.receive_shards, self.room_for_a_shard, drains=False, paced=lambda: True
+        )
 
     def _serve(
         self,
@@ -206,11 +213,17 @@ class Intake:
         room: Callable[[], int],
         *,
         drains: bool,
+        paced: Callable[[], bool],
     ) -> None:
         """Receive up to `room()` messages at a time, whenever there is room; `drains`:
         this loop decides that the daemon is drained. Each message is admitted on a
         thread of its own (`_admission`): one that takes long (a prefix of millions of
-        objects to plan, tars to copy) holds up neither the others nor the next receive."""
+        objects to plan, tars to copy) holds up neither the others nor the next receive;
+        but while `paced()` (the lane brings shards one at a time) the next receive waits
+        for this one's admission, as long as it is quick: whether there is room for
+        another shard is known once this one is admitted, and one received before would
+        be handed back as a spare and taken again, a receive, an admission's reads and
+        a hand-back each time (`bench.fleet`'s requests per shard)."""
         while not self._stopping.is_set():
             # Looked at again as a tar shard's copy grows old (`_tar_shard_being_copied`).
             self._ledger.wait_until(
@@ -238,6 +251,8 @@ class Intake:
                 if job is not None:
                     self._admit_apart(job, list(received))
                     received.append(job)
+            if paced():
+                self._ledger.wait_until(_past_admission(received), ADMISSION_PATIENCE_S)
 
     def _admit_apart(self, job: Job, before: list[Job]) -> None:
         """Have the job admitted on a thread of the admitting pool, after the jobs of its

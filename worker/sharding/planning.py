@@ -310,15 +310,23 @@ def sweep_replaced(blobs: BlobStore, spec: JobMessage, plan: Plan) -> None:
     """Remove what plans replaced by `plan` left under the output's `shards/` (the
     inputs files, runs, commits and notes of their shards), once `plan`'s job is
     merged; never raises. Listed first, then the plan read: a later request's plan is
-    written before its shards' files, so none of its files is in the listing."""
+    written before its shards' files, so none of its files is in the listing. Nothing
+    listed but `plan`'s own (what a job's merge leaves, most often nothing): no plan to
+    read, nothing to remove."""
     try:
         shards = spec.output_location(SHARDS_DIR)
-        listing = list(blobs.keys_under(shards))
+        own = f"{shards.key}{plan.request_digest}/"
+        listing = [key for key in blobs.keys_under(shards) if not key.startswith(own)]
+        if not listing:
+            return
         standing = standing_plan(blobs, spec) or plan.request_digest
-        kept = tuple(f"{shards.key}{digest}/" for digest in (plan.request_digest, standing))
-        swept = [S3Location(shards.bucket, key) for key in listing if not key.startswith(kept)]
-        blobs.delete(swept)
+        swept = [
+            S3Location(shards.bucket, key)
+            for key in listing
+            if not key.startswith(f"{shards.key}{standing}/")
+        ]
         if swept:
+            blobs.delete(swept)
             log.info("replaced_plans_swept", job_id=plan.job_id, objects=len(swept))
     except Exception as error:
         log.warning("replaced_plans_not_swept", job_id=plan.job_id, error=repr(error))
