@@ -17,11 +17,46 @@ pytest.register_assert_rewrite("tests.support")
 
 from tests.support.aws import Aws  # noqa: E402
 from tests.support.daemons import DaemonProcess, StartDaemon  # noqa: E402
+from tests.support.durations import balanced_order, known_durations  # noqa: E402
 from worker.demo import LOCAL_AWS_ENV, local_moto_server  # noqa: E402
+
+# What an end-to-end test not yet in tests/durations.json is taken to last (most take
+# 7 to 25 s): it starts before the unit tests, not last.
+UNMEASURED_E2E_S = 10.0
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected what they do
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, each worker's share of the collection starts with its share
+    of the long tests (`tests/support/durations.py`): in the order they are written the
+    longest could start last and run on alone, a minute after the rest."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    seconds = known_durations()
+    for item in items:
+        if item.nodeid not in seconds and item.get_closest_marker("e2e"):
+            seconds[item.nodeid] = UNMEASURED_E2E_S
+    by_id = {item.nodeid: item for item in items}
+    if len(by_id) < len(items):
+        return  # a test collected twice (its file named twice): left as it is
+    items[:] = [by_id[test] for test in balanced_order(list(by_id), seconds, workers)]
+
+
+def _list_moto_modules_once() -> None:
+    """moto's server routes each request by looking its host up among moto's modules,
+    which it lists from its package directory every time (two hundred `stat` calls),
+    holding the lock every request takes: the test process spent a tenth of its CPU
+    there, and the daemons' calls waited in line for it. The directory stays as it is."""
+    import moto.backends
+
+    listed = frozenset(moto.backends.list_of_moto_modules())
+    moto.backends.list_of_moto_modules = lambda: listed
 
 
 @pytest.fixture(scope="session")
 def aws() -> Iterator[Aws]:
+    _list_moto_modules_once()
     with local_moto_server() as endpoint:
         env = {
             **os.environ,

@@ -1,0 +1,40 @@
+"""The order `make test` runs the suite in (`tests/support/durations.py`): each
+pytest-xdist worker's share of the collection starts with its share of the long tests."""
+
+from __future__ import annotations
+
+from tests.support.durations import balanced_order, known_durations, read_durations
+
+
+def test_each_workers_run_holds_an_equal_share_of_the_known_time_longest_first() -> None:
+    """Worksteal hands 3 workers runs of 4, 4 and 5 of 13 tests. In the written order
+    the first run would hold 160 of the 195 s; here each holds at most the average
+    (65 s) plus its longest test, and starts with that test."""
+    seconds = {"a": 60.0, "b": 40.0, "c": 30.0, "d": 30.0, "e": 20.0, "f": 10.0, "g": 5.0}
+    tests = [*seconds, "h", "i", "j", "k", "l", "m"]
+    order = balanced_order(tests, seconds, 3)
+    assert sorted(order) == sorted(tests)
+    runs = [order[:4], order[4:8], order[8:]]
+    loads = [sum(seconds.get(test, 0.0) for test in run) for run in runs]
+    average = sum(seconds.values()) / 3
+    for run, load in zip(runs, loads, strict=True):
+        longest = max(seconds.get(test, 0.0) for test in run)
+        assert load <= average + longest
+        assert [seconds.get(test, 0.0) for test in run] == sorted(
+            (seconds.get(test, 0.0) for test in run), reverse=True
+        )
+    assert max(loads) <= 70.0
+
+
+def test_durations_are_read_from_a_report_summing_each_tests_phases() -> None:
+    report = (
+        "12.50s call     tests/e2e/test_x.py::test_long[3]\n"
+        "0.50s setup    tests/e2e/test_x.py::test_long[3]\n"
+        "0.40s call     tests/test_y.py::test_short\n"
+    )
+    assert read_durations(report) == {"tests/e2e/test_x.py::test_long[3]": 13.0}
+
+
+def test_the_known_durations_are_of_tests_by_their_ids() -> None:
+    known = known_durations()
+    assert known and all("::" in test and seconds > 0 for test, seconds in known.items())
