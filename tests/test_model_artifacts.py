@@ -9,14 +9,18 @@ whose files are written by hand (`copy_path`), as no process holds them."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from tests.support.text_encoders import save_script
 from worker.adapters.fakes import InMemoryBlobStore
@@ -139,17 +143,22 @@ def test_a_copy_a_running_daemon_holds_and_a_download_under_way_stay(tmp_path: P
     assert blobs.reads[MODEL] == 2
 
 
+@pytest.mark.parametrize("second_name", [False, True], ids=["one-name", "a-dead-partial-too"])
 def test_a_copy_removed_before_a_start_could_hold_it_is_fetched_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second_name: bool
 ) -> None:
     """Another start may remove a copy no daemon holds between this start's open and
-    its lock: the start sees its file gone under the lock and fetches the object again,
-    never running a copy that is not there."""
+    its lock: the start sees its file no longer under its name and fetches the object
+    again, never running a copy that is not there. The file it locked may live on under
+    a second name, the partial file of a start killed between its link and its unlink,
+    which the start removes."""
     blobs = InMemoryBlobStore()
     blobs.objects[MODEL] = b"the upload now"
     path = copy_path(tmp_path, LOCATION, blobs.head(LOCATION).etag)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"the upload now")
+    if second_name:
+        os.link(path, path.with_name(f"{PARTIAL_PREFIX}killed"))
     lock, removals = fcntl.flock, [path]
 
     def removed_first(descriptor: int, operation: int) -> None:
@@ -161,6 +170,107 @@ def test_a_copy_removed_before_a_start_could_hold_it_is_fetched_again(
     assert ModelCache(tmp_path, blobs).local(MODEL, "--model") == str(path)
     assert path.read_bytes() == b"the upload now"
     assert blobs.reads[MODEL] == 1
+    assert _files(tmp_path) == {path}
+
+
+def test_another_start_copy_linked_as_this_one_looked_stays_and_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two starts fetch the same upload: the other links its whole copy just after this
+    one looked for it, and before it locks it. This start's removals leave that copy
+    (the current upload's only lose their partial files), and its own download, as
+    good, finds it in place: the other start's copy is never removed under it."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"the upload now"
+    path = copy_path(tmp_path, LOCATION, blobs.head(LOCATION).etag)
+    held, others = artifacts._held, [path]
+
+    def linked_after(looked_at: Path, size: int) -> bool:
+        found = held(looked_at, size)
+        if others:  # the other start's copy, linked into place, not yet locked
+            other = others.pop()
+            other.parent.mkdir(parents=True)
+            other.write_bytes(b"the upload now")
+        return found
+
+    monkeypatch.setattr(artifacts, "_held", linked_after)
+    with capture_logs() as logs:
+        assert ModelCache(tmp_path, blobs).local(MODEL, "--model") == str(path)
+    assert [log for log in logs if log["event"] == "model_copy_removed"] == []
+    assert _files(tmp_path) == {path}
+
+
+@pytest.mark.parametrize("racing", ["disk_usage", "mkstemp"])
+def test_an_upload_directory_removed_as_its_start_made_it_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, racing: str
+) -> None:
+    """A start of another upload of the object removes the upload directories it finds
+    empty, at any moment: this start's, just made, before it measures the room or
+    before it makes its partial file there. The start goes on (tried again from its
+    HEAD if need be), never stopping for a directory it made."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"the upload now"
+    path = copy_path(tmp_path, LOCATION, blobs.head(LOCATION).etag)
+    module = {"disk_usage": artifacts.shutil, "mkstemp": artifacts.tempfile}[racing]
+    call, removals = getattr(module, racing), [path.parent]
+
+    def removed_first(*args: Any, **kwargs: Any) -> Any:
+        if removals:
+            with contextlib.suppress(FileNotFoundError):  # not made yet
+                removals.pop().rmdir()
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(module, racing, removed_first)
+    assert ModelCache(tmp_path, blobs).local(MODEL, "--model") == str(path)
+    assert path.read_bytes() == b"the upload now"
+
+
+def test_a_file_that_cannot_be_removed_stays_and_the_others_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first file of an earlier upload that a start tries to remove cannot be
+    opened (another user's partial file): it stays, logged, and the start removes the
+    others and goes on."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"the upload now"
+    left = {
+        _left_by_a_daemon_gone(tmp_path, '"earlier"', "encoder.pt", LOCATION),
+        _left_by_a_daemon_gone(tmp_path, '"earlier"', f"{PARTIAL_PREFIX}x", LOCATION),
+        _left_by_a_daemon_gone(tmp_path, '"another"', f"{PARTIAL_PREFIX}y", LOCATION),
+    }
+    opened, denied = os.open, []
+
+    def denied_first(file: Any, *args: Any, **kwargs: Any) -> int:
+        if Path(file) in left and not denied:
+            denied.append(Path(file))
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return opened(file, *args, **kwargs)
+
+    monkeypatch.setattr(artifacts.os, "open", denied_first)
+    with capture_logs() as logs:
+        path = Path(ModelCache(tmp_path, blobs).local(MODEL, "--model"))
+    assert _files(tmp_path) == {path, *denied}
+    kept = [log for log in logs if log["event"] == "model_cache_kept"]
+    assert [log["path"] for log in kept] == [str(*denied)]
+
+
+def test_a_cache_without_hard_links_stops_the_start_saying_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy is linked into place: on a file system without hard links (vfat, exFAT,
+    some FUSE ones) the start stops naming --model-cache-dir and what the cache needs,
+    leaving no partial file."""
+    blobs = InMemoryBlobStore()
+    blobs.objects[MODEL] = b"the upload now"
+
+    def unsupported(source: Any, target: Any) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(artifacts.os, "link", unsupported)
+    with pytest.raises(CannotStart, match="--model-cache-dir") as refused:
+        ModelCache(tmp_path, blobs).local(MODEL, "--model")
+    assert "Operation not permitted" in str(refused.value) and "hard links" in str(refused.value)
+    assert _files(tmp_path) == set()
 
 
 class _CutShort(InMemoryBlobStore):

@@ -17,9 +17,12 @@ replaced later loads the file again. A download holds an exclusive lock on its p
 file. Each start, once the HEAD has said which upload is current, removes the files of
 the object's other uploads and the partial files that no process holds, before it
 fetches (so their room counts): the copy of a redeployed model goes with the last daemon
-on the host that ran it, a dead download's file with the next start. Whoever takes a
-lock checks that the file is still there under its name (a start may remove it between
-another's open and its lock), and fetches again if not.
+on the host that ran it, a dead download's file with the next start. Of the current
+upload it removes only partial files (and a copy of the wrong size): a whole copy there
+that nobody holds is another start's, just linked and not yet locked, and as good as its
+own. Whoever takes a lock checks that its name still names the file it locked (a start
+may remove it between another's open and its lock, and a download link a new one
+there), and fetches again if not.
 """
 
 from __future__ import annotations
@@ -112,13 +115,11 @@ class ModelCache:
     def _fetched_once(self, location: S3Location) -> Path:
         head = self._blobs.head(location)
         path = copy_path(self._directory, location, head.etag)
-        held = _held(path, head.size)
-        self._remove_unheld(path.parent.parent)
-        if held:
+        _remove_unheld(path, head.size)  # first: another start's copy just linked stays
+        if _held(path, head.size):
             log.info("model_cached", location=str(location), etag=head.etag, path=str(path))
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        room = shutil.disk_usage(path.parent).free if self._room_bytes is None else self._room_bytes
+        room = self._room()
         if head.size > room:
             raise ObjectTooLarge(head.size, room)
         started = time.monotonic()
@@ -135,10 +136,20 @@ class ModelCache:
         )
         return path
 
+    def _room(self) -> int:
+        """The bytes a copy may take: the space free on the cache's disk, measured on
+        the cache's own directory (an upload's may be removed by another start at any
+        time, found empty), unless given."""
+        if self._room_bytes is not None:
+            return self._room_bytes
+        self._directory.mkdir(parents=True, exist_ok=True)
+        return shutil.disk_usage(self._directory).free
+
     def _download(self, location: S3Location, head: ObjectHead, path: Path) -> None:
         """The object's bytes of `head`'s ETag (If-Match: not a newer upload's) into
         `path`, whole or not at all; another start's whole copy there is as good."""
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=PARTIAL_PREFIX)
         except FileNotFoundError:  # another start removed the directory, found empty
             raise TransientError("its directory was removed by another start") from None
@@ -153,29 +164,42 @@ class ModelCache:
                 if written != head.size:
                     raise TransientError(f"read {written} of its {head.size} bytes")
             os.fsync(descriptor)
-            # A link, never a rename, puts it in place: a file under a copy's name is
-            # never replaced, so a start that locked it removes the file it locked.
-            with contextlib.suppress(FileExistsError):
-                os.link(partial, path)
+            _linked(partial, path)
         finally:  # a stop at start (SIGTERM) too: no partial file stays
-            os.close(descriptor)
+            # Unlinked under its lock: a partial file no download holds is never a
+            # second name of a copy (a start killed between the link and this is).
             with contextlib.suppress(FileNotFoundError):  # removed by another start
                 os.unlink(partial)
+            os.close(descriptor)
 
-    def _remove_unheld(self, directory: Path) -> None:
-        """Remove the files under `directory` (an object's: its uploads' copies and
-        partial files) that no process holds, and the uploads' directories then empty.
-        The start goes on if it cannot (what it could not remove stays)."""
-        try:
-            uploads = [path for path in directory.glob("*") if path.is_dir()]
-            for upload in uploads:
-                for file in list(upload.iterdir()):
-                    if _removed_unless_held(file):
-                        log.info("model_copy_removed", path=str(file))
-                with contextlib.suppress(OSError):  # not empty: a copy in use, a download
-                    upload.rmdir()
-        except OSError as error:
-            log.warning("model_cache_kept", directory=str(directory), error=str(error))
+
+def _linked(partial: str, path: Path) -> None:
+    """Link the whole copy `partial` into place as `path`, unless a copy is there.
+    A link, never a rename: a file under a copy's name is never replaced, so a start
+    that locked it removes the file it locked."""
+    try:
+        os.link(partial, path)
+    except FileExistsError:  # another start's whole copy, as good
+        pass
+    except OSError as error:  # vfat, exFAT, some FUSE file systems
+        raise OSError(
+            error.errno,
+            f"{error.strerror} on linking a file into place: the cache needs a file system "
+            "with hard links and flock between processes (a local disk's)",
+        ) from error
+
+
+def _remove_unheld(path: Path, size: int) -> None:
+    """Remove the files of the object whose current copy is `path` (of `size` bytes)
+    that no process holds: its other uploads' copies and partial files, with their
+    directories then empty, and the current upload's partial files and a copy there of
+    the wrong size. What it cannot remove stays, logged: the start goes on."""
+    for upload in filter(Path.is_dir, _listed(path.parent.parent)):
+        for file in _listed(upload):
+            _remove_unless_held(file, keep_bytes=size if file == path else None)
+        if upload != path.parent:
+            with contextlib.suppress(OSError):  # not empty: a copy in use, a download
+                upload.rmdir()
 
 
 def copy_path(directory: Path, location: S3Location, etag: str) -> Path:
@@ -189,6 +213,18 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _listed(directory: Path) -> list[Path]:
+    """What `directory` holds (nothing if it is gone: not fetched yet, or removed by
+    another start; logged if it cannot be read)."""
+    try:
+        return list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as error:
+        log.warning("model_cache_kept", path=str(directory), error=str(error))
+        return []
+
+
 def _held(path: Path, size: int) -> bool:
     """Whether the whole copy (of `size` bytes) at `path` is held now, with a shared
     lock this process keeps: no other start removes it while it lives."""
@@ -197,30 +233,45 @@ def _held(path: Path, size: int) -> bool:
     except FileNotFoundError:
         return False
     fcntl.flock(descriptor, fcntl.LOCK_SH)
-    found = os.fstat(descriptor)
-    if found.st_nlink and found.st_size == size:
+    if _names(path, descriptor) and os.fstat(descriptor).st_size == size:
         return True  # never closed: the lock lasts as long as the process
     os.close(descriptor)
     return False
 
 
-def _removed_unless_held(file: Path) -> bool:
-    """Remove `file` unless a process holds it (a lock of any kind), as the file that
-    was locked, not another linked there since."""
+def _remove_unless_held(file: Path, keep_bytes: int | None) -> None:
+    """Remove `file` unless a process holds it (a lock of any kind) or it is a whole
+    copy (of `keep_bytes`), as the file that was locked, not another linked there
+    since; logged either way but when it is gone or held."""
     try:
         descriptor = os.open(file, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
+    except FileNotFoundError:  # removed by another start
+        return
+    except OSError as error:  # another user's file
+        log.warning("model_cache_kept", path=str(file), error=str(error))
+        return
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not os.path.samestat(os.fstat(descriptor), os.stat(file)):
-            return False
+        if not _names(file, descriptor) or os.fstat(descriptor).st_size == keep_bytes:
+            return
         os.unlink(file)
+        log.info("model_copy_removed", path=str(file))
     except (BlockingIOError, FileNotFoundError):  # held; removed by another start
-        return False
+        return
+    except OSError as error:  # a lock the file system does not take (NFS: ENOLCK)
+        log.warning("model_cache_kept", path=str(file), error=str(error))
     finally:
         os.close(descriptor)
-    return True
+
+
+def _names(path: Path, descriptor: int) -> bool:
+    """Whether `path` still names the file open as `descriptor`: another start may have
+    removed it since it was opened (leaving it a second name, a dead download's partial
+    file, or none), and a download linked another there."""
+    try:
+        return os.path.samestat(os.fstat(descriptor), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def with_local_models(spec: PipelineSpec, cache: ModelCache, setting: str) -> PipelineSpec:
