@@ -116,25 +116,29 @@ def test_an_urgent_text_beside_background_ones_goes_at_once_ahead_of_their_full_
     assert chooser([urgent, *shard, Item("giant", 8, 40)], arrived, 0.6) == [0, 9]
     alone = [Item("small", index, 16, urgent=True) for index in range(1, 9)]
     assert chooser([urgent, *alone], arrived, 0.6) == list(range(1, 9))
+    behind = Item("small", 9, 16, urgent=True)  # shown after the shard: it goes all the same
+    assert chooser([*shard, behind], arrived, 0.6) == [*range(7), 8]
 
 
 @given(
-    st.lists(st.tuples(st.sampled_from(LENGTHS), st.floats(0, 2)), min_size=1, max_size=40),
+    st.lists(
+        st.tuples(st.sampled_from(LENGTHS), st.floats(0, 2), st.booleans()),
+        min_size=1,
+        max_size=40,
+    ),
     st.integers(16, 512),
     st.booleans(),
-    st.integers(0, 40),
 )
 def test_every_choice_is_one_length_within_budget_and_the_first_urgent_or_due_goes_first(
-    ready: list[tuple[int, float]], budget: int, window_full: bool, urgent_count: int
+    ready: list[tuple[int, float, bool]], budget: int, window_full: bool
 ) -> None:
-    """Whatever is ready (the first `urgent_count` urgent, as the lane ahead puts them):
-    a batch holds one length, at most its rows, in window order; if urgent and
-    background texts are both there, the first urgent's length goes, else if a text is
-    due, its length goes, the first of that length first; if none is taken, none is
-    due, no length is full, the window is not, and the wait ends when the oldest is
-    due."""
-    lengths, arrived = [length for length, _ in ready], [at for _, at in ready]
-    urgent = [position < urgent_count for position in range(len(ready))]
+    """Whatever is ready (urgent or not, in any order): a batch holds one length, at
+    most its rows, in window order; if urgent and background texts are both there, the
+    first urgent's length goes, its urgent texts first, else if a text is due, its
+    length goes, the first of that length first; if none is taken, none is due, no
+    length is full, the window is not, and the wait ends when the oldest is due."""
+    lengths, arrived = [length for length, _, _ in ready], [at for _, at, _ in ready]
+    urgent = [is_urgent for _, _, is_urgent in ready]
     rows, now, max_wait_s = _rows(budget, max_rows=8), 2.0, 1.0
     chosen = choose_batch(
         lengths,
@@ -145,7 +149,7 @@ def test_every_choice_is_one_length_within_budget_and_the_first_urgent_or_due_go
         window_full=window_full,
         urgent=urgent,
     )
-    passing = 0 < urgent_count < len(ready)
+    passing = any(urgent) and not all(urgent)
     due = [position for position, at in enumerate(arrived) if now - at >= max_wait_s]
     if isinstance(chosen, float):
         assert not passing and not due and not window_full
@@ -154,10 +158,13 @@ def test_every_choice_is_one_length_within_budget_and_the_first_urgent_or_due_go
         return
     (length,) = {lengths[position] for position in chosen}
     assert chosen == sorted(set(chosen)) and 1 <= len(chosen) <= rows(length)
-    first = 0 if passing else due[0] if due else None
-    if first is not None:
-        same = [position for position, other in enumerate(lengths) if other == length]
-        assert length == lengths[first] and chosen == same[: rows(length)]
+    same = [position for position, other in enumerate(lengths) if other == length]
+    if passing:
+        assert length == lengths[urgent.index(True)] and len(chosen) == min(len(same), rows(length))
+        same_urgent = [position for position in same if urgent[position]]
+        assert sum(urgent[position] for position in chosen) == min(len(same_urgent), rows(length))
+    elif due:
+        assert length == lengths[due[0]] and chosen == same[: rows(length)]
 
 
 def test_the_channel_shows_its_chooser_a_bounded_window_and_keeps_the_rest_in_order() -> None:

@@ -10,8 +10,10 @@ among the first `window` items ready (those taken ahead first, then oldest first
 
 1. an urgent item (`Item.urgent`) seen beside background ones (a small job's texts
    beside a giant job's shard) has its length's batch taken at once, however few it
-   holds, its background texts of that length filling it: it passes the full batches
-   of the background, as it passes them in an item-count batch and in every queue;
+   holds: that length's urgent items first, its background texts filling it: it passes
+   the full batches of the background, as it passes them in an item-count batch and in
+   every queue (the channel shows urgent items first, its lane ahead, but the batch
+   does not count on it);
 2. else an item that has waited `max_wait_s` has its length's batch taken at once,
    however few it holds: nothing waits for company longer than an item-count batch
    would;
@@ -134,9 +136,10 @@ def choose_batch(
     by_length: dict[int, list[int]] = {}
     for position, length in enumerate(lengths):
         by_length.setdefault(length, []).append(position)
-    if any(urgent) and not all(urgent):  # the first urgent, in the order they go
+    if any(urgent) and not all(urgent):  # the first urgent's length, urgent first
         length = lengths[urgent.index(True)]
-        return by_length[length][: rows(length)]
+        urgent_first = sorted(by_length[length], key=lambda position: not urgent[position])
+        return sorted(urgent_first[: rows(length)])
     if now - min(arrived) >= max_wait_s:  # the first due, in the order they go
         due = next(position for position, at in enumerate(arrived) if now - at >= max_wait_s)
         length = lengths[due]
