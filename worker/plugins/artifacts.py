@@ -242,7 +242,7 @@ def _held(path: Path, size: int) -> bool:
 def _remove_unless_held(file: Path, keep_bytes: int | None) -> None:
     """Remove `file` unless a process holds it (a lock of any kind) or it is a whole
     copy (of `keep_bytes`), as the file that was locked, not another linked there
-    since; logged either way but when it is gone or held."""
+    since; logged when removed, and when it cannot be (it stays)."""
     try:
         descriptor = os.open(file, os.O_RDONLY)
     except FileNotFoundError:  # removed by another start
