@@ -252,7 +252,9 @@ class Intake:
                     self._admit_apart(job, list(received))
                     received.append(job)
             if paced():
-                self._ledger.wait_until(_past_admission(received), ADMISSION_PATIENCE_S)
+                self._ledger.wait_until(
+                    _past_admission(received, self._stopping), ADMISSION_PATIENCE_S
+                )
 
     def _admit_apart(self, job: Job, before: list[Job]) -> None:
         """Have the job admitted on a thread of the admitting pool, after the jobs of its
@@ -279,7 +281,7 @@ class Intake:
             # In the order they came, so that they are fed in turn in that order; but not
             # after one that takes long (a listing past a page, tars to copy), nor for
             # long after one slow for another reason (a manifest S3 is slow to give).
-            self._ledger.wait_until(_past_admission(before), ADMISSION_PATIENCE_S)
+            self._ledger.wait_until(_past_admission(before, self._stopping), ADMISSION_PATIENCE_S)
             # Whether a shard is one too many is decided with it admitted at once: of two
             # shards admitted side by side, the second sees the first.
             with self._claim_lock:
@@ -431,9 +433,13 @@ class Intake:
             self._finish(job)
 
 
-def _past_admission(jobs: list[Job]) -> Callable[[], bool]:
-    """Whether every one of `jobs` is admitted, settled or slow to admit."""
-    return lambda: all(job.state is not JobState.RECEIVED or job.slow_to_admit for job in jobs)
+def _past_admission(jobs: list[Job], stopping: threading.Event) -> Callable[[], bool]:
+    """Whether every one of `jobs` is admitted, settled or slow to admit, or the daemon
+    is stopping."""
+    return lambda: (
+        stopping.is_set()
+        or all(job.state is not JobState.RECEIVED or job.slow_to_admit for job in jobs)
+    )
 
 
 # Items the feeder takes from the ledger, and feeds in, at a time: a lock each, not one
