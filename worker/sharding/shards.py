@@ -298,19 +298,14 @@ class Shards:
         claim. Never raises."""
         unrenewed_s = math.ceil(MERGE_CLAIM_S - (until - time.time()))
         delay_s = min(claim_watch_delay_s(until), max(soonest_s, unrenewed_s))
-        try:
-            marker = watch_file(spec, plan.request_digest)
-            armed = self.armed_watch(spec, plan, self._blobs.objects_under(marker).get(""))
+
+        def still_to_come(armed: ArmedWatch) -> bool:
+            # Taken at most the clocks' slack early, and no later than this one would be.
             now = time.time()
-            # A watch taken at most the clocks' slack early.
             soonest, latest = now + WATCH_SLACK_S, now + delay_s + WATCH_MIN_S
-            if armed is not None and armed.due is not None and soonest < armed.due <= latest:
-                return  # one to come
-            self.arm_watch(spec, plan, delay_s, armed)
-        except PreconditionFailed:
-            return  # another was armed meanwhile
-        except Exception as error:
-            log.warning("watch_not_armed", job_id=plan.job_id, error=repr(error))
+            return armed.due is not None and soonest < armed.due <= latest
+
+        self._arm_watch_unless(spec, plan, delay_s, still_to_come)
 
     def started(self, spec: JobMessage, plan: Plan, *, held: bool) -> None:
         """Note when this run of the shard began, as admitted (a watch compares it with
@@ -352,11 +347,26 @@ class Shards:
         """Have a worker look at the job's shards `delay_s` from now
         (`worker.sharding.stragglers`), unless a watch is due no later; never raises (without
         one, a straggler only holds the job's end back)."""
+        self._arm_watch_unless(
+            spec, plan, delay_s, lambda armed: not armed.later_than(time.time() + delay_s)
+        )
+
+    def _arm_watch_unless(
+        self,
+        spec: JobMessage,
+        plan: Plan,
+        delay_s: int,
+        serves: Callable[[ArmedWatch], bool],
+    ) -> None:
+        """Arm a watch of the job due `delay_s` from now, unless the one the marker names
+        `serves` in its place; never raises. The marker is read as listed, and the new
+        watch written on condition that it is still that one: one armed meanwhile by
+        another worker stands."""
         try:
             marker = watch_file(spec, plan.request_digest)
             armed = self.armed_watch(spec, plan, self._blobs.objects_under(marker).get(""))
-            if armed is not None and not armed.later_than(time.time() + delay_s):
-                return  # one is due
+            if armed is not None and serves(armed):
+                return
             self.arm_watch(spec, plan, delay_s, armed)
         except PreconditionFailed:
             return  # another was armed meanwhile
