@@ -33,10 +33,12 @@ lint: $(VENV)/installed
 	$(PY) -m ruff format --check worker stages bench tests
 	$(PY) -m mypy
 
-# Three tests at a time: most of the suite's time is end-to-end tests waiting on moto,
-# timers and child processes, not using a core. The slowest are listed at the end.
+# Four tests at a time on 2 cores: the unit tests spend two thirds of their time waiting
+# on timers and children, the end-to-end ones near half on moto and child processes. Each
+# worker starts with its share of the long tests (tests/durations.json). The slowest are
+# listed at the end.
 test: lint $(VENV)/checkov/installed
-	$(PY) -m pytest -n 3 --dist worksteal --durations=15
+	$(PY) -m pytest -n 4 --dist worksteal --durations=15
 
 # On a GPU host (the CUDA build of torch and its torchvision): the tests marked `gpu`
 # (nvJPEG, bf16 and channels-last, two inference processes on one GPU, a real CUDA
