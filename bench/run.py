@@ -511,7 +511,7 @@ def main(out: Path, quick: bool, only: list[str] | None = None) -> int:
             "request_counts": lambda: request_counts(work_dir, 2000, 200),
             "admission": lambda: admission(work_dir, runs),
             "control_plane_scaling": lambda: control_plane_scaling(
-                work_dir, 10_000 if quick else 40_000
+                work_dir, 10_000 if quick else 40_000, runs=runs
             ),
             "tokens": lambda: token_batches(work_dir, 6000 if quick else 20_000, 1280),
         }

@@ -6,6 +6,7 @@ worker from bad items.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -66,6 +67,10 @@ WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 OOM_COOLDOWN_S = 300.0
 
 
+# The cores this process may run on: children beyond them share them.
+HOST_CORES = len(os.sched_getaffinity(0))
+
+
 class ProcessStage(FeedsAsPrepared):
     """Runs a function made by `setup()` in `workers` child processes.
 
@@ -92,14 +97,15 @@ class ProcessStage(FeedsAsPrepared):
     its set-up imports: imported once for every child, not by each as it starts.
 
     With `request_s`, a request holds as many items as would take about that long in a
-    child, from their arrival there to their answer, at the pace of the latest two
-    requests together (at least `batch_size`, at most `max_request_items`, fewer if
-    fewer are waiting): a stage whose items take microseconds each (tar members read
-    from this machine's disk) is not held to requests of a few, each costing this
-    process more than their items cost the child, while one whose items take
-    milliseconds, or wait for slow fetches, keeps its small requests, and an urgent item
-    sent to a child waits about `request_s` (once the pace has caught up with a change
-    of items: a request or two).
+    child with a core of its own, from their arrival there to their answer, at the pace
+    of the latest two requests together (at least `batch_size`, at most
+    `max_request_items`, fewer if fewer are waiting): a stage whose items take
+    microseconds each (tar members read from this machine's disk) is not held to
+    requests of a few, each costing this process more than their items cost the child,
+    while one whose items take milliseconds, or wait for slow fetches, keeps its small
+    requests, and an urgent item sent to a child waits about `request_s` (once the pace
+    has caught up with a change of items: a request or two), as many times that as
+    children share a core where they outnumber the host's cores.
 
     With `token_budget`, a batch is sized in tokens (`worker.engine.token_batches`):
     items of one padded length, at most `batch_size` of them.
@@ -171,7 +177,12 @@ class ProcessStage(FeedsAsPrepared):
 
     def current_batch_size(self) -> int:
         """The items of its next request: its batch size (lowered after an out-of-memory
-        error), or with `request_s`, what a child gets through in that long."""
+        error), or with `request_s`, what a child with a core of its own gets through in
+        that long. Children beyond the host's cores share them, each going at its share
+        of a core: sized by their own pace, their requests would shrink as they grow in
+        number while each still costs this process a message to send and two to answer
+        (16 children on 2 cores were sent 36 items a request where 2 were sent 125, and
+        the drivers' CPU an item doubled)."""
         batch_size = super().current_batch_size()
         recent = list(self._request_times)
         items = sum(count for _, count in recent)
@@ -180,7 +191,9 @@ class ProcessStage(FeedsAsPrepared):
         item_s = sum(seconds for seconds, _ in recent) / items
         if not item_s:
             return self.max_request_items
-        return max(batch_size, min(self.max_request_items, int(self.request_s / item_s)))
+        core_share = min(1.0, HOST_CORES / max(1, self.worker_count()))
+        own_core_items = int(self.request_s / (item_s * core_share))
+        return max(batch_size, min(self.max_request_items, own_core_items))
 
     def _plan(self, number: int) -> ChildPlan:
         """What the child with this number is told when it starts."""
