@@ -515,7 +515,7 @@ def test_a_stage_sized_by_time_sends_cheap_items_in_large_requests_and_costly_on
     the requests would shrink as the children grow in number, and add to the messages
     an item costs the daemon's one process."""
     children, cores = children_and_cores
-    monkeypatch.setattr(process_stage, "HOST_CORES", cores)
+    monkeypatch.setattr(process_stage, "host_cores", lambda: cores)
     observer = RecordingObserver()
     arena = TensorArena((2, 2), slots=128)
     writer = ProcessStage(

@@ -25,7 +25,7 @@ MAY_IMPORT = {
     "adapters": KERNEL,
     "plugins": {"engine", "errors", "ports"},
     "telemetry": {"errors", "ports"},
-    "settings": {"plugins", "ports", "retry"},
+    "settings": {"engine", "plugins", "ports", "retry"},
     "message": {"ports"},
     "datasets": {"message", "plugins", *KERNEL},
     "jobs": {"datasets", "engine", "message", "plugins", "telemetry", "settings", *KERNEL},

@@ -6,13 +6,13 @@ Every field is also a command-line flag (`--batch-size`) and an environment vari
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from worker.engine.cores import host_cores
 from worker.plugins.spec import DecodePlacement, ModelStep, PipelineSpec, devices
 from worker.ports import (
     SQS_MAX_DELAY_S,
@@ -155,7 +155,8 @@ class Settings(BaseSettings):
         le=256,
         description="Preprocessing processes, at most: one more starts while the inference "
         "stage waits for decoded images and those running are busy, and one stops once the "
-        "rest would have time to spare for 30 s (default: the CPU count, at least "
+        "rest would have time to spare for 30 s (default: the cores the daemon may run on, "
+        "its CPU affinity, at least "
         "--preprocess-workers; equal to it for a fixed count).",
     )
     fetch_concurrency: int = Field(
@@ -451,7 +452,7 @@ class Settings(BaseSettings):
 
     @property
     def preprocess_workers_ceiling(self) -> int:
-        return max(self.preprocess_workers, self.preprocess_workers_max or os.cpu_count() or 1)
+        return max(self.preprocess_workers, self.preprocess_workers_max or host_cores())
 
     @property
     def fetched_per_process(self) -> int:

@@ -6,7 +6,6 @@ worker from bad items.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from worker.engine.child_handle import (
     WorkerFailedProbe,
     WorkerLost,
 )
+from worker.engine.cores import host_cores
 from worker.engine.feeding_as_prepared import FeedsAsPrepared
 from worker.engine.items import (
     Item,
@@ -65,10 +65,6 @@ WHOLES = itertools.count()  # numbers the items a fan-out splits into parts
 # After an out-of-memory error, batches stay at the size that fitted for this long:
 # retrying the full size at once would only run out of memory again.
 OOM_COOLDOWN_S = 300.0
-
-
-# The cores this process may run on: children beyond them share them.
-HOST_CORES = len(os.sched_getaffinity(0))
 
 
 class ProcessStage(FeedsAsPrepared):
@@ -181,8 +177,8 @@ class ProcessStage(FeedsAsPrepared):
         that long. Children beyond the host's cores share them, each going at its share
         of a core: sized by their own pace, their requests would shrink as they grow in
         number while each still costs this process a message to send and two to answer
-        (16 children on 2 cores were sent 36 items a request where 2 were sent 125, and
-        the drivers' CPU an item doubled)."""
+        (16 children on 2 cores were sent 48 items a request where 2 were sent 140, and
+        the drivers' CPU an item more than tripled)."""
         batch_size = super().current_batch_size()
         recent = list(self._request_times)
         items = sum(count for _, count in recent)
@@ -191,7 +187,7 @@ class ProcessStage(FeedsAsPrepared):
         item_s = sum(seconds for seconds, _ in recent) / items
         if not item_s:
             return self.max_request_items
-        core_share = min(1.0, HOST_CORES / max(1, self.worker_count()))
+        core_share = min(1.0, host_cores() / max(1, self.worker_count()))
         own_core_items = int(self.request_s / (item_s * core_share))
         return max(batch_size, min(self.max_request_items, own_core_items))
 
