@@ -31,8 +31,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     of the long tests (`tests/support/durations.py`): in the order they are written the
     longest could start last and run on alone, a minute after the rest."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2:
-        return
+    if workers < 2 or config.getoption("dist", None) != "worksteal":
+        return  # the runs below are worksteal's first deal; `load` deals round-robin
     seconds = known_durations()
     for item in items:
         if item.nodeid not in seconds and item.get_closest_marker("e2e"):
@@ -50,7 +50,7 @@ def _list_moto_modules_once() -> None:
     there, and the daemons' calls waited in line for it. The directory stays as it is."""
     import moto.backends
 
-    listed = frozenset(moto.backends.list_of_moto_modules())
+    listed = tuple(moto.backends.list_of_moto_modules())
     moto.backends.list_of_moto_modules = lambda: listed
 
 

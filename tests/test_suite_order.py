@@ -31,8 +31,12 @@ def test_durations_are_read_from_a_report_summing_each_tests_phases() -> None:
         "12.50s call     tests/e2e/test_x.py::test_long[3]\n"
         "0.50s setup    tests/e2e/test_x.py::test_long[3]\n"
         "0.40s call     tests/test_y.py::test_short\n"
+        "2.00s call     tests/test_z.py::test_named[fields0-exactly one of]\n"
     )
-    assert read_durations(report) == {"tests/e2e/test_x.py::test_long[3]": 13.0}
+    assert read_durations(report) == {
+        "tests/e2e/test_x.py::test_long[3]": 13.0,
+        "tests/test_z.py::test_named[fields0-exactly one of]": 2.0,
+    }
 
 
 def test_the_known_durations_are_of_tests_by_their_ids() -> None:

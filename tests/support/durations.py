@@ -26,7 +26,7 @@ DURATIONS_FILE = Path(__file__).parent.parent / "durations.json"
 # Tests shorter than this keep the order they are written in, after the longer ones of
 # their worker's run: what they take is evened out by stealing.
 KEPT_FROM_S = 1.0
-_DURATION_LINE = re.compile(r"\s*([\d.]+)s (?:setup|call|teardown)\s+(\S+)")
+_DURATION_LINE = re.compile(r"^\s*([\d.]+)s (?:setup|call|teardown)\s+(\S.*?)\s*$", re.M)
 
 
 def read_durations(log: str) -> dict[str, float]:
