@@ -254,22 +254,28 @@ def test_a_file_that_cannot_be_removed_stays_and_the_others_go(
     assert [log["path"] for log in kept] == [str(*denied)]
 
 
+@pytest.mark.parametrize(
+    ("code", "names_hard_links"),
+    [(errno.EPERM, True), (errno.EOPNOTSUPP, True), (errno.ENOSPC, False)],
+)
 def test_a_cache_without_hard_links_stops_the_start_saying_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, names_hard_links: bool
 ) -> None:
     """A copy is linked into place: on a file system without hard links (vfat, exFAT,
     some FUSE ones) the start stops naming --model-cache-dir and what the cache needs,
-    leaving no partial file."""
+    leaving no partial file; a link that fails for another reason (a full disk) stops
+    it saying that alone."""
     blobs = InMemoryBlobStore()
     blobs.objects[MODEL] = b"the upload now"
 
-    def unsupported(source: Any, target: Any) -> None:
-        raise PermissionError(errno.EPERM, "Operation not permitted")
+    def refused_link(source: Any, target: Any) -> None:
+        raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(artifacts.os, "link", unsupported)
+    monkeypatch.setattr(artifacts.os, "link", refused_link)
     with pytest.raises(CannotStart, match="--model-cache-dir") as refused:
         ModelCache(tmp_path, blobs).local(MODEL, "--model")
-    assert "Operation not permitted" in str(refused.value) and "hard links" in str(refused.value)
+    assert os.strerror(code) in str(refused.value)
+    assert ("hard links" in str(refused.value)) is names_hard_links
     assert _files(tmp_path) == set()
 
 

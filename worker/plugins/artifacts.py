@@ -28,6 +28,7 @@ there), and fetches again if not.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -173,6 +174,10 @@ class ModelCache:
             os.close(descriptor)
 
 
+# What linking says on a file system without hard links (vfat, exFAT, some FUSE ones).
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
+
+
 def _linked(partial: str, path: Path) -> None:
     """Link the whole copy `partial` into place as `path`, unless a copy is there.
     A link, never a rename: a file under a copy's name is never replaced, so a start
@@ -181,7 +186,9 @@ def _linked(partial: str, path: Path) -> None:
         os.link(partial, path)
     except FileExistsError:  # another start's whole copy, as good
         pass
-    except OSError as error:  # vfat, exFAT, some FUSE file systems
+    except OSError as error:
+        if error.errno not in _NO_HARD_LINKS:  # a full disk, a quota, a permission
+            raise
         raise OSError(
             error.errno,
             f"{error.strerror} on linking a file into place: the cache needs a file system "
