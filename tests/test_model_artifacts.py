@@ -177,9 +177,10 @@ def test_another_start_copy_linked_as_this_one_looked_stays_and_is_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two starts fetch the same upload: the other links its whole copy just after this
-    one looked for it, and before it locks it. This start's removals leave that copy
-    (the current upload's only lose their partial files), and its own download, as
-    good, finds it in place: the other start's copy is never removed under it."""
+    one looked for it (after this one's removals, which run first). This start's own
+    download, as good, finds that copy in place and takes it: a link never replaces a
+    copy, and nothing of the other start's is removed. (A whole copy of the current
+    upload already there when a start's removals run stays: the cache-hit tests.)"""
     blobs = InMemoryBlobStore()
     blobs.objects[MODEL] = b"the upload now"
     path = copy_path(tmp_path, LOCATION, blobs.head(LOCATION).etag)
