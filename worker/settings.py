@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from worker.engine.cores import host_cores
+from worker.host import host_cores
 from worker.plugins.spec import DecodePlacement, ModelStep, PipelineSpec, devices
 from worker.ports import (
     SQS_MAX_DELAY_S,

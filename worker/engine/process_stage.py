@@ -21,7 +21,6 @@ from worker.engine.child_handle import (
     WorkerFailedProbe,
     WorkerLost,
 )
-from worker.engine.cores import host_cores
 from worker.engine.feeding_as_prepared import FeedsAsPrepared
 from worker.engine.items import (
     Item,
@@ -38,6 +37,7 @@ from worker.engine.stage import live_items
 from worker.engine.token_batches import TokenBudget
 from worker.engine.wire import ArenaMode, ChildPlan, Reply, WireTask
 from worker.errors import WorkerFault
+from worker.host import host_cores
 
 log = structlog.get_logger()
 

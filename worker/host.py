@@ -1,4 +1,6 @@
-"""The cores this process may run on."""
+"""What this host gives the daemon: the cores it may run on. A module of its own, free of
+the engine's imports (torch), so that the settings, which a producer's command line
+reads, can count them too."""
 
 from __future__ import annotations
 
