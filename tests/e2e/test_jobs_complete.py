@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -268,9 +269,23 @@ def test_a_chain_of_models_finds_and_names_the_shapes_on_each_board(
     )
     rows = table.to_pylist()
     assert [row["input"] for row in rows] == inputs
-    assert [json.loads(row["objects"] or "null") for row in rows] == [
-        result.get("objects") for result in results
-    ]
+    assert _same_answers(
+        [json.loads(row["objects"] or "null") for row in rows],
+        [result.get("objects") for result in results],
+    )
+
+
+def _same_answers(left: Any, right: Any) -> bool:
+    """Equal, scores within 1e-4: the two jobs' crops are batched together in ways that
+    differ from run to run, and a model's answer for a crop differs in the sixth place
+    with the batch it is in."""
+    if isinstance(left, float) and isinstance(right, float):
+        return math.isclose(left, right, abs_tol=1e-4)
+    if isinstance(left, list) and isinstance(right, list):
+        return len(left) == len(right) and all(map(_same_answers, left, right))
+    if isinstance(left, dict) and isinstance(right, dict):
+        return left.keys() == right.keys() and all(_same_answers(left[k], right[k]) for k in left)
+    return bool(left == right)
 
 
 def test_an_embedding_job_leaves_its_array_file_in_s3(aws: Aws, tmp_path: Path) -> None:
