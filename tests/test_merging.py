@@ -16,7 +16,15 @@ from worker.adapters import fakes
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.ledger import Ledger
-from worker.jobs.plan import COMMIT_SUFFIX, Commit, Plan, RunFile, commit_file, shard_file
+from worker.jobs.plan import (
+    COMMIT_SUFFIX,
+    Commit,
+    Plan,
+    RunFile,
+    commit_file,
+    merge_file,
+    shard_file,
+)
 from worker.message import JobMessage, ShardRef, parse_job_message
 from worker.ports import S3Location
 from worker.sharding import merging
@@ -106,6 +114,7 @@ def _committed_job(blobs: InMemoryBlobStore, shards: int = 2) -> tuple[JobMessag
         )
         marker = commit_file(spec, DIGEST, shard)
         blobs.put(marker, commit.model_dump_json().encode(), "application/json")
+    merging.open_claim(blobs, spec, DIGEST)  # as its planner does
     return spec, plan
 
 
@@ -126,13 +135,17 @@ def store() -> Iterator[_PausingStore]:
 
 
 def _merge_on_thread(
-    merger: Merger, spec: JobMessage, plan: Plan, name: str
+    merger: Merger,
+    spec: JobMessage,
+    plan: Plan,
+    name: str,
+    markers: dict[int, S3Location] | None = None,
 ) -> tuple[threading.Thread, list[Any]]:
     outcome: list[Any] = []
 
     def run() -> None:
         try:
-            outcome.append(merger.merge(spec, plan, name))
+            outcome.append(merger.merge(spec, plan, name, markers))
         except _Killed:
             outcome.append("killed")
 
@@ -173,6 +186,33 @@ def test_a_merge_found_done_is_not_merged_again(store: _PausingStore) -> None:
     written = dict(store.objects)
     assert isinstance(merger.merge(spec, plan, "late"), AlreadyMerged)
     assert dict(store.objects) == written
+
+
+def test_a_merger_that_finds_the_claim_gone_writes_none(store: _PausingStore) -> None:
+    """A watch that saw every shard committed comes to the claim after the merge
+    removed it with the shards' files: it finds the job merged, and writes no claim (a
+    claim written anew then, by a merger whose message another delivery deleted, was
+    left for ever where that merger died before it saw the job done)."""
+    spec, plan = _committed_job(store)
+    merger, _ = _merger(store)
+    markers = {shard: commit_file(spec, DIGEST, shard) for shard in range(plan.shards)}
+    assert isinstance(merger.merge(spec, plan, "last-committer"), Merged)
+    store.pause_at, store.dies = {"late-watch": "merge"}, {"late-watch"}
+    store.go_on.set()
+    thread, outcome = _merge_on_thread(merger, spec, plan, "late-watch", markers)
+    thread.join(10)
+    assert isinstance(outcome[0], AlreadyMerged)
+    assert _names(store) == {"plan.json", "results.jsonl", "job.log", "job.json"}
+
+
+def test_a_job_planned_by_a_worker_that_opened_no_claim_is_merged(store: _PausingStore) -> None:
+    """A job planned before claims were opened at planning (a rolling upgrade) has none
+    until its merger writes one: it merges, and the claim goes with the shards' files."""
+    spec, plan = _committed_job(store)
+    del store.objects[str(merge_file(spec, DIGEST))]
+    merger, _ = _merger(store)
+    assert isinstance(merger.merge(spec, plan, "last-committer"), Merged)
+    assert _names(store) == {"plan.json", "results.jsonl", "job.log", "job.json"}
 
 
 def test_a_merger_that_died_is_resumed_by_its_messages_next_delivery(

@@ -473,3 +473,33 @@ def test_a_merge_write_retried_after_its_answer_was_lost_is_its_own(
         game.check()
     finally:
         game.teardown()
+
+
+def test_a_merger_that_finds_the_claim_gone_after_the_merge_leaves_none(protocol: None) -> None:
+    """A game the machine found. A watch sees every shard committed and, before it
+    looks at the merge claim, the last shard's run merges the job and removes the
+    shards' files, the claim with them; another delivery of the watch finds the job
+    done and deletes the message. The first delivery then found no claim, wrote one
+    anew, and died before it saw the job done: the claim was left for ever, nothing of
+    the job to come. No claim now means the job was merged (the planner opens it), and
+    none is written where it is gone."""
+    game = FleetProtocol()
+    try:
+        game.send_the_job(items=2, shard_items=1)
+        game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
+        game.finish(game.start("m2"))  # shard 0 commits and arms a watch (m4)
+        last = game.start("m3")
+        _go_on_until(last, r"put shards/\w+/commits/000001\.commit")
+        last.step()  # shard 1 commits
+        CLOCK.now += shards.WATCH_MIN_S
+        late = game.start("m4")
+        _go_on_until(late, r"list shards/\w+/merge")  # it found every shard committed
+        game.finish(last)
+        assert OUTPUT + "job.json" in game.world.store.objects
+        game.finish(game.start("m4"))  # finds the job done, and deletes the watch
+        _go_on_until(late, r"(put|get) .*")  # a claim written anew, or job.json read
+        game.kill(late, "dies_unanswered")  # made, then it dies
+        assert not game.world.queue.messages
+        game.check()
+    finally:
+        game.teardown()

@@ -2,8 +2,9 @@
 
 Whoever sees every shard committed may merge: the last committer, a watch, a committed
 shard's redelivery. Only one merges at a time: a merge first takes the job's `merge`
-claim (written on condition that there is none, or that it is as read: a claim
-expired, or the merger's own from an earlier delivery of the same message), renews it
+claim (opened, held by none, by the job's planner; written on condition that it is as
+read: held by none, expired, or the merger's own from an earlier delivery of the same
+message; found gone, the job was merged and it is not written again), renews it
 before each write, and a merger whose claim was taken over is fenced off by that
 renewal. So two mergers never interleave their writes: with ETags that are not MD5s of
 the bytes (SSE-KMS buckets, other S3 stores), the same bytes written twice would leave
@@ -20,6 +21,7 @@ of its own: a `None` that means three things is where such protocols lose data.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -147,6 +149,15 @@ class Merger:
         location = merge_file(spec, plan.request_digest)
         claim = _Claim(self._blobs, location, merger)
         holder = claim.take(self._blobs.objects_under(location).get(""))
+        if isinstance(holder, _NoClaim):
+            # The claim stands from the job's planning to its merge's removal: gone, the
+            # job was merged (job.json is written before the removal). A claim written
+            # anew now, by a merger whose message another delivery deleted, would be
+            # left for ever were that merger to die before it saw the job done.
+            done = self._checkpoints.finished(spec, plan.job_id, plan.request_digest)
+            if done is not None:
+                return AlreadyMerged(done)
+            holder = claim.take_anew()  # planned by a worker that opened none
         if holder is not None:
             return holder
         try:
@@ -292,6 +303,23 @@ class Merger:
             log.warning("shards_not_removed", job_id=plan.job_id, error=repr(error))
 
 
+def open_claim(blobs: BlobStore, spec: JobMessage, digest: str) -> None:
+    """Write request `digest`'s merge claim, held by none, as its plan is first written
+    (before plan.json: a planner that finds plan.json finds the claim too): mergers
+    then only ever take it over as it is (`If-Match`), and once the job's merge
+    removes it, none writes it again."""
+    note = json.dumps({"merger": None, "until": 0}).encode()
+    # Refused: opened by an earlier delivery of the job's message (or a retry of this write).
+    with contextlib.suppress(PreconditionFailed):
+        blobs.put(merge_file(spec, digest), note, "application/json", expect=ABSENT)
+
+
+@dataclass(frozen=True)
+class _NoClaim:
+    """The job has no merge claim: its merge removed it, or (a job planned by a worker
+    from before claims were opened at planning) none was ever written."""
+
+
 class _Claim:
     """A job's merge claim: `{"merger", "until", "write"}`, its ETag kept to renew it."""
 
@@ -302,20 +330,28 @@ class _Claim:
         self._etag = ABSENT
         self.name = location.key.rsplit("/", 1)[1]
 
-    def take(self, listed: str | None) -> MergingElsewhere | None:
-        """Take the claim (`listed`: its ETag as listed, None if there was none): None
-        once it is this merger's; else who holds it, until when."""
-        expect = ABSENT
-        if listed is not None:
-            try:
-                fields = _json_object(self._blobs.get(self._location, MAX_CLAIM_BYTES))
-                expect = listed  # expired, not one, or ours from an earlier delivery
-            except MissingObject:
-                fields = {}  # the merge it named ended and removed it: taken anew
-            until = fields.get("until")
-            ours = fields.get("merger") == self._merger
-            if not ours and isinstance(until, int | float) and until > time.time():
-                return MergingElsewhere(float(until))
+    def take(self, listed: str | None) -> MergingElsewhere | _NoClaim | None:
+        """Take the claim (`listed`: its ETag as listed, None if there was none), on
+        condition that it is as listed: None once it is this merger's; else who holds
+        it, until when, or that there is none."""
+        if listed is None:
+            return _NoClaim()
+        try:
+            fields = _json_object(self._blobs.get(self._location, MAX_CLAIM_BYTES))
+        except MissingObject:
+            return _NoClaim()  # the merge it named ended and removed it
+        until = fields.get("until")
+        ours = fields.get("merger") == self._merger
+        if not ours and isinstance(until, int | float) and until > time.time():
+            return MergingElsewhere(float(until))
+        # Run out, opened by the planner, not one, or ours from an earlier delivery.
+        return self._write_on(listed)
+
+    def take_anew(self) -> MergingElsewhere | None:
+        """Write the claim where there is none (a job whose planner opened none)."""
+        return self._write_on(ABSENT)
+
+    def _write_on(self, expect: str) -> MergingElsewhere | None:
         try:
             self._write(expect)
         except PreconditionFailed:

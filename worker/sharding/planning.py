@@ -49,6 +49,7 @@ from worker.jobs.plan import (
 )
 from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource, S3Location
+from worker.sharding.merging import open_claim
 
 log = structlog.get_logger()
 
@@ -252,6 +253,7 @@ class Planner:
     def _publish(self, spec: JobMessage, plan: Plan, replaces: str) -> Plan:
         """Write plan.json unless another planner was first; the plan that stands."""
         data = plan.model_dump_json(exclude_none=True).encode()  # no "tar" but for a tar job
+        open_claim(self._blobs, spec, plan.request_digest)
         try:
             self._blobs.put(spec.output_location(PLAN), data, "application/json", expect=replaces)
             return plan
