@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-gpu test-fleet test-bench lint chaos prove bench bench-full bench-gpu bench-texts
+.PHONY: demo test test-gpu test-fleet test-bench lint ruff typecheck chaos prove bench bench-full bench-gpu bench-texts
 
 # torch through pip, which finds the machine's own build of it; the rest through uv,
 # which installs it in seconds where pip took most of a minute of CI's time. Compiled
@@ -28,17 +28,25 @@ $(VENV)/checkov/installed: $(VENV)/installed
 	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(VENV)/checkov/bin/python checkov==3.3.30
 	touch $@
 
-lint: $(VENV)/installed
+lint: ruff typecheck
+
+ruff: $(VENV)/installed
 	$(PY) -m ruff check worker stages bench tests
 	$(PY) -m ruff format --check worker stages bench tests
+
+typecheck: $(VENV)/installed
 	$(PY) -m mypy
 
 # Four tests at a time on 2 cores: the unit tests spend two thirds of their time waiting
 # on timers and children, the end-to-end ones near half on moto and child processes. Each
 # worker starts with its share of the long tests (tests/durations.json). The slowest are
-# listed at the end.
-test: lint $(VENV)/checkov/installed
-	$(PY) -m pytest -n 4 --dist worksteal --durations=15
+# listed at the end. mypy, half a minute of one core on a fresh clone, runs beside them:
+# its report comes after theirs, and either failing fails `make test`.
+test: ruff $(VENV)/checkov/installed
+	@$(MAKE) --no-print-directory typecheck > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
+	$(PY) -m pytest -n 4 --dist worksteal --durations=15; tests=$$?; \
+	wait $$typecheck; typed=$$?; cat $(VENV)/typecheck.log; \
+	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$typed
 
 # On a GPU host (the CUDA build of torch and its torchvision): the tests marked `gpu`
 # (nvJPEG, bf16 and channels-last, two inference processes on one GPU, a real CUDA
