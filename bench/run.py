@@ -52,7 +52,9 @@ from stages.model import default_classifier
 from stages.preprocess import default_preprocessor
 from worker.adapters.aws.s3 import STREAM_CHUNK_BYTES
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.engine import BatchGatherer, TensorArena
+from worker.engine import TensorArena
+from worker.engine.arena import SharedSlots
+from worker.engine.child_arenas import BatchGatherer, tensor_of
 from worker.jobs.joblog import configure_daemon_logging
 from worker.plugins.loading import inference_devices, load_preprocessor, resolve_device
 from worker.plugins.setups import inference_setup
@@ -370,8 +372,10 @@ def packing(work_dir: Path, small_jobs: int, runs: int) -> dict[str, float]:
 HANDOFF_SHAPE = (BATCH_SIZE, 3, 224, 224)
 
 
-def _arena_producer(arena: torch.Tensor, conn: Any, batches: int) -> None:
+def _arena_producer(shared: SharedSlots, conn: Any, batches: int) -> None:
     torch.set_num_threads(1)  # as in the daemon's preprocessing processes
+    arena = tensor_of(shared)
+    assert arena is not None
     slots = list(range(BATCH_SIZE))
     for number in range(batches):
         arena[: len(slots)].fill_(number % 256)
@@ -394,11 +398,11 @@ def handoff(batches: int, runs: int) -> dict[str, float]:
         slot numbers and gathering them (what the inference process waits for)."""
         arena = TensorArena(shape[1:], shape[0])
         parent, child = context.Pipe()
-        producer = context.Process(target=_arena_producer, args=(arena.tensor, child, batches))
+        producer = context.Process(target=_arena_producer, args=(arena.shared, child, batches))
         producer.start()
         parent.recv()
         parent.send(None)  # the first batch pays for start-up; time the rest
-        gatherer = BatchGatherer(arena.tensor)  # as the inference process does
+        gatherer = BatchGatherer(torch.from_numpy(arena.array))  # as the inference process does
         consumer_s, started = 0.0, time.perf_counter()
         for _ in range(batches - 1):
             parent.poll(None)

@@ -37,8 +37,9 @@ from bench.harness import TimedSource
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.daemon import Daemon
 from worker.engine import TokenBudget, bucket_lengths, bucket_of
+from worker.plugins import tokens_of
 from worker.plugins.loading import token_slots
-from worker.plugins.setups import inference_setup, tokens_of
+from worker.plugins.setups import inference_setup
 from worker.settings import Settings
 
 LONGEST = 512

@@ -7,11 +7,13 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 from PIL import Image
-from torch.nn import functional
+
+if TYPE_CHECKING:  # imported where used: the daemon's process loads this module for its
+    import torch  # shape only, and never imports torch (docs/performance.md)
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 JPEG_END = b"\xff\xd9"
@@ -68,13 +70,14 @@ class ImagePreprocessor:
                 )
             image.draft("RGB", (self.size, self.size))
             rgb = image.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
-        pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
-        out.copy_(pixels.view(self.size, self.size, 3).permute(2, 0, 1))
+        np.copyto(out.numpy(), np.asarray(rgb).transpose(2, 0, 1))
         return {"width": width, "height": height}
 
     def device_decoding_unavailable(self) -> str | None:
         """Why JPEGs cannot be decoded on a device here, or None: it takes nvJPEG, so a
         CUDA build of torch and torchvision's binding of it."""
+        import torch
+
         if torch.version.cuda is None:
             return "this torch has no CUDA, so no nvJPEG: install its CUDA build and torchvision"
         try:
@@ -115,6 +118,8 @@ class ImagePreprocessor:
         and resized as `__call__` resizes; raises if any of them cannot be. Images of one
         size are resized together: a batch of photos costs a few kernels, not a few per
         photo."""
+        import torch
+
         images = self._decode_jpegs(encoded, device)
         by_size: dict[tuple[int, ...], list[int]] = {}
         for position, image in enumerate(images):
@@ -138,6 +143,9 @@ class ImagePreprocessor:
         device, as `__call__` makes them: first reduced by the power of two Pillow's
         `draft` picks (a JPEG decoder's reduced-size decode averages each block), then
         resized bilinearly with antialiasing, as Pillow's resize is."""
+        import torch
+        from torch.nn import functional
+
         pixels = images.float()
         scale = draft_scale(tuple(images.shape[-2:]), self.size)
         if scale > 1:

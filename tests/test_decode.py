@@ -32,8 +32,8 @@ from tests.support.faults import (
 from tests.support.markers import also_on_gpu
 from worker.engine import ItemError
 from worker.plugins import PluginError, Undecoded
-from worker.plugins.device_decoding import decode_or_defer, decodes_on_device
-from worker.plugins.loading import load_device_decoder
+from worker.plugins.device_decoding import decode_or_defer
+from worker.plugins.loading import decodes_on_device, load_device_decoder
 from worker.plugins.setups import inference_setup, preprocess_setup
 from worker.plugins.staging import resolved
 

@@ -697,4 +697,4 @@ def test_an_arena_larger_than_shared_memory_is_refused_before_it_is_made(
     slots = stats.f_bavail * stats.f_frsize // slot_bytes + 1
     with pytest.raises(SharedMemoryTooSmall, match="--shm-size"):
         TensorArena((3, 1024, 1024), slots, shared_memory=tmp_path)
-    assert TensorArena((3, 8, 8), 4, shared_memory=tmp_path).tensor.shape == (4, 3, 8, 8)
+    assert TensorArena((3, 8, 8), 4, shared_memory=tmp_path).array.shape == (4, 3, 8, 8)

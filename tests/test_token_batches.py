@@ -27,10 +27,10 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon.stages import _token_budget
 from worker.engine import Channel, Item, Pipeline, ThreadStage, TokenBudget, bucket_lengths
 from worker.engine.token_batches import choose_batch
-from worker.plugins import PluginError
+from worker.plugins import PluginError, tokens_of
 from worker.plugins.compiled import CompiledModel
 from worker.plugins.loading import token_slots
-from worker.plugins.setups import _Inference, cut_to_length, inference_setup, tokens_of
+from worker.plugins.setups import _Inference, cut_to_length, inference_setup
 from worker.plugins.staging import Staging
 from worker.settings import Settings
 

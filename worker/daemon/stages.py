@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
-import torch
 
 from worker.datasets.texts import TextInput, text_of
 from worker.engine import (
@@ -29,15 +29,14 @@ from worker.engine import (
     bucket_lengths,
 )
 from worker.errors import ObjectTooLarge, TransientError
-from worker.plugins import TokenSlots, on_payload
-from worker.plugins.device_decoding import decodes_on_device
+from worker.plugins import TokenSlots, on_payload, tokens_of
 from worker.plugins.loading import (
+    decodes_on_device,
     inference_devices,
     load_fan_out,
     load_preprocessor,
     token_slots,
 )
-from worker.plugins.setups import fan_out_setup, inference_setup, preprocess_setup, tokens_of
 from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
 from worker.ports import BlobStore, LocalPart, ObjectReader, RemoteReader, S3Location
 from worker.settings import Settings
@@ -59,8 +58,9 @@ PREPROCESS_NICENESS = 10
 # CPU, a few at a time. It is about what an urgent item waits in a process at most.
 PREPROCESS_REQUEST_S = 0.04
 # The stage processes' set-ups are this module's and those it imports (pickled to each
-# child): the fork server imports them once, where each child took a second of CPU to.
-SET_UP_MODULES = (__name__,)
+# child), and `worker.plugins.setups` (named, `set_up`): the fork server imports them
+# once, where each child took a second of CPU to.
+SET_UP_MODULES = (__name__, "worker.plugins.setups")
 
 
 def build_pipeline(
@@ -93,7 +93,7 @@ def build_pipeline(
         + 2 * settings.fetch_concurrency
         + first.batch_size
         + (budget.window(first.batch_size) if budget else 0),
-        dtype=tokens.dtype if tokens else torch.uint8,
+        dtype=str(tokens.dtype).removeprefix("torch.") if tokens else "uint8",
     )
     reader = _remote_reader(settings, blobs)
     log.info("inputs_fetched_in", where="preprocess" if reader else "threads")
@@ -117,7 +117,8 @@ def build_pipeline(
         ProcessStage(
             "preprocess",
             functools.partial(
-                preprocess_setup,
+                set_up,
+                "preprocess_setup",
                 spec.preprocess,
                 functools.partial(open_fetch, reader.open, per_process, max_input_bytes)
                 if reader
@@ -164,7 +165,7 @@ def build_pipeline(
         stages += [
             ProcessStage(
                 FAN_OUT_STAGE,
-                functools.partial(fan_out_setup, fan_out.fan_out),
+                functools.partial(set_up, "fan_out_setup", fan_out.fan_out),
                 workers=fan_out.workers,
                 timeout_s=settings.preprocess_timeout_seconds,
                 setup_timeout_s=settings.setup_timeout_seconds,
@@ -176,6 +177,15 @@ def build_pipeline(
             _model_stage(names[1], second, settings, parts, part_arena),
         ]
     return Pipeline(stages, observer=observer)
+
+
+def set_up(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Runs the set-up `name` of `worker.plugins.setups` (`preprocess_setup`, say) in a
+    stage's process. The daemon's process names it, and never imports it: the set-ups
+    import torch, which only the stages' processes need (docs/performance.md)."""
+    from worker.plugins import setups
+
+    return getattr(setups, name)(*args, **kwargs)
 
 
 def _remote_reader(settings: Settings, blobs: BlobStore) -> RemoteReader | None:
@@ -267,7 +277,8 @@ def _model_stage(
         name,
         [
             functools.partial(
-                inference_setup,
+                set_up,
+                "inference_setup",
                 step.model,
                 device,
                 tuple(item_shape),

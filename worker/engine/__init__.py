@@ -21,7 +21,8 @@ functions and knows nothing of images, models, S3 or SQS.
   pipe and the work of getting them never holds this process's interpreter.
 - Large values cross process boundaries through a `TensorArena`: preallocated shared
   memory whose slots one stage writes in place and a later stage reads, so only slot
-  numbers travel through pipes.
+  numbers travel through pipes. The daemon's process makes it without torch (a file of
+  shared memory each child maps as a tensor): torch is imported by the children only.
 - A fan-out stage turns each item into parts (an image into crops of what a detector
   found), each in a slot of another arena; later stages run the parts as items, and
   `Pipeline.next_results` puts each item back together from its parts, in order.
@@ -29,14 +30,14 @@ functions and knows nothing of images, models, S3 or SQS.
 What runs where. In the daemon's process: `pipeline` (the stages and channels),
 `stage` (thread stages, and what all stages share), `process_stage` (a process stage's
 driver threads), `child_handle` (starting, feeding and replacing one child), `scaler`.
-In each child process: `child_main`. Between them: `wire` (what crosses the pipe) and
-`arena` (what crosses through shared memory). `items` is the data all of them move;
-`token_batches` chooses batches sized in tokens.
+In each child process: `child_main`, and `child_arenas` (the arenas as tensors). Between
+them: `wire` (what crosses the pipe) and `arena` (what crosses through shared memory).
+`items` is the data all of them move; `token_batches` chooses batches sized in tokens.
 """
 
 from __future__ import annotations
 
-from worker.engine.arena import BatchGatherer, SharedMemoryTooSmall, TensorArena
+from worker.engine.arena import SharedMemoryTooSmall, TensorArena
 from worker.engine.channel import Channel, Closed
 from worker.engine.child_handle import (
     WorkerDied,
@@ -75,7 +76,6 @@ __all__ = [
     "OOM_COOLDOWN_S",
     "PIPELINED_BATCHES",
     "PROBE",
-    "BatchGatherer",
     "Channel",
     "Closed",
     "Item",

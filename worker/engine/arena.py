@@ -1,40 +1,90 @@
 """Shared memory for large values: arenas of preallocated slots that one stage writes in
-place and a later stage reads, and the gatherer that batches them.
+place and a later stage reads, made in the daemon's process without torch and handed to
+the children as a file each maps (`worker.engine.child_arenas` makes tensors of it).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import tempfile
+import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from multiprocessing import reduction
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
 from worker.engine.channel import Channel
 
-# Where torch puts shared tensors on Linux (shm_open).
+# Where shared memory is on Linux (a tmpfs).
 SHARED_MEMORY_DIR = Path("/dev/shm")
+
+
+class SharedFile:
+    """A file in shared memory, mapped, and unlinked as soon as it is made: its memory
+    lives while a process holds it open or mapped, so none is left behind however the
+    daemon and its children end, a SIGKILL included (as torch's shared tensors did, its
+    `file_descriptor` strategy). Pickled for a child, its descriptor is duplicated into
+    the child (as `multiprocessing.heap` hands its arenas on)."""
+
+    def __init__(self, size: int, directory: Path | None = None, fd: int | None = None):
+        if fd is None:
+            fd, name = tempfile.mkstemp(prefix="worker-arena-", dir=directory)
+            os.unlink(name)
+            os.ftruncate(fd, size)
+        self.size = size
+        self.fd = fd
+        self.map = mmap.mmap(fd, size)
+        weakref.finalize(self, os.close, fd)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _mapped_again, (self.size, reduction.DupFd(self.fd))
+
+
+def _mapped_again(size: int, duplicated: Any) -> SharedFile:
+    return SharedFile(size, fd=duplicated.detach())
+
+
+@dataclass(frozen=True)
+class SharedSlots:
+    """An arena's memory as its children are told of it: the file, and the shape (the
+    number of slots first) and numpy dtype of the slots in it."""
+
+    memory: SharedFile
+    shape: tuple[int, ...]
+    dtype: str
+
+    def array(self) -> np.ndarray[Any, Any]:
+        """The slots as one array over the shared memory (no copy)."""
+        return np.ndarray(self.shape, self.dtype, buffer=self.memory.map)
 
 
 class TensorArena:
     """Preallocated shared-memory slots of one shape, handed out and given back.
 
     Acquiring blocks while every slot is in use, which bounds memory and pushes back on
-    the stages before the reader, however large the backlog.
+    the stages before the reader, however large the backlog. The slots are of a numpy
+    `dtype` (`"uint8"`, `"int32"`): the children see them as torch tensors of the same.
     """
 
     def __init__(
         self,
         slot_shape: Sequence[int],
         slots: int,
-        dtype: torch.dtype = torch.uint8,
+        dtype: str = "uint8",
         shared_memory: Path = SHARED_MEMORY_DIR,
     ):
-        needed = slots * math.prod(slot_shape) * dtype.itemsize
+        shape = (slots, *slot_shape)
+        needed = math.prod(shape) * np.dtype(dtype).itemsize
         _check_shared_memory(shared_memory, needed, f"{slots} slots of {tuple(slot_shape)}")
+        directory = shared_memory if shared_memory.is_dir() else None
         self.slots = slots
-        self.tensor = torch.empty((slots, *slot_shape), dtype=dtype).share_memory_()
+        self.shared = SharedSlots(SharedFile(needed, directory), shape, dtype)
+        self.array = self.shared.array()
         self._free: Channel[int] = Channel(slots)
         self._free.put_all(range(slots))
 
@@ -66,12 +116,12 @@ class SharedMemoryTooSmall(Exception):
 
 
 def _check_shared_memory(where: Path, needed: int, what: str) -> None:
-    """Refuse to start when shared memory cannot hold the arena. A shared tensor in a
+    """Refuse to start when shared memory cannot hold the arena. A shared file in a
     file system too small for it is no error when it is made: the first write past the
     space there kills the process with SIGBUS, mid-batch. (Docker's /dev/shm is 64 MiB
     unless the container is given more.)"""
     if not where.is_dir():
-        return  # not Linux: torch shares memory another way
+        return  # not Linux: the arena is a temporary file of another file system
     stats = os.statvfs(where)
     free = stats.f_bavail * stats.f_frsize
     if needed > free:
@@ -81,28 +131,3 @@ def _check_shared_memory(where: Path, needed: int, what: str) -> None:
             "--shm-size, ECS LinuxParameters.SharedMemorySize) or lower the batch size "
             "(--batch-size, or batch_size and max_parts in the pipeline spec)"
         )
-
-
-class BatchGatherer:
-    """Gathers arena slots into one reused batch buffer (pinned when there is a GPU, so
-    the copy to the device can be asynchronous).
-
-    Indexing the arena would allocate a fresh batch every time, which costs about ten
-    times the copy itself; the buffer is handed to the stage function as a view and is
-    overwritten by the next batch. So a stage function that copies from it to a device
-    without waiting (`non_blocking`) must wait for that copy before it returns; what it
-    leaves on the device to finish later must not read the buffer
-    (`worker.plugins.staging`).
-    """
-
-    def __init__(self, arena: torch.Tensor):
-        self._arena = arena
-        self._buffer: torch.Tensor | None = None
-
-    def gather(self, slots: Sequence[int]) -> torch.Tensor:
-        if self._buffer is None or len(self._buffer) < len(slots):
-            buffer = torch.empty((len(slots), *self._arena.shape[1:]), dtype=self._arena.dtype)
-            self._buffer = buffer.pin_memory() if torch.cuda.is_available() else buffer
-        out = self._buffer[: len(slots)]
-        torch.index_select(self._arena, 0, torch.tensor(slots), out=out)
-        return out

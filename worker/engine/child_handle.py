@@ -4,6 +4,7 @@ waiting for its answers and its death, replacing it; and why a child was lost.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import threading
@@ -13,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch.multiprocessing as torch_mp
 
 from worker.engine.channel import Closed
-from worker.engine.child_main import child_main
 from worker.engine.items import StageSetupError, StageSetupTimeout
 from worker.engine.stage import STOP_GRACE_S
 from worker.engine.wire import PROBE, ChildPlan, Ready
@@ -29,7 +28,9 @@ log = structlog.get_logger()
 START_ATTEMPTS = 3
 
 
-FORKSERVER_PRELOAD = ("torch", "worker.engine")
+# Torch and the child's side of the engine, imported once by the server, never by the
+# daemon's own process.
+FORKSERVER_PRELOAD = ("torch", "worker.engine", "worker.engine.child_main")
 
 
 HOST_VMSTAT = Path("/proc/vmstat")  # its oom_kill counts the OOM killer's kills
@@ -135,7 +136,7 @@ class ChildProcess:
         lifeline_reader, self._lifeline = context.Pipe(duplex=False)
         plan = self._plan()
         process = context.Process(
-            target=child_main,
+            target=run_child,
             args=(child_conn, lifeline_reader, plan),
             name=self.name,
             daemon=True,
@@ -250,6 +251,14 @@ class ChildProcess:
         self.start()
 
 
+def run_child(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
+    """A child's life (`child_main`), named here so that the daemon's process, which
+    pickles it by name, never imports the child's side (torch)."""
+    from worker.engine.child_main import child_main
+
+    child_main(conn, lifeline, plan)
+
+
 def write_requests(conn: Connection, requests: queue.SimpleQueue[Any]) -> None:
     """Write requests to a child in order, until the one that tells it to exit (None)
     or until the pipe breaks (the child died, or was stopped)."""
@@ -274,7 +283,7 @@ def process_context() -> Any:
     this process. The model's process spun away a fifth of all the CPU the daemon spent
     in the host ceiling run (docs/performance.md)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return torch_mp.get_context("forkserver")
+    return multiprocessing.get_context("forkserver")
 
 
 def preload(imports: Sequence[str]) -> None:

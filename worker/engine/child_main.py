@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import structlog
 import torch
 
-from worker.engine.arena import BatchGatherer
+from worker.engine.child_arenas import BatchGatherer, tensor_of
 from worker.engine.items import (
     ItemError,
     PrepareStep,
@@ -53,6 +53,13 @@ log = structlog.get_logger()
 CERTAINLY_THE_INPUTS = frozenset({ObjectTooLarge.__name__, MissingObject.__name__})
 
 
+class Arenas(NamedTuple):
+    """The child's arenas as tensors over their shared memory (`ChildPlan`)."""
+
+    reads: torch.Tensor | None
+    writes: torch.Tensor | None
+
+
 def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
     """A stage's child process: set up once, then answer requests until told to stop."""
     # The daemon decides when children stop; a Ctrl-C or a SIGTERM sent to the whole
@@ -73,13 +80,15 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
         conn.send(SetupFailed(traceback.format_exc()))
         return
     known_good = plan.known_good.copy()
+    arenas = Arenas(tensor_of(plan.reads), tensor_of(plan.writes))
     if stage_fn.probe is None and plan.mode == "fan-out":
-        assert plan.writes is not None
+        assert arenas.writes is not None
         probe = functools.partial(
-            _fan_out_probe, stage_fn.run, known_good, plan.writes.shape[1:], plan.max_parts
+            _fan_out_probe, stage_fn.run, known_good, arenas.writes.shape[1:], plan.max_parts
         )
         stage_fn = replace(stage_fn, probe=probe)
-    gatherer = BatchGatherer(plan.reads) if plan.mode == "read" and plan.reads is not None else None
+    reads = arenas.reads if plan.mode == "read" else None
+    gatherer = BatchGatherer(reads) if reads is not None else None
     finishing = ThreadPoolExecutor(1, "finish") if stage_fn.finish else None
 
     def send(message: Any, values: Sequence[Any] | None = None) -> bool:
@@ -97,7 +106,7 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
     gc.collect()
     gc.freeze()
     conn.send(Ready(os.getpid(), stage_fn.about))
-    run = functools.partial(_run_request, stage_fn, plan, gatherer, known_good=known_good)
+    run = functools.partial(_run_request, stage_fn, plan, arenas, gatherer, known_good=known_good)
     if stage_fn.prepare is None:
         requests: queue.SimpleQueue[Received] = queue.SimpleQueue()
         threading.Thread(target=_read_requests, args=(conn, requests), daemon=True).start()
@@ -239,6 +248,7 @@ def _read_requests(conn: Connection, requests: queue.SimpleQueue[Received]) -> N
 def _run_request(
     stage_fn: StageFunction,
     plan: ChildPlan,
+    arenas: Arenas,
     gatherer: BatchGatherer | None,
     request: list[Task],
     *,
@@ -251,12 +261,12 @@ def _run_request(
     The request came in at `arrived` (`time.perf_counter`)."""
     started = time.perf_counter()
     runnable = [task for position, task in enumerate(request) if position not in failed]
-    ran, fitting_batch_size = _serve_request(stage_fn.run, plan, gatherer, runnable)
+    ran, fitting_batch_size = _serve_request(stage_fn.run, plan, arenas, gatherer, runnable)
     if plan.mode == "fan-out" and known_good.fan_out_stale():
-        assert plan.reads is not None
+        assert arenas.reads is not None
         for task, outcome in zip(runnable, ran, strict=True):
             if not isinstance(outcome, ItemError):
-                known_good.cut(plan.reads[task.slot].clone(), task.value)
+                known_good.cut(arenas.reads[task.slot].numpy().copy(), task.value)
                 break
     fault = _fault_if_all_failed(ran, stage_fn.probe)
     duration_s = time.perf_counter() - started
@@ -380,7 +390,7 @@ def _fan_out_probe(
         return
     image, found = known_good.fan_out
     outs = list(torch.empty((max_parts, *part_shape), dtype=torch.uint8))
-    fan_out(image, found, outs)
+    fan_out(torch.from_numpy(image), found, outs)
 
 
 def _fault_if_all_failed(outcomes: Sequence[Any], probe: Callable[[], object] | None) -> str | None:
@@ -410,11 +420,12 @@ def _exit_when_closed(lifeline: Connection) -> None:
 def _serve_request(
     fn: Callable[..., Any],
     plan: ChildPlan,
+    arenas: Arenas,
     gatherer: BatchGatherer | None,
     request: list[Task],
 ) -> tuple[list[Any], int | None]:
     """Every item's outcome, and after an out-of-memory error the largest size that fitted."""
-    reads, writes = plan.reads, plan.writes
+    reads, writes = arenas
     slots: list[Any] = [task.slot for task in request]  # set for every item in arena modes
     values = [task.value for task in request]
     out_of_memory = False

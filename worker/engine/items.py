@@ -4,11 +4,10 @@ to the items that fail on their own.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import torch
 
 from worker.errors import TransientError
 
@@ -27,8 +26,10 @@ class ItemError:
     def from_exception(cls, error: BaseException, stage: str) -> ItemError:
         # Out of memory on one item is memory pressure, not the item: every item of a
         # stage has the same shape, and it fitted before. The host's memory likewise:
-        # an input's bytes and pixels are bounded before it is decoded.
-        transient = isinstance(error, TransientError | torch.OutOfMemoryError | MemoryError)
+        # an input's bytes and pixels are bounded before it is decoded. (A process that
+        # has not imported torch has no torch error: the daemon's never imports it.)
+        torch_out_of_memory = getattr(sys.modules.get("torch"), "OutOfMemoryError", MemoryError)
+        transient = isinstance(error, (TransientError, MemoryError, torch_out_of_memory))
         return cls(type(error).__name__, str(error)[:1000], stage, transient)
 
 

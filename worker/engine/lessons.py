@@ -78,7 +78,7 @@ class StageLessons:
         if cut is None:
             return
         assert self._fan_out_reads is not None and cut.slot is not None
-        image = self._fan_out_reads.tensor[cut.slot].clone()
+        image = self._fan_out_reads.array[cut.slot].copy()
         with self._lock:
             self._known_good.cut(image, cut.value)
 

@@ -201,8 +201,8 @@ class ProcessStage(FeedsAsPrepared):
             self.batch_size,
             self.max_parts,
             self._lessons.known_good(),
-            self.reads.tensor if self.reads else None,
-            self.writes.tensor if self.writes else None,
+            self.reads.shared if self.reads else None,
+            self.writes.shared if self.writes else None,
             self.niceness,
         )
 

@@ -12,8 +12,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
-import torch
+import numpy as np
 
+from worker.engine.arena import SharedSlots
 from worker.engine.items import PrepareStep, StageSetup
 
 ArenaMode = Literal["write", "read", "fan-out"] | None
@@ -33,8 +34,8 @@ KNOWN_GOOD_REFRESH_S = 60.0  # a fan-out's known-good image is copied at most th
 
 @dataclass(frozen=True)
 class ChildPlan:
-    """What a child process is told about its stage (pickled across; the arenas'
-    tensors as handles to the same shared memory)."""
+    """What a child process is told about its stage (pickled across; the arenas as
+    files of shared memory that the child maps)."""
 
     stage: str
     setup: StageSetup
@@ -43,8 +44,8 @@ class ChildPlan:
     prepare_threads: int
     max_parts: int
     known_good: KnownGood  # what the stage's children handled well so far
-    reads: torch.Tensor | None  # the arena its inputs are in
-    writes: torch.Tensor | None  # the arena it writes its outputs to
+    reads: SharedSlots | None  # the arena its inputs are in
+    writes: SharedSlots | None  # the arena it writes its outputs to
     niceness: int = 0  # how much less of the host's CPU it is given than the daemon (`nice`)
 
 
@@ -109,10 +110,11 @@ class Reply(NamedTuple):
 class KnownGood:
     """Input a stage handled well: the probe of a step that has none of its own. The
     latest values its prepare step prepared (a fetch probed by fetching them again), and
-    for a fan-out a copy of an image it cut into parts, with what it was told of it."""
+    for a fan-out a copy of an image it cut into parts, with what it was told of it (an
+    array: the daemon's process, which keeps it between children, has no torch)."""
 
     unprepared: list[Any] = field(default_factory=list)  # the latest first
-    fan_out: tuple[torch.Tensor, Any] | None = None
+    fan_out: tuple[np.ndarray[Any, Any], Any] | None = None
     fan_out_at: float = -math.inf  # monotonic
 
     def remember(self, value: Any) -> None:
@@ -122,7 +124,7 @@ class KnownGood:
     def fan_out_stale(self) -> bool:
         return time.monotonic() - self.fan_out_at > KNOWN_GOOD_REFRESH_S
 
-    def cut(self, image: torch.Tensor, found: Any) -> None:
+    def cut(self, image: np.ndarray[Any, Any], found: Any) -> None:
         self.fan_out, self.fan_out_at = (image, found), time.monotonic()
 
     def copy(self) -> KnownGood:

@@ -131,3 +131,10 @@ def on_payload(fn: Callable[..., Any]) -> Callable[..., WithParams]:
         return fn(payload, *rest), params
 
     return apply
+
+
+def tokens_of(value: WithParams) -> int:
+    """The tokens of a tokenized text's item (`worker.plugins.setups`): its size in a
+    batch sized in tokens."""
+    (_notes, tokens), _params = value
+    return int(tokens)

@@ -1,5 +1,6 @@
-"""Decoding inputs on the model's device (`--decode gpu`): whether to, deferring the
-inputs in the preprocessing processes, and decoding them in the model's process."""
+"""Decoding inputs on the model's device (`--decode gpu`): deferring the inputs in the
+preprocessing processes, and decoding them in the model's process (whether to is
+`worker.plugins.loading.decodes_on_device`'s, in the daemon's)."""
 
 from __future__ import annotations
 
@@ -14,40 +15,9 @@ import torch
 
 from worker.engine import ItemError, isolate_failures
 from worker.plugins import PREPROCESS_STAGE, DecodesOnDevice, PluginError, Undecoded
-from worker.plugins.loading import load_device_decoder, load_preprocessor, no_device_decoding
-from worker.plugins.spec import DecodePlacement
+from worker.plugins.loading import load_device_decoder
 
 log = structlog.get_logger()
-
-
-def decodes_on_device(
-    placement: DecodePlacement, preprocess: str, devices: Sequence[str], chained: bool
-) -> tuple[bool, str]:
-    """Whether inputs are decoded on the model's device (`--decode`), and why. `gpu`
-    insists, and a pipeline that cannot (a preprocessor without device decoding, no
-    torchvision, a chain whose fan-out reads the decoded image from shared memory) is
-    refused at start; `auto` decodes on the device when every one is a GPU and nothing
-    stands in the way, on the CPU otherwise, and says which."""
-    if placement == "cpu":
-        return False, "--decode cpu"
-    if placement == "auto" and not all(device.startswith("cuda") for device in devices):
-        return False, "the model does not run on a GPU"
-    obstacle = _device_decoding_obstacle(preprocess, chained)
-    if placement == "gpu":
-        if obstacle is not None:
-            raise PluginError(f"--decode gpu: {obstacle}; use --decode cpu or auto")
-        return True, "--decode gpu"
-    return obstacle is None, obstacle or "every model device is a GPU"
-
-
-def _device_decoding_obstacle(preprocess: str, chained: bool) -> str | None:
-    """Why inputs cannot be decoded on the model's device, or None."""
-    if chained:
-        return "a chain's fan-out reads each decoded image from shared memory"
-    preprocessor = load_preprocessor(preprocess)
-    if not isinstance(preprocessor, DecodesOnDevice):
-        return no_device_decoding(preprocess)
-    return preprocessor.device_decoding_unavailable()
 
 
 def decode_or_defer(preprocessor: DecodesOnDevice, data: bytes, out: torch.Tensor) -> Any:

@@ -3,17 +3,19 @@ and its array fields apart (`worker.datasets.arrays`)."""
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import orjson
-import torch
 
 from worker.engine import ItemError
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.fields import ArrayLayout, array_layouts, check_field_name
 
-ARRAY_TYPES = (np.ndarray, torch.Tensor)
+if TYPE_CHECKING:  # a chain's postprocessor runs in the daemon's process, without torch
+    import torch
+
 # numpy scalars (and 0-d arrays) as numbers; non-str keys as strings, as `json` does.
 JSON_OPTIONS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
 # results.jsonl's own fields on every line (`id` where a job's table gives ids); a
@@ -57,7 +59,7 @@ def encoded_fields(
     arrays = {
         check_field_name(name): _as_numpy(value)
         for name, value in fields.items()
-        if isinstance(value, ARRAY_TYPES) and value.ndim > 0
+        if _is_array(value) and value.ndim > 0
     }
     if arrays:
         fields = {name: value for name, value in fields.items() if name not in arrays}
@@ -75,16 +77,24 @@ def encode_json(value: Any) -> bytes:
 def _as_numpy(array: np.ndarray | torch.Tensor) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
-    if array.dtype == torch.bfloat16:  # numpy has no bfloat16
+    if str(array.dtype) == "torch.bfloat16":  # numpy has no bfloat16
         array = array.float()
     return array.detach().cpu().numpy()
 
 
 def _scalar(value: Any) -> Any:
-    """A torch scalar as the Python number JSON can encode (orjson's `default`)."""
-    if isinstance(value, torch.Tensor) and value.ndim == 0:
+    """A torch scalar as the Python number JSON can encode (orjson's `default`; it
+    encodes numpy's itself)."""
+    if _is_array(value) and value.ndim == 0:
         return value.item()
     raise TypeError(f"a {type(value).__name__} is not JSON serializable")
+
+
+def _is_array(value: Any) -> TypeGuard[np.ndarray | torch.Tensor]:
+    """A numpy array, or a tensor in a process that has imported torch: one that has not
+    (the daemon's, running a chain's postprocessor) has no tensors."""
+    torch = sys.modules.get("torch")
+    return isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor))
 
 
 def postprocessed(

@@ -8,13 +8,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from worker.plugins.encoding import encode_json
 from worker.plugins.loading import EXPORT_SUFFIX, TORCHSCRIPT_SUFFIXES
 from worker.plugins.spec import PipelineSpec
+
+if TYPE_CHECKING:  # a model's identity is taken in its stage's process, which has torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,8 @@ def identify(
 
 def _state_digest(model: torch.nn.Module) -> str:
     """sha256 over the state dict's names, dtypes, shapes and bytes, in name order."""
+    import torch
+
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)

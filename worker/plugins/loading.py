@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from worker.plugins import (
     DecodesOnDevice,
@@ -24,9 +23,18 @@ from worker.plugins import (
     TextPreprocessor,
     TokenSlots,
 )
+from worker.plugins.spec import DecodePlacement
+
+if TYPE_CHECKING:  # torch is imported by the stages' processes only, which load models
+    import torch
 
 TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts")
 EXPORT_SUFFIX = ".pt2"
+# The dtypes a text preprocessor's ids may be (named so, its `output_dtype` is checked
+# without importing torch in the daemon's process).
+TOKEN_DTYPES = ("torch.int32", "torch.int64")
+# The NVIDIA driver's list of this host's GPUs: without it there is none for torch to count.
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
 def load_object(reference: str) -> Any:
@@ -53,7 +61,7 @@ def token_slots(preprocessor: Preprocessor | TextPreprocessor) -> TokenSlots | N
     of images."""
     if not isinstance(preprocessor, TextPreprocessor):
         return None
-    if preprocessor.output_dtype not in (torch.int32, torch.int64):
+    if str(preprocessor.output_dtype) not in TOKEN_DTYPES:
         raise PluginError(
             f"a text preprocessor writes int32 or int64 ids, not {preprocessor.output_dtype}"
         )
@@ -69,6 +77,36 @@ def load_device_decoder(reference: str) -> DecodesOnDevice:
 
 def no_device_decoding(reference: str) -> str:
     return f"{reference} does not decode on a device (it has no decode_on_device)"
+
+
+def decodes_on_device(
+    placement: DecodePlacement, preprocess: str, devices: Sequence[str], chained: bool
+) -> tuple[bool, str]:
+    """Whether inputs are decoded on the model's device (`--decode`), and why. `gpu`
+    insists, and a pipeline that cannot (a preprocessor without device decoding, no
+    torchvision, a chain whose fan-out reads the decoded image from shared memory) is
+    refused at start; `auto` decodes on the device when every one is a GPU and nothing
+    stands in the way, on the CPU otherwise, and says which."""
+    if placement == "cpu":
+        return False, "--decode cpu"
+    if placement == "auto" and not all(device.startswith("cuda") for device in devices):
+        return False, "the model does not run on a GPU"
+    obstacle = _device_decoding_obstacle(preprocess, chained)
+    if placement == "gpu":
+        if obstacle is not None:
+            raise PluginError(f"--decode gpu: {obstacle}; use --decode cpu or auto")
+        return True, "--decode gpu"
+    return obstacle is None, obstacle or "every model device is a GPU"
+
+
+def _device_decoding_obstacle(preprocess: str, chained: bool) -> str | None:
+    """Why inputs cannot be decoded on the model's device, or None."""
+    if chained:
+        return "a chain's fan-out reads each decoded image from shared memory"
+    preprocessor = load_preprocessor(preprocess)
+    if not isinstance(preprocessor, DecodesOnDevice):
+        return no_device_decoding(preprocess)
+    return preprocessor.device_decoding_unavailable()
 
 
 def load_fan_out(reference: str) -> FanOut:
@@ -93,14 +131,21 @@ def load_postprocessor(reference: str) -> Postprocessor:
 def inference_devices(setting: str) -> list[str]:
     """The devices named by `--device`, one inference process each; `auto` is every
     visible GPU, else the CPU. (Counting GPUs here leaves CUDA to the children: they
-    fork from a server process that never initialised it.)"""
-    if setting == "auto":
-        return [f"cuda:{number}" for number in range(torch.cuda.device_count())] or ["cpu"]
-    return setting.split(",")
+    fork from a server process that never initialised it; torch is imported for it only
+    where there are GPUs to count.)"""
+    if setting != "auto":
+        return setting.split(",")
+    if not NVIDIA_GPUS.is_dir():
+        return ["cpu"]
+    import torch
+
+    return [f"cuda:{number}" for number in range(torch.cuda.device_count())] or ["cpu"]
 
 
 def resolve_device(name: str) -> torch.device:
     """`auto` is the first GPU when there is one, else the CPU."""
+    import torch  # a stage's process: it has torch already
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -108,10 +153,14 @@ def resolve_device(name: str) -> torch.device:
 
 def load_model(reference: str, device: torch.device) -> torch.nn.Module:
     """A `torch.export` archive (.pt2), a TorchScript file, or a `module:factory`'s module."""
+    import torch  # a stage's process: it has torch already
+
+    from worker.plugins.exported import exported_module
+
     if reference.endswith((EXPORT_SUFFIX, *TORCHSCRIPT_SUFFIXES)) and not Path(reference).is_file():
         raise PluginError(f"model file {reference} does not exist")
     if reference.endswith(EXPORT_SUFFIX):
-        return _exported(reference, device)
+        return exported_module(reference, device)
     if reference.endswith(TORCHSCRIPT_SUFFIXES):
         with warnings.catch_warnings():
             # torch 2.13 deprecates TorchScript, but models exported with it are common.
@@ -125,45 +174,3 @@ def load_model(reference: str, device: torch.device) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise PluginError(f"{reference} gave a {type(model).__name__}, not a torch.nn.Module")
     return model.to(device).eval()
-
-
-def _exported(reference: str, device: torch.device) -> torch.nn.Module:
-    """A `torch.export` archive's module, called with its integer inputs in the dtypes
-    it was exported with: an exported program refuses any other, and a text model
-    exported with the int64 ids of a Hugging Face tokenizer is then fed the int32 ids
-    of `stages.text:tokens` (a cast of a few kB a batch on the device)."""
-    program = torch.export.load(reference)
-    placeholders = {
-        node.name: node.meta.get("val") for node in program.graph.nodes if node.op == "placeholder"
-    }
-    dtypes = [
-        getattr(placeholders[name], "dtype", None) for name in program.graph_signature.user_inputs
-    ]
-    # Exported programs refuse .eval(); they are traced in inference mode already.
-    return _IntegersCast(program.module().to(device), dtypes)
-
-
-def _integer(dtype: torch.dtype | None) -> bool:
-    return dtype is not None and not (
-        dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
-    )
-
-
-class _IntegersCast(torch.nn.Module):
-    """`module`, each integer tensor it is given cast to the integer dtype `dtypes` names
-    for its place (a tensor of any other dtype is left as it is, for the module to
-    refuse)."""
-
-    def __init__(self, module: torch.nn.Module, dtypes: list[torch.dtype | None]):
-        super().__init__()
-        self.module = module
-        self.dtypes = dtypes
-
-    def forward(self, *inputs: Any) -> Any:
-        cast = [
-            value.to(dtype)
-            if isinstance(value, torch.Tensor) and _integer(value.dtype) and _integer(dtype)
-            else value
-            for value, dtype in zip(inputs, self.dtypes, strict=False)
-        ]
-        return self.module(*cast, *inputs[len(cast) :])

@@ -19,6 +19,7 @@ from worker.plugins import (
     TokenSlots,
     WithParams,
     on_payload,
+    tokens_of,
 )
 from worker.plugins.compiled import CompiledModel, CompileReport
 from worker.plugins.device_decoding import decode_or_defer, device_decoder
@@ -185,13 +186,6 @@ def _marked_up_to(mask: torch.Tensor) -> int:
     """The tokens of a mask: up to its last marked one (none: 0)."""
     marked = mask.nonzero()
     return int(marked[-1]) + 1 if len(marked) else 0
-
-
-def tokens_of(value: WithParams) -> int:
-    """The tokens of a tokenized text's item (`_tokenizing`): its size in a batch
-    sized in tokens."""
-    (_notes, tokens), _params = value
-    return int(tokens)
 
 
 def _try_lengths(infer: _Inference, zeros: torch.Tensor, lengths: Sequence[int]) -> None:

@@ -1,0 +1,40 @@
+"""The daemon's own process never imports torch: only its stages' processes use it, and
+importing it cost every daemon's start 1.3 s of CPU (docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.paths import REPO
+
+# A daemon against the in-memory fakes that runs a job of two images and drains, in a
+# fresh interpreter: its arenas made, its stages' processes started, their set-ups and
+# arenas pickled to them, their answers read, the results written.
+DRAIN_A_JOB = """
+import json, sys
+from pathlib import Path
+from tests.support.in_process import job_file, run_until_drained, sample_images, send_job
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+
+source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+send_job(source, "j", sample_images(blobs, 2))
+run_until_drained(source, blobs, Path(sys.argv[1]))
+status = job_file(blobs, "j", "job.json")["status"]
+print(json.dumps({"status": status, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_the_daemons_own_process_never_imports_torch(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", DRAIN_A_JOB, str(tmp_path)],
+        cwd=REPO,
+        check=False,  # its stderr is the failure's message
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == {"status": "succeeded", "torch": False}
