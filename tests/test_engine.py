@@ -698,3 +698,14 @@ def test_an_arena_larger_than_shared_memory_is_refused_before_it_is_made(
     with pytest.raises(SharedMemoryTooSmall, match="--shm-size"):
         TensorArena((3, 1024, 1024), slots, shared_memory=tmp_path)
     assert TensorArena((3, 8, 8), 4, shared_memory=tmp_path).array.shape == (4, 3, 8, 8)
+
+
+def test_an_arena_leaves_no_file_behind_however_its_processes_end(tmp_path: Path) -> None:
+    """An arena's file is unlinked as it is made: its memory goes with the last process
+    that maps it, a SIGKILLed daemon's and its children's too, and none is left where
+    shared memory is (/dev/shm)."""
+    arena = TensorArena((2, 2), 4, shared_memory=tmp_path)
+    arena.array[1] = 7
+    assert list(tmp_path.iterdir()) == []
+    assert os.fstat(arena.shared.memory.fd).st_nlink == 0
+    assert arena.shared.array()[1].tolist() == [[7, 7], [7, 7]]  # the same memory
