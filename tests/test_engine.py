@@ -6,9 +6,11 @@ specified in test_engine_worker_faults.py."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -700,7 +702,7 @@ def test_an_arena_larger_than_shared_memory_is_refused_before_it_is_made(
     assert TensorArena((3, 8, 8), 4, shared_memory=tmp_path).array.shape == (4, 3, 8, 8)
 
 
-def test_an_arena_leaves_no_file_behind_however_its_processes_end(tmp_path: Path) -> None:
+def test_an_arenas_file_is_unlinked_as_it_is_made(tmp_path: Path) -> None:
     """An arena's file is unlinked as it is made: its memory goes with the last process
     that maps it, a SIGKILLed daemon's and its children's too, and none is left where
     shared memory is (/dev/shm)."""
@@ -709,3 +711,38 @@ def test_an_arena_leaves_no_file_behind_however_its_processes_end(tmp_path: Path
     assert list(tmp_path.iterdir()) == []
     assert os.fstat(arena.shared.memory.fd).st_nlink == 0
     assert arena.shared.array()[1].tolist() == [[7, 7], [7, 7]]  # the same memory
+
+
+def test_an_arenas_memory_is_reserved_as_it_is_made() -> None:
+    """Every page of an arena is allocated in shared memory when it is made: a file only
+    sized would take them as first written, and one that found the file system full
+    then would die with SIGBUS, mid-batch, where the arena's start passed its check."""
+    arena = TensorArena((64, 1024), 16)
+    stats = os.fstat(arena.shared.memory.fd)
+    assert stats.st_blocks * 512 >= stats.st_size == 16 * 64 * 1024
+
+
+def test_shared_memory_with_no_room_left_refuses_an_arena_and_keeps_no_file_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Space taken after the free space was measured (by the arena before, by another
+    process) is found as the arena's memory is reserved: refused with what to do, its
+    file closed."""
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    open_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(SharedMemoryTooSmall, match="--shm-size"):
+        TensorArena((64, 1024), 16)
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
+def test_an_arena_is_refused_on_linux_without_its_shared_memory(tmp_path: Path) -> None:
+    """Where /dev/shm is missing, the arena would be a file on a disk, written back to it
+    every batch: refused, where not Linux it is a temporary file."""
+    if sys.platform != "linux":
+        pytest.skip("elsewhere the arenas are temporary files")
+    with pytest.raises(SharedMemoryTooSmall, match="mount a tmpfs"):
+        TensorArena((2, 2), 4, shared_memory=tmp_path / "shm")

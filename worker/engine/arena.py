@@ -5,9 +5,11 @@ the children as a file each maps (`worker.engine.child_arenas` makes tensors of 
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterable, Sequence
@@ -29,20 +31,37 @@ class SharedFile:
     lives while a process holds it open or mapped, so none is left behind however the
     daemon and its children end, a SIGKILL included (as torch's shared tensors did, its
     `file_descriptor` strategy). Pickled for a child, its descriptor is duplicated into
-    the child (as `multiprocessing.heap` hands its arenas on)."""
+    the child (as `multiprocessing.heap` hands its arenas on).
+
+    Its memory is reserved as it is made, every page of it, as torch's `share_memory_`
+    did: a file only sized would take its pages as they are first written, and one that
+    finds the file system full then dies with SIGBUS, mid-batch. A file system too full
+    for it raises `OSError` (ENOSPC) here instead."""
 
     def __init__(self, size: int, directory: Path | None = None, fd: int | None = None):
         if fd is None:
-            fd, name = tempfile.mkstemp(prefix="worker-arena-", dir=directory)
-            os.unlink(name)
-            os.ftruncate(fd, size)
+            fd = _reserved_file(size, directory)
         self.size = size
         self.fd = fd
+        weakref.finalize(self, os.close, fd)  # before the map, which may fail
         self.map = mmap.mmap(fd, size)
-        weakref.finalize(self, os.close, fd)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _mapped_again, (self.size, reduction.DupFd(self.fd))
+
+
+def _reserved_file(size: int, directory: Path | None) -> int:
+    """The descriptor of an unlinked file of `size` bytes, all of them allocated."""
+    fd, name = tempfile.mkstemp(prefix="worker-arena-", dir=directory)
+    try:
+        os.unlink(name)
+        os.ftruncate(fd, size)
+        if hasattr(os, "posix_fallocate"):  # not on macOS, whose arenas are files on disk
+            os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _mapped_again(size: int, duplicated: Any) -> SharedFile:
@@ -80,10 +99,22 @@ class TensorArena:
     ):
         shape = (slots, *slot_shape)
         needed = math.prod(shape) * np.dtype(dtype).itemsize
-        _check_shared_memory(shared_memory, needed, f"{slots} slots of {tuple(slot_shape)}")
-        directory = shared_memory if shared_memory.is_dir() else None
+        what = f"{slots} slots of {tuple(slot_shape)}"
+        directory = _shared_memory_directory(shared_memory)
+        if directory is not None:
+            _check_shared_memory(directory, needed, what)
+        try:
+            memory = SharedFile(needed, directory)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EFBIG):
+                raise
+            # Another arena, or another process, took the space since it was measured.
+            raise SharedMemoryTooSmall(
+                f"{shared_memory} has no room left for the batch arena ({what}, "
+                f"{needed / 2**20:.0f} MiB): {SHARED_MEMORY_ADVICE}"
+            ) from error
         self.slots = slots
-        self.shared = SharedSlots(SharedFile(needed, directory), shape, dtype)
+        self.shared = SharedSlots(memory, shape, dtype)
         self.array = self.shared.array()
         self._free: Channel[int] = Channel(slots)
         self._free.put_all(range(slots))
@@ -115,19 +146,36 @@ class SharedMemoryTooSmall(Exception):
     """The shared-memory file system cannot hold the batch arena."""
 
 
+# What to do about an arena that shared memory cannot hold.
+SHARED_MEMORY_ADVICE = (
+    "give the container more shared memory (docker run --shm-size, ECS "
+    "LinuxParameters.SharedMemorySize) or lower the batch size (--batch-size, or "
+    "batch_size and max_parts in the pipeline spec)"
+)
+
+
+def _shared_memory_directory(where: Path) -> Path | None:
+    """Where the arenas' files are made: `where`, or on a system without it (not Linux)
+    the temporary directory. Linux without it is refused: a file on a disk would be
+    written back to it, every batch."""
+    if where.is_dir():
+        return where
+    if sys.platform == "linux":
+        raise SharedMemoryTooSmall(
+            f"{where} is not a directory: the batch arenas are files of shared memory "
+            "there; mount a tmpfs there (a container has one unless told otherwise)"
+        )
+    return None
+
+
 def _check_shared_memory(where: Path, needed: int, what: str) -> None:
-    """Refuse to start when shared memory cannot hold the arena. A shared file in a
-    file system too small for it is no error when it is made: the first write past the
-    space there kills the process with SIGBUS, mid-batch. (Docker's /dev/shm is 64 MiB
-    unless the container is given more.)"""
-    if not where.is_dir():
-        return  # not Linux: the arena is a temporary file of another file system
+    """Refuse to start when shared memory cannot hold the arena, with what it has free
+    (Docker's /dev/shm is 64 MiB unless the container is given more); space taken after
+    this is found as the arena's file reserves its memory."""
     stats = os.statvfs(where)
     free = stats.f_bavail * stats.f_frsize
     if needed > free:
         raise SharedMemoryTooSmall(
             f"{where} has {free / 2**20:.0f} MiB free and the batch arena ({what}) needs "
-            f"{needed / 2**20:.0f} MiB: give the container more shared memory (docker run "
-            "--shm-size, ECS LinuxParameters.SharedMemorySize) or lower the batch size "
-            "(--batch-size, or batch_size and max_parts in the pipeline spec)"
+            f"{needed / 2**20:.0f} MiB: {SHARED_MEMORY_ADVICE}"
         )
