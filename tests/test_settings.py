@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from tests.support.paths import REPO
 from worker.cli import build_parser, settings_from_flags
+from worker.plugins import loading
 from worker.plugins.loading import inference_devices
 from worker.settings import Settings
 
@@ -102,3 +104,30 @@ def test_devices_are_a_list_of_torch_devices_or_auto() -> None:
     assert inference_devices("cpu,cpu") == ["cpu", "cpu"]
     with pytest.raises(ValidationError, match="comma-separated"):
         Settings(queue_url="q", device="gpu 0")
+
+
+@pytest.mark.parametrize("sign", [None, "proc/0000:01:00.0", "dev/nvidia0", "dev/dxg", "dev/kfd"])
+def test_auto_devices_ask_torch_wherever_there_is_a_sign_of_a_gpu(
+    sign: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--device auto` imports torch to count GPUs where the host shows any sign of one
+    (the NVIDIA driver's list, NVIDIA's device files, WSL2's /dev/dxg, ROCm's /dev/kfd),
+    and is the CPU without importing it where there is none."""
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "nvidiactl").touch()  # no GPU of its own
+    if sign is not None:
+        (tmp_path / sign).touch()
+    monkeypatch.setattr(loading, "NVIDIA_GPUS", tmp_path / "proc")
+    monkeypatch.setattr(loading, "DEVICE_FILES", tmp_path / "dev")
+    asked: list[str] = []
+
+    def two_gpus() -> int:
+        asked.append("torch")
+        return 2
+
+    monkeypatch.setattr(loading, "visible_gpus", two_gpus)
+    if sign is None:
+        assert (inference_devices("auto"), asked) == (["cpu"], [])
+    else:
+        assert (inference_devices("auto"), asked) == (["cuda:0", "cuda:1"], ["torch"])

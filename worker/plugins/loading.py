@@ -33,8 +33,12 @@ EXPORT_SUFFIX = ".pt2"
 # The dtypes a text preprocessor's ids may be (named so, its `output_dtype` is checked
 # without importing torch in the daemon's process).
 TOKEN_DTYPES = ("torch.int32", "torch.int64")
-# The NVIDIA driver's list of this host's GPUs: without it there is none for torch to count.
+# Signs of a GPU torch may use: the NVIDIA driver's list of this host's GPUs, and in
+# DEVICE_FILES NVIDIA's devices, WSL2's GPU (dxg) and ROCm's (kfd). Where there is none,
+# torch is not imported to count none.
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+DEVICE_FILES = Path("/dev")
+GPU_DEVICE_FILES = ("nvidia[0-9]*", "dxg", "kfd")
 
 
 def load_object(reference: str) -> Any:
@@ -132,14 +136,26 @@ def inference_devices(setting: str) -> list[str]:
     """The devices named by `--device`, one inference process each; `auto` is every
     visible GPU, else the CPU. (Counting GPUs here leaves CUDA to the children: they
     fork from a server process that never initialised it; torch is imported for it only
-    where there are GPUs to count.)"""
+    where there may be GPUs to count.)"""
     if setting != "auto":
         return setting.split(",")
-    if not NVIDIA_GPUS.is_dir():
-        return ["cpu"]
+    gpus = visible_gpus() if _a_gpu_may_be_here() else 0
+    return [f"cuda:{number}" for number in range(gpus)] or ["cpu"]
+
+
+def visible_gpus() -> int:
+    """How many GPUs torch sees (NVIDIA's, and AMD's through ROCm)."""
     import torch
 
-    return [f"cuda:{number}" for number in range(torch.cuda.device_count())] or ["cpu"]
+    return torch.cuda.device_count()
+
+
+def _a_gpu_may_be_here() -> bool:
+    """Whether this host shows any sign of a GPU: torch alone can tell whether it is
+    one it may use."""
+    if NVIDIA_GPUS.is_dir() and any(NVIDIA_GPUS.iterdir()):
+        return True
+    return any(any(DEVICE_FILES.glob(pattern)) for pattern in GPU_DEVICE_FILES)
 
 
 def resolve_device(name: str) -> torch.device:
