@@ -5,15 +5,22 @@ writes nothing more."""
 
 from __future__ import annotations
 
+import io
 import json
+import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from worker.adapters import fakes
 from worker.adapters.fakes import InMemoryBlobStore
+from worker.datasets.tables import ERROR_TYPE, Tables
+from worker.errors import MissingObject
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.ledger import Ledger
 from worker.jobs.plan import (
@@ -25,7 +32,7 @@ from worker.jobs.plan import (
     merge_file,
     shard_file,
 )
-from worker.message import JobMessage, ShardRef, parse_job_message
+from worker.message import JobMessage, PoisonMessage, ShardRef, parse_job_message
 from worker.ports import S3Location
 from worker.sharding import merging
 from worker.sharding.merging import (
@@ -40,6 +47,16 @@ from worker.sharding.merging import (
 
 DIGEST = "0123456789abcdef"
 OUTPUT = "s3://bkt/out/j/"
+MIB_TABLES = Tables(file_bytes=2**20, row_group_bytes=2**20)
+# A Parquet job's columns, as a shard's run writes them: an embedding a fixed-size list.
+RESULTS_SCHEMA = pa.schema(
+    [
+        ("index", pa.int64()),
+        ("id", pa.string()),
+        ("error", ERROR_TYPE),
+        ("embedding", pa.list_(pa.float32(), 4)),
+    ]
+)
 
 
 class _PausingStore(InMemoryBlobStore):
@@ -74,11 +91,16 @@ class _Killed(BaseException):
     """A merger's process died here."""
 
 
-def _committed_job(blobs: InMemoryBlobStore, shards: int = 2) -> tuple[JobMessage, Plan]:
-    """A job of `shards` shards of two items, every shard committed with its files."""
-    spec = parse_job_message(
-        json.dumps({"job_id": "j", "inputs": ["s3://bkt/a"], "output": OUTPUT}), frozenset()
-    )
+def _committed_job(
+    blobs: InMemoryBlobStore, shards: int = 2, tables: list[list[list[pa.Table]]] | None = None
+) -> tuple[JobMessage, Plan]:
+    """A job of `shards` shards of two items, every shard committed with its files; with
+    `tables`, a Parquet job of a shard each, shard n's files those of `tables[n]`, each
+    of its row groups."""
+    message = {"job_id": "j", "inputs": ["s3://bkt/a"], "output": OUTPUT}
+    if tables is not None:
+        message["format"], shards = "parquet", len(tables)
+    spec = parse_job_message(json.dumps(message), frozenset())
     plan = Plan(
         job_id="j",
         request_digest=DIGEST,
@@ -88,21 +110,26 @@ def _committed_job(blobs: InMemoryBlobStore, shards: int = 2) -> tuple[JobMessag
         params={},
         received_at=0.0,
         attempt=1,
+        format=spec.format,
     )
     blobs.objects[f"{OUTPUT}plan.json"] = plan.model_dump_json().encode()
     for shard in range(shards):
         run = f"a0001-m{shard}"
-        lines = b"".join(
-            json.dumps({"index": index, "input": f"s3://bkt/{index}"}).encode() + b"\n"
-            for index in plan.range(shard)
-        )
+        if tables is None:
+            results = {f".{run}.jsonl": _lines(plan.range(shard))}
+        else:
+            results = {
+                f".{run}.{n}.parquet": _parquet(groups) for n, groups in enumerate(tables[shard])
+            }
         log = json.dumps({"event": "job_received", "shard": shard}).encode() + b"\n"
-        files = {f".{run}.jsonl": lines, f".{run}.log": log}
-        for suffix, data in files.items():
+        for suffix, data in {**results, f".{run}.log": log}.items():
             blobs.put(shard_file(spec, DIGEST, shard, suffix), data, "text/plain")
         commit = Commit(
             run=run,
-            results=[RunFile(name=f"{shard:06d}.{run}.jsonl", bytes=len(lines))],
+            results=[
+                RunFile(name=f"{shard:06d}{suffix}", bytes=len(data))
+                for suffix, data in results.items()
+            ],
             log=RunFile(name=f"{shard:06d}.{run}.log", bytes=len(log)),
             cancelled=False,
             succeeded=2,
@@ -118,9 +145,26 @@ def _committed_job(blobs: InMemoryBlobStore, shards: int = 2) -> tuple[JobMessag
     return spec, plan
 
 
-def _merger(blobs: InMemoryBlobStore) -> tuple[Merger, Checkpoints]:
+def _lines(indexes: range) -> bytes:
+    return b"".join(
+        json.dumps({"index": index, "input": f"s3://bkt/{index}"}).encode() + b"\n"
+        for index in indexes
+    )
+
+
+def _parquet(groups: list[pa.Table]) -> bytes:
+    """A Parquet file of `groups`, a row group each, as a shard's run writes it."""
+    sink = io.BytesIO()
+    schema = groups[0].schema if groups else RESULTS_SCHEMA
+    with pq.ParquetWriter(sink, schema, compression="zstd") as writer:
+        for group in groups:
+            writer.write_table(group)
+    return sink.getvalue()
+
+
+def _merger(blobs: InMemoryBlobStore, tables: Tables = MIB_TABLES) -> tuple[Merger, Checkpoints]:
     checkpoints = Checkpoints(blobs, Ledger())
-    return Merger(blobs, checkpoints, worker_info={}, device_hour_price=None), checkpoints
+    return Merger(blobs, checkpoints, tables, worker_info={}, device_hour_price=None), checkpoints
 
 
 def _names(blobs: InMemoryBlobStore) -> set[str]:
@@ -346,3 +390,105 @@ def test_a_commit_lists_a_page_of_commit_markers_not_every_shards_files(
             most_keys, most_pages = max(most_keys, store.keys), max(most_pages, store.pages)
     assert isinstance(outcome, Merged)
     assert most_pages <= 2 and most_keys <= 100, (most_keys, most_pages)
+
+
+def _rows(first: int, count: int) -> pa.Table:
+    """`count` rows of results from index `first`, of the same size in bytes."""
+    indexes = list(range(first, first + count))
+    embeddings = [[index + part / 4 for part in range(4)] for index in indexes]
+    columns = [indexes, [f"id-{i:04d}" for i in indexes], [None] * count, embeddings]
+    return pa.Table.from_arrays(
+        [pa.array(c, f.type) for c, f in zip(columns, RESULTS_SCHEMA, strict=True)],
+        schema=RESULTS_SCHEMA,
+    )
+
+
+def _shard_tables() -> list[list[list[pa.Table]]]:
+    """Three shards' files: two row groups of 3 rows; none but an empty file; two
+    files, each of a row group of 3 rows."""
+    return [[[_rows(0, 3), _rows(3, 3)]], [[]], [[_rows(6, 3)], [_rows(9, 3)]]]
+
+
+def _results(blobs: InMemoryBlobStore, summary: dict[str, Any]) -> list[pq.ParquetFile]:
+    names = [name for name in summary["outputs"] if name.startswith("results/")]
+    return [pq.ParquetFile(io.BytesIO(blobs.objects[OUTPUT + name])) for name in names]
+
+
+def test_a_sharded_parquet_job_is_one_file_as_a_run_alone_writes_it(
+    store: _PausingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three shards' Parquet files (several row groups; one shard with no rows) join,
+    in shard order, into the one file a run of the job alone writes,
+    part-000000-0000.parquet, of the same columns (the embedding a fixed-size list), in
+    one row group: the rows in order. An earlier merge's files are replaced or
+    removed, and the files copied here to be joined are gone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    store.objects[f"{OUTPUT}results/part-000000-0000.parquet"] = b"an earlier merge's"
+    store.objects[f"{OUTPUT}results/part-000002-0000.parquet"] = b"an earlier merge's"
+    merger, _ = _merger(store)
+    merged = merger.merge(spec, plan, "last-committer")
+    assert isinstance(merged, Merged)
+    assert list(merged.summary["outputs"]) == ["results/part-000000-0000.parquet", "job.log"]
+    assert _names(store) == {"plan.json", "results/part-000000-0000.parquet", "job.log", "job.json"}
+    [joined] = _results(store, merged.summary)
+    assert joined.schema_arrow == RESULTS_SCHEMA
+    assert joined.num_row_groups == 1
+    assert joined.read() == pa.concat_tables(_rows(n, 3) for n in range(0, 12, 3))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sharded_parquet_job_is_cut_into_files_of_parquet_file_bytes(
+    store: _PausingStore,
+) -> None:
+    """With files of a byte and row groups of two of the shards' (six rows), the same
+    shards join into two files of a row group each, named in order as a run alone
+    names them; read one after the other, the rows in order."""
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    shards_group = pq.ParquetFile(io.BytesIO(_parquet([_rows(0, 3)]))).metadata.row_group(0)
+    merger, _ = _merger(
+        store, Tables(file_bytes=1, row_group_bytes=2 * shards_group.total_byte_size)
+    )
+    merged = merger.merge(spec, plan, "last-committer")
+    assert isinstance(merged, Merged)
+    assert list(merged.summary["outputs"]) == [
+        "results/part-000000-0000.parquet",
+        "results/part-000000-0001.parquet",
+        "job.log",
+    ]
+    files = _results(store, merged.summary)
+    assert [file.metadata.row_group(0).num_rows for file in files] == [6, 6]
+    assert pa.concat_tables(file.read() for file in files) == pa.concat_tables(
+        [_rows(0, 6), _rows(6, 6)]
+    )
+
+
+def test_a_merge_whose_shard_file_is_gone_leaves_no_copy_here(
+    store: _PausingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard's Parquet file gone midway (not merged elsewhere: the job is not done)
+    fails the merge, and the shard files copied here and the file being joined go
+    with it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    del store.objects[str(shard_file(spec, DIGEST, 2, ".a0001-m2.1.parquet"))]
+    merger, _ = _merger(store, Tables(file_bytes=2**20, row_group_bytes=1))
+    with pytest.raises(MissingObject):
+        merger.merge(spec, plan, "last-committer")
+    assert list(tmp_path.iterdir()) == []
+    assert not any(name.startswith("results/") for name in _names(store))
+
+
+def test_shards_files_whose_columns_cannot_be_joined_make_the_merge_poison(
+    store: _PausingStore,
+) -> None:
+    """A shard's ids as numbers where the others' are text: no one file holds both, and
+    the merge says which column, before it writes anything, where it failed on every
+    delivery. (Columns that can be joined are: a redriven shard's floats among
+    integers, `test_a_job_with_a_dead_lettered_shard_waits_for_its_redrive_then_ends_whole`.)"""
+    numbered = _rows(6, 3).set_column(1, "id", pa.array([6, 7, 8]))
+    spec, plan = _committed_job(store, tables=[[[_rows(0, 3)]], [[numbered]]])
+    merger, _ = _merger(store)
+    with pytest.raises(PoisonMessage, match="Field id has incompatible types: string vs int64"):
+        merger.merge(spec, plan, "last-committer")
+    assert not any(name.startswith("results/") for name in _names(store))

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from tests.support.in_process import job_file, planned, run_until_drained, sample_images
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.datasets.tables import Tables
 from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
@@ -95,7 +96,9 @@ def test_a_shards_count_that_is_beaten_every_try_is_logged(tmp_path: Path) -> No
     blobs = _Contended()
     spec, plan = planned(blobs, "busy", ["s3://bkt/a", "s3://bkt/b"], {"name": "m"})
     checkpoints = Checkpoints(blobs, Ledger())
-    merger = Merger(blobs, checkpoints, worker_info={}, device_hour_price=None)
+    merger = Merger(
+        blobs, checkpoints, Tables(2**20, 2**20), worker_info={}, device_hour_price=None
+    )
     lifecycle: Any = type("Lifecycle", (), {"outcomes": None, "progress": None})
     shards = Shards(blobs, InMemoryJobSource(), checkpoints, lifecycle, merger)
     shard_spec = parse_job_message(shard_body(spec, plan, 0), frozenset())

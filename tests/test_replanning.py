@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from tests.support.in_process import job_file, planned, run_until_drained, sample_images
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.datasets.tables import Tables
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.ledger import Ledger
 from worker.jobs.plan import Plan, shard_body
@@ -204,7 +205,9 @@ def test_a_run_noted_started_after_its_job_is_merged_leaves_no_note(tmp_path: Pa
     spec, plan = _merged_job(source, blobs, tmp_path, "late")
     shard_spec = parse_job_message(shard_body(spec, plan, 1), frozenset())
     checkpoints = Checkpoints(blobs, Ledger())
-    merger = Merger(blobs, checkpoints, worker_info={}, device_hour_price=None)
+    merger = Merger(
+        blobs, checkpoints, Tables(2**20, 2**20), worker_info={}, device_hour_price=None
+    )
     lifecycle: Any = type("Lifecycle", (), {"outcomes": None, "progress": None})
     Shards(blobs, source, checkpoints, lifecycle, merger).started(shard_spec, plan, held=False)
     assert _names_under(blobs, "s3://bkt/out/late/shards/") == []

@@ -4,12 +4,15 @@ and whoever commits the last merges what an unsharded run writes."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 from pydantic import ValidationError
@@ -304,8 +307,7 @@ def test_a_job_sent_again_in_the_other_format_is_another_request(tmp_path: Path)
     assert as_table["format"] == "parquet"
     assert as_table["request_digest"] != as_lines["request_digest"]
     assert [name for name in as_table["outputs"] if name.startswith("results/")] == [
-        "results/part-000000-0000.parquet",
-        "results/part-000001-0000.parquet",
+        "results/part-000000-0000.parquet"  # the shards' joined, as a run alone writes it
     ]
     written = dict(blobs.objects)
     watch = {
@@ -378,7 +380,9 @@ def test_a_job_with_a_dead_lettered_shard_waits_for_its_redrive_then_ends_whole(
     """A shard whose results its model's columns cannot hold is dead-lettered, and noted
     so; the others commit, and the job's watch, finding only that shard left, stops
     (`job_stalled`) where it went on for ever. Redriven once the postprocessor is mended,
-    the shard commits, and the job ends whole, as if nothing had happened."""
+    the shard commits, and the job ends whole, as if nothing had happened: its shards'
+    files joined into one, the score column the floats the mended postprocessor gives
+    (the other shards' integers among them)."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     inputs = sample_images(blobs, 4)
     blobs.objects["s3://bkt/img/grey"] = png_bytes(Image.new("RGB", (64, 64), (GREY,) * 3))
@@ -410,11 +414,14 @@ def test_a_job_with_a_dead_lettered_shard_waits_for_its_redrive_then_ends_whole(
     run_until_drained(source, blobs, tmp_path, model=model, postprocess=f"{support}:float_always")
     summary = job_file(blobs, "stalled", "job.json")
     assert (summary["status"], summary["items"], summary["shards"]["count"]) == ("succeeded", 5, 3)
+    joined = blobs.objects["s3://bkt/out/stalled/results/part-000000-0000.parquet"]
+    scores = pq.read_table(io.BytesIO(joined)).column("score")
+    assert scores.type == pa.float64() and len(scores) == 5
     assert _names_under(blobs, "stalled") - {"progress.json"} == {
         "job.json",
         "job.log",
         "plan.json",
-        *(f"results/part-{shard:06d}-0000.parquet" for shard in range(3)),
+        "results/part-000000-0000.parquet",  # the shards' joined, its scores as floats
     }
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.in_process import planned
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.datasets.tables import Tables
 from worker.errors import TransientError
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
@@ -54,7 +55,9 @@ class _Watched:
         outcomes: Any = SimpleNamespace(ack=self._ack, retry_later=self._retry_later)
         lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=None)
         checkpoints = Checkpoints(blobs, Ledger())
-        merger = Merger(blobs, checkpoints, worker_info={}, device_hour_price=None)
+        merger = Merger(
+            blobs, checkpoints, Tables(2**20, 2**20), worker_info={}, device_hour_price=None
+        )
         shards = Shards(blobs, source, checkpoints, lifecycle, merger)
         self.stragglers = Stragglers(
             blobs, source, shards, outcomes, announce_merged=_no_notices, lost_after_s=3600

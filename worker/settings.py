@@ -239,7 +239,8 @@ class Settings(BaseSettings):
         default=256 * 2**20,
         ge=1,
         description='A job\'s Parquet results (its message\'s "format": "parquet") go '
-        "into files of about this many bytes (256 MiB by default), one or more per shard.",
+        "into files of about this many bytes (256 MiB by default), a sharded job's shards' "
+        "joined into them as it is merged: raise it for one file of a larger table.",
     )
     parquet_row_group_bytes: int = Field(
         default=64 * 2**20,

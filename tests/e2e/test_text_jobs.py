@@ -30,9 +30,10 @@ def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embedding
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
     """60 rows in shards of 20 on two daemons, sent by `worker enqueue --text-column`:
-    one row of results per text, in table order, keyed by its id, each embedding (a
-    float32 fixed-size list) the model's own answer within float tolerance and each
-    label its topic. Beside it, two texts sent in the message (`enqueue --text`)."""
+    one Parquet file (the shards' joined), one row of results per text, in table
+    order, keyed by its id, each embedding (a float32 fixed-size list) the model's own
+    answer within float tolerance and each label its topic. Beside it, two texts sent
+    in the message (`enqueue --text`)."""
     stack = aws.stack()
     drawn = list(sentences(60, seed=40))
     texts = [text for _, text in drawn]
@@ -68,8 +69,14 @@ def test_a_parquet_table_of_texts_runs_across_two_daemons_into_ordered_embedding
 
     summary = aws.summary(output)
     assert (summary["status"], summary["shards"]["count"]) == ("succeeded", 3)
-    parts = sorted(name for name in aws.names(output) if name.startswith("results/"))
-    results = pa.concat_tables(pq.read_table(io.BytesIO(aws.read(output, p))) for p in parts)
+    # The shards' files joined into the one file a run of the table alone writes.
+    assert [name for name in summary["outputs"] if name.startswith("results/")] == [
+        "results/part-000000-0000.parquet"
+    ]
+    assert [name for name in aws.names(output) if name.startswith("results/")] == [
+        "results/part-000000-0000.parquet"
+    ]
+    results = pq.read_table(io.BytesIO(aws.read(output, "results/part-000000-0000.parquet")))
     assert results.column("id").to_pylist() == ids
     assert results.column("index").to_pylist() == list(range(len(texts)))
     assert results.schema.field("embedding").type == pa.list_(pa.float32(), 64)

@@ -187,18 +187,19 @@ class Daemon:
         )
         lifecycle = Lifecycle(ledger, outcomes, metrics, progress)
         worker_info = {"host": name}
+        tables = Tables(world.settings.parquet_file_bytes, world.settings.parquet_row_group_bytes)
         self._shards = shards = Shards(
             blobs,
             source,
             checkpoints,
             lifecycle,
-            Merger(blobs, checkpoints, worker_info=worker_info, device_hour_price=None),
+            Merger(blobs, checkpoints, tables, worker_info=worker_info, device_hour_price=None),
         )
         self._finisher = finisher = Finisher(
             blobs,
             checkpoints,
             shards,
-            Tables(world.settings.parquet_file_bytes, world.settings.parquet_row_group_bytes),
+            tables,
             lifecycle,
             worker_info=worker_info,
             notify=[world.notices.append],

@@ -175,6 +175,7 @@ class Daemon:
             "pid": os.getpid(),
             "version": __version__,
         }
+        self._tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
         shards = Shards(
             blobs,
             source,
@@ -183,11 +184,11 @@ class Daemon:
             Merger(
                 blobs,
                 checkpoints,
+                self._tables,
                 worker_info=worker_info,
                 device_hour_price=settings.device_hour_price,
             ),
         )
-        self._tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
         self._finisher = finisher = Finisher(
             blobs,
             checkpoints,

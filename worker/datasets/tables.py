@@ -3,10 +3,13 @@ lines as typed columns, each array field a fixed-size list column (a row of shap
 (4, 3) a list of 4 lists of 3), an item's error its `error` column, in files of about
 `--parquet-file-bytes` with row groups of about `--parquet-row-group-bytes`.
 
-    output/results/part-<shard>-<file>.parquet
+    output/results/part-000000-<file>.parquet
 
-`<shard>` is the shard's number (0 for a job run whole) and `<file>` counts the files
-of one shard: the names sort in input order, and job.json lists them in that order.
+`<file>` counts the job's files, whether it ran whole or as shards: a sharded job's
+shards' files are joined into the files a run alone writes as it is merged (`join`).
+The names sort in input order, and job.json lists them in that order. (`000000` is
+a shard's number: a version that kept each shard's files as they were named them
+`part-<shard>-<file>`, names an output of that version may still hold.)
 
 Every file of a job has the same columns, whatever its rows, so that they read as one
 dataset: they are set by the model and the message, never by the values. The record's
@@ -21,10 +24,11 @@ integer field holding 0.5) are the model's fault, found only at the finish:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,10 @@ RECORD_SCHEMA = pa.schema(
 # A job's ids, from its table, are text whatever their column's type (`worker.datasets.inputs`).
 ID_FIELD = pa.field("id", pa.string())
 MEMBER_FIELD = pa.field("member", pa.string())  # a tar's (`worker.datasets.tars`)
+# A Parquet file starts with the magic and ends with its footer, the footer's length
+# (4 bytes, little-endian) and the magic again.
+PARQUET_MAGIC = b"PAR1"
+PARQUET_FOOTER_END = 8
 # pyarrow's JSON reader parses this much at a time, on its threads.
 JSON_BLOCK_BYTES = 16 * 2**20
 # An output before job.json: its name, its content (or the local file of it), its type.
@@ -118,32 +126,46 @@ class Tables:
         they do not fit the probed columns."""
         sources = self._array_sources(arrays)
         table = self._table(lines, sources, ids, members)
-        directory.mkdir(parents=True, exist_ok=True)
         row_bytes = max(1, math.ceil(_row_bytes(table, sources) or 1))
         rows_per_group = max(1, self._row_group_bytes // row_bytes)
-        files: list[Path] = []
-        writer: pq.ParquetWriter | None = None
-        sink: pa.OSFile | None = None
         schema = _output_schema(table.schema, sources)
-        try:
+        with contextlib.closing(_Files(directory, schema, self._file_bytes)) as files:
             for start in range(0, max(table.num_rows, 1), rows_per_group):
-                if writer is None:
-                    files.append(directory / f"{len(files):04d}.{PARQUET}")
-                    sink = pa.OSFile(str(files[-1]), "wb")
-                    writer = pq.ParquetWriter(sink, schema, compression="zstd")
-                group = _with_arrays(table.slice(start, rows_per_group), sources)
-                writer.write_table(group.cast(schema))
-                assert sink is not None
-                if sink.tell() >= self._file_bytes:
-                    writer.close()
-                    sink.close()
-                    writer = sink = None
+                files.write(_with_arrays(table.slice(start, rows_per_group), sources).cast(schema))
+        return files.paths
+
+    def join(self, sources: Iterable[Path], schema: pa.Schema, directory: Path) -> Generator[Path]:
+        """The Parquet files `sources` (a sharded job's, in order) joined into files of
+        `schema` (`joined_schema`) in `directory`, as `write` cuts them: each yielded once it is
+        written, the last once `sources` are spent. Read a row group at a time and
+        written again in row groups of up to `--parquet-row-group-bytes` (a shard's
+        small ones together, a larger one as it is), so that a job's results are the
+        files a run of it alone would write, never with a whole file in memory. None if
+        `sources` are none."""
+        files: _Files | None = None
+        pending: list[pa.Table] = []  # row groups read, not yet written
+        pending_bytes = 0  # theirs before compression, as their files' footers say
+        try:
+            for source in sources:
+                with pq.ParquetFile(source) as parquet:
+                    if files is None:
+                        files = _Files(directory, schema, self._file_bytes)
+                    for group in range(parquet.num_row_groups):
+                        group_bytes = parquet.metadata.row_group(group).total_byte_size
+                        # Written before the next is read: a row group's bytes held at most.
+                        if pending and pending_bytes + group_bytes > self._row_group_bytes:
+                            yield from files.write(pa.concat_tables(pending))
+                            pending, pending_bytes = [], 0
+                        pending.append(_conformed(parquet.read_row_group(group), schema))
+                        pending_bytes += group_bytes
+            if files is None:
+                return
+            if any(rows.num_rows for rows in pending) or not files.paths:  # an empty job's one file
+                yield from files.write(pa.concat_tables(pending or [files.schema.empty_table()]))
+            yield from files.close()
         finally:
-            if writer is not None:
-                writer.close()
-            if sink is not None:
-                sink.close()
-        return files
+            if files is not None:
+                files.close()
 
     def _array_sources(self, arrays: dict[str, Path]) -> dict[str, np.ndarray]:
         """Each array field's rows by its name, memory-mapped from its file; a field
@@ -198,6 +220,83 @@ class Tables:
                 "start, so every answer has to give every field (None where it has no value)"
             )
         return table
+
+
+def footer_bytes(tail: bytes) -> int:
+    """How many bytes at the end of a Parquet file its footer takes (with its length
+    and the closing magic), from the file's last 8 or more (`tail`)."""
+    end = tail[-PARQUET_FOOTER_END:]
+    return int.from_bytes(end[: -len(PARQUET_MAGIC)], "little") + PARQUET_FOOTER_END
+
+
+def footer_schema(footer: bytes) -> pa.Schema:
+    """The columns a Parquet file's footer (`footer_bytes` of its end) gives."""
+    return pq.read_schema(pa.BufferReader(PARQUET_MAGIC + footer))
+
+
+def joined_schema(schemas: list[pa.Schema]) -> pa.Schema:
+    """The columns a sharded job's files join into: one shard's run may have given its
+    fields other types (or more of them) than another's, its postprocessor mended
+    between them (a shard dead-lettered and redriven): an integer column and a float
+    one join as floats, a field some lack is null there. `UnfitResults` if they cannot
+    be joined (a column of text in one file, of numbers in another)."""
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise UnfitResults(f"the shards' results files cannot be joined: {error}") from error
+
+
+def _conformed(group: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`group` with `schema`'s columns: each cast to its type, null where it has none."""
+    if group.schema == schema:
+        return group
+    names = set(group.column_names)
+    return pa.Table.from_arrays(
+        [
+            group.column(field.name).cast(field.type)
+            if field.name in names
+            else pa.nulls(group.num_rows, field.type)
+            for field in schema
+        ],
+        schema=schema,
+    )
+
+
+class _Files:
+    """Row groups written into Parquet files of about `file_bytes` each, in
+    `directory`, named by their number in order; a file is closed once it reaches its
+    size (or at the end), and its path given then."""
+
+    def __init__(self, directory: Path, schema: pa.Schema, file_bytes: int):
+        directory.mkdir(parents=True, exist_ok=True)
+        self._directory = directory
+        self.schema = schema
+        self._file_bytes = file_bytes
+        self.paths: list[Path] = []
+        self._sink: pa.OSFile | None = None
+        self._writer: pq.ParquetWriter | None = None
+
+    def write(self, group: pa.Table) -> list[Path]:
+        """Write a row group; the file it filled, if it did."""
+        if self._writer is None:
+            self.paths.append(self._directory / f"{len(self.paths):04d}.{PARQUET}")
+            self._sink = pa.OSFile(str(self.paths[-1]), "wb")
+            self._writer = pq.ParquetWriter(self._sink, self.schema, compression="zstd")
+        self._writer.write_table(group)
+        assert self._sink is not None
+        return self.close() if self._sink.tell() >= self._file_bytes else []
+
+    def close(self) -> list[Path]:
+        """Close the file being written; it, if there was one."""
+        if self._writer is None:
+            return []
+        try:
+            self._writer.close()
+        finally:
+            assert self._sink is not None
+            self._sink.close()
+            self._writer = self._sink = None
+        return self.paths[-1:]
 
 
 def holds_null(data_type: pa.DataType) -> bool:

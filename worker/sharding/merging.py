@@ -24,14 +24,29 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import structlog
 
-from worker.datasets.tables import JSON_LINES, NDJSON, PARQUET_CONTENT_TYPE, table_name
+from worker.datasets.tables import (
+    JSON_LINES,
+    NDJSON,
+    PARQUET,
+    PARQUET_CONTENT_TYPE,
+    Tables,
+    UnfitResults,
+    footer_bytes,
+    footer_schema,
+    joined_schema,
+    table_name,
+)
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
 from worker.jobs.plan import (
@@ -61,6 +76,9 @@ MAX_CLAIM_BYTES = 4096
 # Commit markers are read a block of shards at a time, a page of S3's listing (1,000
 # keys): a power of ten, so that the names of a block's markers share a prefix.
 MARKERS_A_BLOCK = 1000
+# How much of a shard's Parquet file's end is read for its footer: a footer is a few
+# KiB a column (its statistics and offsets) for each row group.
+FOOTER_GUESS_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -121,12 +139,14 @@ class Merger:
         self,
         blobs: BlobStore,
         checkpoints: Checkpoints,
+        tables: Tables,
         *,
         worker_info: dict[str, Any],
         device_hour_price: float | None,
     ):
         self._blobs = blobs
         self._checkpoints = checkpoints
+        self._tables = tables
         self._worker_info = worker_info
         self._device_hour_price = device_hour_price
 
@@ -230,23 +250,22 @@ class Merger:
                 raise PoisonMessage(f"commit marker {markers[shard]} names another shard's files")
         directory = shard_directory(spec, plan.request_digest)
 
+        def part(file: RunFile) -> tuple[S3Location, int]:
+            return S3Location(directory.bucket, directory.key + file.name), file.bytes
+
         def compose(name: str, files: list[RunFile], content_type: str) -> tuple[str, str]:
-            parts = [(S3Location(directory.bucket, directory.key + f.name), f.bytes) for f in files]
+            parts = [part(file) for file in files]
             claim.renew()
             location, expect = spec.output_location(name), top.get(name, ABSENT)
             return name, self._blobs.compose(location, parts, content_type, expect=expect)
 
-        if plan.format == JSON_LINES:
-            results = [("results.jsonl", [file for c in commits for file in c.results], NDJSON)]
-        else:  # each shard's files copied as they are, in order
-            results = [
-                (table_name(shard, number), [file], PARQUET_CONTENT_TYPE)
-                for shard, commit in enumerate(commits)
-                for number, file in enumerate(commit.results)
-            ]
-        logs = ("job.log", [commit.log for commit in commits], NDJSON)
+        results = [file for commit in commits for file in commit.results]
         try:
-            outputs = dict(compose(*output) for output in [*results, logs])
+            if plan.format == JSON_LINES:
+                outputs = dict([compose("results.jsonl", results, NDJSON)])
+            else:
+                outputs = self._joined(spec, [part(file) for file in results], top, claim)
+            outputs.update([compose("job.log", [commit.log for commit in commits], NDJSON)])
             summary = self._summary(plan, commits, spec.request_id)
             summary["outputs"] = outputs
             claim.renew()
@@ -264,6 +283,57 @@ class Merger:
         self._checkpoints.remove_stale(spec, top, outputs)
         self.remove(spec, plan)
         return Merged(summary)
+
+    def _joined(
+        self,
+        spec: JobMessage,
+        files: list[tuple[S3Location, int]],
+        top: dict[str, str],
+        claim: _Claim,
+    ) -> dict[str, str]:
+        """The shards' Parquet `files` (each with its size) joined in order into the
+        files a run of the job alone writes (`Tables.join`), each written on condition
+        that it is as listed in `top`: their names and ETags, in order. The files are
+        copied here one at a time, and each joined one is written here and then sent,
+        the claim renewed before each."""
+        try:
+            schema = joined_schema(each_at_once(lambda file: self._schema(*file), files))
+        except UnfitResults as error:
+            raise PoisonMessage(str(error)) from error
+        written: dict[str, str] = {}
+        with tempfile.TemporaryDirectory(prefix="join-") as temporary:
+            directory = Path(temporary)
+
+            def copied() -> Iterator[Path]:
+                copy = directory / f"shard.{PARQUET}"
+                for location, size in files:
+                    claim.renew()
+                    with copy.open("wb") as sink:
+                        for chunk in self._blobs.chunks(location, size):
+                            sink.write(chunk)
+                    yield copy
+
+            joining = self._tables.join(copied(), schema, directory / "joined")
+            with contextlib.closing(joining) as joined:
+                for path in joined:
+                    name = table_name(0, len(written))
+                    claim.renew()
+                    location, expect = spec.output_location(name), top.get(name, ABSENT)
+                    written[name] = self._blobs.put_file(
+                        location, path, PARQUET_CONTENT_TYPE, expect=expect
+                    )
+                    path.unlink()  # the disk holds one joined file at a time
+        return written
+
+    def _schema(self, location: S3Location, size: int) -> pa.Schema:
+        """A shard's Parquet file's columns, from its footer: its end, read by a ranged
+        GET (two where the footer is over `FOOTER_GUESS_BYTES`)."""
+        tail_bytes = min(size, FOOTER_GUESS_BYTES)
+        tail = self._blobs.get(location, byte_range=(size - tail_bytes, tail_bytes))
+        footer = footer_bytes(tail)
+        if footer > len(tail):
+            tail = self._blobs.get(location, byte_range=(size - footer, footer))
+        return footer_schema(tail[-footer:])
 
     def _summary(self, plan: Plan, commits: list[Commit], request_id: str | None) -> dict[str, Any]:
         summary = job_summary(
