@@ -11,6 +11,11 @@ import sys
 from pathlib import Path
 
 from tests.support.paths import REPO
+from worker.adapters.aws.obstore_reads import open_obstore_reader
+from worker.adapters.aws.s3 import open_s3_reader
+from worker.daemon.stages import SET_UP_MODULES
+from worker.engine.child_handle import FORKSERVER_PRELOAD
+from worker.entry import FORK_SERVER_PRELOAD
 
 # A daemon against the in-memory fakes that runs a job of two images on the CPU and
 # drains, in a fresh interpreter: its arenas made, its stages' processes started, their
@@ -40,3 +45,12 @@ def test_the_daemons_own_process_imports_no_torch_for_a_cpu_pipeline(tmp_path: P
     )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.splitlines()[-1]) == {"status": "succeeded", "torch": False}
+
+
+def test_the_fork_server_started_first_imports_what_every_stage_process_imports() -> None:
+    """`worker run` starts the stages' fork server before it imports the rest, with a
+    list of its own (importing these would start it later): one it lacks is imported by
+    each child, a second of CPU each for the set-ups."""
+    every_child = {*FORKSERVER_PRELOAD, *SET_UP_MODULES}
+    s3_readers = {open_s3_reader.__module__, open_obstore_reader.__module__}
+    assert every_child | s3_readers <= set(FORK_SERVER_PRELOAD)

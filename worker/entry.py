@@ -7,13 +7,19 @@ import os
 import signal
 import sys
 
-# What the stage processes' fork server imports before it forks the first: what they
-# all import (`worker.engine.child_handle`), their set-ups (`worker.daemon.stages`:
-# each child took a second of CPU importing them), and the readers of S3 they fetch with.
+# What the stage processes' fork server imports before it forks the first: what every
+# child runs (`worker.engine.child_handle.FORKSERVER_PRELOAD`), the daemon's set-ups
+# (`worker.daemon.stages.SET_UP_MODULES`: each child took a second of CPU importing
+# them), and the readers of S3 they fetch with (`S3BlobStore.remote_reader`). Those are
+# named here, not imported: importing them would start the server later, and it is
+# started first for the seconds torch takes (tests/test_main_process_imports.py checks
+# that it names them all).
 FORK_SERVER_PRELOAD = (
     "torch",
     "worker.engine",
+    "worker.engine.child_main",
     "worker.daemon.stages",
+    "worker.plugins.setups",
     "worker.adapters.aws.s3",
     "worker.adapters.aws.obstore_reads",
 )

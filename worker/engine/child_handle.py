@@ -29,7 +29,8 @@ START_ATTEMPTS = 3
 
 
 # Torch and the child's side of the engine, imported once by the server, never by the
-# daemon's own process.
+# daemon's own process (`worker run` names them in `worker.entry`'s list, with the rest
+# its server imports, as it starts it before importing this).
 FORKSERVER_PRELOAD = ("torch", "worker.engine", "worker.engine.child_main")
 
 
