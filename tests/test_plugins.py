@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import json
 import warnings
 from collections.abc import Callable
@@ -19,8 +21,9 @@ from stages.preprocess import default_preprocessor
 from stages.synthetic import LABELS, samples
 from tests.support.markers import also_on_gpu
 from tests.support.stagefns import SizeRecorder
+from worker.daemon import stages as daemon_stages
 from worker.engine import ItemError, bisection_sizes
-from worker.plugins import PluginError
+from worker.plugins import PluginError, setups
 from worker.plugins.encoding import encoded_fields
 from worker.plugins.identity import identify
 from worker.plugins.loading import load_model, load_postprocessor, load_preprocessor
@@ -266,3 +269,22 @@ def test_a_postprocessor_that_fails_on_the_answer_to_zeros_does_not_start() -> N
     )
     assert stage_fn.finish_probe is not None
     stage_fn.finish_probe()
+
+
+def test_every_set_up_the_daemon_names_is_one_of_the_set_ups() -> None:
+    """The daemon names its stages' set-ups (`set_up("preprocess_setup", ...)`), never
+    importing them: a name that is none would fail only as a stage's process starts."""
+    calls = [
+        node
+        for node in ast.walk(ast.parse(inspect.getsource(daemon_stages)))
+        if isinstance(node, ast.Call) and len(node.args) >= 2
+    ]
+    named = {
+        call.args[1].value
+        for call in calls
+        if isinstance(call.args[0], ast.Name)
+        and call.args[0].id == daemon_stages.set_up.__name__
+        and isinstance(call.args[1], ast.Constant)
+    }
+    assert named == {"preprocess_setup", "fan_out_setup", "inference_setup"}
+    assert all(callable(getattr(setups, name, None)) for name in named)
