@@ -58,6 +58,7 @@ from worker.engine.items import (
     StageSetupTimeout,
     bisection_sizes,
     isolate_failures,
+    torch_class,
 )
 from worker.engine.pipeline import Pipeline
 from worker.engine.process_stage import (
@@ -103,4 +104,5 @@ __all__ = [
     "bucket_of",
     "host_oom_kills",
     "isolate_failures",
+    "torch_class",
 ]

@@ -26,11 +26,18 @@ class ItemError:
     def from_exception(cls, error: BaseException, stage: str) -> ItemError:
         # Out of memory on one item is memory pressure, not the item: every item of a
         # stage has the same shape, and it fitted before. The host's memory likewise:
-        # an input's bytes and pixels are bounded before it is decoded. (A process that
-        # has not imported torch has no torch error: the daemon's never imports it.)
-        torch_out_of_memory = getattr(sys.modules.get("torch"), "OutOfMemoryError", MemoryError)
+        # an input's bytes and pixels are bounded before it is decoded.
+        torch_out_of_memory = torch_class("OutOfMemoryError", MemoryError)
         transient = isinstance(error, (TransientError, MemoryError, torch_out_of_memory))
         return cls(type(error).__name__, str(error)[:1000], stage, transient)
+
+
+def torch_class(name: str, otherwise: type) -> type:
+    """torch's class `name` (`Tensor`, `OutOfMemoryError`) in a process that has imported
+    torch, else `otherwise`: one that has not (the daemon's, for a CPU pipeline) has no
+    tensors and no torch errors, and is not to import torch to look for them."""
+    torch = sys.modules.get("torch")
+    return otherwise if torch is None else getattr(torch, name)
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,12 @@ and its array fields apart (`worker.datasets.arrays`)."""
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import orjson
 
-from worker.engine import ItemError
+from worker.engine import ItemError, torch_class
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.fields import ArrayLayout, array_layouts, check_field_name
 
@@ -91,10 +90,9 @@ def _scalar(value: Any) -> Any:
 
 
 def _is_array(value: Any) -> TypeGuard[np.ndarray | torch.Tensor]:
-    """A numpy array, or a tensor in a process that has imported torch: one that has not
-    (the daemon's, running a chain's postprocessor) has no tensors."""
-    torch = sys.modules.get("torch")
-    return isinstance(value, np.ndarray) or (torch is not None and isinstance(value, torch.Tensor))
+    """A numpy array, or a tensor (in a process that has imported torch: the daemon's,
+    running a chain's postprocessor, may not have)."""
+    return isinstance(value, (np.ndarray, torch_class("Tensor", np.ndarray)))
 
 
 def postprocessed(
