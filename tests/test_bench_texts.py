@@ -30,7 +30,8 @@ def test_the_texts_fleet_checks_every_row_against_the_models_answers(
 
     monkeypatch.setattr(bench_texts, "check_results", check_and_keep)
     figures = texts_fleet(tmp_path, rows=300, daemons=2, shard_rows=50)
-    assert (figures["status"], figures["shards"], figures["result_parts"]) == ("succeeded", 6, 6)
+    # The shards' files joined into the one a run alone writes.
+    assert (figures["status"], figures["shards"], figures["result_parts"]) == ("succeeded", 6, 1)
     assert sum(figures["daemon_rows"]) == 300 and sum(figures["daemon_shards"]) == 6
     assert figures["embedding_largest_difference"] <= bench_texts.TOLERANCE
     [(results, table)] = checked
