@@ -206,7 +206,10 @@ def test_a_disk_that_cannot_take_a_row_is_no_fault_of_the_input(
     allocate = os.posix_fallocate
 
     def posix_fallocate(fd: int, offset: int, length: int) -> None:
-        if full_disk:
+        # The arenas' shared memory is reserved this way too: only an array file's
+        # disk is full.
+        spooled = Path(os.readlink(f"/proc/self/fd/{fd}")).is_relative_to(tmp_path / "arrays")
+        if full_disk and spooled:
             raise full_disk.pop()
         allocate(fd, offset, length)
 
