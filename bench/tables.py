@@ -141,7 +141,7 @@ def _timed_join(sources: list[Path], directory: Path) -> tuple[float, int, int, 
     tables = Tables(DEFAULT_FILE_BYTES, DEFAULT_ROW_GROUP_BYTES)
     started = time.perf_counter()
     schema = pyarrow.parquet.read_schema(sources[0])
-    files = len(list(tables.join(sources, schema, directory)))
+    files = len(list(tables.join(sources, schema, directory, beat=lambda: None)))
     seconds = time.perf_counter() - started
     arrow_bytes = pyarrow.default_memory_pool().max_memory() or 0
     return seconds, _memory_bytes("VmHWM") - before, arrow_bytes, files

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,8 @@ import pytest
 
 from worker.adapters import fakes
 from worker.adapters.fakes import InMemoryBlobStore
+from worker.datasets.arrays import SPOOL_LOCK, ArraySpool
+from worker.datasets.disk import DiskBudget, NoDiskRoom
 from worker.datasets.tables import ERROR_TYPE, Tables
 from worker.errors import MissingObject
 from worker.jobs.checkpoints import Checkpoints
@@ -39,6 +40,7 @@ from worker.sharding.merging import (
     AlreadyMerged,
     Fenced,
     Incomplete,
+    JoinSpace,
     Merged,
     Merger,
     MergingElsewhere,
@@ -162,9 +164,46 @@ def _parquet(groups: list[pa.Table]) -> bytes:
     return sink.getvalue()
 
 
-def _merger(blobs: InMemoryBlobStore, tables: Tables = MIB_TABLES) -> tuple[Merger, Checkpoints]:
+def _merger(
+    blobs: InMemoryBlobStore, tables: Tables = MIB_TABLES, join_space: JoinSpace | None = None
+) -> tuple[Merger, Checkpoints]:
     checkpoints = Checkpoints(blobs, Ledger())
-    return Merger(blobs, checkpoints, tables, worker_info={}, device_hour_price=None), checkpoints
+    merger = Merger(
+        blobs,
+        checkpoints,
+        tables,
+        worker_info={},
+        device_hour_price=None,
+        join_space=join_space,
+    )
+    return merger, checkpoints
+
+
+class _Beats:
+    """A daemon's clock of progress, counting its beats."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def beat(self) -> None:
+        self.count += 1
+
+
+@pytest.fixture
+def spool(tmp_path: Path) -> Iterator[ArraySpool]:
+    arrays = ArraySpool(tmp_path / "arrays")
+    arrays.open()
+    yield arrays
+    arrays.close()
+
+
+def _join_space(spool: ArraySpool, disk: DiskBudget | None = None) -> JoinSpace:
+    return JoinSpace(spool, disk or DiskBudget(2**30), _Beats().beat)
+
+
+def _left_in(spool: ArraySpool) -> list[str]:
+    """What a merge left in the daemon's spool (but its lock)."""
+    return [path.name for path in spool.directory.iterdir() if path.name != SPOOL_LOCK]
 
 
 def _names(blobs: InMemoryBlobStore) -> set[str]:
@@ -415,18 +454,17 @@ def _results(blobs: InMemoryBlobStore, summary: dict[str, Any]) -> list[pq.Parqu
 
 
 def test_a_sharded_parquet_job_is_one_file_as_a_run_alone_writes_it(
-    store: _PausingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: _PausingStore, spool: ArraySpool
 ) -> None:
     """Three shards' Parquet files (several row groups; one shard with no rows) join,
     in shard order, into the one file a run of the job alone writes,
     part-000000-0000.parquet, of the same columns (the embedding a fixed-size list), in
     one row group: the rows in order. An earlier merge's files are replaced or
-    removed, and the files copied here to be joined are gone."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    removed, and the files copied into the daemon's spool to be joined are gone."""
     spec, plan = _committed_job(store, tables=_shard_tables())
     store.objects[f"{OUTPUT}results/part-000000-0000.parquet"] = b"an earlier merge's"
     store.objects[f"{OUTPUT}results/part-000002-0000.parquet"] = b"an earlier merge's"
-    merger, _ = _merger(store)
+    merger, _ = _merger(store, join_space=_join_space(spool))
     merged = merger.merge(spec, plan, "last-committer")
     assert isinstance(merged, Merged)
     assert list(merged.summary["outputs"]) == ["results/part-000000-0000.parquet", "job.log"]
@@ -435,22 +473,38 @@ def test_a_sharded_parquet_job_is_one_file_as_a_run_alone_writes_it(
     assert joined.schema_arrow == RESULTS_SCHEMA
     assert joined.num_row_groups == 1
     assert joined.read() == pa.concat_tables(_rows(n, 3) for n in range(0, 12, 3))
-    assert list(tmp_path.iterdir()) == []
+    assert _left_in(spool) == []
+
+
+def test_a_join_beats_the_daemons_progress_as_it_goes(
+    store: _PausingStore, spool: ArraySpool
+) -> None:
+    """A join of tens of GB takes minutes, the job at work all the while: it beats the
+    daemon's clock of progress for each shard file copied, each row group read and each
+    file sent, so that the watchdog never takes it for a hung daemon."""
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    beats = _Beats()
+    space = JoinSpace(spool, DiskBudget(2**30), beats.beat)
+    merger, _ = _merger(store, join_space=space)
+    merged = merger.merge(spec, plan, "last-committer")
+    assert isinstance(merged, Merged)
+    shard_files, row_groups, sent = 4, 4, 1
+    assert beats.count >= shard_files + row_groups + sent
 
 
 def test_a_sharded_parquet_job_is_cut_into_files_of_parquet_file_bytes(
-    store: _PausingStore, monkeypatch: pytest.MonkeyPatch
+    store: _PausingStore, spool: ArraySpool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With files of a byte and row groups of two of the shards' (six rows), the same
+    """With files of a byte and row groups of two and a half of the shards' (decoded:
+    six rows fit, nine do not), the same
     shards join into two files of a row group each, named in order as a run alone
     names them; read one after the other, the rows in order. (Each shard's footer is
     read by a second GET here: the first, of its last 8 bytes, holds only its length.)"""
     monkeypatch.setattr(merging, "FOOTER_GUESS_BYTES", 8)
     spec, plan = _committed_job(store, tables=_shard_tables())
-    shards_group = pq.ParquetFile(io.BytesIO(_parquet([_rows(0, 3)]))).metadata.row_group(0)
-    merger, _ = _merger(
-        store, Tables(file_bytes=1, row_group_bytes=2 * shards_group.total_byte_size)
-    )
+    group_bytes = pq.ParquetFile(io.BytesIO(_parquet([_rows(0, 3)]))).read_row_group(0).nbytes
+    tables = Tables(file_bytes=1, row_group_bytes=5 * group_bytes // 2)
+    merger, _ = _merger(store, tables, _join_space(spool))
     merged = merger.merge(spec, plan, "last-committer")
     assert isinstance(merged, Merged)
     assert list(merged.summary["outputs"]) == [
@@ -465,32 +519,147 @@ def test_a_sharded_parquet_job_is_cut_into_files_of_parquet_file_bytes(
     )
 
 
-def test_a_merge_whose_shard_file_is_gone_leaves_no_copy_here(
-    store: _PausingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+class _BrokenCopies(_PausingStore):
+    """A store whose reads of the objects `broken` fail midway (a connection lost)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken: set[str] = set()
+
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Iterator[bytes]:
+        pieces = super().chunks(location, max_bytes, expect=expect)
+        if str(location) in self.broken:
+            yield next(pieces)
+            raise MissingObject(f"{location}: the connection was lost")
+        yield from pieces
+
+
+def test_a_merge_that_fails_copying_a_shard_file_leaves_nothing_here_and_is_merged_again(
+    spool: ArraySpool,
 ) -> None:
-    """A shard's Parquet file gone midway (not merged elsewhere: the job is not done)
-    fails the merge, and the shard files copied here and the file being joined go
-    with it."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    """A merge that fails copying the last shard's file, joined files sent before it
+    (a file a row), leaves no copy and no joined file in the daemon's spool; the
+    merge tried again (files of another size now) replaces the files sent before, and
+    removes those it does not write again."""
+    store = _BrokenCopies()
     spec, plan = _committed_job(store, tables=_shard_tables())
-    del store.objects[str(shard_file(spec, DIGEST, 2, ".a0001-m2.1.parquet"))]
-    merger, _ = _merger(store, Tables(file_bytes=2**20, row_group_bytes=1))
+    last = str(shard_file(spec, DIGEST, 2, ".a0001-m2.1.parquet"))
+    store.broken.add(last)
+    merger, _ = _merger(store, Tables(file_bytes=1, row_group_bytes=1), _join_space(spool))
     with pytest.raises(MissingObject):
         merger.merge(spec, plan, "last-committer")
-    assert list(tmp_path.iterdir()) == []
-    assert not any(name.startswith("results/") for name in _names(store))
+    assert _left_in(spool) == []
+    sent = {name for name in _names(store) if name.startswith("results/")}
+    assert sent == {f"results/part-000000-{file:04d}.parquet" for file in range(8)}  # 9 rows read
+    store.broken.clear()
+    merger, _ = _merger(store, join_space=_join_space(spool))
+    merged = merger.merge(spec, plan, "last-committer")
+    assert isinstance(merged, Merged)
+    assert _names(store) == {"plan.json", "results/part-000000-0000.parquet", "job.log", "job.json"}
+    [joined] = _results(store, merged.summary)
+    assert joined.read() == pa.concat_tables(_rows(n, 3) for n in range(0, 12, 3))
+    assert _left_in(spool) == []
 
 
-def test_shards_files_whose_columns_cannot_be_joined_make_the_merge_poison(
-    store: _PausingStore,
+def test_a_join_the_disk_has_no_room_for_now_is_handed_back_having_written_nothing(
+    store: _PausingStore, spool: ArraySpool
 ) -> None:
-    """A shard's ids as numbers where the others' are text: no one file holds both, and
-    the merge says which column, before it writes anything, where it failed on every
+    """The join's copy and joined file are claimed of the daemon's disk budget
+    (--tar-disk-bytes) before they are written: others' copies holding it, the merge
+    is `NoDiskRoom` (the job goes back, uncharged), with nothing written or left here."""
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    disk = DiskBudget(4 * MIB_TABLES.largest_file_bytes)
+    disk.claim("another job's tars").grow(3 * MIB_TABLES.largest_file_bytes)
+    merger, _ = _merger(store, join_space=_join_space(spool, disk))
+    with pytest.raises(NoDiskRoom):
+        merger.merge(spec, plan, "last-committer")
+    assert not any(name.startswith("results/") for name in _names(store))
+    assert _left_in(spool) == []
+    assert disk.held_bytes == 3 * MIB_TABLES.largest_file_bytes
+
+
+def _numbers(rows: pa.Table, column: str, values: list[Any]) -> pa.Table:
+    return rows.set_column(rows.schema.get_field_index(column), column, pa.array(values))
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "reason"),
+    [
+        # No one file holds both.
+        (
+            _rows(0, 3),
+            _numbers(_rows(3, 3), "id", [3, 4, 5]),
+            "column 'id' has types int64, string",
+        ),
+        # Floats would lose the integers past 2^53; the checked cast failed mid-join.
+        (
+            _numbers(_rows(0, 3), "index", [0, 1, 2**60]),
+            _numbers(_rows(3, 3), "index", [3.0, 4.0, 5.0]),
+            "column 'index' holds integers in one file and floats in another",
+        ),
+        # Joined, the arrays would be lists of any length.
+        (
+            _rows(0, 3),
+            _rows(3, 3).set_column(
+                3, "embedding", pa.array([[0.0] * 3] * 3, pa.list_(pa.float32(), 3))
+            ),
+            "column 'embedding': shards gave arrays of different shapes",
+        ),
+    ],
+)
+def test_shards_files_whose_columns_cannot_be_joined_make_the_merge_poison(
+    store: _PausingStore, spool: ArraySpool, first: pa.Table, second: pa.Table, reason: str
+) -> None:
+    """Columns that cannot be joined without losing or failing a value make the merge
+    poison, saying which column, before it writes anything, where it failed on every
     delivery. (Columns that can be joined are: a redriven shard's floats among
     integers, `test_a_job_with_a_dead_lettered_shard_waits_for_its_redrive_then_ends_whole`.)"""
-    numbered = _rows(6, 3).set_column(1, "id", pa.array([6, 7, 8]))
-    spec, plan = _committed_job(store, tables=[[[_rows(0, 3)]], [[numbered]]])
-    merger, _ = _merger(store)
-    with pytest.raises(PoisonMessage, match="Field id has incompatible types: string vs int64"):
+    spec, plan = _committed_job(store, tables=[[[first]], [[second]]])
+    merger, _ = _merger(store, join_space=_join_space(spool))
+    with pytest.raises(PoisonMessage, match=reason):
+        merger.merge(spec, plan, "last-committer")
+    assert not any(name.startswith("results/") for name in _names(store))
+    assert _left_in(spool) == []
+
+
+def test_integers_among_floats_within_two_to_the_53_join_as_floats(
+    store: _PausingStore, spool: ArraySpool
+) -> None:
+    """Integers a float holds exactly (the footer's statistics say they all are) join
+    with another shard's floats as floats."""
+    spec, plan = _committed_job(
+        store,
+        tables=[
+            [[_numbers(_rows(0, 3), "index", [0, 1, -(2**53)])]],
+            [[_numbers(_rows(3, 3), "index", [3.5, 4.0, 5.0])]],
+        ],
+    )
+    merger, _ = _merger(store, join_space=_join_space(spool))
+    merged = merger.merge(spec, plan, "last-committer")
+    assert isinstance(merged, Merged)
+    [joined] = _results(store, merged.summary)
+    assert joined.read().column("index").to_pylist() == [0.0, 1.0, -(2.0**53), 3.5, 4.0, 5.0]
+
+
+@pytest.mark.parametrize(
+    ("ending", "reason"),
+    [
+        (b"12345678", "it does not end as a Parquet file does"),
+        ((2**31).to_bytes(4, "little") + b"PAR1", "its footer claims"),
+    ],
+)
+def test_a_shard_file_with_no_parquet_footer_makes_the_merge_poison_naming_it(
+    store: _PausingStore, spool: ArraySpool, ending: bytes, reason: str
+) -> None:
+    """A shard's results file that does not end with a footer (or with one longer than
+    the file) can never be joined: the merge is poison, naming the file, where it was
+    retried for ever."""
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    name = str(shard_file(spec, DIGEST, 0, ".a0001-m0.0.parquet"))
+    store.objects[name] = store.objects[name][: -len(ending)] + ending
+    merger, _ = _merger(store, join_space=_join_space(spool))
+    with pytest.raises(PoisonMessage, match=f"shard file {name}: {reason}"):
         merger.merge(spec, plan, "last-committer")
     assert not any(name.startswith("results/") for name in _names(store))

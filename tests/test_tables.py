@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from stages.synthetic import samples
 from tests.support.in_process import run_until_drained
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.datasets.tables import Tables, UnfitResults
+from worker.datasets.tables import Tables, UnfitResults, joined_schema
 from worker.plugins.encoding import encoded_fields
 
 PROBE = json.dumps({"label": "x", "score": 0.0, "rank": 0, "boxes": [], "note": None}).encode()
@@ -133,3 +135,60 @@ def test_a_parquet_jobs_finish_removes_only_the_results_files_it_names(tmp_path:
     run_until_drained(source, blobs, tmp_path)
     under = {uri for uri in blobs.objects if uri.startswith("s3://bkt/out/team/results/")}
     assert under == {*neighbours, "s3://bkt/out/team/results/part-000000-0000.parquet"}
+
+
+def _parquet_file(path: Path, groups: list[pa.Table], **options: Any) -> Path:
+    with pq.ParquetWriter(path, groups[0].schema, **options) as writer:
+        for group in groups:
+            writer.write_table(group)
+    return path
+
+
+def test_a_join_cuts_row_groups_by_their_decoded_bytes_not_their_files(tmp_path: Path) -> None:
+    """Text that repeats takes a few bytes a row group in its file (a footer's sizes
+    are encoded) and hundreds of KiB decoded: the join holds and writes row groups of
+    about --parquet-row-group-bytes decoded, never the whole of a shard's at once."""
+    text = pa.table({"label": pa.array(["a label that repeats " * 50] * 256)})  # 256 KiB decoded
+    source = _parquet_file(tmp_path / "shard.parquet", [text] * 4, compression="zstd")
+    footer = pq.ParquetFile(source).metadata
+    assert all(footer.row_group(n).total_byte_size < text.nbytes // 20 for n in range(4))
+    row_group_bytes = 64 * 2**10
+    tables = Tables(file_bytes=2**30, row_group_bytes=row_group_bytes)
+    [joined] = tables.join([source], text.schema, tmp_path / "joined", beat=lambda: None)
+    written = pq.ParquetFile(joined)
+    assert written.read() == pa.concat_tables([text] * 4)
+    assert written.num_row_groups >= 16
+    for group in range(written.num_row_groups):
+        assert written.read_row_group(group).nbytes <= row_group_bytes
+
+
+def test_a_value_that_does_not_fit_its_joined_column_is_unfit_not_retried(
+    tmp_path: Path,
+) -> None:
+    """A value the joined column's type cannot hold (an integer past 2^53 cast to a
+    float) fails the join as `UnfitResults`, the same on every delivery, not an error
+    retried for ever."""
+    numbers = pa.table({"rank": pa.array([1, 2**60])})
+    source = _parquet_file(tmp_path / "shard.parquet", [numbers])
+    joining = Tables(2**20, 2**20).join(
+        [source], pa.schema([("rank", pa.float64())]), tmp_path / "joined", beat=lambda: None
+    )
+    with pytest.raises(UnfitResults, match="rank"):
+        list(joining)
+
+
+def test_integers_without_statistics_do_not_join_with_floats(tmp_path: Path) -> None:
+    """Integers among another file's floats join as floats only where the footer's
+    statistics show every one within +-2^53: a file written without statistics is
+    refused, naming the column."""
+    integers = _parquet_file(
+        tmp_path / "0.parquet", [pa.table({"rank": pa.array([1, 2])})], write_statistics=False
+    )
+    floats = _parquet_file(tmp_path / "1.parquet", [pa.table({"rank": pa.array([0.5])})])
+    footers = [pq.read_metadata(integers), pq.read_metadata(floats)]
+    with pytest.raises(UnfitResults, match="column 'rank' holds integers"):
+        joined_schema(footers)
+    with_statistics = _parquet_file(tmp_path / "2.parquet", [pa.table({"rank": pa.array([1, 2])})])
+    assert joined_schema([pq.read_metadata(with_statistics), footers[1]]) == pa.schema(
+        [("rank", pa.float64())]
+    )

@@ -228,8 +228,9 @@ class Settings(BaseSettings):
     tar_disk_bytes: int | None = Field(
         default=None,
         ge=1,
-        description="Most bytes of disk the local copies of tars, and the snapshots of "
-        "listings planned into shards, may take at once, all jobs' together, claimed as "
+        description="Most bytes of disk the local copies of tars, the snapshots of "
+        "listings planned into shards, and a merge's copies of a sharded Parquet job's "
+        "files, may take at once, all jobs' together, claimed as "
         "they are written: a job that finds no room now is handed back to run later, "
         "uncharged; one whose own copy alone takes more is poison. Default: three "
         "quarters of the space free on --log-dir's disk at start (daemons sharing a "

@@ -33,7 +33,7 @@ from worker.loops.results import Finisher
 from worker.plugins.identity import ModelIdentity
 from worker.ports import SQS_MAX_DELAY_S, ReceivedMessage, S3Location
 from worker.settings import Settings
-from worker.sharding.merging import Merger
+from worker.sharding.merging import JoinSpace, Merger
 from worker.sharding.planning import Planner
 from worker.sharding.shards import Shards
 from worker.sharding.stragglers import Stragglers
@@ -187,13 +187,21 @@ class Daemon:
         )
         lifecycle = Lifecycle(ledger, outcomes, metrics, progress)
         worker_info = {"host": name}
+        disk = DiskBudget(2**30)
         tables = Tables(world.settings.parquet_file_bytes, world.settings.parquet_row_group_bytes)
         self._shards = shards = Shards(
             blobs,
             source,
             checkpoints,
             lifecycle,
-            Merger(blobs, checkpoints, tables, worker_info=worker_info, device_hour_price=None),
+            Merger(
+                blobs,
+                checkpoints,
+                tables,
+                worker_info=worker_info,
+                device_hour_price=None,
+                join_space=JoinSpace(world.arrays, disk, progress.beat),
+            ),
         )
         self._finisher = finisher = Finisher(
             blobs,
@@ -228,7 +236,7 @@ class Daemon:
             notices=finisher.notices,
             on_drained=lambda: None,
             arrays=world.arrays,
-            disk=DiskBudget(2**30),
+            disk=disk,
         )
 
     def take(self, message: ReceivedMessage) -> None:

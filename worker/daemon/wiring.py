@@ -59,7 +59,7 @@ from worker.plugins.identity import ModelIdentity, pipeline_identity
 from worker.plugins.loading import load_postprocessor
 from worker.ports import SQS_MAX_DELAY_S, BlobStore, JobSource, NoticeSource, ScaleInGuard
 from worker.settings import Settings
-from worker.sharding.merging import Merger
+from worker.sharding.merging import JoinSpace, Merger
 from worker.sharding.planning import Planner
 from worker.sharding.shards import Shards
 from worker.sharding.stragglers import Stragglers
@@ -176,6 +176,11 @@ class Daemon:
             "version": __version__,
         }
         self._tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
+        # Jobs' copies here (tars, listings, a merge's files): one disk budget, one spool.
+        self._arrays, disk = (
+            ArraySpool(settings.log_dir / ARRAYS_DIR),
+            DiskBudget.of(settings.log_dir, settings.tar_disk_bytes),
+        )
         shards = Shards(
             blobs,
             source,
@@ -187,6 +192,7 @@ class Daemon:
                 self._tables,
                 worker_info=worker_info,
                 device_hour_price=settings.device_hour_price,
+                join_space=JoinSpace(self._arrays, disk, progress.beat),
             ),
         )
         self._finisher = finisher = Finisher(
@@ -233,7 +239,6 @@ class Daemon:
             if notices
             else None
         )
-        self._arrays = ArraySpool(settings.log_dir / ARRAYS_DIR)
         self._guard = guard
         self._breakages = Breakages(settings.log_dir, settings.host_breakages_limit)
         # Loaded here too so that a wrong reference stops the daemon before it starts.
@@ -274,7 +279,7 @@ class Daemon:
             notices=finisher.notices,
             on_drained=shutdown.drained,
             arrays=self._arrays,
-            disk=DiskBudget.of(settings.log_dir, settings.tar_disk_bytes),
+            disk=disk,
             lanes=lanes,
         )
         self._units: dict[str, Callable[[], object]] = {

@@ -28,7 +28,7 @@ import contextlib
 import io
 import math
 import re
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,10 @@ MEMBER_FIELD = pa.field("member", pa.string())  # a tar's (`worker.datasets.tars
 # (4 bytes, little-endian) and the magic again.
 PARQUET_MAGIC = b"PAR1"
 PARQUET_FOOTER_END = 8
+# A footer is a few KiB a column for each row group: one claiming more is no results file's.
+MAX_FOOTER_BYTES = 64 * 2**20
+# Every integer of at most this size is a float64 exactly (its 53 bits of mantissa).
+FLOAT_INTEGERS = 2**53
 # pyarrow's JSON reader parses this much at a time, on its threads.
 JSON_BLOCK_BYTES = 16 * 2**20
 # An output before job.json: its name, its content (or the local file of it), its type.
@@ -97,6 +101,12 @@ class Tables:
         self._text_fields: frozenset[str] = frozenset()
         self._layouts: ArrayLayouts = {}
 
+    @property
+    def largest_file_bytes(self) -> int:
+        """About the most a file it writes takes: it is closed once it holds
+        `--parquet-file-bytes`, after the row group that took it there."""
+        return self._file_bytes + self._row_group_bytes
+
     def probed(self, fields: bytes | None, layouts: ArrayLayouts | None) -> None:
         """Take the columns from the postprocessor's answer to zeros: its fields as a
         JSON object, its arrays' layouts (None where there is no such probe: a chain's
@@ -134,38 +144,53 @@ class Tables:
                 files.write(_with_arrays(table.slice(start, rows_per_group), sources).cast(schema))
         return files.paths
 
-    def join(self, sources: Iterable[Path], schema: pa.Schema, directory: Path) -> Generator[Path]:
+    def join(
+        self,
+        sources: Iterable[Path],
+        schema: pa.Schema,
+        directory: Path,
+        beat: Callable[[], None],
+    ) -> Generator[Path]:
         """The Parquet files `sources` (a sharded job's, in order) joined into files of
         `schema` (`joined_schema`) in `directory`, as `write` cuts them: each yielded once it is
-        written, the last once `sources` are spent. Read a row group at a time and
-        written again in row groups of up to `--parquet-row-group-bytes` (a shard's
-        small ones together, a larger one as it is), so that a job's results are the
-        files a run of it alone would write, never with a whole file in memory. None if
-        `sources` are none."""
+        written, the last once `sources` are spent (none if there are no `sources`). Read
+        a row group at a time and written again in row groups of about
+        `--parquet-row-group-bytes` of their decoded columns (a shard's small ones
+        together, a larger one cut), so that a job's results are the files a run of it
+        alone would write, never with a whole file in memory: about two row groups at
+        most, the one read and those waiting to be written. `beat` is called as each
+        row group is read (a join of tens of GB takes minutes). `UnfitResults` if a
+        row group's values do not fit `schema`."""
         files: _Files | None = None
-        pending: list[pa.Table] = []  # row groups read, not yet written
-        pending_bytes = 0  # theirs before compression, as their files' footers say
+        pending: list[pa.Table] = []  # rows read, not yet written
+        pending_bytes = 0  # theirs decoded, as held here (a footer's sizes are encoded)
         try:
             for source in sources:
                 with pq.ParquetFile(source) as parquet:
                     if files is None:
                         files = _Files(directory, schema, self._file_bytes)
                     for group in range(parquet.num_row_groups):
-                        group_bytes = parquet.metadata.row_group(group).total_byte_size
-                        # Written before the next is read: a row group's bytes held at most.
-                        if pending and pending_bytes + group_bytes > self._row_group_bytes:
-                            yield from files.write(pa.concat_tables(pending))
-                            pending, pending_bytes = [], 0
-                        pending.append(_conformed(parquet.read_row_group(group), schema))
-                        pending_bytes += group_bytes
+                        rows = _conformed(parquet.read_row_group(group), schema)
+                        beat()
+                        row_bytes = max(1, math.ceil(rows.nbytes / max(rows.num_rows, 1)))
+                        rows_per_group = max(1, self._row_group_bytes // row_bytes)
+                        for start in range(0, rows.num_rows, rows_per_group):
+                            piece = rows.slice(start, rows_per_group)
+                            piece_bytes = piece.num_rows * row_bytes
+                            if pending and pending_bytes + piece_bytes > self._row_group_bytes:
+                                yield from files.write(pa.concat_tables(pending))
+                                pending, pending_bytes = [], 0
+                            pending.append(piece)
+                            pending_bytes += piece_bytes
             if files is None:
                 return
-            if any(rows.num_rows for rows in pending) or not files.paths:  # an empty job's one file
+            if pending or not files.paths:  # an empty job's one file
                 yield from files.write(pa.concat_tables(pending or [files.schema.empty_table()]))
             yield from files.close()
         finally:
             if files is not None:
-                files.close()
+                with contextlib.suppress(OSError, pa.ArrowException):  # the error is the join's
+                    files.close()
 
     def _array_sources(self, arrays: dict[str, Path]) -> dict[str, np.ndarray]:
         """Each array field's rows by its name, memory-mapped from its file; a field
@@ -222,44 +247,116 @@ class Tables:
         return table
 
 
-def footer_bytes(tail: bytes) -> int:
-    """How many bytes at the end of a Parquet file its footer takes (with its length
-    and the closing magic), from the file's last 8 or more (`tail`)."""
+def footer_bytes(tail: bytes, size: int) -> int:
+    """How many bytes at the end of a Parquet file of `size` bytes its footer takes (with
+    its length and the closing magic), from the file's last 8 or more (`tail`).
+    `UnfitResults` if it is no Parquet file's end, or claims more than the file or
+    `MAX_FOOTER_BYTES`."""
     end = tail[-PARQUET_FOOTER_END:]
-    return int.from_bytes(end[: -len(PARQUET_MAGIC)], "little") + PARQUET_FOOTER_END
+    if len(end) < PARQUET_FOOTER_END or end[-len(PARQUET_MAGIC) :] != PARQUET_MAGIC:
+        raise UnfitResults("it does not end as a Parquet file does")
+    footer = int.from_bytes(end[: -len(PARQUET_MAGIC)], "little") + PARQUET_FOOTER_END
+    if footer > min(size - len(PARQUET_MAGIC), MAX_FOOTER_BYTES):
+        raise UnfitResults(f"its footer claims {footer} bytes, of a file of {size}")
+    return footer
 
 
-def footer_schema(footer: bytes) -> pa.Schema:
-    """The columns a Parquet file's footer (`footer_bytes` of its end) gives."""
-    return pq.read_schema(pa.BufferReader(PARQUET_MAGIC + footer))
-
-
-def joined_schema(schemas: list[pa.Schema]) -> pa.Schema:
-    """The columns a sharded job's files join into: one shard's run may have given its
-    fields other types (or more of them) than another's, its postprocessor mended
-    between them (a shard dead-lettered and redriven): an integer column and a float
-    one join as floats, a field some lack is null there. `UnfitResults` if they cannot
-    be joined (a column of text in one file, of numbers in another)."""
+def footer_metadata(footer: bytes) -> pq.FileMetaData:
+    """The columns and row groups a Parquet file's footer (`footer_bytes` of its end)
+    gives. `UnfitResults` if it is none."""
     try:
-        return pa.unify_schemas(schemas, promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
-        raise UnfitResults(f"the shards' results files cannot be joined: {error}") from error
+        return pq.read_metadata(pa.BufferReader(PARQUET_MAGIC + footer))
+    except (OSError, pa.ArrowException) as error:
+        raise UnfitResults(f"its footer cannot be read: {error}") from error
+
+
+def joined_schema(footers: list[pq.FileMetaData]) -> pa.Schema:
+    """The columns a sharded job's files (their `footers`, in order) join into: one
+    shard's run may have given its fields other types (or more of them) than another's,
+    its postprocessor mended between them (a shard dead-lettered and redriven). Only
+    what joins without losing or failing a value is joined: a field some lack, or hold
+    only nulls of, is null there; integers among floats are floats where every row
+    group's statistics show them within +-2^53 (a float holds every integer there).
+    `UnfitResults`, naming the column, for anything else (text in one file, numbers in
+    another; arrays of other shapes; integers the statistics do not bound)."""
+    fields: dict[str, list[tuple[pa.DataType, pq.FileMetaData]]] = {}
+    for footer in footers:
+        for field in footer.schema.to_arrow_schema():
+            fields.setdefault(field.name, []).append((field.type, footer))
+    return pa.schema([pa.field(name, _joined_type(name, typed)) for name, typed in fields.items()])
+
+
+def _joined_type(name: str, typed: list[tuple[pa.DataType, pq.FileMetaData]]) -> pa.DataType:
+    types = {data_type for data_type, _ in typed if not pa.types.is_null(data_type)}
+    if len(types) <= 1:
+        return types.pop() if types else pa.null()
+    if all(_is_list(data_type) for data_type in types):
+        raise UnfitResults(
+            f"the shards' results files cannot be joined: column {name!r}: shards gave arrays "
+            f"of different shapes ({', '.join(sorted(map(str, types)))})"
+        )
+    integers = {data_type for data_type in types if pa.types.is_integer(data_type)}
+    if types - integers != {pa.float64()}:
+        raise UnfitResults(
+            f"the shards' results files cannot be joined: column {name!r} has types "
+            f"{', '.join(sorted(map(str, types)))}"
+        )
+    for data_type, footer in typed:
+        if data_type in integers and not _within_float_integers(footer, name):
+            raise UnfitResults(
+                f"the shards' results files cannot be joined: column {name!r} holds "
+                f"integers in one file and floats in another, and the integers' statistics "
+                f"do not show them all within +-2^53, where a float holds every integer"
+            )
+    return pa.float64()
+
+
+def _is_list(data_type: pa.DataType) -> bool:
+    return any(
+        is_kind(data_type)
+        for is_kind in (pa.types.is_list, pa.types.is_fixed_size_list, pa.types.is_large_list)
+    )
+
+
+def _within_float_integers(footer: pq.FileMetaData, name: str) -> bool:
+    """Whether every row group's statistics of column `name` bound its values within
+    +-`FLOAT_INTEGERS` (a group of nulls only has none, and holds no value to lose)."""
+    [column] = [i for i in range(footer.num_columns) if footer.schema.column(i).path == name]
+    for group in range(footer.num_row_groups):
+        chunk = footer.row_group(group).column(column)
+        statistics = chunk.statistics
+        if statistics is not None and statistics.has_min_max:
+            if max(abs(statistics.min), abs(statistics.max)) > FLOAT_INTEGERS:
+                return False
+        elif statistics is None or statistics.null_count != chunk.num_values:
+            return False
+    return True
 
 
 def _conformed(group: pa.Table, schema: pa.Schema) -> pa.Table:
-    """`group` with `schema`'s columns: each cast to its type, null where it has none."""
+    """`group` with `schema`'s columns: each cast to its type, null where it has none.
+    `UnfitResults` if a value does not fit its column's type."""
     if group.schema == schema:
         return group
     names = set(group.column_names)
     return pa.Table.from_arrays(
         [
-            group.column(field.name).cast(field.type)
+            _cast(group.column(field.name), field)
             if field.name in names
             else pa.nulls(group.num_rows, field.type)
             for field in schema
         ],
         schema=schema,
     )
+
+
+def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
+    try:
+        return column.cast(field.type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        raise UnfitResults(
+            f"the shards' results files cannot be joined: column {field.name!r}: {error}"
+        ) from error
 
 
 class _Files:

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import structlog
 
+from worker.datasets.disk import NO_DISK_ROOM_RETRY_S, NoDiskRoom
 from worker.datasets.openai_batch import BatchItem, write_batch_files
 from worker.datasets.tables import (
     JSON_LINES,
@@ -275,7 +276,7 @@ class Finisher:
             return
         self._outcomes.ack(job)
 
-    def _written(
+    def _written(  # noqa: PLR0911 (one a way a finish ends)
         self, job: Job, write: Callable[[], dict[str, Any] | None]
     ) -> tuple[bool, dict[str, Any] | None]:
         """`write` the outputs, trying again while the lease is kept: whether they were
@@ -289,6 +290,9 @@ class Finisher:
             except PreconditionFailed as error:
                 log.warning("job_fenced", job_id=job.job_id, error=str(error))
                 self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
+                return False, None
+            except NoDiskRoom as error:  # a merge's join: others' copies hold the disk now
+                self._outcomes.hand_over(job, str(error), NO_DISK_ROOM_RETRY_S)
                 return False, None
             except UnfitResults as error:  # the same on every delivery, until the model changes
                 assert job.spec is not None

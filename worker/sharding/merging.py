@@ -24,17 +24,20 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
+import pyarrow.parquet as pq
 import structlog
 
+from worker.datasets.arrays import ArraySpool
+from worker.datasets.disk import DiskBudget
 from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
@@ -43,7 +46,7 @@ from worker.datasets.tables import (
     Tables,
     UnfitResults,
     footer_bytes,
-    footer_schema,
+    footer_metadata,
     joined_schema,
     table_name,
 )
@@ -128,6 +131,19 @@ class Refused:
 MergeOutcome = Merged | AlreadyMerged | Incomplete | MergingElsewhere | Fenced | Refused
 
 
+@dataclass(frozen=True)
+class JoinSpace:
+    """Where a merge joins a sharded Parquet job's files on this machine: in a directory
+    of the daemon's spool (`spool`, swept as a daemon starts: what a merge killed
+    midway left goes with it), its bytes claimed of the daemon's disk budget (`disk`)
+    before they are written, beating the daemon's clock of progress (`beat`) as it goes:
+    a join of tens of GB takes minutes, and a daemon that seems still is taken for hung."""
+
+    spool: ArraySpool
+    disk: DiskBudget
+    beat: Callable[[], None]
+
+
 class _ClaimLost(Exception):
     """The merge claim is no longer this merger's."""
 
@@ -143,8 +159,12 @@ class Merger:
         *,
         worker_info: dict[str, Any],
         device_hour_price: float | None,
+        join_space: JoinSpace | None = None,
     ):
+        """`join_space`: where Parquet jobs' files are joined; None for a merger of JSON
+        Lines jobs only."""
         self._blobs = blobs
+        self._join_space = join_space
         self._checkpoints = checkpoints
         self._tables = tables
         self._worker_info = worker_info
@@ -295,25 +315,28 @@ class Merger:
         files a run of the job alone writes (`Tables.join`), each written on condition
         that it is as listed in `top`: their names and ETags, in order. The files are
         copied here one at a time, and each joined one is written here and then sent,
-        the claim renewed before each."""
-        try:
-            schema = joined_schema(each_at_once(lambda file: self._schema(*file), files))
-        except UnfitResults as error:
-            raise PoisonMessage(str(error)) from error
+        the claim renewed before each; the disk they take (the largest shard file and
+        a joined file) claimed first: `NoDiskRoom` if others' copies hold it now."""
+        space = self._join_space
+        assert space is not None, "a merger of Parquet jobs is given where to join them"
         written: dict[str, str] = {}
-        with tempfile.TemporaryDirectory(prefix="join-") as temporary:
-            directory = Path(temporary)
+        disk = space.disk.claim("a join of its shards' results files")
+        directory = Path(tempfile.mkdtemp(prefix="join-", dir=space.spool.directory))
+        try:
+            schema = joined_schema(each_at_once(lambda file: self._footer(*file), files))
+            disk.grow(max((size for _, size in files), default=0) + self._tables.largest_file_bytes)
 
             def copied() -> Iterator[Path]:
                 copy = directory / f"shard.{PARQUET}"
                 for location, size in files:
                     claim.renew()
+                    space.beat()
                     with copy.open("wb") as sink:
                         for chunk in self._blobs.chunks(location, size):
                             sink.write(chunk)
                     yield copy
 
-            joining = self._tables.join(copied(), schema, directory / "joined")
+            joining = self._tables.join(copied(), schema, directory / "joined", space.beat)
             with contextlib.closing(joining) as joined:
                 for path in joined:
                     name = table_name(0, len(written))
@@ -322,18 +345,28 @@ class Merger:
                     written[name] = self._blobs.put_file(
                         location, path, PARQUET_CONTENT_TYPE, expect=expect
                     )
+                    space.beat()
                     path.unlink()  # the disk holds one joined file at a time
+        except UnfitResults as error:
+            raise PoisonMessage(str(error)) from error
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+            disk.release()
         return written
 
-    def _schema(self, location: S3Location, size: int) -> pa.Schema:
-        """A shard's Parquet file's columns, from its footer: its end, read by a ranged
-        GET (two where the footer is over `FOOTER_GUESS_BYTES`)."""
-        tail_bytes = min(size, FOOTER_GUESS_BYTES)
-        tail = self._blobs.get(location, byte_range=(size - tail_bytes, tail_bytes))
-        footer = footer_bytes(tail)
-        if footer > len(tail):
-            tail = self._blobs.get(location, byte_range=(size - footer, footer))
-        return footer_schema(tail[-footer:])
+    def _footer(self, location: S3Location, size: int) -> pq.FileMetaData:
+        """A shard's Parquet file's columns and row groups, from its footer: its end, read
+        by a ranged GET (two where the footer is over `FOOTER_GUESS_BYTES`).
+        `UnfitResults` naming the file if it has none."""
+        try:
+            tail_bytes = min(size, FOOTER_GUESS_BYTES)
+            tail = self._blobs.get(location, byte_range=(size - tail_bytes, tail_bytes))
+            footer = footer_bytes(tail, size)
+            if footer > len(tail):
+                tail = self._blobs.get(location, footer, byte_range=(size - footer, footer))
+            return footer_metadata(tail[-footer:])
+        except UnfitResults as error:
+            raise UnfitResults(f"shard file {location}: {error}") from error
 
     def _summary(self, plan: Plan, commits: list[Commit], request_id: str | None) -> dict[str, Any]:
         summary = job_summary(
