@@ -152,18 +152,17 @@ class Tables:
         beat: Callable[[], None],
     ) -> Generator[Path]:
         """The Parquet files `sources` (a sharded job's, in order) joined into files of
-        `schema` (`joined_schema`) in `directory`, as `write` cuts them: each yielded once it is
-        written, the last once `sources` are spent (none if there are no `sources`). Read
-        a row group at a time and written again in row groups of about
+        `schema` (`joined_schema`) in `directory`, as `write` cuts them: each yielded
+        once it is written, the last once `sources` are spent (none if there are no
+        `sources`). Read a row group at a time and written again in row groups of
         `--parquet-row-group-bytes` of their decoded columns (a shard's small ones
-        together, a larger one cut), so that a job's results are the files a run of it
-        alone would write, never with a whole file in memory: about two row groups at
-        most, the one read and those waiting to be written. `beat` is called as each
-        row group is read (a join of tens of GB takes minutes). `UnfitResults` if a
-        row group's values do not fit `schema`."""
+        together, a larger one cut, the rest carried to the next), so that a job's
+        results are the files a run of it alone would write, never with a whole file in
+        memory: about two row groups at most, the one read and the rows before it not
+        yet written. `beat` is called as each row group is read (a join of tens of GB
+        takes minutes). `UnfitResults` if a row group's values do not fit `schema`."""
         files: _Files | None = None
-        pending: list[pa.Table] = []  # rows read, not yet written
-        pending_bytes = 0  # theirs decoded, as held here (a footer's sizes are encoded)
+        pending = schema.empty_table()  # rows read, not yet written
         try:
             for source in sources:
                 with pq.ParquetFile(source) as parquet:
@@ -172,25 +171,27 @@ class Tables:
                     for group in range(parquet.num_row_groups):
                         rows = _conformed(parquet.read_row_group(group), schema)
                         beat()
-                        row_bytes = max(1, math.ceil(rows.nbytes / max(rows.num_rows, 1)))
-                        rows_per_group = max(1, self._row_group_bytes // row_bytes)
-                        for start in range(0, rows.num_rows, rows_per_group):
-                            piece = rows.slice(start, rows_per_group)
-                            piece_bytes = piece.num_rows * row_bytes
-                            if pending and pending_bytes + piece_bytes > self._row_group_bytes:
-                                yield from files.write(pa.concat_tables(pending))
-                                pending, pending_bytes = [], 0
-                            pending.append(piece)
-                            pending_bytes += piece_bytes
+                        pending = pa.concat_tables([pending, rows])
+                        while (full := self._full_group_rows(pending)) is not None:
+                            yield from files.write(pending.slice(0, full))
+                            pending = pending.slice(full)
             if files is None:
                 return
-            if pending or not files.paths:  # an empty job's one file
-                yield from files.write(pa.concat_tables(pending or [files.schema.empty_table()]))
+            if pending.num_rows or not files.paths:  # an empty job's one file
+                yield from files.write(pending)
             yield from files.close()
         finally:
             if files is not None:
                 with contextlib.suppress(OSError, pa.ArrowException):  # the error is the join's
                     files.close()
+
+    def _full_group_rows(self, rows: pa.Table) -> int | None:
+        """How many of `rows` (as held, decoded: a footer's sizes are encoded, many times
+        smaller for repetitive columns) make a row group of `--parquet-row-group-bytes`;
+        None while they are fewer."""
+        if not rows.num_rows or rows.nbytes < self._row_group_bytes:
+            return None
+        return max(1, int(self._row_group_bytes * rows.num_rows // rows.nbytes))
 
     def _array_sources(self, arrays: dict[str, Path]) -> dict[str, np.ndarray]:
         """Each array field's rows by its name, memory-mapped from its file; a field
