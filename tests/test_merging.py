@@ -642,6 +642,37 @@ def test_integers_among_floats_within_two_to_the_53_join_as_floats(
     assert joined.read().column("index").to_pylist() == [0.0, 1.0, -(2.0**53), 3.5, 4.0, 5.0]
 
 
+def test_an_empty_shards_integers_join_with_anothers_floats(
+    store: _PausingStore, spool: ArraySpool
+) -> None:
+    """A shard with no rows still writes a row group, of no rows and no statistics: it
+    holds no value to lose, and its integer column joins another shard's floats."""
+    spec, plan = _committed_job(
+        store,
+        tables=[[[_rows(0, 0)]], [[_numbers(_rows(0, 3), "index", [0.5, 1.0, 2.0])]]],
+    )
+    merger, _ = _merger(store, join_space=_join_space(spool))
+    merged = merger.merge(spec, plan, "last-committer")
+    assert isinstance(merged, Merged)
+    [joined] = _results(store, merged.summary)
+    assert joined.read().column("index").to_pylist() == [0.5, 1.0, 2.0]
+
+
+def test_a_join_over_the_whole_disk_budget_is_handed_back_not_poison(
+    store: _PausingStore, spool: ArraySpool
+) -> None:
+    """A join needs more disk than this worker gives jobs' copies at all (a small
+    --tar-disk-bytes, or shards written with a larger --parquet-file-bytes): the job is
+    no poison, another worker may merge it; it goes back uncharged (`NoDiskRoom`)."""
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    disk = DiskBudget(MIB_TABLES.largest_file_bytes // 2)
+    merger, _ = _merger(store, join_space=_join_space(spool, disk))
+    with pytest.raises(NoDiskRoom, match="--tar-disk-bytes"):
+        merger.merge(spec, plan, "last-committer")
+    assert not any(name.startswith("results/") for name in _names(store))
+    assert _left_in(spool) == [] and disk.held_bytes == 0
+
+
 @pytest.mark.parametrize(
     ("ending", "reason"),
     [

@@ -324,6 +324,8 @@ def _within_float_integers(footer: pq.FileMetaData, name: str) -> bool:
     +-`FLOAT_INTEGERS` (a group of nulls only has none, and holds no value to lose)."""
     [column] = [i for i in range(footer.num_columns) if footer.schema.column(i).path == name]
     for group in range(footer.num_row_groups):
+        if not footer.row_group(group).num_rows:
+            continue  # an empty shard's one row group: no statistics, no value to lose
         chunk = footer.row_group(group).column(column)
         statistics = chunk.statistics
         if statistics is not None and statistics.has_min_max:

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import structlog
 
 from worker.datasets.arrays import ArraySpool
-from worker.datasets.disk import DiskBudget
+from worker.datasets.disk import DiskBudget, NoDiskRoom
 from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
@@ -324,7 +324,14 @@ class Merger:
         directory = Path(tempfile.mkdtemp(prefix="join-", dir=space.spool.directory))
         try:
             schema = joined_schema(each_at_once(lambda file: self._footer(*file), files))
-            disk.grow(max((size for _, size in files), default=0) + self._tables.largest_file_bytes)
+            needed = max((size for _, size in files), default=0) + self._tables.largest_file_bytes
+            if needed > space.disk.total_bytes:  # the worker's setting: not the job's fault
+                raise NoDiskRoom(
+                    f"a join of its shards' results files needs {needed} bytes of disk, more "
+                    f"than this worker gives jobs' copies (--tar-disk-bytes, "
+                    f"{space.disk.total_bytes} bytes): a worker with more may merge it"
+                )
+            disk.grow(needed)
 
             def copied() -> Iterator[Path]:
                 copy = directory / f"shard.{PARQUET}"
