@@ -138,7 +138,7 @@ class Outcomes:
         try:
             waits = not runs_may_overlap
             if not self._continued(job, delay_s, waits=waits) and not job.lease_lost:
-                self._source.release(job.receipt_handle)
+                self._source.release(job.receipt_handle, delay_s)
         except Exception as error:
             log.warning("release_failed", job_id=job.job_id, error=repr(error))
         finally:
