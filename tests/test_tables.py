@@ -3,6 +3,7 @@ values, so that every file of a job (each shard's) has the same schema."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import pytest
 from stages.synthetic import samples
 from tests.support.in_process import run_until_drained
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.datasets.tables import Tables, UnfitResults, joined_schema
+from worker.datasets import tables
+from worker.datasets.tables import Tables, UnfitResults, footer_metadata, joined_schema
 from worker.plugins.encoding import encoded_fields
 
 PROBE = json.dumps({"label": "x", "score": 0.0, "rank": 0, "boxes": [], "note": None}).encode()
@@ -192,3 +194,21 @@ def test_integers_without_statistics_do_not_join_with_floats(tmp_path: Path) -> 
     assert joined_schema([pq.read_metadata(with_statistics), footers[1]]) == pa.schema(
         [("rank", pa.float64())]
     )
+
+
+def test_a_footer_this_machine_has_no_memory_to_read_is_not_the_files_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A footer that cannot be read is the file's fault (unfit, the merge poison), but
+    not when this machine ran out of memory reading it: that is raised as it is."""
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"index": [1, 2]}), sink)
+    footer = sink.getvalue()[4:]  # as `footer_bytes` gives it: after the leading magic
+    assert footer_metadata(footer).num_rows == 2
+
+    def no_memory(source: object) -> pq.FileMetaData:
+        raise pa.ArrowMemoryError("malloc of 8 GiB failed")
+
+    monkeypatch.setattr(tables.pq, "read_metadata", no_memory)
+    with pytest.raises(pa.ArrowMemoryError):
+        footer_metadata(footer)

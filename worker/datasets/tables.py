@@ -266,9 +266,13 @@ def footer_metadata(footer: bytes) -> pq.FileMetaData:
     """The columns and row groups a Parquet file's footer (`footer_bytes` of its end)
     gives. `UnfitResults` if it is none."""
     try:
-        return pq.read_metadata(pa.BufferReader(PARQUET_MAGIC + footer))
+        metadata = pq.read_metadata(pa.BufferReader(PARQUET_MAGIC + footer))
+        metadata.schema.to_arrow_schema()  # its columns as Arrow's: read here, or never
+    except pa.ArrowMemoryError:
+        raise  # this machine's memory, no fault of the file's
     except (OSError, pa.ArrowException) as error:
         raise UnfitResults(f"its footer cannot be read: {error}") from error
+    return metadata
 
 
 def joined_schema(footers: list[pq.FileMetaData]) -> pa.Schema:
