@@ -5,12 +5,19 @@ process stage with a prepare step); hedges are bounded, and counted."""
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from tests.support import stagefns
 from tests.support.pipelines import RecordingObserver, run_items
 from worker.engine import Item, Pipeline, PrepareStep, ProcessStage, TensorArena
 from worker.engine.hedging import HEDGE_FLOOR_S, TIMED_BEFORE_HEDGING, TailLatency
+from worker.engine.items import StageFunction
+from worker.engine.preparing import Preparing
 
 
 def test_the_hedge_waits_for_the_95th_percentile_of_the_latest_calls() -> None:
@@ -93,3 +100,43 @@ def test_hedges_past_the_bound_wait_for_one_to_end() -> None:
     assert all(item.error is None for item in slow)
     assert took_s < held_s / 2, took_s
     assert observer.counts[("fetch", "hedged")] >= 3  # (a warm fetch slowed by load too)
+
+
+def test_an_item_that_ended_while_waiting_for_a_hedge_holds_up_no_other() -> None:
+    """Items due a hedge while the one hedge allowed is under way wait for it to end;
+    one that ends by itself meanwhile gives its turn on to the next, which is hedged
+    once the hedge ends, where it waited for its own slow call (a fetch in the tail
+    waited out whole, beside a second suite)."""
+    first_calls = {name: threading.Event() for name in ("a", "b", "c")}
+    a_hedge = threading.Event()
+    calls: dict[str, int] = {}
+
+    def fetch(value: str) -> str:
+        calls[value] = calls.get(value, 0) + 1
+        wait = first_calls.get(value) if calls[value] == 1 else a_hedge if value == "a" else None
+        if wait is not None:
+            wait.wait(60)
+        return value
+
+    ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    with ThreadPoolExecutor(8) as threads:
+        stage_fn = StageFunction(lambda value, out: value, prepare=fetch)
+        preparing = Preparing(stage_fn, threads, ready, hedges=1)
+        ours, theirs = multiprocessing.Pipe()
+        reading = threading.Thread(target=preparing.read, args=(theirs,), daemon=True)
+        reading.start()
+        ours.send([(None, f"warm-{n}", (), n) for n in range(TIMED_BEFORE_HEDGING)])
+        for _ in range(TIMED_BEFORE_HEDGING):
+            ready.get(timeout=30)
+        ours.send([(None, "a", (), 100), (None, "b", (), 101), (None, "c", (), 102)])
+        time.sleep(1.0)  # each due its hedge: a's under way, b's and c's waiting for it
+        first_calls["b"].set()  # b ends by itself
+        assert ready.get(timeout=30).task.value == "b"
+        a_hedge.set()  # a's hedge ends: c's turn
+        answered = {ready.get(timeout=30).task.value for _ in range(2)}
+        for release in first_calls.values():
+            release.set()
+        ours.send(None)
+        reading.join(10)
+    assert answered == {"a", "c"}
+    assert calls["c"] == 2  # hedged: its first call was still held

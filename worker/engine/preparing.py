@@ -136,11 +136,17 @@ class Preparing:
             hedge.add_done_callback(functools.partial(self._ended, tag, started=None))
 
     def _hedge_ended(self, _: Future[Any]) -> None:
+        """A hedge's thread is free: the next item waiting for one is due now. Items that
+        ended meanwhile are passed over: each free thread went to one of them, which
+        needed none, and items behind them waited for their own slow calls."""
         with self._lock:
             self._hedging_now -= 1
-            if self._waiting_for_hedge:
-                heapq.heappush(self._due, (time.perf_counter(), self._waiting_for_hedge.popleft()))
-                self._due_changed.notify()
+            while self._waiting_for_hedge:
+                tag = self._waiting_for_hedge.popleft()
+                if tag in self._running:
+                    heapq.heappush(self._due, (time.perf_counter(), tag))
+                    self._due_changed.notify()
+                    return
 
     def counts(self) -> tuple[tuple[str, int], ...]:
         """Items prepared, and of those hedged, since this was last asked."""
