@@ -26,13 +26,16 @@ UNMEASURED_E2E_S = 10.0
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected what they do
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist, each worker's share of the collection starts with its share
     of the long tests (`tests/support/durations.py`): in the order they are written the
     longest could start last and run on alone, a minute after the rest."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2 or config.getoption("dist", None) != "worksteal":
-        return  # the runs below are worksteal's first deal; `load` deals round-robin
+    if workers < 2:
+        return
+    # The runs below are worksteal's first deal (`make test`); `load`'s round-robin
+    # still starts the long tests first. Not read from the `dist` option: pytest-xdist
+    # sets it to "no" in its workers, where this runs.
     seconds = known_durations()
     for item in items:
         if item.nodeid not in seconds and item.get_closest_marker("e2e"):

@@ -3,6 +3,10 @@ pytest-xdist worker's share of the collection starts with its share of the long 
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from tests.support.durations import balanced_order, known_durations, read_durations
 
 
@@ -42,3 +46,16 @@ def test_durations_are_read_from_a_report_summing_each_tests_phases() -> None:
 def test_the_known_durations_are_of_tests_by_their_ids() -> None:
     known = known_durations()
     assert known and all("::" in test and seconds > 0 for test, seconds in known.items())
+
+
+def test_under_pytest_xdist_the_suite_starts_with_its_longest_known_test(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The deal is made where pytest-xdist's workers collect (`tests/conftest.py`): the
+    first worker's run starts with the longest known test of those collected."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) < 2:
+        pytest.skip("the suite is dealt out only to pytest-xdist's workers (`make test`)")
+    known = known_durations()
+    collected = [item.nodeid for item in request.session.items]
+    longest = max(known.get(test, 0.0) for test in collected)
+    assert known.get(collected[0], 0.0) == longest
