@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.harness import BATCH_SIZE, DEVICE_MODEL, LatentBlobStore, image_pool
 from worker.adapters.fakes import FAKE_LIST_PAGE, InMemoryJobSource
-from worker.daemon import Daemon
+from worker.daemon.wiring import Daemon
 from worker.ports import ReceivedMessage, S3Location
 from worker.settings import Settings
 

@@ -27,7 +27,7 @@ from typing import Any
 from bench.harness import FLEET_DEVICE_BATCH_S, NOOP_MODEL, NOOP_PREPROCESSOR, image_pool
 from bench.processes import moto_stack
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon
+from worker.daemon.wiring import Daemon
 from worker.demo import Stack, upload_samples
 from worker.jobs.joblog import configure_daemon_logging
 from worker.settings import Settings

@@ -26,7 +26,7 @@ from torch import nn
 
 from stages.synthetic import samples
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon
+from worker.daemon.wiring import Daemon
 from worker.ports import ByteRange, ObjectReader, ReceivedMessage, RemoteReader, S3Location
 from worker.settings import Settings
 from worker.telemetry.timeline import Timeline

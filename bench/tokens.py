@@ -35,7 +35,7 @@ from torch import nn
 
 from bench.harness import TimedSource
 from worker.adapters.fakes import InMemoryBlobStore
-from worker.daemon import Daemon
+from worker.daemon.wiring import Daemon
 from worker.engine import TokenBudget, bucket_lengths, bucket_of
 from worker.plugins import tokens_of
 from worker.plugins.loading import token_slots

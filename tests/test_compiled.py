@@ -22,7 +22,8 @@ from tests.support.device_models import RowMeans
 from tests.support.in_process import draining_settings, job_file, sample_images, send_job
 from tests.support.markers import also_on_gpu
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.plugins.compiled import CompiledModel, padded_size
 from worker.plugins.setups import inference_setup
 

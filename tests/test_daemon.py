@@ -34,7 +34,8 @@ from tests.support.in_process import (
 from tests.support.markers import also_on_gpu, needs_gpu
 from tests.support.paths import REPO
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.engine import StageSetupTimeout
 from worker.errors import TransientError
 from worker.jobs.job import Job

@@ -24,8 +24,9 @@ from worker.adapters.aws.imds import (
 )
 from worker.adapters.aws.platform import PlatformUnavailable, interruption_notices
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
 from worker.daemon.interruptions import InterruptionWatch
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.ports import Notice, NoticeKind
 from worker.settings import Settings
 

@@ -20,7 +20,8 @@ from tests.support.in_process import (
 )
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.jobs.lanes import SHARDS_LANE, Lanes
 from worker.jobs.plan import Plan, shard_body
 from worker.loops import intake

@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 from tests.support.in_process import run_while, sample_images, serving_settings
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.jobs.checkpoints import (
     MAX_PART_BYTES,
     MAX_RESUMED_LINE_BYTES,

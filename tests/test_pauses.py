@@ -14,7 +14,8 @@ from structlog.testing import capture_logs
 from tests.support.in_process import run_while, serving_settings
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 
 # A full collection's pause the daemon may take while it serves; one that walked all it
 # holds took 70-200 ms on an H100 host's daemon (and tens of ms in this test's process).

@@ -20,7 +20,8 @@ from tests.support.in_process import (
 )
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX
 from worker.loops.admission import WAITED_FOR_THE_REPLACED
 from worker.message import CANCEL_MARKER

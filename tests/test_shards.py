@@ -32,7 +32,8 @@ from tests.support.stagefns import GREY
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Job, JobStalled, Phase
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.errors import TransientError
 from worker.jobs.checkpoints import part_prefix, request_digest
 from worker.jobs.plan import (

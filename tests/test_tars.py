@@ -36,8 +36,8 @@ from tests.support.in_process import (
 from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Jobs
-from worker.daemon import Daemon
 from worker.daemon.stages import fetcher
+from worker.daemon.wiring import Daemon
 from worker.datasets.tars import TarCopies, _checksum
 from worker.errors import ObjectTooLarge, TransientError
 from worker.jobs.checkpoints import Checkpoints, request_digest

@@ -287,7 +287,7 @@ def _exit_before_start(_signum: int, _frame: object) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from worker.daemon import Daemon
+    from worker.daemon.wiring import Daemon
     from worker.engine import SharedMemoryTooSmall, StageSetupError, StageSetupTimeout
 
     try:

@@ -217,7 +217,7 @@ def _enqueue_text_job(
 def _run_daemon(stack: Stack, queue_url: str, log: TextIO, **pipeline: str) -> int:
     """A daemon of `pipeline` (the default's if not given) that drains `queue_url`,
     logging to `log` (structlog is configured once a process: every daemon's goes there)."""
-    from worker.daemon import Daemon
+    from worker.daemon.wiring import Daemon
     from worker.jobs.joblog import configure_daemon_logging
     from worker.settings import Settings
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from stages.synthetic import samples
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.daemon import Daemon, ExitCode
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 from worker.datasets.inputs import Input, shard_line
 from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_file
 from worker.message import JobMessage, TarMembers, parse_job_message
