@@ -42,6 +42,7 @@ from worker.message import (
 from worker.plugins.identity import ModelIdentity
 from worker.ports import SQS_MAX_DELAY_S, BlobStore, LocalPart, ReceivedMessage, S3Location
 from worker.settings import Settings
+from worker.sharding.merging import PoisonMerge
 from worker.sharding.planning import Planner, Snapshot, replaced, sweep_replaced
 from worker.sharding.shards import Shards
 from worker.sharding.stragglers import Stragglers
@@ -104,7 +105,9 @@ class AdmissionReader:
         self._model = model  # known once the inference stage is set up, before the first receive
         self._checkpoints = checkpoints
         self._planner = planner
-        self._inputs = InputReader(blobs, settings.allowed_buckets, settings.max_manifest_bytes)
+        self._inputs = InputReader(
+            blobs, settings.allowed_buckets, settings.max_manifest_bytes, settings.shard_items
+        )
         self._shards = shards
         self._stragglers = stragglers
         self._notices = notices  # of jobs found finished, or merged here; rejections
@@ -154,7 +157,7 @@ class AdmissionReader:
         sender's fault, and is retried later. A job settled meanwhile (handed back at
         shutdown) needs nothing more."""
         if isinstance(error, PoisonMessage):
-            output = self._rejected_output(job.message.body)
+            output = self._rejected_output(job.message.body, error)
             if output is not None and not job.settled:
                 self._notices.rejected(output, job.message.body, str(error))
             self._outcomes.dead_letter(job, str(error))
@@ -168,14 +171,17 @@ class AdmissionReader:
             )
             self._outcomes.retry_later(job, f"admission failed: {error!r}")
 
-    def _rejected_output(self, body: str) -> S3Location | None:
+    def _rejected_output(self, body: str, poison: PoisonMessage) -> S3Location | None:
         """Where a whole job's message that is poison asks its outputs to go, if that is
         an output it may have (a valid URI, in an allowed bucket), to write its
         `rejected.json` there; None for a shard (its `.dead` note and its job's stall
-        say it) or a watch, and for a body that names no such output."""
+        say it) or a watch, unless their job's merge is the `poison` (the job as a
+        whole is refused), and for a body that names no such output."""
         try:
             document = json.loads(body)
-            if not isinstance(document, dict) or {"shard", "watch"} & document.keys():
+            if not isinstance(document, dict):
+                return None
+            if {"shard", "watch"} & document.keys() and not isinstance(poison, PoisonMerge):
                 return None
             output = JobMessage.model_construct(output=document["output"]).output_location("")
             check_buckets({output.bucket}, self._settings.allowed_buckets)

@@ -36,6 +36,7 @@ from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
+from worker.sharding.merging import PoisonMerge
 from worker.sharding.planning import sweep_replaced
 from worker.sharding.shards import Shards
 
@@ -294,12 +295,17 @@ class Finisher:
             except NoDiskRoom as error:  # a merge's join: others' copies hold the disk now
                 self._outcomes.hand_over(job, str(error), NO_DISK_ROOM_RETRY_S)
                 return False, None
-            except UnfitResults as error:  # the same on every delivery, until the model changes
+            except (UnfitResults, PoisonMerge) as error:  # the same on every delivery
                 assert job.spec is not None
-                if job.plan is None:  # a shard's job waits for it instead: it stalls
+                # A whole job is refused, and so is a shard's whose merge cannot be made
+                # (its shards' files cannot be joined); a shard's own unfit results leave
+                # its job waiting for it instead: it stalls, until the model changes.
+                whole = job.plan is None or isinstance(error, PoisonMerge)
+                if whole:
                     output = job.spec.output_location("")
                     self.notices.rejected(output, job.message.body, str(error))
-                if self._outcomes.dead_letter(job, str(error)) and job.plan is not None:
+                if self._outcomes.dead_letter(job, str(error)) and not whole:
+                    assert job.plan is not None
                     self._shards.dead_lettered(job.spec, job.plan, str(error))
                 return False, None
             except Exception as error:

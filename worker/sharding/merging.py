@@ -144,6 +144,12 @@ class JoinSpace:
     beat: Callable[[], None]
 
 
+class PoisonMerge(PoisonMessage):
+    """The shards' results files cannot be joined into the job's, on any delivery: the
+    job as a whole is refused, its producer told why (`rejected.json`), where a shard's
+    own poison leaves its job waiting for the shard's redrive."""
+
+
 class _ClaimLost(Exception):
     """The merge claim is no longer this merger's."""
 
@@ -355,7 +361,7 @@ class Merger:
                     space.beat()
                     path.unlink()  # the disk holds one joined file at a time
         except UnfitResults as error:
-            raise PoisonMessage(str(error)) from error
+            raise PoisonMerge(str(error)) from error
         finally:
             shutil.rmtree(directory, ignore_errors=True)
             disk.release()

@@ -1,0 +1,90 @@
+"""A sharded job whose merge can never be made (its shards' results files cannot be
+joined) tells its producer so, in this process against the in-memory fakes: the
+rejected.json a dead-lettered whole job leaves, which the client's wait answers at once."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.in_process import run_until_drained, sample_images
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.client.handles import Job, JobRejected
+from worker.jobs.plan import Plan, watch_body
+from worker.message import parse_job_message
+from worker.ports import S3Location
+from worker.sharding import merging
+
+OUTPUT = "s3://bkt/out/unjoinable/"
+BODY = {
+    "job_id": "unjoinable",
+    "request_id": "r-1",
+    "output": OUTPUT,
+    "format": "parquet",
+    "shard_items": 2,
+}
+SHARD_0_RESULTS = re.compile(r"/shards/[0-9a-f]+/000000\.[^/]+\.parquet$")
+# A client waits no longer than this for the answer a rejection gives at once.
+WAIT_S = 20.0
+
+
+class _FooterlessFirstShard(InMemoryBlobStore):
+    """A store in which shard 0's Parquet results file loses its footer's end as it is
+    written (its length kept): a file no merge can join, on every delivery."""
+
+    def put(self, location: S3Location, data: bytes, content_type: str, **kwargs: Any) -> str:
+        if SHARD_0_RESULTS.search(location.key):
+            data = data[:-8] + b"12345678"
+        return super().put(location, data, content_type, **kwargs)
+
+
+def _rejection(blobs: InMemoryBlobStore) -> dict[str, Any]:
+    return dict(json.loads(blobs.objects[f"{OUTPUT}rejected.json"]))
+
+
+def _waited_for_rejection(blobs: InMemoryBlobStore) -> str:
+    """The reason the client's wait gives, which it must give well within its timeout."""
+    started = time.monotonic()
+    with pytest.raises(JobRejected) as rejected:
+        Job(blobs, OUTPUT, "unjoinable", "r-1").wait(timeout_s=WAIT_S, poll_s=0.1)
+    assert time.monotonic() - started < WAIT_S / 2
+    return rejected.value.reason
+
+
+def test_a_merge_found_poison_leaves_the_reason_where_the_clients_wait_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last shard's commit finds its job's shards' files cannot be joined (shard 0's
+    has no Parquet footer): its message is dead-lettered at once, and a rejected.json
+    with the job's ids and the reason is written under the output, so the client's
+    wait raises `JobRejected` naming the file, where nothing was written and it waited
+    out its timeout. A watch that merges the same job later (found poison at its
+    admission) writes it too. (Merge claims run out in a second here, so that the
+    job's watch merges soon after the committing shard's claim.)"""
+    monkeypatch.setattr(merging, "MERGE_CLAIM_S", 1)
+    source, blobs = InMemoryJobSource(), _FooterlessFirstShard()
+    source.send(json.dumps({**BODY, "inputs": sample_images(blobs, 4)}))
+    run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
+    (shard, reason), *_ = source.dead_letters
+    assert '"shard"' in shard.body and "does not end as a Parquet file does" in reason
+    rejection = _rejection(blobs)
+    assert (rejection["job_id"], rejection["request_id"], rejection["reason"]) == (
+        "unjoinable",
+        "r-1",
+        reason,
+    )
+    assert "000000." in _waited_for_rejection(blobs)
+
+    del blobs.objects[f"{OUTPUT}rejected.json"]
+    plan = Plan.model_validate_json(blobs.objects[f"{OUTPUT}plan.json"])
+    spec = parse_job_message(json.dumps({**BODY, "inputs": ["s3://bkt/img/0"]}), frozenset())
+    source.send(watch_body(spec, plan))
+    run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
+    (watch, again) = source.dead_letters[-1]
+    assert '"watch"' in watch.body and again == reason
+    assert _rejection(blobs)["reason"] == reason
