@@ -28,19 +28,40 @@ import functools
 import io
 import itertools
 import json
-import tempfile
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
-import pyarrow.parquet as pq
 
+from worker.datasets.inventories import (
+    INVENTORY_SKIPS,
+    MAX_BUCKET_CHARS,
+    MAX_FLAG_BYTES,
+    MAX_INVENTORY_MANIFEST_BYTES,
+    inventory_columns,
+    inventory_name,
+    inventory_report,
+    truthy,
+)
 from worker.datasets.openai_batch import batch_requests
 from worker.datasets.streams import ChunkStream, gunzipped
+from worker.datasets.table_ranges import (
+    Columns,
+    PlannedFile,
+    Span,
+    TableRow,
+    is_span_line,
+    planned_file,
+    span_batches,
+    span_line,
+    span_of_line,
+    spans,
+    spooled_parquet_batches,
+)
 from worker.datasets.texts import (
     MAX_TEXT_BYTES,
     TextInput,
@@ -60,8 +81,6 @@ from worker.message import (
 )
 from worker.ports import S3_MAX_KEY_BYTES, S3_MAX_URI_BYTES, BlobStore, S3Location
 
-# Rows of a table read at a time (a record batch), at most.
-TABLE_BATCH_ROWS = 65_536
 # An id goes into every result line of its input: a longer one is refused.
 MAX_ID_BYTES = 1024
 # What a row of the columns read of a Parquet file (a URI and an id, or an inventory's
@@ -70,25 +89,12 @@ MAX_ID_BYTES = 1024
 # over its limit, and is refused before it is read. (A batch of 65,536 rows of a value
 # repeated on each would otherwise hold it 65,536 times.)
 MAX_PARQUET_ROW_BYTES = S3_MAX_URI_BYTES + MAX_ID_BYTES + 64
+PARQUET_LIMITS = f"a URI's key {S3_MAX_KEY_BYTES} bytes, an id {MAX_ID_BYTES}"
 # A text table's row: a text over its limit is its item's error, not the table's, so the
 # bound only says what no table of texts holds on average.
 MAX_PARQUET_TEXT_ROW_BYTES = 2**20
-PARQUET_GROUP_SLACK_BYTES = 2**16  # a row group's own headers, however few its rows
-# A Parquet record batch holds about this many bytes of those columns at most: fewer
-# rows than TABLE_BATCH_ROWS where they are long.
-PARQUET_BATCH_BYTES = 8 * 2**20
 # A CSV row longer than this is no input's: pyarrow reads blocks of this size.
 CSV_BLOCK_BYTES = 2**20
-MAX_INVENTORY_MANIFEST_BYTES = 16 * 2**20
-# An S3 Inventory's columns that keep a row out: a delete marker, an older version (by
-# their names in lower case without "_": a CSV's IsLatest is a Parquet file's is_latest).
-INVENTORY_SKIPS = {"isdeletemarker": True, "islatest": False}
-INVENTORY_COLUMNS = {"bucket", "key", *INVENTORY_SKIPS}
-MAX_BUCKET_CHARS = 63
-MAX_FLAG_BYTES = 16  # an inventory's "true" or "false"
-# Which of a file's columns to read: those named, or those a function of the file's own
-# column names picks (an inventory's, whose Parquet files name them their own way).
-Columns = list[str] | Callable[[list[str]], list[str]]
 
 
 class _Bound(NamedTuple):
@@ -119,10 +125,19 @@ class Input(NamedTuple):
 class InputReader:
     """Reads the inputs a message names, checked against the allow-list and limits."""
 
-    def __init__(self, blobs: BlobStore, allowed_buckets: frozenset[str], max_file_bytes: int):
+    def __init__(
+        self,
+        blobs: BlobStore,
+        allowed_buckets: frozenset[str],
+        max_file_bytes: int,
+        shard_items: int | None = None,
+    ):
+        """With `shard_items` (the worker's `--shard-items`), a Parquet table of texts of
+        more rows than a job's shard size is listed as `TableRow`s, read by its shards."""
         self._blobs = blobs
         self._allowed = allowed_buckets
         self._max_file_bytes = max_file_bytes
+        self._shard_items = shard_items
 
     def inputs(self, spec: JobMessage) -> Iterator[Input]:
         """The job's inputs in order, as they are read; `PoisonMessage` at the first
@@ -146,7 +161,7 @@ class InputReader:
         if spec.texts is not None:
             return (Input(text) for text in inline_texts(spec.texts))
         if spec.table:
-            return self._table(spec.table)
+            return self._table(spec.table, spec.shard_items)
         if spec.openai_batch:
             uri = spec.openai_batch
             return self._read(
@@ -159,7 +174,7 @@ class InputReader:
         """A planned shard's inputs: its inputs file, a JSON `[uri, id]` per line, read as
         it streams in, and no more than one line past `most` (a file under the job's
         output is anyone's who may write there)."""
-        parse = functools.partial(_shard_inputs, allowed=self._allowed)
+        parse = functools.partial(_shard_inputs, allowed=self._allowed, spans=self._span_inputs)
         return list(itertools.islice(self._read("shard inputs", uri, parse), most + 1))
 
     def _read(
@@ -177,15 +192,36 @@ class InputReader:
                 if key.endswith(suffix) and not key.endswith("/"):
                     yield Input(f"s3://{prefix.bucket}/{key}")
 
-    def _table(self, table: TableSource) -> Iterator[Input]:
-        """A table's rows, file by file (a prefix's in key order), each a URI or a text."""
+    def _table(self, table: TableSource, shard_items: int | None) -> Iterator[Input]:
+        """A table's rows, file by file (a prefix's in key order), each a URI or a text;
+        a table of texts over the shard size has its Parquet files' rows listed as
+        `TableRow`s from their footers, their texts left for their shards to read."""
         rows_of = self._text_rows if table.text_column else self._uri_rows
-        for uri in self._table_files(table):
-            try:
-                file_format = table.file_format(uri)
-            except ValueError as error:
-                raise PoisonMessage(f"table file {uri}: {error}") from error
-            yield from rows_of(table, uri, file_format)
+        files = list(self._table_files(table))
+        planned = self._planned_files(table, files, shard_items)
+        for uri in files:
+            if uri in planned:
+                # Listed with its file's ETag for an id: the request digest (of names and
+                # ids) then covers the version planned. Its shard reads its id and text.
+                yield from (Input(row, row.etag) for row in planned[uri].table_rows())
+            else:
+                yield from rows_of(table, uri, _file_format(table, uri))
+
+    def _planned_files(
+        self, table: TableSource, files: list[str], shard_items: int | None
+    ) -> dict[str, PlannedFile]:
+        """The Parquet files of a table of texts by their URIs, from their footers, if
+        they hold more rows than the job's shard size (`shard_items`, at most the
+        worker's): the job is then planned into shards of row ranges. Else none."""
+        if table.text_column is None or self._shard_items is None:
+            return {}
+        most = min(shard_items or self._shard_items, self._shard_items)
+        read = ((table.text_column, table.id_column), self._max_file_bytes)
+        planned = {}
+        for uri in (uri for uri in files if _file_format(table, uri) == "parquet"):
+            with unreadable_is_poison(f"table {uri}"):
+                planned[uri] = planned_file(self._blobs, uri, *read, MAX_PARQUET_TEXT_ROW_BYTES)
+        return planned if sum(file.rows for file in planned.values()) > most else {}
 
     def _table_files(self, table: TableSource) -> Iterator[str]:
         """The table's file, or the files under its prefix in key order, without the
@@ -216,20 +252,29 @@ class InputReader:
         rows = 0
         text_rows = MAX_PARQUET_TEXT_ROW_BYTES
         for batch in self._batches(uri, file_format, columns, header=True, row_bytes=text_rows):
-            texts = column_texts(batch.column(table.text_column), uri, rows)
-            ids = _ids_as_text(table, batch, rows) if table.id_column else [None] * len(texts)
-            yield from map(Input, texts, ids)
-            rows += len(texts)
+            yield from _text_inputs(table, uri, batch, rows)
+            rows += batch.num_rows
+
+    def _span_inputs(self, span: Span) -> Iterator[Input]:
+        """A shard's rows of a Parquet table of texts (`table_ranges.span_batches`)."""
+        text_column, id_column = span.columns
+        table = TableSource(uri=span.file, text_column=text_column, id_column=id_column)
+        with unreadable_is_poison(f"table {span.file}"):
+            batches = span_batches(
+                self._blobs, span, self._max_file_bytes, MAX_PARQUET_TEXT_ROW_BYTES
+            )
+            for first_row, batch in batches:
+                yield from _text_inputs(table, span.file, batch, first_row)
 
     def _inventory(self, manifest_uri: str, suffix: str) -> Iterator[Input]:
         """The objects an S3 Inventory report lists, file by file in its manifest's order."""
         with unreadable_is_poison(f"inventory {manifest_uri}"):
             data = self._blobs.get(S3Location.parse(manifest_uri), MAX_INVENTORY_MANIFEST_BYTES)
-        report = _inventory_report(manifest_uri, data)
+        report = inventory_report(manifest_uri, data)
         check_buckets({report.bucket}, self._allowed)
         for key in report.files:
             uri = f"s3://{report.bucket}/{key}"
-            columns = report.columns if report.file_format == "csv" else _inventory_columns
+            columns = report.columns if report.file_format == "csv" else inventory_columns
             rows = 0
             for batch in self._batches(uri, report.file_format, columns, header=False):
                 csv = report.file_format == "csv"
@@ -239,7 +284,7 @@ class InputReader:
     def _inventory_rows(
         self, uri: str, batch: pa.RecordBatch, rows_before: int, suffix: str, url_encoded: bool
     ) -> Iterator[Input]:
-        names = {_inventory_name(name): name for name in batch.schema.names}
+        names = {inventory_name(name): name for name in batch.schema.names}
         if not {"bucket", "key"} <= names.keys():
             raise PoisonMessage(f"inventory file {uri} has no Bucket and Key columns")
         where = f"inventory file {uri}"
@@ -256,7 +301,7 @@ class InputReader:
             if name in names
         ]
         for row, (bucket, listed_key) in enumerate(zip(buckets, keys, strict=True)):
-            if any(_truthy(values[row]) == value for values, value in skips):
+            if any(truthy(values[row]) == value for values, value in skips):
                 continue
             where = f"inventory file {uri} row {rows_before + row + 1}"
             if not isinstance(bucket, str) or not isinstance(listed_key, str):
@@ -282,24 +327,15 @@ class InputReader:
         location = S3Location.parse(uri)
         with unreadable_is_poison(f"table {uri}"):
             if file_format == "parquet":
-                yield from self._parquet_batches(location, columns, row_bytes)
+                store = (self._blobs, location, self._max_file_bytes)
+                read = (columns, row_bytes, PARQUET_LIMITS)
+                yield from spooled_parquet_batches(*store, *read)
             elif file_format == "jsonl":
                 assert isinstance(columns, list)
                 yield from self._json_lines_batches(location, columns)
             else:
                 assert isinstance(columns, list)
                 yield from self._csv_batches(location, columns, header)
-
-    def _parquet_batches(
-        self, location: S3Location, columns: Columns, row_bytes: int
-    ) -> Iterator[pa.RecordBatch]:
-        # A Parquet file is read from its end (the footer) first: it is spooled to a
-        # local file, which its reader then reads a batch at a time.
-        with tempfile.TemporaryFile() as spool:
-            for chunk in self._blobs.chunks(location, self._max_file_bytes):
-                spool.write(chunk)
-            spool.seek(0)
-            yield from _parquet_file_batches(spool, columns, str(location), row_bytes)
 
     def _json_lines_batches(
         self, location: S3Location, columns: list[str]
@@ -354,84 +390,6 @@ class InputReader:
         check_buckets({bucket}, self._allowed)
 
 
-class _InventoryReport(NamedTuple):
-    bucket: str  # where its files are
-    file_format: str  # "csv" or "parquet"
-    columns: list[str]
-    files: list[str]
-
-
-def _inventory_report(uri: str, data: bytes) -> _InventoryReport:
-    """The parts of an S3 Inventory manifest.json this reader needs; poison if it is not
-    one, or lists ORC files (not read)."""
-    try:
-        manifest = json.loads(data)
-        file_format = str(manifest["fileFormat"]).lower()
-        bucket = str(manifest["destinationBucket"]).removeprefix("arn:aws:s3:::")
-        columns = [name.strip() for name in str(manifest["fileSchema"]).split(",")]
-        files = [str(entry["key"]) for entry in manifest["files"]]
-    except (ValueError, KeyError, TypeError) as error:
-        raise PoisonMessage(f"{uri} is not an S3 Inventory manifest: {error!r}") from error
-    if file_format not in ("csv", "parquet"):
-        raise PoisonMessage(
-            f"{uri} is an inventory of {file_format} files: only CSV and Parquet are read"
-        )
-    return _InventoryReport(bucket, file_format, columns, files)
-
-
-def _parquet_file_batches(
-    file: IO[bytes], columns: Columns, uri: str, row_bytes: int = MAX_PARQUET_ROW_BYTES
-) -> Iterator[pa.RecordBatch]:
-    """The record batches of a Parquet file's `columns`, weighed before any is read:
-    poison at a row group whose footer says they take over `row_bytes` a row;
-    then batches of about `PARQUET_BATCH_BYTES`, text read as a dictionary (each value
-    once, however many rows repeat it: `_bounded` checks it before any row copies it)."""
-    metadata = pq.read_metadata(file)
-    names = metadata.schema.to_arrow_schema().names
-    wanted = columns(names) if callable(columns) else columns
-    missing = [name for name in wanted if name not in names]
-    if missing:
-        raise PoisonMessage(f"table {uri} has no column {missing[0]!r}")
-    leaves = [metadata.schema.column(leaf).path for leaf in range(metadata.num_columns)]
-    read = [
-        leaf
-        for leaf, path in enumerate(leaves)
-        if any(path == name or path.startswith(f"{name}.") for name in wanted)
-    ]
-    widest_row_bytes, first_row = 1.0, 1
-    for number in range(metadata.num_row_groups):
-        group = metadata.row_group(number)
-        size = sum(group.column(leaf).total_uncompressed_size for leaf in read)
-        if size > group.num_rows * row_bytes + PARQUET_GROUP_SLACK_BYTES:
-            raise PoisonMessage(
-                f"table {uri} {_rows(first_row, group.num_rows)} take "
-                f"{size} bytes of {', '.join(wanted)}, over {row_bytes} a row: "
-                f"some value is over its limit (a URI's key {S3_MAX_KEY_BYTES} bytes, an "
-                f"id {MAX_ID_BYTES})"
-            )
-        widest_row_bytes = max(widest_row_bytes, size / max(1, group.num_rows))
-        first_row += group.num_rows
-    batch_rows = max(1, min(TABLE_BATCH_ROWS, int(PARQUET_BATCH_BYTES / widest_row_bytes)))
-    dictionaries = [leaves[leaf] for leaf in read if leaves[leaf] in wanted]
-    parquet = pq.ParquetFile(file, metadata=metadata, read_dictionary=dictionaries)
-    yield from parquet.iter_batches(batch_rows, columns=wanted)
-
-
-def _rows(first: int, count: int) -> str:
-    return f"row {first}" if count == 1 else f"rows {first}-{first + count - 1}"
-
-
-def _inventory_name(name: str) -> str:
-    """An inventory's column name as the reader knows it: a CSV's IsLatest is a Parquet
-    file's is_latest."""
-    return name.lower().replace("_", "")
-
-
-def _inventory_columns(names: list[str]) -> list[str]:
-    """The columns of an inventory's Parquet file that are read."""
-    return [name for name in names if _inventory_name(name) in INVENTORY_COLUMNS]
-
-
 def _bounded(column: pa.Array, bound: _Bound, where: str, rows_before: int) -> list[Any]:
     """A column's values, once none is over `bound`: poison naming the first row (after
     `rows_before` of the file `where`) that is, before any value is made a Python object."""
@@ -461,6 +419,24 @@ def _first_over(column: pa.Array, most: int) -> tuple[int, int] | None:
     return None if row < 0 else (row, lengths[row].as_py())
 
 
+def _file_format(table: TableSource, uri: str) -> str:
+    try:
+        return table.file_format(uri)
+    except ValueError as error:
+        raise PoisonMessage(f"table file {uri}: {error}") from error
+
+
+def _text_inputs(
+    table: TableSource, uri: str, batch: pa.RecordBatch, rows_before: int
+) -> Iterator[Input]:
+    """A record batch of a table of texts (from row `rows_before` of file `uri` on) as
+    inputs."""
+    assert table.text_column is not None
+    texts = column_texts(batch.column(table.text_column), uri, rows_before)
+    ids = _ids_as_text(table, batch, rows_before) if table.id_column else [None] * len(texts)
+    return map(Input, texts, ids)
+
+
 def _ids_as_text(table: TableSource, batch: pa.RecordBatch, rows_before: int) -> list[str | None]:
     """A batch's ids as text, whatever their column's type (an integer, a date, a
     decimal): every file of a job's results then has the same `id` column, and every id
@@ -486,10 +462,22 @@ def _manifest(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Inpu
     return (Input(uri) for uri in manifest_uris(chunks, allowed))
 
 
-def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
+def _shard_inputs(
+    chunks: Iterable[bytes], allowed: frozenset[str], spans: Callable[[Span], Iterator[Input]]
+) -> Iterator[Input]:
     """A shard's inputs file: written by a planner, but read from S3, so checked. A line
-    that is not JSON is a URI alone, as planners wrote before there were ids."""
+    that is not JSON is a URI alone, as planners wrote before there were ids; a span's
+    (`table_ranges`) is its rows, read by `spans`."""
     for number, line in enumerate(lines(chunks, "shard inputs", MAX_SHARD_LINE_BYTES), 1):
+        if is_span_line(line):
+            try:
+                span = span_of_line(line)
+                bucket = S3Location.parse(span.file).bucket
+            except (ValueError, KeyError, TypeError) as error:
+                raise PoisonMessage(f"shard inputs line {number} is not a span: {error}") from error
+            check_buckets({bucket}, allowed)
+            yield from spans(span)
+            continue
         if not line.startswith(b"["):
             uri, input_id = line.decode(errors="replace"), None
         else:
@@ -512,6 +500,24 @@ def _shard_inputs(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[
         yield Input(uri, input_id)
 
 
+def shard_lines(listed: Iterable[Input]) -> Iterator[bytes]:
+    """`listed` as lines of a shard's inputs file: a `shard_line` each, but a run of a
+    Parquet table's rows planned as a range (`TableRow`s), a line of its span."""
+    for planned, run in itertools.groupby(listed, lambda each: isinstance(each.uri, TableRow)):
+        if planned:
+            yield from map(span_line, spans(each.uri for each in run))  # type: ignore[misc]
+        else:
+            yield from map(shard_line, run)
+
+
+def shard_line_inputs(line: bytes) -> Iterator[Input]:
+    """The inputs a line of `shard_lines` is, its values unchecked (a planner's own)."""
+    if is_span_line(line):
+        span = span_of_line(line)
+        return (Input(row, row.etag) for row in span.rows())
+    return iter((shard_line_input(line),))
+
+
 def shard_line(listed: Input) -> bytes:
     """`listed` as a line of a shard's inputs file."""
     if isinstance(listed.uri, TextInput):
@@ -526,11 +532,6 @@ def shard_line_input(line: bytes) -> Input:
     if text:  # [name, id, {text}]: its text, checked as its table's row was
         uri = text_from_shard_line(uri, *text)
     return Input(uri, input_id)
-
-
-def _truthy(value: Any) -> bool:
-    """A CSV inventory's "true"/"false", or a Parquet one's booleans."""
-    return value is True or (isinstance(value, str) and value.lower() == "true")
 
 
 @contextlib.contextmanager

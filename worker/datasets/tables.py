@@ -40,6 +40,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from worker.plugins.fields import ArrayLayouts
+from worker.ports import BlobStore, S3Location
 
 PARQUET = "parquet"
 JSON_LINES = "jsonl"
@@ -61,6 +62,9 @@ PARQUET_MAGIC = b"PAR1"
 PARQUET_FOOTER_END = 8
 # A footer is a few KiB a column for each row group: one claiming more is no results file's.
 MAX_FOOTER_BYTES = 64 * 2**20
+# How much of a Parquet file's end is read for its footer at first: a footer is a few
+# KiB a column (its statistics and offsets) for each row group.
+FOOTER_GUESS_BYTES = 64 * 2**10
 # Every integer of at most this size is a float64 exactly (its 53 bits of mantissa).
 FLOAT_INTEGERS = 2**53
 # pyarrow's JSON reader parses this much at a time, on its threads.
@@ -260,6 +264,18 @@ def footer_bytes(tail: bytes, size: int) -> int:
     if footer > min(size - len(PARQUET_MAGIC), MAX_FOOTER_BYTES):
         raise UnfitResults(f"its footer claims {footer} bytes, of a file of {size}")
     return footer
+
+
+def read_footer(blobs: BlobStore, location: S3Location, size: int) -> pq.FileMetaData:
+    """The columns and row groups of the Parquet file at `location` (of `size` bytes),
+    from its footer: its end, read by a ranged GET (two where the footer is over
+    `FOOTER_GUESS_BYTES`). `UnfitResults` if it has none."""
+    tail_bytes = min(size, FOOTER_GUESS_BYTES)
+    tail = blobs.get(location, byte_range=(size - tail_bytes, tail_bytes))
+    footer = footer_bytes(tail, size)
+    if footer > len(tail):
+        tail = blobs.get(location, footer, byte_range=(size - footer, footer))
+    return footer_metadata(tail[-footer:])
 
 
 def footer_metadata(footer: bytes) -> pq.FileMetaData:

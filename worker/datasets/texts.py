@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -45,7 +45,7 @@ class TextInput(str):
     text: str | None
     problem: str | None
 
-    def __new__(cls, name: str, text: str | None, problem: str | None = None) -> TextInput:
+    def __new__(cls, name: str, text: str | None, problem: str | None = None) -> Self:
         made = super().__new__(cls, name)
         made.text = text
         made.problem = problem if text is None else None

@@ -27,7 +27,8 @@ from typing import Any
 import structlog
 
 from worker.datasets.disk import DiskClaim
-from worker.datasets.inputs import Input, shard_line, shard_line_input
+from worker.datasets.inputs import Input, shard_line_inputs, shard_lines
+from worker.datasets.texts import TextInput
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobSettled
@@ -62,9 +63,10 @@ RUN_WAIT_S = 60
 
 class Snapshot:
     """A job's listing as it was read once, in a file of this machine's disk (a line an
-    input, as a shard's inputs file holds them), read back as often as planning needs;
-    removed once the job is planned. Its bytes are claimed of the daemon's disk budget
-    (`claim`) before they are written, `SNAPSHOT_WRITE_BYTES` at a time."""
+    input, as a shard's inputs file holds them: a line a run of rows of a Parquet table
+    of texts planned as row ranges), read back as often as planning needs; removed once
+    the job is planned. Its bytes are claimed of the daemon's disk budget (`claim`)
+    before they are written, about `SNAPSHOT_WRITE_BYTES` at a time."""
 
     def __init__(self, directory: Path, claim: DiskClaim):
         directory.mkdir(parents=True, exist_ok=True)
@@ -72,19 +74,20 @@ class Snapshot:
         self._path = Path(name)
         self._file = os.fdopen(descriptor, "wb")
         self._claim = claim
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
+        self._pending: list[Input] = []
+        self._pending_bytes = 0  # about what they hold: their names and texts
 
     def add(self, listed: Input) -> None:
-        line = shard_line(listed)
-        self._pending.append(line)
-        self._pending_bytes += len(line)
+        self._pending.append(listed)
+        text = listed.uri.text if isinstance(listed.uri, TextInput) else None
+        self._pending_bytes += len(listed.uri) + len(text or "")
         if self._pending_bytes >= SNAPSHOT_WRITE_BYTES:
             self._write_pending()
 
     def _write_pending(self) -> None:
-        self._claim.grow(self._pending_bytes)
-        self._file.writelines(self._pending)
+        data = b"".join(shard_lines(self._pending))
+        self._claim.grow(len(data))
+        self._file.write(data)
         self._pending, self._pending_bytes = [], 0
 
     def inputs(self) -> Iterator[Input]:
@@ -92,7 +95,7 @@ class Snapshot:
         self._write_pending()
         self._file.flush()
         with self._path.open("rb") as lines:
-            yield from map(shard_line_input, lines)
+            yield from itertools.chain.from_iterable(map(shard_line_inputs, lines))
 
     def __enter__(self) -> Snapshot:
         return self
@@ -231,7 +234,7 @@ class Planner:
         (handed back at shutdown)."""
 
         def write(shard: int, listed: list[Input]) -> None:
-            data = b"".join(map(shard_line, listed))
+            data = b"".join(shard_lines(listed))
             location = shard_file(spec, plan.request_digest, shard, INPUTS_SUFFIX)
             self._blobs.put(location, data, "text/plain")
             self._progress.beat()
