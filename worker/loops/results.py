@@ -248,6 +248,11 @@ class Finisher:
         results instead, and whoever commits a job's last shard writes its outputs."""
         summary = self._summary(job)
         lines = self._closing(job, summary)
+        if job.tar_copies is not None:
+            # Every member is read. The disk they hold is of the budget a merge's join
+            # claims: a shard that commits its job's last merges it now, and its own
+            # copies would leave the join no room.
+            job.tar_copies.remove()
         write: Callable[[], dict[str, Any] | None]
         if job.plan is None:
             write = functools.partial(self._write, job, lines, summary)
