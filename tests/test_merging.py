@@ -499,7 +499,7 @@ def test_a_sharded_parquet_job_is_cut_into_files_of_parquet_file_bytes(
     the same shards join into two files of a row group each, named in order as a run alone
     names them; read one after the other, the rows in order. (Each shard's footer is
     read by a second GET here: the first, of its last 8 bytes, holds only its length.)"""
-    monkeypatch.setattr(merging, "FOOTER_GUESS_BYTES", 8)
+    monkeypatch.setattr("worker.datasets.tables.FOOTER_GUESS_BYTES", 8)
     spec, plan = _committed_job(store, tables=_shard_tables())
     group_bytes = pq.ParquetFile(io.BytesIO(_parquet([_rows(0, 3)]))).read_row_group(0).nbytes
     tables = Tables(file_bytes=1, row_group_bytes=2 * group_bytes)

@@ -45,9 +45,8 @@ from worker.datasets.tables import (
     PARQUET_CONTENT_TYPE,
     Tables,
     UnfitResults,
-    footer_bytes,
-    footer_metadata,
     joined_schema,
+    read_footer,
     table_name,
 )
 from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
@@ -79,9 +78,6 @@ MAX_CLAIM_BYTES = 4096
 # Commit markers are read a block of shards at a time, a page of S3's listing (1,000
 # keys): a power of ten, so that the names of a block's markers share a prefix.
 MARKERS_A_BLOCK = 1000
-# How much of a shard's Parquet file's end is read for its footer: a footer is a few
-# KiB a column (its statistics and offsets) for each row group.
-FOOTER_GUESS_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -368,16 +364,10 @@ class Merger:
         return written
 
     def _footer(self, location: S3Location, size: int) -> pq.FileMetaData:
-        """A shard's Parquet file's columns and row groups, from its footer: its end, read
-        by a ranged GET (two where the footer is over `FOOTER_GUESS_BYTES`).
-        `UnfitResults` naming the file if it has none."""
+        """A shard's Parquet file's columns and row groups, from its footer
+        (`read_footer`). `UnfitResults` naming the file if it has none."""
         try:
-            tail_bytes = min(size, FOOTER_GUESS_BYTES)
-            tail = self._blobs.get(location, byte_range=(size - tail_bytes, tail_bytes))
-            footer = footer_bytes(tail, size)
-            if footer > len(tail):
-                tail = self._blobs.get(location, footer, byte_range=(size - footer, footer))
-            return footer_metadata(tail[-footer:])
+            return read_footer(self._blobs, location, size)
         except UnfitResults as error:
             raise UnfitResults(f"shard file {location}: {error}") from error
 
