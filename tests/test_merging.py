@@ -579,6 +579,22 @@ def test_a_join_the_disk_has_no_room_for_now_is_handed_back_having_written_nothi
     assert disk.held_bytes == 3 * MIB_TABLES.largest_file_bytes
 
 
+def test_a_join_into_more_files_than_sort_by_name_is_refused_before_any_is_written(
+    store: _PausingStore, spool: ArraySpool
+) -> None:
+    """Shards' files of 18 KiB in all, joined into files of a byte each, would be
+    thousands of files past the 10,000 whose four-digit numbers sort
+    (part-000000-9999): the merge is poison naming the limit and --parquet-file-bytes,
+    before anything is written, where file 10,001 was part-000000-10000, sorting
+    before part-000000-2000."""
+    spec, plan = _committed_job(store, tables=[[[_rows(0, 400)]], [[_rows(400, 400)]]])
+    merger, _ = _merger(store, Tables(file_bytes=1, row_group_bytes=1), _join_space(spool))
+    with pytest.raises(PoisonMessage, match="at most 10000 files of --parquet-file-bytes"):
+        merger.merge(spec, plan, "last-committer")
+    assert not any(name.startswith("results/") for name in _names(store))
+    assert _left_in(spool) == []
+
+
 def _numbers(rows: pa.Table, column: str, values: list[Any]) -> pa.Table:
     return rows.set_column(rows.schema.get_field_index(column), column, pa.array(values))
 

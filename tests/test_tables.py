@@ -212,3 +212,13 @@ def test_a_footer_this_machine_has_no_memory_to_read_is_not_the_files_fault(
     monkeypatch.setattr(tables.pq, "read_metadata", no_memory)
     with pytest.raises(pa.ArrowMemoryError):
         footer_metadata(footer)
+
+
+def test_results_files_are_named_in_input_order_up_to_the_ten_thousandth() -> None:
+    """A job's results files' names sort as their numbers do, up to the 10,000th file
+    (part-000000-9999); a file past it is refused, naming the limit and the setting that
+    writes fewer, where part-000000-10000 sorted before part-000000-2000."""
+    names = [tables.table_name(3, file) for file in (0, 1, 999, 2000, 9999)]
+    assert sorted(names) == names and names[-1] == "results/part-000003-9999.parquet"
+    with pytest.raises(UnfitResults, match=r"numbered 10000: .* at most 10000 files of --parq"):
+        tables.table_name(0, 10_000)

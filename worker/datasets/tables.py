@@ -74,11 +74,26 @@ Output = tuple[str, bytes | Path, str]
 
 
 TABLE_NAME = re.compile(rf"{RESULTS_DIR}part-[0-9]{{6}}-[0-9]{{4}}\.{PARQUET}")
+# A job's files are numbered in four digits (`table_name`), so that their names sort in
+# input order: it has at most this many.
+MAX_RESULTS_FILES = 10_000
 
 
 def table_name(shard: int, file: int) -> str:
-    """A Parquet results file's name under the job's output."""
+    """A Parquet results file's name under the job's output. `UnfitResults` for a file
+    past `MAX_RESULTS_FILES`, whose name would no longer sort after the others'."""
+    if file >= MAX_RESULTS_FILES:
+        raise UnfitResults(_too_many_files(f"its results need a file numbered {file}"))
     return f"{RESULTS_DIR}part-{shard:06d}-{file:04d}.{PARQUET}"
+
+
+def _too_many_files(found: str) -> str:
+    return (
+        f"{found}: a job's results are at most {MAX_RESULTS_FILES} files of "
+        f"--parquet-file-bytes (numbered part-000000-0000 to -{MAX_RESULTS_FILES - 1}, so that "
+        "their names sort in input order); a worker with a larger --parquet-file-bytes "
+        "writes fewer"
+    )
 
 
 class UnfitResults(Exception):
@@ -104,6 +119,16 @@ class Tables:
         self._fields = pa.schema([])
         self._text_fields: frozenset[str] = frozenset()
         self._layouts: ArrayLayouts = {}
+
+    def check_join(self, sources_bytes: int) -> None:
+        """`UnfitResults` if the shards' files of `sources_bytes` in all would join into
+        more than `MAX_RESULTS_FILES` files, before any is written: each but the last
+        holds `--parquet-file-bytes` or more, of about the shards' bytes (the same rows,
+        written the same way)."""
+        if sources_bytes >= MAX_RESULTS_FILES * self._file_bytes:
+            files = sources_bytes // self._file_bytes + 1
+            joined = f"its shards' files ({sources_bytes} bytes) join into about {files} files"
+            raise UnfitResults(_too_many_files(joined))
 
     @property
     def largest_file_bytes(self) -> int:

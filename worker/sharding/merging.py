@@ -325,6 +325,7 @@ class Merger:
         disk = space.disk.claim("a join of its shards' results files")
         directory = Path(tempfile.mkdtemp(prefix="join-", dir=space.spool.directory))
         try:
+            self._tables.check_join(sum(size for _, size in files))
             schema = joined_schema(each_at_once(lambda file: self._footer(*file), files))
             needed = max((size for _, size in files), default=0) + self._tables.largest_file_bytes
             if needed > space.disk.total_bytes:  # the worker's setting: not the job's fault
