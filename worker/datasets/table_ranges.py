@@ -21,7 +21,9 @@ files (`worker.datasets.texts.shard_text_line`).
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -109,7 +111,9 @@ class TableRow(TextInput):
     columns: TextColumns
 
     def __new__(cls, file: str, row: int, etag: str, columns: TextColumns) -> TableRow:
-        made = super().__new__(cls, f"{file}#row={row}", None, "its text is read by its shard")
+        # str's own, not TextInput's: planning makes two of these a row of the table.
+        made = str.__new__(cls, f"{file}#row={row}")
+        made.text, made.problem = None, "its text is read by its shard"
         made.file, made.row, made.etag, made.columns = file, row, etag, columns
         return made
 
@@ -132,14 +136,6 @@ class Span(NamedTuple):
 
     def range(self) -> range:
         return range(self.first, self.stop)
-
-    def continued_by(self, row: TableRow) -> bool:
-        return (row.file, row.etag, row.columns, row.row) == (
-            self.file,
-            self.etag,
-            self.columns,
-            self.stop,
-        )
 
 
 class PlannedFile(NamedTuple):
@@ -189,16 +185,16 @@ def spooled_parquet_batches(  # noqa: PLR0917 (a store's object, then how it is 
 
 def spans(rows: Iterable[TableRow]) -> Iterator[Span]:
     """`rows` as spans: each run of consecutive rows of one version of one file."""
-    span: Span | None = None
-    for row in rows:
-        if span is not None and span.continued_by(row):
-            span = span._replace(stop=span.stop + 1)
-            continue
-        if span is not None:
-            yield span
-        span = Span(row.file, row.etag, row.row, row.row + 1, row.columns)
-    if span is not None:
-        yield span
+    version = operator.attrgetter("file", "etag", "columns")
+    for (file, etag, columns), same_version in itertools.groupby(rows, version):
+        first = stop = -1
+        for number in (row.row for row in same_version):
+            if number != stop:
+                if stop >= 0:
+                    yield Span(file, etag, first, stop, columns)
+                first = number
+            stop = number + 1
+        yield Span(file, etag, first, stop, columns)
 
 
 def span_line(span: Span) -> bytes:
