@@ -20,7 +20,7 @@ from worker.adapters import fakes
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.datasets.arrays import SPOOL_LOCK, ArraySpool
 from worker.datasets.disk import DiskBudget, NoDiskRoom
-from worker.datasets.tables import ERROR_TYPE, Tables
+from worker.datasets.tables import ERROR_TYPE, Tables, stale_tables
 from worker.errors import MissingObject
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.ledger import Ledger
@@ -516,6 +516,38 @@ def test_a_sharded_parquet_job_is_cut_into_files_of_parquet_file_bytes(
     assert pa.concat_tables(file.read() for file in files) == pa.concat_tables(
         [_rows(0, 6), _rows(6, 6)]
     )
+
+
+def test_a_merger_fenced_as_it_sends_a_file_leaves_that_file_alone_and_writes_no_more(
+    store: _PausingStore, spool: ArraySpool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The late-write residual: a merger of files of a byte (two files) renews its claim,
+    then stalls sending its second file past the claim's end; a watch (files of a MiB:
+    one) takes the claim over and merges. The stalled put then lands, its name absent
+    to both: that one file stays, named by no job.json (a reader of the folder sees its
+    rows; the job's next run removes it), and the late merger is fenced at its next
+    renewal, writing nothing more; the job is complete as the watch merged it. (Claims
+    run out at once here.)"""
+    monkeypatch.setattr(merging, "MERGE_CLAIM_S", 0)
+    spec, plan = _committed_job(store, tables=_shard_tables())
+    group_bytes = pq.ParquetFile(io.BytesIO(_parquet([_rows(0, 3)]))).read_row_group(0).nbytes
+    late_tables = Tables(file_bytes=1, row_group_bytes=2 * group_bytes)
+    late, checkpoints = _merger(store, late_tables, _join_space(spool))
+    stray = "results/part-000000-0001.parquet"
+    store.pause_at = {"late": stray}
+    thread, outcome = _merge_on_thread(late, spec, plan, "late")
+    assert store.reached.wait(10)
+    watch, _ = _merger(store, join_space=_join_space(spool))
+    merged = watch.merge(spec, plan, "watch")
+    assert isinstance(merged, Merged)
+    store.go_on.set()
+    thread.join(10)
+    assert isinstance(outcome[0], Fenced)
+    assert checkpoints.finished(spec, "j", DIGEST) == merged.summary
+    assert list(merged.summary["outputs"]) == ["results/part-000000-0000.parquet", "job.log"]
+    left = _names(store)
+    assert left == {"plan.json", "results/part-000000-0000.parquet", stray, "job.log", "job.json"}
+    assert stale_tables(left, merged.summary["outputs"]) == [stray]
 
 
 class _BrokenCopies(_PausingStore):
