@@ -60,18 +60,21 @@ def test_a_merge_found_poison_leaves_the_reason_where_the_clients_wait_reads_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The last shard's commit finds its job's shards' files cannot be joined (shard 0's
-    has no Parquet footer): its message is dead-lettered at once, and a rejected.json
-    with the job's ids and the reason is written under the output, so the client's
-    wait raises `JobRejected` naming the file, where nothing was written and it waited
-    out its timeout. A watch that merges the same job later (found poison at its
-    admission) writes it too. (Merge claims run out in a second here, so that the
-    job's watch merges soon after the committing shard's claim.)"""
+    has no Parquet footer): its message is dead-lettered at once (where it was released
+    and dead-lettered at its next delivery), and a rejected.json with the job's ids and
+    the reason is written under the output, so the client's wait raises `JobRejected`
+    naming the file, where nothing was written and it waited out its timeout. A watch
+    that merges the same job later (found poison at its admission) writes it too.
+    (Merge claims run out in a second here, so that the job's watch merges soon after
+    the committing shard's claim.)"""
     monkeypatch.setattr(merging, "MERGE_CLAIM_S", 1)
     source, blobs = InMemoryJobSource(), _FooterlessFirstShard()
     source.send(json.dumps({**BODY, "inputs": sample_images(blobs, 4)}))
     run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
-    (shard, reason), *_ = source.dead_letters
-    assert '"shard"' in shard.body and "does not end as a Parquet file does" in reason
+    [reason] = {why for _, why in source.dead_letters}  # the shard's, and its watch's
+    assert "does not end as a Parquet file does" in reason
+    [shard] = [message for message, _ in source.dead_letters if '"shard"' in message.body]
+    assert shard.receive_count == 1  # dead-lettered by the finish that merged
     rejection = _rejection(blobs)
     assert (rejection["job_id"], rejection["request_id"], rejection["reason"]) == (
         "unjoinable",
