@@ -18,6 +18,7 @@ import pytest
 
 from worker.adapters import fakes
 from worker.adapters.fakes import InMemoryBlobStore
+from worker.datasets import tables
 from worker.datasets.arrays import SPOOL_LOCK, ArraySpool
 from worker.datasets.disk import DiskBudget, NoDiskRoom
 from worker.datasets.tables import ERROR_TYPE, Tables, stale_tables
@@ -50,6 +51,8 @@ from worker.sharding.merging import (
 DIGEST = "0123456789abcdef"
 OUTPUT = "s3://bkt/out/j/"
 MIB_TABLES = Tables(file_bytes=2**20, row_group_bytes=2**20)
+# The most disk a joined file of MIB_TABLES' takes.
+MIB_LARGEST = MIB_TABLES.largest_file_bytes(2**20)
 # A Parquet job's columns, as a shard's run writes them: an embedding a fixed-size list.
 RESULTS_SCHEMA = pa.schema(
     [
@@ -601,29 +604,34 @@ def test_a_join_the_disk_has_no_room_for_now_is_handed_back_having_written_nothi
     (--tar-disk-bytes) before they are written: others' copies holding it, the merge
     is `NoDiskRoom` (the job goes back, uncharged), with nothing written or left here."""
     spec, plan = _committed_job(store, tables=_shard_tables())
-    disk = DiskBudget(4 * MIB_TABLES.largest_file_bytes)
-    disk.claim("another job's tars").grow(3 * MIB_TABLES.largest_file_bytes)
+    disk = DiskBudget(4 * MIB_LARGEST)
+    disk.claim("another job's tars").grow(3 * MIB_LARGEST)
     merger, _ = _merger(store, join_space=_join_space(spool, disk))
     with pytest.raises(NoDiskRoom):
         merger.merge(spec, plan, "last-committer")
     assert not any(name.startswith("results/") for name in _names(store))
     assert _left_in(spool) == []
-    assert disk.held_bytes == 3 * MIB_TABLES.largest_file_bytes
+    assert disk.held_bytes == 3 * MIB_LARGEST
 
 
-def test_a_join_into_more_files_than_sort_by_name_is_refused_before_any_is_written(
-    store: _PausingStore, spool: ArraySpool
+def test_a_join_the_file_size_would_cut_into_too_many_files_cuts_larger_ones(
+    store: _PausingStore, spool: ArraySpool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Shards' files of 18 KiB in all, joined into files of a byte each, would be
-    thousands of files past the 10,000 whose four-digit numbers sort
-    (part-000000-9999): the merge is poison naming the limit and --parquet-file-bytes,
-    before anything is written, where file 10,001 was part-000000-10000, sorting
-    before part-000000-2000."""
+    """Shards' files of 18 KiB in all, joined by a worker whose --parquet-file-bytes is
+    a byte, would be past the files a job has (10,000, here 5, whose names sort): the
+    merge cuts files of the join's bytes over 9,000 (here 4) instead, and merges the job
+    into at most that many, every row in order, where it was poison (rejected.json)
+    for the merging worker's setting, not the job's fault."""
+    monkeypatch.setattr(tables, "MAX_RESULTS_FILES", 5)
+    monkeypatch.setattr(tables, "JOINED_FILES", 4)
     spec, plan = _committed_job(store, tables=[[[_rows(0, 400)]], [[_rows(400, 400)]]])
-    merger, _ = _merger(store, Tables(file_bytes=1, row_group_bytes=1), _join_space(spool))
-    with pytest.raises(PoisonMessage, match="at most 10000 files of --parquet-file-bytes"):
-        merger.merge(spec, plan, "last-committer")
-    assert not any(name.startswith("results/") for name in _names(store))
+    tiny_files = Tables(file_bytes=1, row_group_bytes=4 * 2**10)  # row groups of ~100 rows
+    merger, _ = _merger(store, tiny_files, _join_space(spool))
+    merged = merger.merge(spec, plan, "last-committer")
+    assert isinstance(merged, Merged)
+    joined = _results(store, merged.summary)
+    assert 2 <= len(joined) <= 4
+    assert pa.concat_tables(file.read() for file in joined) == _rows(0, 800)
     assert _left_in(spool) == []
 
 
@@ -713,7 +721,7 @@ def test_a_join_over_the_whole_disk_budget_is_handed_back_not_poison(
     --tar-disk-bytes, or shards written with a larger --parquet-file-bytes): the job is
     no poison, another worker may merge it; it goes back uncharged (`NoDiskRoom`)."""
     spec, plan = _committed_job(store, tables=_shard_tables())
-    disk = DiskBudget(MIB_TABLES.largest_file_bytes // 2)
+    disk = DiskBudget(MIB_LARGEST // 2)
     merger, _ = _merger(store, join_space=_join_space(spool, disk))
     with pytest.raises(NoDiskRoom, match="--tar-disk-bytes"):
         merger.merge(spec, plan, "last-committer")

@@ -11,6 +11,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from structlog.testing import capture_logs
 
 from stages.synthetic import samples
 from tests.support.in_process import run_until_drained
@@ -216,9 +217,41 @@ def test_a_footer_this_machine_has_no_memory_to_read_is_not_the_files_fault(
 
 def test_results_files_are_named_in_input_order_up_to_the_ten_thousandth() -> None:
     """A job's results files' names sort as their numbers do, up to the 10,000th file
-    (part-000000-9999); a file past it is refused, naming the limit and the setting that
-    writes fewer, where part-000000-10000 sorted before part-000000-2000."""
+    (part-000000-9999), where part-000000-10000 sorted before part-000000-2000: no file
+    is made past it (`test_the_last_results_file_holds_the_rows_past_the_files_a_job_has`)."""
     names = [tables.table_name(3, file) for file in (0, 1, 999, 2000, 9999)]
     assert sorted(names) == names and names[-1] == "results/part-000003-9999.parquet"
-    with pytest.raises(UnfitResults, match=r"numbered 10000: .* at most 10000 files of --parq"):
+    with pytest.raises(ValueError, match="10000"):
         tables.table_name(0, 10_000)
+
+
+def test_the_last_results_file_holds_the_rows_past_the_files_a_job_has(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Results that --parquet-file-bytes would cut into more files than a job has
+    (10,000, here 3) are not refused for the worker's setting: the last file holds the
+    rows left past its size, logged, and every row is written in order."""
+    monkeypatch.setattr(tables, "MAX_RESULTS_FILES", 3)
+    tiny = Tables(file_bytes=1, row_group_bytes=1)
+    tiny.probed(PROBE, {})
+    lines = [_record(n, label="cat", score=0.5, rank=n, boxes=[], note=None) for n in range(10)]
+    body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    with capture_logs() as logs:
+        files = tiny.write(body, {}, tmp_path, ids=True)
+    assert [pq.read_metadata(path).num_rows for path in files] == [1, 1, 8]
+    indexes = pa.concat_tables(pq.read_table(path) for path in files).column("index")
+    assert indexes.to_pylist() == list(range(10))
+    [overfull] = [entry for entry in logs if entry["event"] == "results_file_holds_the_rest"]
+    assert overfull["file"] == 2
+
+
+def test_a_job_too_large_for_the_file_size_is_joined_into_larger_files() -> None:
+    """A join of shards' files cuts files of --parquet-file-bytes, or, for a job of
+    more than 9,000 of them, of its bytes over 9,000: it never needs more than the
+    10,000 files a job has, whatever the merging worker's setting."""
+    mib = Tables(file_bytes=2**20, row_group_bytes=2**20)
+    assert mib.joined_file_bytes(100 * 2**20) == 2**20
+    assert mib.joined_file_bytes(9_000 * 2**20) == 2**20
+    huge = 80 * 10**12  # 80 TB: about 9,000 files of 8.9 GB
+    assert mib.joined_file_bytes(huge) * (tables.JOINED_FILES - 1) < huge
+    assert mib.joined_file_bytes(huge) * tables.JOINED_FILES >= huge

@@ -241,7 +241,8 @@ class Settings(BaseSettings):
         ge=1,
         description='A job\'s Parquet results (its message\'s "format": "parquet") go '
         "into files of about this many bytes (256 MiB by default), a sharded job's shards' "
-        "joined into them as it is merged: raise it for one file of a larger table.",
+        "joined into them as it is merged: raise it for one file of a larger table. At most "
+        "10,000 files a job: a larger one is merged into files of its bytes/9,000 (docs/jobs.md).",
     )
     parquet_row_group_bytes: int = Field(
         default=64 * 2**20,

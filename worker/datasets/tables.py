@@ -38,9 +38,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
+import structlog
 
 from worker.plugins.fields import ArrayLayouts
 from worker.ports import BlobStore, S3Location
+
+log = structlog.get_logger()
 
 PARQUET = "parquet"
 JSON_LINES = "jsonl"
@@ -75,25 +78,21 @@ Output = tuple[str, bytes | Path, str]
 
 TABLE_NAME = re.compile(rf"{RESULTS_DIR}part-[0-9]{{6}}-[0-9]{{4}}\.{PARQUET}")
 # A job's files are numbered in four digits (`table_name`), so that their names sort in
-# input order: it has at most this many.
+# input order: it has at most this many, the last holding whatever rows are left.
 MAX_RESULTS_FILES = 10_000
+# A join cuts its files so that they come to about this many at most: its shards' bytes
+# reckon its files' only about (another compression of the same rows), and the rest of
+# `MAX_RESULTS_FILES` is the margin that keeps the last from having to take the rest.
+JOINED_FILES = 9_000
 
 
 def table_name(shard: int, file: int) -> str:
-    """A Parquet results file's name under the job's output. `UnfitResults` for a file
-    past `MAX_RESULTS_FILES`, whose name would no longer sort after the others'."""
-    if file >= MAX_RESULTS_FILES:
-        raise UnfitResults(_too_many_files(f"its results need a file numbered {file}"))
+    """A Parquet results file's name under the job's output: its number has four
+    digits, so that the names sort in input order (`Tables` makes no file past
+    `MAX_RESULTS_FILES`)."""
+    if not 0 <= file < MAX_RESULTS_FILES:
+        raise ValueError(f"results file {file} is past the {MAX_RESULTS_FILES} a job has")
     return f"{RESULTS_DIR}part-{shard:06d}-{file:04d}.{PARQUET}"
-
-
-def _too_many_files(found: str) -> str:
-    return (
-        f"{found}: a job's results are at most {MAX_RESULTS_FILES} files of "
-        f"--parquet-file-bytes (numbered part-000000-0000 to -{MAX_RESULTS_FILES - 1}, so that "
-        "their names sort in input order); a worker with a larger --parquet-file-bytes "
-        "writes fewer"
-    )
 
 
 class UnfitResults(Exception):
@@ -120,21 +119,17 @@ class Tables:
         self._text_fields: frozenset[str] = frozenset()
         self._layouts: ArrayLayouts = {}
 
-    def check_join(self, sources_bytes: int) -> None:
-        """`UnfitResults` if the shards' files of `sources_bytes` in all would join into
-        more than `MAX_RESULTS_FILES` files, before any is written: each but the last
-        holds `--parquet-file-bytes` or more, of about the shards' bytes (the same rows,
-        written the same way)."""
-        if sources_bytes >= MAX_RESULTS_FILES * self._file_bytes:
-            files = sources_bytes // self._file_bytes + 1
-            joined = f"its shards' files ({sources_bytes} bytes) join into about {files} files"
-            raise UnfitResults(_too_many_files(joined))
+    def joined_file_bytes(self, sources_bytes: int) -> int:
+        """The bytes a join of shards' files of `sources_bytes` in all cuts its files
+        at: `--parquet-file-bytes`, or for a job of more than `JOINED_FILES` such files,
+        its bytes over `JOINED_FILES`: a huge job gets fewer, larger files, whatever
+        the merging worker's setting, never more than its names sort for."""
+        return max(self._file_bytes, -(-sources_bytes // JOINED_FILES))
 
-    @property
-    def largest_file_bytes(self) -> int:
-        """About the most a file it writes takes: it is closed once it holds
-        `--parquet-file-bytes`, after the row group that took it there."""
-        return self._file_bytes + self._row_group_bytes
+    def largest_file_bytes(self, file_bytes: int) -> int:
+        """About the most a file cut at `file_bytes` takes: it is closed once it holds
+        them, after the row group that took it there."""
+        return file_bytes + self._row_group_bytes
 
     def probed(self, fields: bytes | None, layouts: ArrayLayouts | None) -> None:
         """Take the columns from the postprocessor's answer to zeros: its fields as a
@@ -179,9 +174,12 @@ class Tables:
         schema: pa.Schema,
         directory: Path,
         beat: Callable[[], None],
+        file_bytes: int | None = None,
     ) -> Generator[Path]:
         """The Parquet files `sources` (a sharded job's, in order) joined into files of
-        `schema` (`joined_schema`) in `directory`, as `write` cuts them: each yielded
+        `schema` (`joined_schema`) in `directory`, as `write` cuts them, at `file_bytes`
+        (`joined_file_bytes`: larger for a job too large for `--parquet-file-bytes`, the
+        default): each yielded
         once it is written, the last once `sources` are spent (none if there are no
         `sources`). Read a row group at a time and written again in row groups of
         `--parquet-row-group-bytes` of their decoded columns (a shard's small ones
@@ -196,7 +194,7 @@ class Tables:
             for source in sources:
                 with pq.ParquetFile(source) as parquet:
                     if files is None:
-                        files = _Files(directory, schema, self._file_bytes)
+                        files = _Files(directory, schema, file_bytes or self._file_bytes)
                     for group in range(parquet.num_row_groups):
                         rows = _conformed(parquet.read_row_group(group), schema)
                         beat()
@@ -410,7 +408,12 @@ def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
 class _Files:
     """Row groups written into Parquet files of about `file_bytes` each, in
     `directory`, named by their number in order; a file is closed once it reaches its
-    size (or at the end), and its path given then."""
+    size (or at the end), and its path given then. The `MAX_RESULTS_FILES`th is never
+    closed early: it holds whatever rows are left (logged as it passes its size), where
+    a file past it would have a name that sorts out of order. Only a tiny
+    `--parquet-file-bytes` for a run's results comes to that (a join cuts larger files
+    for a larger job: `Tables.joined_file_bytes`): the worker's setting, not the job's
+    fault."""
 
     def __init__(self, directory: Path, schema: pa.Schema, file_bytes: int):
         directory.mkdir(parents=True, exist_ok=True)
@@ -420,6 +423,7 @@ class _Files:
         self.paths: list[Path] = []
         self._sink: pa.OSFile | None = None
         self._writer: pq.ParquetWriter | None = None
+        self._overfull = False  # the last file passed its size: logged once
 
     def write(self, group: pa.Table) -> list[Path]:
         """Write a row group; the file it filled, if it did."""
@@ -429,7 +433,20 @@ class _Files:
             self._writer = pq.ParquetWriter(self._sink, self.schema, compression="zstd")
         self._writer.write_table(group)
         assert self._sink is not None
-        return self.close() if self._sink.tell() >= self._file_bytes else []
+        if self._sink.tell() < self._file_bytes:
+            return []
+        if len(self.paths) < MAX_RESULTS_FILES:
+            return self.close()
+        if not self._overfull:
+            self._overfull = True
+            log.warning(
+                "results_file_holds_the_rest",
+                file=len(self.paths) - 1,
+                file_bytes=self._file_bytes,
+                reason=f"a job's results are at most {MAX_RESULTS_FILES} files, so that their "
+                "names sort in input order: the last holds the rows left past its size",
+            )
+        return []
 
     def close(self) -> list[Path]:
         """Close the file being written; it, if there was one."""

@@ -314,7 +314,9 @@ class Merger:
         claim: _Claim,
     ) -> dict[str, str]:
         """The shards' Parquet `files` (each with its size) joined in order into the
-        files a run of the job alone writes (`Tables.join`), each written on condition
+        files a run of the job alone writes (`Tables.join`; larger ones for a job too
+        large for this worker's --parquet-file-bytes, `Tables.joined_file_bytes`, never
+        refused for the setting), each written on condition
         that it is as listed in `top`: their names and ETags, in order. The files are
         copied here one at a time, and each joined one is written here and then sent,
         the claim renewed before each; the disk they take (the largest shard file and
@@ -325,9 +327,10 @@ class Merger:
         disk = space.disk.claim("a join of its shards' results files")
         directory = Path(tempfile.mkdtemp(prefix="join-", dir=space.spool.directory))
         try:
-            self._tables.check_join(sum(size for _, size in files))
+            file_bytes = self._tables.joined_file_bytes(sum(size for _, size in files))
             schema = joined_schema(each_at_once(lambda file: self._footer(*file), files))
-            needed = max((size for _, size in files), default=0) + self._tables.largest_file_bytes
+            largest = self._tables.largest_file_bytes(file_bytes)
+            needed = max((size for _, size in files), default=0) + largest
             if needed > space.disk.total_bytes:  # the worker's setting: not the job's fault
                 raise NoDiskRoom(
                     f"a join of its shards' results files needs {needed} bytes of disk, more "
@@ -346,7 +349,8 @@ class Merger:
                             sink.write(chunk)
                     yield copy
 
-            joining = self._tables.join(copied(), schema, directory / "joined", space.beat)
+            joined_at = directory / "joined"
+            joining = self._tables.join(copied(), schema, joined_at, space.beat, file_bytes)
             with contextlib.closing(joining) as joined:
                 for path in joined:
                     name = table_name(0, len(written))
