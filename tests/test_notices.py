@@ -12,16 +12,20 @@ from structlog.testing import capture_logs
 
 from tests.support.in_process import job_file, planned, run_until_drained, sample_images
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.client.handles import Job as ClientJob
+from worker.client.handles import Phase
 from worker.datasets.tables import Tables
 from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.ledger import Ledger
 from worker.jobs.plan import shard_body
+from worker.loops.notices import Notices
 from worker.message import parse_job_message
 from worker.ports import ReceivedMessage, S3Location
 from worker.sharding.merging import Merger
 from worker.sharding.shards import Shards
+from worker.telemetry.metrics import Metrics
 
 
 def _rejection(blobs: InMemoryBlobStore, output: str) -> dict[str, Any] | None:
@@ -107,3 +111,64 @@ def test_a_shards_count_that_is_beaten_every_try_is_logged(tmp_path: Path) -> No
     with capture_logs() as logs:
         shards.report(job)
     assert [entry["event"] for entry in logs] == ["progress_not_updated"]
+
+
+class _WatchedAsJobJsonIsWritten(InMemoryBlobStore):
+    """A store that notes, as each job.json is written, what the client's `status`
+    of that run (its ids) says of it just before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phases: dict[str, Phase] = {}
+
+    def put(self, location: S3Location, data: bytes, content_type: str, **kwargs: Any) -> str:
+        if location.key.endswith("/job.json"):
+            output = f"s3://{location.bucket}/{location.key.removesuffix('job.json')}"
+            ids = json.loads(data)
+            handle = ClientJob(self, output, ids["job_id"], ids["request_id"])
+            self.phases[output] = handle.status().phase
+        return super().put(location, data, content_type, **kwargs)
+
+
+def test_a_new_run_of_a_rejected_request_withdraws_its_rejection(tmp_path: Path) -> None:
+    """A job redriven after its rejection (the same request: its job id and request
+    id) runs again: its old rejected.json is removed as it is admitted, so the client's
+    wait follows the new run (running until its job.json), where it raised
+    `JobRejected` at once with the old reason. A rejection of another request of the
+    same job stays: it is that request's answer."""
+    blobs = _WatchedAsJobJsonIsWritten()
+    source, inputs = InMemoryJobSource(), sample_images(blobs, 1)
+    old = {"reason": "a setting since changed", "rejected_at": "2026-01-01T00:00:00+00:00"}
+    for job_id, rejected_request in (("redriven", "r-1"), ("sent-again", "r-0")):
+        output = f"s3://bkt/out/{job_id}/"
+        rejection = {**old, "job_id": job_id, "request_id": rejected_request}
+        blobs.objects[f"{output}rejected.json"] = json.dumps(rejection).encode()
+        body = {"job_id": job_id, "request_id": "r-1", "inputs": inputs, "output": output}
+        source.send(json.dumps(body))
+    run_until_drained(source, blobs, tmp_path)
+
+    assert blobs.phases["s3://bkt/out/redriven/"] is not Phase.REJECTED
+    assert _rejection(blobs, "s3://bkt/out/redriven/") is None
+    assert ClientJob(blobs, "s3://bkt/out/redriven/", "redriven", "r-1").wait(5)["items"] == 1
+    kept = _rejection(blobs, "s3://bkt/out/sent-again/")
+    assert kept is not None and kept["request_id"] == "r-0"
+
+
+def test_a_job_json_written_for_a_rejected_request_withdraws_its_rejection() -> None:
+    """A run of a rejected request that was never admitted as one (its watch redriven,
+    which merges the job) withdraws the old rejected.json as its job.json is
+    announced, at the latest."""
+    blobs = InMemoryBlobStore()
+    output = "s3://bkt/out/watched/"
+    rejection = {"job_id": "watched", "request_id": "r-1", "reason": "r", "rejected_at": "t"}
+    blobs.objects[f"{output}rejected.json"] = json.dumps(rejection).encode()
+    spec = parse_job_message(
+        json.dumps(
+            {"job_id": "watched", "request_id": "r-1", "inputs": ["s3://bkt/a"], "output": output}
+        ),
+        frozenset(),
+    )
+    notices = Notices(blobs, Checkpoints(blobs, Ledger()), Metrics(), notify=[])
+    finished = {"job_id": "watched", "status": "succeeded", "items": 1, "duration_s": 1.0}
+    assert notices.announce(spec, finished, "m-1")
+    assert _rejection(blobs, output) is None

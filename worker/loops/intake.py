@@ -88,6 +88,7 @@ class Intake:
         self._stopping = stopping
         self._on_drained = on_drained
         self._drained_readings = 0
+        self._notices = notices
         self._reader = AdmissionReader(
             settings,
             blobs,
@@ -277,6 +278,7 @@ class Intake:
             admission = self._reader.read(job)
             if admission is None:
                 return
+            self._notices.withdraw_rejection(admission.spec)  # a new run of a rejected request
             plan = admission.plan
             # In the order they came, so that they are fed in turn in that order; but not
             # after one that takes long (a listing past a page, tars to copy), nor for

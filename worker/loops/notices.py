@@ -52,6 +52,7 @@ class Notices:
     def announce(self, spec: JobMessage, finished: dict[str, Any], message_id: str) -> bool:
         """Count and log a job whose job.json (`finished`) this delivery wrote, and send
         its notices; False if one was not sent (its message is to come back for it)."""
+        self.withdraw_rejection(spec)
         self._metrics.jobs.labels(finished["status"]).inc()
         log.info(
             "job_finished",
@@ -100,6 +101,25 @@ class Notices:
             self._blobs.put(location, json.dumps(rejection).encode(), "application/json")
         except Exception as error:
             log.warning("rejection_not_written", output=str(output), error=repr(error))
+
+    def withdraw_rejection(self, spec: JobMessage) -> None:
+        """Remove the `rejected.json` an earlier run of this same request left (its
+        message redriven from the DLQ), as a new run of it is admitted or writes its
+        job.json: the producer's wait follows the new run, where it raised at once
+        with the old reason. One naming another request (or job) is left: it is that
+        request's answer. Never raises: a rejection left answers for the request only
+        until its job.json, which the client reads first."""
+        location = spec.output_location(REJECTED)
+        try:
+            rejection = json.loads(self._blobs.get(location, MAX_MARKER_BYTES))
+            ids = (rejection.get("job_id"), rejection.get("request_id"))
+            if ids == (spec.job_id, spec.request_id):
+                self._blobs.delete([location])
+                log.info("rejection_withdrawn", job_id=spec.job_id, request_id=spec.request_id)
+        except (MissingObject, ObjectTooLarge, ValueError, AttributeError):
+            return  # none, or none of a rejection's
+        except Exception as error:
+            log.warning("rejection_not_withdrawn", job_id=spec.job_id, error=repr(error))
 
     def _send(self, spec: JobMessage, finished: dict[str, Any]) -> bool:
         """Each notice; then, if every one was sent, the marker."""
