@@ -58,7 +58,7 @@ class Preparing:
         self._due_changed = threading.Condition(self._lock)
         self._hedges = hedges
         self._hedging_now = 0
-        self._waiting_for_hedge: deque[int] = deque()  # due, while `hedges` were under way
+        self._waiting_for_hedge: deque[int] = deque()  # due, in the order they came due
         if hedges:
             self._hedging = ThreadPoolExecutor(hedges, "hedge")
             threading.Thread(target=self._hedge_when_due, daemon=True).start()
@@ -118,35 +118,41 @@ class Preparing:
         assert self._stage_fn.prepare is not None
         while True:
             with self._due_changed:
-                while not self._due or self._due[0][0] > time.perf_counter():
-                    wait_s = self._due[0][0] - time.perf_counter() if self._due else None
-                    self._due_changed.wait(wait_s)
-                _, tag = heapq.heappop(self._due)
-                running = self._running.get(tag)
-                if running is None or running.calls > 1:
-                    continue
-                if self._hedging_now >= self._hedges:  # due again once a hedge ends
-                    self._waiting_for_hedge.append(tag)
-                    continue
+                while (running := self._next_to_hedge()) is None:
+                    self._due_changed.wait(self._next_due_in_s())
                 running.calls += 1
                 self._hedging_now += 1
                 self._counts["hedged"] += 1
             hedge = self._hedging.submit(self._stage_fn.prepare, running.task.value)
             hedge.add_done_callback(self._hedge_ended)
-            hedge.add_done_callback(functools.partial(self._ended, tag, started=None))
+            hedge.add_done_callback(functools.partial(self._ended, running.task.tag, started=None))
+
+    def _next_to_hedge(self) -> _Running | None:
+        """The item to hedge now, if a thread is free: the longest due of those still
+        running unhedged. Items come due while every thread is busy, and wait for one in
+        the order they came due; those that end meanwhile are passed over here, in the
+        one place that picks, so a free thread never goes to an item that needs none."""
+        now = time.perf_counter()
+        while self._due and self._due[0][0] <= now:
+            self._waiting_for_hedge.append(heapq.heappop(self._due)[1])
+        while self._waiting_for_hedge and self._hedging_now < self._hedges:
+            running = self._running.get(self._waiting_for_hedge.popleft())
+            if running is not None and running.calls == 1:
+                return running
+        return None
+
+    def _next_due_in_s(self) -> float | None:
+        """How long until an item comes due that a free thread could take; None: until
+        woken (a hedge ends, or an item is started)."""
+        if not self._due or self._hedging_now >= self._hedges:
+            return None
+        return max(0.0, self._due[0][0] - time.perf_counter())
 
     def _hedge_ended(self, _: Future[Any]) -> None:
-        """A hedge's thread is free: the next item waiting for one is due now. Items that
-        ended meanwhile are passed over: each free thread went to one of them, which
-        needed none, and items behind them waited for their own slow calls."""
+        """A hedge's thread is free for the next item waiting for one."""
         with self._lock:
             self._hedging_now -= 1
-            while self._waiting_for_hedge:
-                tag = self._waiting_for_hedge.popleft()
-                if tag in self._running:
-                    heapq.heappush(self._due, (time.perf_counter(), tag))
-                    self._due_changed.notify()
-                    return
+            self._due_changed.notify()
 
     def counts(self) -> tuple[tuple[str, int], ...]:
         """Items prepared, and of those hedged, since this was last asked."""
