@@ -1,63 +1,92 @@
 """The disk a sharded Parquet job's join claims (`worker.sharding.merging:JoinSpace`) is
-of the budget tar copies claim too (--tar-disk-bytes): a tar shard that merges its job
-at its finish gives its own tars' copies back first, in this process against the
-in-memory fakes."""
+of the budget tar copies claim too (--tar-disk-bytes): a tar shard gives its own tars'
+copies back as it finishes, before its commit may merge its job."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import pytest
-from structlog.testing import capture_logs
+from typing import Any
 
 from bench.harness import tar_of
 from stages.synthetic import samples
-from tests.support.in_process import job_file, planned, run_until_drained, sample_images
-from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from tests.support.in_process import planned
+from worker.adapters.fakes import InMemoryBlobStore
+from worker.datasets.arrays import ArrayFiles
+from worker.datasets.disk import DiskBudget
+from worker.datasets.tables import Tables
+from worker.datasets.tars import TarCopies
+from worker.jobs.checkpoints import Checkpoints
+from worker.jobs.job import Job, Result
+from worker.jobs.joblog import JobLog
+from worker.jobs.ledger import Ledger
+from worker.jobs.outcomes import Lifecycle
 from worker.jobs.plan import shard_body
-from worker.loops import results
-from worker.message import TarMembers
+from worker.loops.results import Finisher
+from worker.message import TarMembers, parse_job_message
+from worker.plugins.identity import ModelIdentity
+from worker.ports import ReceivedMessage
+from worker.telemetry.metrics import Metrics
+from worker.telemetry.progress import Progress
 
-KIB = 2**10
-# A tar of a few images and a label file of 100 KiB, which the member suffix leaves out.
-LABELS_BYTES = 100 * KIB
-# Files and row groups of 64 KiB: a join claims the shard's file and 128 KiB.
-PARQUET_BYTES = 64 * KIB
-# Room for the tar's copy, or for the join, but not for both.
-DISK_BYTES = 200 * KIB
+TAR = "s3://bkt/tars/0.tar"
+MODEL = ModelIdentity(name="m", version="1", digest="sha256:" + "0" * 64)
 
 
-def test_a_tar_shard_that_merges_its_job_gives_its_tars_copies_back_first(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The one shard of a Parquet job of one tar commits and merges the job at its
-    finish, its tar's copy (110 KiB) and the join (over 128 KiB) each within the
-    budget of 200 KiB, not both together: the copy is given back before the join
-    claims its disk, so the job is merged there and then, where its own copy left the
-    join no room and the job was handed back to merge at its next delivery."""
-    monkeypatch.setattr(results, "NO_DISK_ROOM_RETRY_S", 0)  # a hand-over comes back at once
-    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
-    probe = {"job_id": "probe", "inputs": sample_images(blobs, 1), "output": "s3://bkt/out/probe/"}
-    source.send(json.dumps(probe))  # for the worker's model identity
-    run_until_drained(source, blobs, tmp_path)
+class _Shards:
+    """Shards whose commit notes what the disk budget holds as it is made: a commit
+    of a job's last shard merges the job, its join claiming that budget."""
+
+    def __init__(self, disk: DiskBudget):
+        self._disk = disk
+        self.held_at_commit: list[int] = []
+
+    def commit(self, job: Job, summary: dict[str, Any], outputs: list[Any]) -> None:
+        self.held_at_commit.append(self._disk.held_bytes)
+
+
+class _Outcomes:
+    def __init__(self) -> None:
+        self.acked: list[Job] = []
+
+    def ack(self, job: Job) -> None:
+        self.acked.append(job)
+
+
+def test_a_tar_shard_gives_its_tars_copies_back_before_it_commits(tmp_path: Path) -> None:
+    """A tar shard, every member's result in, holds its tar's copy of the disk budget
+    until it finishes: it gives it back before its commit, which may merge its job, so
+    the join finds the room the copy held, where the shard's own copy left a join no
+    room on a budget that holds either, not both, and the job was handed back."""
+    blobs = InMemoryBlobStore()
     images = [(f"{n}.png", data) for n, (_, data) in enumerate(samples(3, seed=9))]
-    blobs.objects["s3://bkt/tars/0.tar"] = tar_of([*images, ("0.cls", b"\0" * LABELS_BYTES)])
-    model = job_file(blobs, "probe", "job.json")["model"]
-    spec, plan = planned(
-        blobs, "copies", ["s3://bkt/tars/0.tar"], model, TarMembers(member_suffix=".png")
+    blobs.objects[TAR] = tar_of(images)
+    spec, plan = planned(blobs, "copies", [TAR], MODEL.as_dict(), TarMembers(member_suffix=".png"))
+    body = shard_body(spec, plan, 0)
+    disk = DiskBudget(2**30)
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 10, disk)
+    members = copies.members([TAR], TarMembers(member_suffix=".png"))
+    assert disk.held_bytes > 0
+    job = Job("k", ReceivedMessage("m", body, "h", 1))
+    job.plan, job.tar_copies, job.model = plan, copies, MODEL
+    job.arrays = ArrayFiles(tmp_path / "arrays", len(members))
+    ledger = Ledger()
+    resumed = {n: Result(json.dumps({"index": n}).encode() + b"\n", False) for n in range(3)}
+    log = JobLog(tmp_path / "job.log", "copies")
+    ledger.admit(job, parse_job_message(body, frozenset()), [TAR] * 3, log, resumed)
+    shards, outcomes = _Shards(disk), _Outcomes()
+    lifecycle = Lifecycle(ledger, outcomes, Metrics(), Progress(3600.0))
+    finisher = Finisher(
+        blobs,
+        Checkpoints(blobs, ledger),
+        shards,
+        Tables(2**20, 2**20),
+        lifecycle,
+        worker_info={},
+        notify=[],
+        capacity=1,
+        device_hour_price=None,
     )
-    plan = plan.model_copy(update={"format": "parquet"})
-    blobs.objects["s3://bkt/out/copies/plan.json"] = plan.model_dump_json().encode()
-    source.send(shard_body(spec, plan, 0))
-    with capture_logs() as logs:
-        run_until_drained(
-            source,
-            blobs,
-            tmp_path,
-            tar_disk_bytes=DISK_BYTES,
-            parquet_file_bytes=PARQUET_BYTES,
-            parquet_row_group_bytes=PARQUET_BYTES,
-        )
-    assert [entry for entry in logs if entry["event"] == "job_released"] == []
-    assert job_file(blobs, "copies", "job.json")["items"] == 3
+    finisher._finish(job)
+    assert shards.held_at_commit == [0]
+    assert outcomes.acked == [job]
