@@ -1,10 +1,11 @@
 """The fleet's protocol for a job split into shards, proven by exploring orders (issue 39,
 point 2), not only by examples.
 
-A hypothesis state machine plays one job of a few shards on as many daemons as it likes,
-over one store with S3's conditional writes (`If-None-Match: *`, `If-Match`) and its
-strongly consistent listing, whose ETags are not MD5s (as under SSE-KMS: the same bytes
-written twice are two versions), and one queue with SQS's leases and delays. Each
+A hypothesis state machine plays one job of a few shards, its results JSON Lines or
+Parquet files (which the merge joins into files of its own), on as many daemons as it
+likes, over one store with S3's conditional writes (`If-None-Match: *`, `If-Match`) and
+its strongly consistent listing, whose ETags are not MD5s (as under SSE-KMS: the same
+bytes written twice are two versions), and one queue with SQS's leases and delays. Each
 delivery of a message runs on a daemon of its own, on a thread that stops before every
 call it makes to S3 or SQS until the machine lets it make it. So the machine picks which
 daemon goes on at each call, which message is delivered (again, to a second daemon,
@@ -18,12 +19,15 @@ checkpoint half-way and the check a running shard makes for another run's commit
 
 After every step it checks what the design promises (docs/DESIGN.md, "The protocol,
 proven"): at most one job.json per request; job.json, once written, names results equal
-to an unsharded run's; nothing a written or running merge needs is removed; from any
-state, every daemon then holding a message dead, the messages left run the job to its
-end (none dead-lettered); and once it has, nothing is left of its shards.
+to an unsharded run's (the rows of the Parquet files it names, in order), each there;
+no rejected.json (the job is valid); nothing a written or running merge needs is
+removed; from any state, every daemon then holding a message dead, the messages left
+run the job to its end (none dead-lettered); and once it has, nothing is left of its
+shards, nor a results file job.json does not name.
 
-`make test` plays a few hundred short games, the same ones each time; `make prove`
-(PROTOCOL_PROOF=long) plays many more, longer, at random.
+`make test` plays 60 short games, the same ones each time, about one in ten of a Parquet
+job; `make prove` (PROTOCOL_PROOF=long) plays many more, longer, at random, half of them
+of a Parquet job.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.support import fleet
 from tests.support.fleet import (
     CLOCK,
     LEASE_S,
@@ -66,17 +71,27 @@ from tests.support.fleet import (
     world_at,
 )
 from tests.support.gated import Actor, Fate
+from worker.datasets.tables import JSON_LINES, PARQUET
 from worker.jobs.plan import COMMIT_SUFFIX, Commit
 from worker.loops import results
+from worker.loops.notices import REJECTED
 from worker.ports import S3Location
 from worker.retry import Backoff
 from worker.sharding import merging, planning, shards, stragglers
 
 LONG = os.environ.get("PROTOCOL_PROOF") == "long"
 MOST_DAEMONS = 3  # holding a message at once
-# What is left under the output of a job run to its end: plan.json and the job's outputs,
-# the mark that its notices went, and progress.json, the job's last word.
-FINAL = {"plan.json", "results.jsonl", "job.log", "job.json", "announced", "progress.json"}
+# The job's results format, drawn by the game: as often Parquet as JSON Lines in `make
+# prove`; about one game in ten in `make test`, as a Parquet game takes four times a JSON
+# Lines game's time (each run to the end writes its shards' files and joins them).
+FORMATS = [JSON_LINES, PARQUET] if LONG else [*[JSON_LINES] * 9, PARQUET]
+# Where the daemons keep their files: in memory where the machine has it (a join makes
+# and removes a directory, and writes and reads files, on every run to the end).
+SPOOL = "/dev/shm" if os.path.isdir("/dev/shm") else None
+# What is left under the output of a job run to its end besides the outputs its job.json
+# names: plan.json, job.json, the mark that its notices went, and progress.json, the
+# job's last word.
+FINAL = {"plan.json", "job.json", "announced", "progress.json"}
 # job.json's fields that differ between two runs of a job, or say how it was run.
 RUN_FIELDS = {
     "received_at",
@@ -97,7 +112,7 @@ class FleetProtocol(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         CLOCK.now = START_S
-        self._directory = Path(tempfile.mkdtemp(prefix="protocol-"))
+        self._directory = Path(tempfile.mkdtemp(prefix="protocol-", dir=SPOOL))
         self.world = world_at(self._directory)
         self.actors: dict[str, Actor] = {}
         self._names = itertools.count(1)
@@ -105,13 +120,19 @@ class FleetProtocol(RuleBasedStateMachine):
         self._checked_at: tuple[Any, ...] = ()
         self._ended: World | None = None
         self.items = 0
+        self.results_format = JSON_LINES
 
-    @initialize(items=st.integers(2, 6), shard_items=st.integers(1, 3))
-    def send_the_job(self, items: int, shard_items: int) -> None:
-        """A job of `items` inputs in shards of `shard_items` (two shards at least)."""
-        self.items = items
+    @initialize(
+        items=st.integers(2, 6),
+        shard_items=st.integers(1, 3),
+        results_format=st.sampled_from(FORMATS),
+    )
+    def send_the_job(self, items: int, shard_items: int, results_format: str) -> None:
+        """A job of `items` inputs in shards of `shard_items` (two shards at least), its
+        results in `results_format`."""
+        self.items, self.results_format = items, results_format
         shard_items = min(shard_items, items - 1)
-        self.world.queue.send(job_body(inputs(items), shard_items))
+        self.world.queue.send(job_body(inputs(items), shard_items, results_format))
 
     def teardown(self) -> None:
         for actor in self.actors.values():
@@ -156,6 +177,7 @@ class FleetProtocol(RuleBasedStateMachine):
         """Every promise, as after a step."""
         self.at_most_one_job_json_per_request()
         self.job_json_names_the_unsharded_runs_results()
+        self.a_valid_job_is_never_rejected()
         self.a_merge_keeps_what_it_needs()
         self.every_run_that_can_still_finish_does()
         self.nothing_is_left_once_the_job_is_done()
@@ -221,7 +243,14 @@ class FleetProtocol(RuleBasedStateMachine):
 
     @invariant()
     def job_json_names_the_unsharded_runs_results(self) -> None:
-        _check_done(self.world, self.items)
+        _check_done(self.world, self.items, self.results_format)
+
+    @invariant()
+    def a_valid_job_is_never_rejected(self) -> None:
+        """The game's job is valid, its shards' results join: no delivery refuses it as
+        a whole (a merge's `PoisonMerge`), now or on the way to its end."""
+        assert OUTPUT + REJECTED not in self.world.store.objects
+        assert OUTPUT + REJECTED not in self._run_to_end().store.objects
 
     @invariant()
     def a_merge_keeps_what_it_needs(self) -> None:
@@ -248,17 +277,19 @@ class FleetProtocol(RuleBasedStateMachine):
         ended = self._run_to_end()
         assert not ended.queue.dead_letters, ended.queue.dead_letters
         assert OUTPUT + "job.json" in ended.store.objects, sorted(ended.names())
-        _check_done(ended, self.items)
+        _check_done(ended, self.items, self.results_format)
         assert ended.store.job_json_writes <= 1
 
     @invariant()
     def nothing_is_left_once_the_job_is_done(self) -> None:
         """Once job.json is written and no message of the job is left, nothing of its
-        shards (or checkpoints) is left either; so after running it to its end."""
+        shards (or checkpoints) is left either, nor a results file job.json does not
+        name; so after running it to its end. (A merger fenced as it sends a Parquet
+        file may leave one, a late write, where its join made more files than the
+        merger that took over: not here, where every daemon cuts them alike.)"""
         if OUTPUT + "job.json" in self.world.store.objects and not self.world.queue.messages:
-            assert self.world.names() <= FINAL, sorted(self.world.names() - FINAL)
-        ended = self._run_to_end()
-        assert ended.names() <= FINAL, sorted(ended.names() - FINAL)
+            _check_only_final_left(self.world)
+        _check_only_final_left(self._run_to_end())
 
     def _run_to_end(self) -> World:
         """The world as it ends if every daemon now holding a message dies now and the
@@ -278,21 +309,29 @@ class FleetProtocol(RuleBasedStateMachine):
         return self._ended
 
 
-def _check_done(world: World, items: int) -> None:
+def _check_done(world: World, items: int, results_format: str) -> None:
     """If job.json is written: it is the only one, it completes the job (the outputs it
     names are those there), and its results and fields are an unsharded run's."""
     objects = world.store.objects
     if OUTPUT + "job.json" not in objects:
         return
     summary = json.loads(objects[OUTPUT + "job.json"])
-    listing = world.store.objects_under(S3Location.parse(OUTPUT))
-    assert all(listing.get(name) == etag for name, etag in summary["outputs"].items()), (
-        "job.json names outputs no longer there"
-    )
-    results, whole = unsharded(items)
-    assert objects[OUTPUT + "results.jsonl"] == results
+    for name, etag in summary["outputs"].items():
+        listed = world.store.objects_under(S3Location.parse(OUTPUT + name)).get("")
+        assert listed == etag, f"job.json names {name}, no longer there"
+    rows, whole = unsharded(items, results_format)
+    assert fleet.results(world, summary) == rows
     fields = {key: value for key, value in summary.items() if key not in RUN_FIELDS}
     assert fields == {key: value for key, value in whole.items() if key not in RUN_FIELDS}
+
+
+def _check_only_final_left(world: World) -> None:
+    """job.json is written, and only plan.json, it, the outputs it names and the job's
+    last words are under the output."""
+    assert OUTPUT + "job.json" in world.store.objects, sorted(world.names())
+    summary = json.loads(world.store.objects[OUTPUT + "job.json"])
+    left = world.names() - FINAL - set(summary["outputs"])
+    assert not left, sorted(left)
 
 
 @pytest.fixture
@@ -357,7 +396,7 @@ def test_a_merge_claim_left_by_a_merger_whose_message_is_gone_is_watched_until_i
     was due), and the job waited without job.json for ever."""
     game = FleetProtocol()
     try:
-        game.send_the_job(items=2, shard_items=1)
+        game.send_the_job(items=2, shard_items=1, results_format=JSON_LINES)
         game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
         # Shard 0's message delivered twice: the later delivery commits the shard, arms
         # a watch (m4) and deletes the message, with the latest receipt handle.
@@ -389,7 +428,8 @@ def test_a_run_that_finds_its_shard_committed_by_its_own_messages_other_delivery
     message's) before the message goes."""
     game = FleetProtocol()
     try:
-        game.send_the_job(items=4, shard_items=2)  # a check half-way through a run
+        # A check half-way through a run.
+        game.send_the_job(items=4, shard_items=2, results_format=JSON_LINES)
         game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
         last = game.start("m3")
         _go_on_until(last, r"put shards/\w+/watch")
@@ -420,7 +460,7 @@ def test_a_late_planners_inputs_files_are_removed_once_the_job_is_merged(
     shard."""
     game = FleetProtocol()
     try:
-        game.send_the_job(items=2, shard_items=1)
+        game.send_the_job(items=2, shard_items=1, results_format=JSON_LINES)
         earlier, later = game.start("m1"), game.start("m1")
         _go_on_until(earlier, r"send shard 0,shard 1 in 0 s")
         _go_on_until(later, r"put shards/\w+/000000\.inputs")
@@ -457,7 +497,7 @@ def test_a_merge_write_retried_after_its_answer_was_lost_is_its_own(
     on."""
     game = FleetProtocol()
     try:
-        game.send_the_job(items=2, shard_items=1)
+        game.send_the_job(items=2, shard_items=1, results_format=JSON_LINES)
         game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
         first = game.start("m2")
         _go_on_until(first, r"put shards/\w+/watch")
@@ -485,7 +525,7 @@ def test_a_merger_that_finds_the_claim_gone_after_the_merge_leaves_none(protocol
     none is written where it is gone."""
     game = FleetProtocol()
     try:
-        game.send_the_job(items=2, shard_items=1)
+        game.send_the_job(items=2, shard_items=1, results_format=JSON_LINES)
         game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
         game.finish(game.start("m2"))  # shard 0 commits and arms a watch (m4)
         last = game.start("m3")
@@ -500,6 +540,34 @@ def test_a_merger_that_finds_the_claim_gone_after_the_merge_leaves_none(protocol
         _go_on_until(late, r"(put|get) .*")  # a claim written anew, or job.json read
         game.kill(late, "dies_unanswered")  # made, then it dies
         assert not game.world.queue.messages
+        game.check()
+    finally:
+        game.teardown()
+
+
+def test_a_merger_dead_between_two_joined_files_leaves_the_next_to_write_them_over(
+    protocol: None,
+) -> None:
+    """A Parquet job's merge joins its shards' files into several of its own, each sent
+    on condition that it is as listed: a merger that dies after the first leaves it, and
+    its message's redelivery, resuming the claim, lists it and writes it over, then the
+    rest, and job.json names what it wrote, the rows an unsharded run's."""
+    game = FleetProtocol()
+    try:
+        game.send_the_job(items=4, shard_items=2, results_format=PARQUET)
+        game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
+        game.finish(game.start("m2"))
+        last = game.start("m3")
+        _go_on_until(last, r"put results/part-000000-0001\.parquet")
+        assert OUTPUT + "results/part-000000-0000.parquet" in game.world.store.objects
+        game.kill(last)
+        CLOCK.now += LEASE_S
+        game.finish(game.start("m3"))
+        summary = json.loads(game.world.store.objects[OUTPUT + "job.json"])
+        assert [name for name in summary["outputs"] if name.startswith("results/")] == [
+            "results/part-000000-0000.parquet",
+            "results/part-000000-0001.parquet",
+        ]
         game.check()
     finally:
         game.teardown()

@@ -2,7 +2,8 @@
 (`tests/test_protocol_properties.py`): one store with S3's conditional writes whose
 ETags are not MD5s, one queue with SQS's delays and leases, a clock the test moves, and
 daemons that take one message each with the daemon's own intake and finisher, their
-calls made through a `Caller` (`tests.support.gated`)."""
+calls made through a `Caller` (`tests.support.gated`). A job's results are JSON Lines
+or Parquet files of two rows each, so that a merge's join writes several."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from tests.support.gated import Caller, GatedQueue, GatedStore
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.datasets.arrays import ArraySpool
 from worker.datasets.disk import DiskBudget
-from worker.datasets.tables import Tables
+from worker.datasets.tables import JSON_LINES, Tables
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.ledger import Ledger
@@ -46,6 +50,11 @@ MODEL = ModelIdentity(name="m", version="1", digest="sha256:" + "0" * 64)
 LEASE_S = 30  # a received message's visibility, renewed while its daemon lives
 MOST_DELIVERIES = 300  # a job whose messages, run one after another, take more never ends
 START_S = 1_800_000_000.0
+# The model's answer to zeros (the columns its Parquet results have), and the settings
+# that cut them into files of two rows: a row group of two (a row's columns take about
+# 50 bytes), a file closed after each.
+PROBE = json.dumps({"label": ""}).encode()
+PARQUET_ROW_GROUP_BYTES = 120
 
 
 class ModelClock:
@@ -188,7 +197,7 @@ class Daemon:
         lifecycle = Lifecycle(ledger, outcomes, metrics, progress)
         worker_info = {"host": name}
         disk = DiskBudget(2**30)
-        tables = Tables(world.settings.parquet_file_bytes, world.settings.parquet_row_group_bytes)
+        tables = world.tables
         self._shards = shards = Shards(
             blobs,
             source,
@@ -313,9 +322,10 @@ class RecordingStore(InMemoryBlobStore):
 class World:
     """One store, one queue, and what the daemons share besides."""
 
-    def __init__(self, settings: Settings, arrays: ArraySpool) -> None:
+    def __init__(self, settings: Settings, arrays: ArraySpool, tables: Tables) -> None:
         self.settings = settings
         self.arrays = arrays
+        self.tables = tables  # the daemons' writer of Parquet results, its columns probed
         self.store = RecordingStore()
         self.queue = Queue()
         self.notices: list[str] = []
@@ -325,7 +335,7 @@ class World:
 
     def copy(self) -> World:
         """Another world as this one is now: the same objects and messages."""
-        world = World(self.settings, self.arrays)
+        world = World(self.settings, self.arrays, self.tables)
         world.store = self.store.copy()
         world.queue = copy.deepcopy(self.queue)
         world.notices = list(self.notices)
@@ -349,9 +359,15 @@ class World:
             self.queue.let_go(name)
 
 
-def job_body(inputs: list[str], shard_items: int | None) -> str:
-    """The job's message: `inputs`, split in shards of `shard_items` (None: whole)."""
-    body: dict[str, Any] = {"job_id": JOB_ID, "inputs": inputs, "output": OUTPUT}
+def job_body(inputs: list[str], shard_items: int | None, results_format: str) -> str:
+    """The job's message: `inputs`, split in shards of `shard_items` (None: whole), its
+    results in `results_format` ("jsonl" or "parquet")."""
+    body: dict[str, Any] = {
+        "job_id": JOB_ID,
+        "inputs": inputs,
+        "output": OUTPUT,
+        "format": results_format,
+    }
     if shard_items is not None:
         body["shard_items"] = shard_items
     return json.dumps(body)
@@ -362,23 +378,51 @@ def world_at(directory: Path) -> World:
     arrays = ArraySpool(directory / "arrays")
     arrays.open()
     arrays.layouts = {}  # the model writes no array files
-    return World(Settings(queue_url="q", log_dir=directory, metrics_port=0), arrays)
+    settings = Settings(
+        queue_url="q",
+        log_dir=directory,
+        metrics_port=0,
+        parquet_file_bytes=1,
+        parquet_row_group_bytes=PARQUET_ROW_GROUP_BYTES,
+    )
+    tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
+    tables.probed(PROBE, {})  # once for the game: it reads the answer as JSON, in ms
+    return World(settings, arrays, tables)
 
 
 @functools.cache
-def unsharded(items: int) -> tuple[bytes, dict[str, Any]]:
-    """results.jsonl and job.json of the job of `items` inputs run whole, on one daemon."""
+def unsharded(items: int, results_format: str) -> tuple[list[Any], dict[str, Any]]:
+    """The results (`results`) and job.json of the job of `items` inputs run whole, on
+    one daemon."""
     now = CLOCK.now
     with tempfile.TemporaryDirectory() as directory:
         world = world_at(Path(directory))
-        world.queue.send(job_body(inputs(items), None))
+        world.queue.send(job_body(inputs(items), None, results_format))
         try:
             world.run_to_end()
         finally:
             world.arrays.close()
             CLOCK.now = now
-        results = world.store.objects[OUTPUT + "results.jsonl"]
-        return results, json.loads(world.store.objects[OUTPUT + "job.json"])
+        summary = json.loads(world.store.objects[OUTPUT + "job.json"])
+        return results(world, summary), summary
+
+
+def results(world: World, summary: dict[str, Any]) -> list[Any]:
+    """The results of the job.json `summary`: results.jsonl's bytes, or the rows of the
+    Parquet files it names, read in the order it names them."""
+    if summary["format"] == JSON_LINES:
+        return [world.store.objects[OUTPUT + "results.jsonl"]]
+    rows = []
+    for name in summary["outputs"]:
+        if name.endswith(".parquet"):
+            rows += _rows(world.store.objects[OUTPUT + name])
+    return rows
+
+
+@functools.cache
+def _rows(parquet: bytes) -> tuple[dict[str, Any], ...]:
+    """A Parquet file's rows (read once: a game's runs write the same files many times)."""
+    return tuple(pq.read_table(pa.BufferReader(parquet)).to_pylist())
 
 
 def inputs(items: int) -> list[str]:

@@ -128,6 +128,10 @@ class GatedStore:
     def put(self, location: S3Location, *args: Any, **kwargs: Any) -> str:
         return self._call("put", location, lambda: self._store.put(location, *args, **kwargs))
 
+    def put_file(self, location: S3Location, *args: Any, **kwargs: Any) -> str:
+        put_file = self._store.put_file
+        return self._call("put", location, lambda: put_file(location, *args, **kwargs))
+
     def compose(self, location: S3Location, *args: Any, **kwargs: Any) -> str:
         compose = self._store.compose
         return self._call("compose", location, lambda: compose(location, *args, **kwargs))
