@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from worker.adapters.fakes import InMemoryBlobStore
+from worker.datasets import table_ranges
 from worker.datasets.disk import DiskBudget
 from worker.datasets.inputs import Input, InputReader, shard_lines
 from worker.jobs.checkpoints import RequestDigest
@@ -31,29 +32,39 @@ NO_LIMIT: frozenset[str] = frozenset()
 TEXT_CHARS = 60_000  # each text: a table's row group of three is 180 KB, its footer < 2 KB
 FOOTER_READ_BYTES = 64 * 1024 + 4096  # the end of a file read for its footer, at most
 FILES = {"a.parquet": (10, 3), "b.parquet": (7, 4)}  # rows, rows a row group
+A_URI = "s3://bkt/table/a.parquet"
 
 
 class _CountingStore(InMemoryBlobStore):
-    """A store that counts the bytes read of each object, whole or by ranges; a.parquet
-    is rewritten (its rows, other texts) once `replace_after` ranges of it are read."""
+    """A store that counts the bytes read of each object, whole or by ranges, and the
+    largest read; a.parquet is rewritten (its rows, other texts) once `replace_after`
+    ranges of it are read (`replace_a_after`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bytes_read: Counter[str] = Counter()
         self.whole_reads: Counter[str] = Counter()
+        self.ranges: list[tuple[int, int]] = []
         self.replace_after = 0
+        self.replacement = b""
+
+    def replace_a_after(self, reads: int) -> None:
+        # Made here, not in `get`: a shard's reads are called from pyarrow's own.
+        rewritten = pq.read_table(io.BytesIO(self.objects[A_URI]))
+        body = pa.array([f"other {row}" for row in range(rewritten.num_rows)])
+        sink = io.BytesIO()
+        pq.write_table(rewritten.set_column(1, "body", body), sink, row_group_size=3)
+        self.replacement, self.replace_after = sink.getvalue(), reads
 
     def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
         data = super().get(location, *args, **kwargs)
         self.bytes_read[str(location)] += len(data)
-        if self.replace_after and location.key == "table/a.parquet":
+        if kwargs.get("byte_range"):
+            self.ranges.append(kwargs["byte_range"])
+        if self.replace_after and str(location) == A_URI:
             self.replace_after -= 1
             if not self.replace_after:
-                rewritten = pq.read_table(io.BytesIO(self.objects[str(location)]))
-                body = pa.array([f"other {row}" for row in range(rewritten.num_rows)])
-                sink = io.BytesIO()
-                pq.write_table(rewritten.set_column(1, "body", body), sink, row_group_size=3)
-                self.objects[str(location)] = sink.getvalue()
+                self.objects[A_URI] = self.replacement
         return data
 
     def chunks(self, location: S3Location, *args: Any, **kwargs: Any) -> Generator[bytes]:
@@ -76,28 +87,32 @@ def _table_files(blobs: InMemoryBlobStore) -> None:
         blobs.objects[f"s3://bkt/table/{file}"] = sink.getvalue()
 
 
-def _spec(shard_items: int | None = None) -> JobMessage:
-    table = {"uri": "s3://bkt/table/", "text_column": "body", "id_column": "doc"}
+def _spec(shard_items: int | None = None, **table: Any) -> JobMessage:
+    table = {"uri": "s3://bkt/table/", "text_column": "body", "id_column": "doc"} | table
     body = {"job_id": "texts", "table": table, "output": "s3://bkt/out/"}
     sizes = {"shard_items": shard_items} if shard_items else {}
     return parse_job_message(json.dumps(body | sizes), NO_LIMIT)
 
 
-def _planned(blobs: InMemoryBlobStore, shard_items: int, tmp_path: Path) -> list[bytes]:
+def _planned(
+    blobs: InMemoryBlobStore, shard_items: int, tmp_path: Path, **table: Any
+) -> list[bytes]:
     """The inputs files a planner writes for the table in shards of `shard_items`: its
     listing through a snapshot, cut into shards."""
     reader = InputReader(blobs, NO_LIMIT, 2**30, shard_items=1000)
     with Snapshot(tmp_path, DiskBudget(2**30).claim()) as snapshot:
-        for listed in reader.inputs(_spec(shard_items)):
+        for listed in reader.inputs(_spec(shard_items, **table)):
             snapshot.add(listed)
         inputs = snapshot.inputs()
         shards = iter(lambda: list(itertools.islice(inputs, shard_items)), [])
         return [b"".join(shard_lines(listed)) for listed in shards]
 
 
-def _shard(blobs: InMemoryBlobStore, data: bytes, shard_items: int) -> list[Input]:
+def _shard(
+    blobs: InMemoryBlobStore, data: bytes, shard_items: int, allowed: frozenset[str] = NO_LIMIT
+) -> list[Input]:
     blobs.objects["s3://bkt/out/shard.inputs"] = data
-    return InputReader(blobs, NO_LIMIT, 2**30).shard("s3://bkt/out/shard.inputs", shard_items)
+    return InputReader(blobs, allowed, 2**30).shard("s3://bkt/out/shard.inputs", shard_items)
 
 
 def test_a_tables_plan_holds_row_ranges_and_no_texts_read_from_its_footers_alone(
@@ -169,16 +184,17 @@ def test_a_shard_reads_no_more_than_its_own_row_groups() -> None:
 
 
 def test_a_table_replaced_after_planning_is_its_shards_poison_naming_it(tmp_path: Path) -> None:
-    """A file replaced since its job was planned, even by one with the same rows, is
-    never read as that plan's: the shard is poison naming the file (its job fails
-    there); and the listing of the new version is another request."""
+    """A file replaced since its job was planned, even by one of the same rows and ids,
+    is never read as that plan's: the shard is poison naming the file (its job fails
+    there); and the listing of the new version, whose names and ids are the first's,
+    is another request (its file's ETag is in the digest)."""
     blobs = _CountingStore()
     _table_files(blobs)
     files = _planned(blobs, 4, tmp_path)
     before = _digest(blobs)
     sink = io.BytesIO()
     texts = [f"new {row}" for row in range(10)]
-    pq.write_table(pa.table({"doc": list(range(10)), "body": texts}), sink)
+    pq.write_table(pa.table({"doc": list(range(1000, 1010)), "body": texts}), sink)
     blobs.objects["s3://bkt/table/a.parquet"] = sink.getvalue()
 
     with pytest.raises(PoisonMessage, match=r"table s3://bkt/table/a\.parquet was replaced"):
@@ -195,15 +211,189 @@ def test_a_table_replaced_while_a_shard_reads_it_is_poison(tmp_path: Path, reads
     blobs = _CountingStore()
     _table_files(blobs)
     files = _planned(blobs, 4, tmp_path)
-    blobs.replace_after = reads
+    blobs.replace_a_after(reads)
     with pytest.raises(PoisonMessage, match=r"a\.parquet was replaced since its job was planned"):
         _shard(blobs, files[1], 4)
 
 
-def _digest(blobs: InMemoryBlobStore) -> str:
+def _digest(blobs: InMemoryBlobStore, **table: Any) -> str:
     digest = RequestDigest()
     reader = InputReader(blobs, NO_LIMIT, 2**30, shard_items=1000)
-    listed: Iterator[Input] = reader.inputs(_spec(4))
+    listed: Iterator[Input] = reader.inputs(_spec(4, **table))
     for uri, input_id in listed:
         digest.add(uri, input_id)
     return digest.hexdigest({}, {}, "jsonl")
+
+
+def test_a_table_whose_keys_name_no_format_is_planned_and_read_as_its_format_says(
+    tmp_path: Path,
+) -> None:
+    """A Hive table's parts (`000000_0`, no `.parquet`) given with `"format": "parquet"`
+    are planned as row ranges, and each shard reads its rows whatever the file's key."""
+    blobs = _CountingStore()
+    _table_files(blobs)
+    for number, file in enumerate(FILES):
+        blobs.objects[f"s3://bkt/hive/{number:06d}_0"] = blobs.objects.pop(f"s3://bkt/table/{file}")
+    hive = {"uri": "s3://bkt/hive/", "format": "parquet"}
+    whole = list(InputReader(blobs, NO_LIMIT, 2**30).inputs(_spec(**hive)))
+
+    files = _planned(blobs, 4, tmp_path, **hive)
+
+    assert all(data.startswith(b'{"table": "s3://bkt/hive/') for data in files)
+    got = [row for data in files for row in _shard(blobs, data, 4)]
+    assert [(str(row.uri), row.id) for row in got] == [(str(row.uri), row.id) for row in whole]
+    assert got[10] == Input("s3://bkt/hive/000001_0#row=0", "2000")
+
+
+def test_the_request_digest_covers_the_columns_a_planned_table_is_read_by() -> None:
+    """A planned row is listed with its file's ETag and the columns its shard reads: the
+    job sent again with another id column (or none) is another request, not the first
+    one's results, which have other ids."""
+    blobs = _CountingStore()
+    _table_files(blobs)
+    with_ids = _digest(blobs)
+    assert _digest(blobs) == with_ids
+    assert _digest(blobs, id_column=None) != with_ids
+    assert _digest(blobs, id_column="body") != with_ids
+
+
+def test_a_shard_streams_its_rows_in_reads_of_a_bounded_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard's column chunks are streamed in ranged GETs of `PARQUET_READ_BYTES` at
+    most (pages here smaller), never a chunk a GET, and no further than its last row:
+    a row group of 2,000 texts (400 KB) is read 16 KiB at a time, a few reads for a
+    shard of its rows 10-30."""
+    monkeypatch.setattr(table_ranges, "PARQUET_READ_BYTES", 16 * 1024)
+    blobs = _CountingStore()
+    drawn = random.Random(2).choices(string.ascii_letters, k=2000 * 200)
+    texts = ["".join(drawn[row * 200 : (row + 1) * 200]) for row in range(2000)]
+    sink = io.BytesIO()
+    table = pa.table({"body": texts})
+    pq.write_table(table, sink, data_page_size=4096, write_batch_size=4, use_dictionary=False)
+    uri = "s3://bkt/table/c.parquet"
+    blobs.objects[uri] = sink.getvalue()
+    etag = blobs.head(S3Location.parse(uri)).etag
+    span = {"table": uri, "etag": etag, "rows": [10, 30], "text_column": "body", "id_column": None}
+
+    rows = _shard(blobs, json.dumps(span).encode() + b"\n", 20)
+
+    assert [row.uri.text for row in rows] == texts[10:30]  # type: ignore[attr-defined]
+    size = len(blobs.objects[uri])
+    data_reads = [length for first, length in blobs.ranges if first + length < size]
+    assert data_reads and max(data_reads) <= 16 * 1024
+    assert sum(data_reads) < size / 20
+
+
+def test_a_prefix_of_many_files_lists_its_first_rows_after_the_footers_it_needs() -> None:
+    """A planned prefix's footers are read file by file, each told (`looked_at`: its
+    daemon's clock of progress beats): its first row is listed once the footers read
+    hold more rows than the shard size, before the other files' are read."""
+    blobs = _CountingStore()
+    for number in range(6):
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"doc": [1, 2, 3], "body": ["x", "y", "z"]}), sink)
+        blobs.objects[f"s3://bkt/table/{number}.parquet"] = sink.getvalue()
+    looked_at: list[int] = []
+    reader = InputReader(blobs, NO_LIMIT, 2**30, shard_items=1000)
+    listed = reader.inputs(_spec(4), lambda: looked_at.append(len(blobs.bytes_read)))
+
+    first = next(listed)
+
+    assert first == Input("s3://bkt/table/0.parquet#row=0", first.id)
+    assert looked_at == [1, 2] and len(blobs.bytes_read) == 2
+    assert len(list(listed)) == 17
+    assert looked_at == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_planned_tables_id_column_that_is_no_text_is_poison_at_planning() -> None:
+    """An id column of a type no id is read as (a list) is found from the footers, and
+    the job refused as a whole, as an unsharded run refuses it: not shard by shard."""
+    blobs = _CountingStore()
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"doc": [[row] for row in range(10)], "body": ["x"] * 10}), sink)
+    blobs.objects["s3://bkt/table/a.parquet"] = sink.getvalue()
+    reader = InputReader(blobs, NO_LIMIT, 2**30, shard_items=1000)
+    with pytest.raises(PoisonMessage, match=r"its id column doc \(list<.*cannot be read as text"):
+        next(reader.inputs(_spec(4)))
+
+
+class _StrictRangesStore(_CountingStore):
+    """A store that answers a range starting past its object's end as S3 does (416
+    InvalidRange, an error of its own), not with what is left."""
+
+    def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
+        first, _ = kwargs.get("byte_range") or (0, 0)
+        if first and first >= len(self.objects[str(location)]):
+            raise RuntimeError("InvalidRange: the requested range is not satisfiable")
+        return super().get(location, *args, **kwargs)
+
+
+def test_a_table_shortened_while_a_shard_reads_it_is_poison_at_its_first_try(
+    tmp_path: Path,
+) -> None:
+    """A read past the end of a file made shorter since its footer was read fails as
+    the store fails it; the shard asks for the file's ETag then, whatever the error, and
+    is poison at once, not retried until a later delivery's look finds it."""
+    blobs = _StrictRangesStore()
+    _table_files(blobs)
+    files = _planned(blobs, 4, tmp_path)
+    blobs.replace_a_after(1)  # after its footer: its row groups' offsets are past the end
+    with pytest.raises(PoisonMessage, match=r"a\.parquet was replaced since its job was planned"):
+        _shard(blobs, files[1], 4)
+
+
+@pytest.mark.parametrize(
+    ("spans", "reason"),
+    [
+        ([[4, 4]], r"line 1 is not a span: its rows \[4, 4\] are none"),
+        ([[0, 2], [2, 4]], r"line 2 spans s3://bkt/table/a\.parquet a second time"),
+        ([[0, 2, 3]], "line 1 is not a span"),
+    ],
+)
+def test_a_shard_inputs_file_no_planner_writes_is_poison(
+    spans: list[list[int]], reason: str
+) -> None:
+    """A span of no rows, or a file spanned twice in a shard (a planner writes a line a
+    file a shard), each of which would cost a footer and a row group, is refused."""
+    blobs = _CountingStore()
+    _table_files(blobs)
+    etag = blobs.head(S3Location.parse(A_URI)).etag
+    columns = {"text_column": "body", "id_column": None}
+    data = b"".join(
+        json.dumps({"table": A_URI, "etag": etag, "rows": rows} | columns).encode() + b"\n"
+        for rows in spans
+    )
+    with pytest.raises(PoisonMessage, match=reason):
+        _shard(blobs, data, 4)
+
+
+def test_a_span_of_a_bucket_outside_the_allow_list_is_poison_unread(tmp_path: Path) -> None:
+    blobs = _CountingStore()
+    _table_files(blobs)
+    files = _planned(blobs, 4, tmp_path)
+    blobs.bytes_read.clear()
+    with pytest.raises(PoisonMessage, match=r"bucket\(s\) not allowed: bkt"):
+        _shard(blobs, files[0], 4, frozenset({"other"}))
+    assert blobs.bytes_read[A_URI] == 0
+
+
+def test_a_mixed_prefix_copies_its_csv_rows_and_plans_its_parquet_rows_as_ranges(
+    tmp_path: Path,
+) -> None:
+    """A prefix of CSV and Parquet files: the CSV rows' texts are copied into the
+    inputs files (text lines beside span lines), the Parquet rows planned as ranges
+    when they alone are over the shard size, copied too when they are not; either way
+    each shard's rows are the whole table's."""
+    blobs = _CountingStore()
+    _table_files(blobs)
+    blobs.objects["s3://bkt/table/ab.csv"] = b"doc,body\n1,one\n2,two\n3,three\n"
+    whole = list(InputReader(blobs, NO_LIMIT, 2**30).inputs(_spec()))
+    assert len(whole) == 20
+    for shard_items, spans in ((6, 4), (18, 0)):  # 17 Parquet rows: over 6, not over 18
+        files = _planned(blobs, shard_items, tmp_path)
+        lines = b"".join(files).splitlines()
+        assert sum(line.startswith(b'{"table"') for line in lines) == spans
+        got = [row for data in files for row in _shard(blobs, data, shard_items)]
+        assert [(str(row.uri), row.id) for row in got] == [(str(r.uri), r.id) for r in whole]
+        assert [row.uri.text for row in got] == [r.uri.text for r in whole]  # type: ignore[attr-defined]

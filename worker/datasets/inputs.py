@@ -54,8 +54,11 @@ from worker.datasets.table_ranges import (
     PlannedFile,
     Span,
     TableRow,
+    TextColumns,
     is_span_line,
     planned_file,
+    planned_files,
+    shard_span,
     span_batches,
     span_line,
     span_of_line,
@@ -139,17 +142,22 @@ class InputReader:
         self._max_file_bytes = max_file_bytes
         self._shard_items = shard_items
 
-    def inputs(self, spec: JobMessage) -> Iterator[Input]:
-        """The job's inputs in order, as they are read; `PoisonMessage` at the first
-        thing that makes its listing unusable, or if it lists none."""
+    def inputs(
+        self, spec: JobMessage, looked_at: Callable[[], None] = lambda: None
+    ) -> Iterator[Input]:
+        """The job's inputs in order, as they are read; `PoisonMessage` at the first thing
+        that makes its listing unusable, or if it lists none. `looked_at` is called as
+        each file of a table has its footer read at planning, before its rows are listed."""
         listed = False
-        for listed_input in self._listed(spec):
+        for listed_input in self._listed(spec, looked_at):
             listed = True
             yield listed_input
         if not listed:
             raise PoisonMessage("the job lists no inputs")
 
-    def _listed(self, spec: JobMessage) -> Iterator[Input]:  # noqa: PLR0911 (one per source)
+    def _listed(  # noqa: PLR0911 (one per source)
+        self, spec: JobMessage, looked_at: Callable[[], None]
+    ) -> Iterator[Input]:
         if spec.inputs:
             return (Input(uri) for uri in spec.inputs)
         if spec.manifest:
@@ -161,7 +169,7 @@ class InputReader:
         if spec.texts is not None:
             return (Input(text) for text in inline_texts(spec.texts))
         if spec.table:
-            return self._table(spec.table, spec.shard_items)
+            return self._table(spec.table, spec.shard_items, looked_at)
         if spec.openai_batch:
             uri = spec.openai_batch
             return self._read(
@@ -192,36 +200,31 @@ class InputReader:
                 if key.endswith(suffix) and not key.endswith("/"):
                     yield Input(f"s3://{prefix.bucket}/{key}")
 
-    def _table(self, table: TableSource, shard_items: int | None) -> Iterator[Input]:
+    def _table(
+        self, table: TableSource, shard_items: int | None, looked_at: Callable[[], None]
+    ) -> Iterator[Input]:
         """A table's rows, file by file (a prefix's in key order), each a URI or a text;
-        a table of texts over the shard size has its Parquet files' rows listed as
-        `TableRow`s from their footers, their texts left for their shards to read."""
+        a table of texts whose Parquet files hold more rows than the job's shard size
+        (`shard_items`, at most the worker's) has their rows listed as `TableRow`s from
+        their footers, their texts left for their shards to read."""
         rows_of = self._text_rows if table.text_column else self._uri_rows
-        files = list(self._table_files(table))
-        planned = self._planned_files(table, files, shard_items)
-        for uri in files:
-            if uri in planned:
-                # Listed with its file's ETag for an id: the request digest (of names and
-                # ids) then covers the version planned. Its shard reads its id and text.
-                yield from (Input(row, row.etag) for row in planned[uri].table_rows())
-            else:
-                yield from rows_of(table, uri, _file_format(table, uri))
-
-    def _planned_files(
-        self, table: TableSource, files: list[str], shard_items: int | None
-    ) -> dict[str, PlannedFile]:
-        """The Parquet files of a table of texts by their URIs, from their footers, if
-        they hold more rows than the job's shard size (`shard_items`, at most the
-        worker's): the job is then planned into shards of row ranges. Else none."""
+        files = ((uri, _file_format(table, uri)) for uri in self._table_files(table))
         if table.text_column is None or self._shard_items is None:
-            return {}
+            for uri, file_format in files:
+                yield from rows_of(table, uri, file_format)
+            return
         most = min(shard_items or self._shard_items, self._shard_items)
-        read = ((table.text_column, table.id_column), self._max_file_bytes)
-        planned = {}
-        for uri in (uri for uri in files if _file_format(table, uri) == "parquet"):
-            with unreadable_is_poison(f"table {uri}"):
-                planned[uri] = planned_file(self._blobs, uri, *read, MAX_PARQUET_TEXT_ROW_BYTES)
-        return planned if sum(file.rows for file in planned.values()) > most else {}
+        footer = functools.partial(self._planned_file, (table.text_column, table.id_column))
+        for uri, file_format, planned in planned_files(files, footer, most, looked_at):
+            if planned is None:
+                yield from rows_of(table, uri, file_format)
+            else:  # its shard reads its id and text
+                yield from (Input(row, row.listed_id) for row in planned.table_rows())
+
+    def _planned_file(self, columns: TextColumns, uri: str) -> PlannedFile:
+        with unreadable_is_poison(f"table {uri}"):
+            read = (self._max_file_bytes, MAX_PARQUET_TEXT_ROW_BYTES)
+            return planned_file(self._blobs, uri, columns, *read)
 
     def _table_files(self, table: TableSource) -> Iterator[str]:
         """The table's file, or the files under its prefix in key order, without the
@@ -239,7 +242,7 @@ class InputReader:
         rows = 0
         for batch in self._batches(uri, file_format, columns, header=True):
             uris = _bounded(batch.column(table.uri_column), URI_BOUND, uri, rows)
-            ids = _ids_as_text(table, batch, rows) if table.id_column else [None] * len(uris)
+            ids = _ids_as_text(table.id_column, uri, batch, rows)
             for number, (listed, input_id) in enumerate(zip(uris, ids, strict=True), rows + 1):
                 self._check(listed, f"{uri} row {number}")
                 yield Input(listed, input_id)
@@ -252,19 +255,18 @@ class InputReader:
         rows = 0
         text_rows = MAX_PARQUET_TEXT_ROW_BYTES
         for batch in self._batches(uri, file_format, columns, header=True, row_bytes=text_rows):
-            yield from _text_inputs(table, uri, batch, rows)
+            yield from _text_inputs((table.text_column, table.id_column), uri, batch, rows)
             rows += batch.num_rows
 
     def _span_inputs(self, span: Span) -> Iterator[Input]:
-        """A shard's rows of a Parquet table of texts (`table_ranges.span_batches`)."""
-        text_column, id_column = span.columns
-        table = TableSource(uri=span.file, text_column=text_column, id_column=id_column)
+        """A shard's rows of a Parquet table of texts (`table_ranges.span_batches`),
+        whatever its file's key (its planner knew it for Parquet)."""
         with unreadable_is_poison(f"table {span.file}"):
             batches = span_batches(
                 self._blobs, span, self._max_file_bytes, MAX_PARQUET_TEXT_ROW_BYTES
             )
             for first_row, batch in batches:
-                yield from _text_inputs(table, span.file, batch, first_row)
+                yield from _text_inputs(span.columns, span.file, batch, first_row)
 
     def _inventory(self, manifest_uri: str, suffix: str) -> Iterator[Input]:
         """The objects an S3 Inventory report lists, file by file in its manifest's order."""
@@ -427,22 +429,26 @@ def _file_format(table: TableSource, uri: str) -> str:
 
 
 def _text_inputs(
-    table: TableSource, uri: str, batch: pa.RecordBatch, rows_before: int
+    columns: TextColumns, uri: str, batch: pa.RecordBatch, rows_before: int
 ) -> Iterator[Input]:
-    """A record batch of a table of texts (from row `rows_before` of file `uri` on) as
-    inputs."""
-    assert table.text_column is not None
-    texts = column_texts(batch.column(table.text_column), uri, rows_before)
-    ids = _ids_as_text(table, batch, rows_before) if table.id_column else [None] * len(texts)
+    """A record batch of a table of texts (from row `rows_before` of file `uri` on, its
+    text and id `columns`) as inputs."""
+    text_column, id_column = columns
+    texts = column_texts(batch.column(text_column), uri, rows_before)
+    ids = _ids_as_text(id_column, uri, batch, rows_before)
     return map(Input, texts, ids)
 
 
-def _ids_as_text(table: TableSource, batch: pa.RecordBatch, rows_before: int) -> list[str | None]:
-    """A batch's ids as text, whatever their column's type (an integer, a date, a
-    decimal): every file of a job's results then has the same `id` column, and every id
-    can be written on a JSON line. Each is at most `MAX_ID_BYTES`."""
-    assert table.id_column is not None
-    column = batch.column(table.id_column)
+def _ids_as_text(
+    id_column: str | None, uri: str, batch: pa.RecordBatch, rows_before: int
+) -> list[str | None]:
+    """A batch's ids (of the table file `uri`) as text, whatever their column's type (an
+    integer, a date, a decimal): every file of a job's results then has the same `id`
+    column, and every id can be written on a JSON line. Each is at most `MAX_ID_BYTES`;
+    None each, without an `id_column`."""
+    if id_column is None:
+        return [None] * batch.num_rows
+    column = batch.column(id_column)
     try:
         if pa.types.is_dictionary(column.type):  # its values cast, not copied to each row
             text = pa.DictionaryArray.from_arrays(
@@ -452,10 +458,10 @@ def _ids_as_text(table: TableSource, batch: pa.RecordBatch, rows_before: int) ->
             text = column.cast(pa.string())
     except pa.ArrowException as error:
         raise PoisonMessage(
-            f"table {table.uri}: its id column {table.id_column} ({column.type}) cannot be "
-            f"read as text: {error}"
+            f"table {uri}: its id column {id_column} ({column.type}) cannot be read as text: "
+            f"{error}"
         ) from error
-    return _bounded(text, ID_BOUND, table.uri, rows_before)
+    return _bounded(text, ID_BOUND, uri, rows_before)
 
 
 def _manifest(chunks: Iterable[bytes], allowed: frozenset[str]) -> Iterator[Input]:
@@ -468,15 +474,10 @@ def _shard_inputs(
     """A shard's inputs file: written by a planner, but read from S3, so checked. A line
     that is not JSON is a URI alone, as planners wrote before there were ids; a span's
     (`table_ranges`) is its rows, read by `spans`."""
+    spanned: set[str] = set()
     for number, line in enumerate(lines(chunks, "shard inputs", MAX_SHARD_LINE_BYTES), 1):
         if is_span_line(line):
-            try:
-                span = span_of_line(line)
-                bucket = S3Location.parse(span.file).bucket
-            except (ValueError, KeyError, TypeError) as error:
-                raise PoisonMessage(f"shard inputs line {number} is not a span: {error}") from error
-            check_buckets({bucket}, allowed)
-            yield from spans(span)
+            yield from spans(shard_span(line, number, allowed, spanned))
             continue
         if not line.startswith(b"["):
             uri, input_id = line.decode(errors="replace"), None
@@ -514,7 +515,7 @@ def shard_line_inputs(line: bytes) -> Iterator[Input]:
     """The inputs a line of `shard_lines` is, its values unchecked (a planner's own)."""
     if is_span_line(line):
         span = span_of_line(line)
-        return (Input(row, row.etag) for row in span.rows())
+        return (Input(row, row.listed_id) for row in span.rows())
     return iter((shard_line_input(line),))
 
 

@@ -7,12 +7,13 @@ holds a `Span` line for each run of its rows in one file, never their texts:
      "text_column": "text", "id_column": "id"}
 
 A shard's daemon reads only its rows (`span_batches`): the row groups its span overlaps,
-by ranged GETs, a record batch at a time, pinned to the ETag its plan saw. The file is
-asked for its ETag before its rows are read and again once they are: a file replaced
-meanwhile (or since planning) is the shard's poison, naming it and both ETags, so that
-no shard's results mix two versions of a table and the job's error says which file
-changed. (A file replaced and put back as it was between the two looks is read as it
-was; its rows then are its planned version's.)
+from the first's start to its last row, streamed by ranged GETs of at most
+`PARQUET_READ_BYTES` (or of one page, where a page is larger), pinned to the ETag its
+plan saw. The file is asked for its ETag before its rows are read and again once they
+are (or a read fails): a file replaced meanwhile (or since planning) is the shard's
+poison, naming it and both ETags, so that no shard's results mix two versions of a
+table and the job's error says which file changed. (A file replaced and put back as it
+was between the two looks is read as it was; its rows then are its planned version's.)
 
 CSV and JSON-lines tables have no random access by row: reaching row n means parsing
 every row before it, so their rows' texts are still copied into the shards' inputs
@@ -33,7 +34,7 @@ import pyarrow.parquet as pq
 
 from worker.datasets.tables import UnfitResults, read_footer
 from worker.datasets.texts import TextInput
-from worker.message import PoisonMessage
+from worker.message import PoisonMessage, check_buckets
 from worker.ports import BlobStore, S3Location
 
 # Rows of a table read at a time (a record batch), at most.
@@ -42,6 +43,9 @@ PARQUET_GROUP_SLACK_BYTES = 2**16  # a row group's own headers, however few its 
 # A Parquet record batch holds about this many bytes of those columns at most: fewer
 # rows than TABLE_BATCH_ROWS where they are long.
 PARQUET_BATCH_BYTES = 8 * 2**20
+# A shard's read of a column chunk of a table's row group, at a time (a ranged GET): the
+# chunk is streamed, never held whole (a row group of a million texts is gigabytes).
+PARQUET_READ_BYTES = 8 * 2**20
 # Which of a file's columns to read: those named, or those a function of the file's own
 # column names picks (an inventory's, whose Parquet files name them their own way).
 Columns = list[str] | Callable[[list[str]], list[str]]
@@ -102,23 +106,29 @@ def _rows(first: int, count: int) -> str:
 class TableRow(TextInput):
     """A row of a Parquet table of texts as planning lists it: named as the row is when
     read whole (`s3://b/t.parquet#row=17`), its text left in the table for its shard to
-    read (`span_batches`)."""
+    read (`span_batches`). It is listed with `listed_id` where a row's id would be: its
+    file's ETag at planning and the columns read, so that the request digest covers the
+    version planned and what is read of it (another `id_column` is another request)."""
 
-    __slots__ = ("columns", "etag", "file", "row")
+    __slots__ = ("columns", "etag", "file", "listed_id", "row")
     file: str
     row: int
     etag: str
     columns: TextColumns
+    listed_id: str
 
-    def __new__(cls, file: str, row: int, etag: str, columns: TextColumns) -> TableRow:
+    def __new__(
+        cls, file: str, row: int, etag: str, columns: TextColumns, listed_id: str
+    ) -> TableRow:
         # str's own, not TextInput's: planning makes two of these a row of the table.
         made = str.__new__(cls, f"{file}#row={row}")
         made.text, made.problem = None, "its text is read by its shard"
         made.file, made.row, made.etag, made.columns = file, row, etag, columns
+        made.listed_id = listed_id
         return made
 
     def __reduce__(self) -> Any:
-        return type(self), (self.file, self.row, self.etag, self.columns)
+        return type(self), (self.file, self.row, self.etag, self.columns, self.listed_id)
 
 
 class Span(NamedTuple):
@@ -132,7 +142,10 @@ class Span(NamedTuple):
     columns: TextColumns
 
     def rows(self) -> Iterator[TableRow]:
-        return (TableRow(self.file, row, self.etag, self.columns) for row in self.range())
+        listed_id = json.dumps([self.etag, *self.columns])  # once a span, not a row
+        return (
+            TableRow(self.file, row, self.etag, self.columns, listed_id) for row in self.range()
+        )
 
     def range(self) -> range:
         return range(self.first, self.stop)
@@ -154,12 +167,50 @@ def planned_file(
     blobs: BlobStore, uri: str, columns: TextColumns, max_bytes: int, row_bytes: int
 ) -> PlannedFile:
     """The Parquet table file at `uri` as its footer shows it, its columns weighed as a
-    read of its rows weighs them: poison now, rather than in every shard."""
+    read of its rows weighs them, and its id column's type one that is read as text:
+    poison now, rather than in every shard. (An id over its size limit is found only by
+    the shard that reads it: a footer does not say.)"""
     location = S3Location.parse(uri)
     head = blobs.head(location)
     metadata = _footer(blobs, location, head.size, max_bytes)
     weighed(metadata, _wanted(columns), uri, row_bytes, TEXT_ROW_LIMIT)
+    id_column = columns[1]
+    if id_column is not None:
+        kind = metadata.schema.to_arrow_schema().field(id_column).type
+        try:
+            pa.array([], kind).cast(pa.string())  # Arrow's casts go by type, not by value
+        except pa.ArrowException as error:
+            raise PoisonMessage(
+                f"table {uri}: its id column {id_column} ({kind}) cannot be read as text: {error}"
+            ) from error
     return PlannedFile(uri, head.etag, metadata.num_rows, columns)
+
+
+def planned_files(
+    files: Iterable[tuple[str, str]],
+    footer: Callable[[str], PlannedFile],
+    most: int,
+    looked_at: Callable[[], None],
+) -> Iterator[tuple[str, str, PlannedFile | None]]:
+    """A table of texts' `files` (each with its format) in order, each with how its
+    `footer` shows it where the table is planned as row ranges (its Parquet files hold
+    over `most` rows), else None. Footers are read a file at a time, each `looked_at`,
+    held only until their rows are over `most`, then read as each file's turn comes: a
+    prefix of thousands of files lists its first rows after a few footers, not all."""
+    held: list[tuple[str, str, PlannedFile | None]] | None = []
+    rows = 0
+    for uri, file_format in files:
+        planned = footer(uri) if file_format == "parquet" else None
+        looked_at()
+        if held is None:
+            yield uri, file_format, planned
+            continue
+        held.append((uri, file_format, planned))
+        rows += planned.rows if planned is not None else 0
+        if rows > most:
+            yield from held
+            held = None
+    yield from ((uri, file_format, None) for uri, file_format, _ in held or [])
 
 
 def spooled_parquet_batches(  # noqa: PLR0917 (a store's object, then how it is read)
@@ -215,7 +266,8 @@ def is_span_line(line: bytes) -> bool:
 
 
 def span_of_line(line: bytes) -> Span:
-    """The span a `span_line` is; ValueError if it is not one (the file is read from S3)."""
+    """The span a `span_line` is; ValueError if it is not one (the file is read from S3),
+    or holds no row (a planner writes none such, and each costs its shard a footer)."""
     value = json.loads(line)
     if not isinstance(value, dict):
         raise ValueError("not a span")
@@ -224,20 +276,40 @@ def span_of_line(line: bytes) -> Span:
     numbers = (first, stop)
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers) or first < 0:
         raise ValueError("its rows are not two row numbers")
+    if stop <= first:
+        raise ValueError(f"its rows [{first}, {stop}] are none")
     if not (isinstance(file, str) and isinstance(etag, str) and isinstance(texts, str)):
         raise ValueError("its table, etag or text column is not text")
     if not isinstance(ids, str | None):
         raise ValueError("its id column is not text")
-    return Span(file, etag, first, max(first, stop), (texts, ids))
+    return Span(file, etag, first, stop, (texts, ids))
+
+
+def shard_span(line: bytes, number: int, allowed: frozenset[str], spanned: set[str]) -> Span:
+    """The span line `number` of a shard's inputs file is, checked: poison if it is none,
+    names a bucket outside `allowed`, or a file `spanned` already in the shard (a planner
+    writes a line a file a shard, its run of rows: each costs the shard a footer)."""
+    try:
+        span = span_of_line(line)
+        bucket = S3Location.parse(span.file).bucket
+    except (ValueError, KeyError, TypeError) as error:
+        raise PoisonMessage(f"shard inputs line {number} is not a span: {error}") from error
+    check_buckets({bucket}, allowed)
+    if span.file in spanned:
+        raise PoisonMessage(f"shard inputs line {number} spans {span.file} a second time")
+    spanned.add(span.file)
+    return span
 
 
 def span_batches(
     blobs: BlobStore, span: Span, max_bytes: int, row_bytes: int
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """The rows of `span` as record batches of its columns, each with its first row's
-    number in the file: only the row groups the span overlaps are read, by ranged GETs,
-    a batch at a time. Poison if the file is not the version planned (`span.etag`),
-    asked before the rows are read and after."""
+    number in the file: only the row groups the span overlaps are read, up to its last
+    row, each column chunk streamed by ranged GETs of `PARQUET_READ_BYTES` (a page at
+    least). Poison if the file is not the version planned (`span.etag`), asked before
+    the rows are read, after, and where a read fails, whatever it fails with (S3 answers
+    a range past a shortened file's end with InvalidRange)."""
     location = S3Location.parse(span.file)
     head = blobs.head(location)
     _same_version(span, head.etag)
@@ -262,17 +334,26 @@ def span_batches(
         metadata=metadata,
         read_dictionary=read.dictionaries,
         pre_buffer=False,
+        buffer_size=PARQUET_READ_BYTES,
     )
+    # Batches of no more rows than the span's: the rows after its last are not read.
+    batch_rows = min(read.batch_rows, len(span.range()))
+    batches = parquet.iter_batches(batch_rows, row_groups=groups, columns=read.columns)
     try:
-        for batch in parquet.iter_batches(read.batch_rows, row_groups=groups, columns=read.columns):
+        for batch in batches:
             start, stop = max(span.first - row, 0), min(span.stop - row, batch.num_rows)
             if stop > start:
                 yield row + start, batch.slice(start, stop - start)
             row += batch.num_rows
-    except (OSError, pa.ArrowException):
-        # A read past a replaced file's end, or of what its offsets no longer point at.
+            if row >= span.stop:
+                break  # the rest of its last row group is another shard's
+    except Exception:
+        # A read past a replaced file's end, or of what its offsets no longer point at,
+        # is the replacement's, not a fault to retry.
         _same_version(span, blobs.head(location).etag)
         raise
+    finally:
+        batches.close()
     _same_version(span, blobs.head(location).etag)
 
 

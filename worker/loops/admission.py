@@ -55,6 +55,9 @@ WAITED_FOR_THE_REPLACED = "the message it replaces may be running until it sees 
 # Inputs read, while a job is admitted, between two beats of the clock of progress: a
 # page of a listing.
 LISTED_A_BEAT = 1000
+# A table's files whose footers are read at planning, before any of its rows is listed,
+# between two beats: a few seconds' GETs.
+FOOTERS_A_BEAT = 10
 # A job in the failing work of this many workers that broke (the last times run apart
 # from other jobs) is dead-lettered: it breaks workers, whatever the cause.
 MAX_BROKEN_WORKERS = 3
@@ -216,11 +219,16 @@ class AdmissionReader:
         job is settled meanwhile (handed back at shutdown)."""
         for count, listed in enumerate(inputs, 1):
             if count % LISTED_A_BEAT == 0:
-                self._slow_to_admit(job)
-                if job.settled:
-                    raise JobSettled(f"{job.job_id} was settled while its inputs were read")
-                self._progress.beat()
+                self._listing_beat(job)
             yield listed
+
+    def _listing_beat(self, job: Job) -> None:
+        """The job's listing goes on: its admission is slow, and progress, unless the
+        job is settled meanwhile."""
+        self._slow_to_admit(job)
+        if job.settled:
+            raise JobSettled(f"{job.job_id} was settled while its inputs were read")
+        self._progress.beat()
 
     def _slow_to_admit(self, job: Job) -> None:
         """The job's admission takes long: those received after it go on without it."""
@@ -275,9 +283,15 @@ class AdmissionReader:
         most = settings.shard_tars if spec.tar else settings.shard_items
         shard_items = min(spec.shard_items or most, most)
 
+        footers = itertools.count(1)
+
+        def looked_at() -> None:
+            if next(footers) % FOOTERS_A_BEAT == 0:
+                self._listing_beat(job)
+
         def listed() -> Iterator[Input]:
-            inputs = at_most(self._inputs.inputs(spec), settings.max_items_per_job)
-            return self._followed(job, inputs)
+            inputs = self._inputs.inputs(spec, looked_at)
+            return self._followed(job, at_most(inputs, settings.max_items_per_job))
 
         stream = listed()
         first = list(itertools.islice(stream, shard_items + 1))
