@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from typing import Any, Self
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 # A text longer than this is its item's error: far past any model's longest sequence
 # (512 tokens are a few KiB), and every text of a job is held while it runs.
@@ -83,6 +82,10 @@ def column_texts(column: pa.Array, table_uri: str, first_row: int) -> list[TextI
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         problem = _not_text(str(kind))
         return [TextInput(name, None, problem) for name in names]
+    # Imported here, not with the module: a tenth of a second of every stage process,
+    # which imports the module and never calls this.
+    import pyarrow.compute as pc
+
     lengths = pc.binary_length(column)
     over = pc.fill_null(pc.greater(lengths, MAX_TEXT_BYTES), False)
     values = pc.if_else(over, pa.scalar(None, kind), column).to_pylist()
