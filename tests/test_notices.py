@@ -20,7 +20,7 @@ from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.ledger import Ledger
 from worker.jobs.plan import shard_body
-from worker.loops.notices import Notices
+from worker.loops.notices import Notices, rejected_at
 from worker.message import parse_job_message
 from worker.ports import ReceivedMessage, S3Location
 from worker.sharding.merging import Merger
@@ -171,4 +171,27 @@ def test_a_job_json_written_for_a_rejected_request_withdraws_its_rejection() -> 
     notices = Notices(blobs, Checkpoints(blobs, Ledger()), Metrics(), notify=[])
     finished = {"job_id": "watched", "status": "succeeded", "items": 1, "duration_s": 1.0}
     assert notices.announce(spec, finished, "m-1")
+    assert _rejection(blobs, output) is None
+
+
+def test_a_rejection_written_since_a_run_came_is_its_own_and_stays() -> None:
+    """A run of the request admitted withdraws a rejection written before its delivery
+    came, not one written since: that is this run's, by a delivery of the job beside it
+    (its last shard's merge found poison), and the producer's only answer."""
+    blobs = InMemoryBlobStore()
+    output = "s3://bkt/out/raced/"
+    spec = parse_job_message(
+        json.dumps(
+            {"job_id": "raced", "request_id": "r-1", "inputs": ["s3://bkt/a"], "output": output}
+        ),
+        frozenset(),
+    )
+    notices = Notices(blobs, Checkpoints(blobs, Ledger()), Metrics(), notify=[])
+    notices.rejected(
+        S3Location.parse(output), json.dumps({"job_id": "raced", "request_id": "r-1"}), "poison"
+    )
+    written = rejected_at(_rejection(blobs, output) or {})
+    notices.withdraw_rejection(spec, since=written - 60)  # the run came a minute before
+    assert _rejection(blobs, output) is not None
+    notices.withdraw_rejection(spec, since=written + 60)  # it came a minute after
     assert _rejection(blobs, output) is None

@@ -24,7 +24,7 @@ from worker.jobs.joblog import JobLog, local_log_path
 from worker.jobs.lanes import Lanes
 from worker.jobs.ledger import Ledger
 from worker.jobs.outcomes import Lifecycle
-from worker.loops.admission import Admission, AdmissionReader
+from worker.loops.admission import CLOCK_SKEW_S, Admission, AdmissionReader
 from worker.loops.notices import Notices
 from worker.plugins.identity import ModelIdentity
 from worker.ports import BlobStore, JobSource, ReceivedMessage
@@ -278,7 +278,8 @@ class Intake:
             admission = self._reader.read(job)
             if admission is None:
                 return
-            self._notices.withdraw_rejection(admission.spec)  # a new run of a rejected request
+            # A new run of a rejected request: the rejection written before it came is old.
+            self._notices.withdraw_rejection(admission.spec, job.received_at - CLOCK_SKEW_S)
             plan = admission.plan
             # In the order they came, so that they are fed in turn in that order; but not
             # after one that takes long (a listing past a page, tars to copy), nor for

@@ -102,21 +102,28 @@ class Notices:
         except Exception as error:
             log.warning("rejection_not_written", output=str(output), error=repr(error))
 
-    def withdraw_rejection(self, spec: JobMessage) -> None:
+    def withdraw_rejection(self, spec: JobMessage, since: float | None = None) -> None:
         """Remove the `rejected.json` an earlier run of this same request left (its
-        message redriven from the DLQ), as a new run of it is admitted or writes its
-        job.json: the producer's wait follows the new run, where it raised at once
-        with the old reason. One naming another request (or job) is left: it is that
-        request's answer. Never raises: a rejection left answers for the request only
-        until its job.json, which the client reads first."""
+        message redriven from the DLQ), as a new run of it is admitted (`since`: when
+        its delivery came, less the clocks' skew; one written since is this run's own,
+        by a delivery beside it) or writes its job.json (any: the job is done): the
+        producer's wait follows the new run, where it raised at once with the old
+        reason. One naming another request (or job) is left: it is that request's
+        answer. Never raises: a rejection left answers for the request only until its
+        job.json, which the client reads first."""
         location = spec.output_location(REJECTED)
         try:
             rejection = json.loads(self._blobs.get(location, MAX_MARKER_BYTES))
-            ids = (rejection.get("job_id"), rejection.get("request_id"))
-            if ids == (spec.job_id, spec.request_id):
-                self._blobs.delete([location])
-                log.info("rejection_withdrawn", job_id=spec.job_id, request_id=spec.request_id)
-        except (MissingObject, ObjectTooLarge, ValueError, AttributeError):
+            if (rejection.get("job_id"), rejection.get("request_id")) != (
+                spec.job_id,
+                spec.request_id,
+            ):
+                return
+            if since is not None and rejected_at(rejection) >= since:
+                return  # this run's own
+            self._blobs.delete([location])
+            log.info("rejection_withdrawn", job_id=spec.job_id, request_id=spec.request_id)
+        except (MissingObject, ObjectTooLarge, ValueError, AttributeError, KeyError, TypeError):
             return  # none, or none of a rejection's
         except Exception as error:
             log.warning("rejection_not_withdrawn", job_id=spec.job_id, error=repr(error))
@@ -158,3 +165,9 @@ class Notices:
 
 def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def rejected_at(rejection: dict[str, Any]) -> float:
+    """When a rejection was written (seconds since the epoch); ValueError if it says
+    not."""
+    return datetime.fromisoformat(str(rejection.get("rejected_at"))).timestamp()
