@@ -582,12 +582,6 @@ def test_a_merger_dead_between_two_joined_files_leaves_the_next_to_write_them_ov
         game.teardown()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: Merger.remove swallows a failed listing or delete of the shards' files "
-    "(whoever finds the job done next removes them), but the merging delivery then deletes "
-    "its message, and where no watch is armed no delivery of the job is left to come",
-)
 @pytest.mark.parametrize("results_format", [JSON_LINES, PARQUET])
 def test_a_merge_whose_removal_of_the_shards_files_fails_leaves_none_behind(
     protocol: None, results_format: str
@@ -595,9 +589,9 @@ def test_a_merge_whose_removal_of_the_shards_files_fails_leaves_none_behind(
     """A game the machine found, playing a Parquet job; JSON Lines' is the same. Shard 0
     commits, its watch not armed (S3 refuses the marker). Shard 1's run commits, merges
     and writes job.json; its listing of the shards' files to remove them fails
-    (throttled past the adapter's tries). `Merger.remove` logs it and goes on, its
-    message is deleted, and with no watch to come the shards' files, their commit
-    markers and the merge claim stay for ever."""
+    (throttled past the adapter's tries). Its message was deleted, and with no watch to
+    come the shards' files, their commit markers and the merge claim stayed for ever.
+    The message comes back now (`ShardsLeft`), and its next delivery removes them."""
     game = FleetProtocol()
     try:
         _shard_0_committed_with_no_watch(game, results_format)
@@ -607,7 +601,7 @@ def test_a_merge_whose_removal_of_the_shards_files_fails_leaves_none_behind(
         last.step("fails")
         game.finish(last)
         assert OUTPUT + "job.json" in game.world.store.objects
-        assert not game.world.queue.messages
+        assert list(game.world.queue.messages) == ["m3"]  # back to remove them
         game.check()
     finally:
         game.teardown()

@@ -367,6 +367,7 @@ class AdmissionReader:
             ids=_with_ids(spec),
             tar=spec.tar,
         )
+        self._notices.withdraw_rejection(spec, job.received_at - CLOCK_SKEW_S)  # a new run
         self._planner.plan(job, spec, plan, snapshot.inputs)
 
     def _read_shard(self, job: Job, spec: JobMessage, model: ModelIdentity) -> Admission | None:
@@ -437,8 +438,12 @@ class AdmissionReader:
             return False
         assert spec.shard is not None
         log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
-        self._shards.merger.remove(spec, plan)
-        self._ack_announced(job, self._notices.announce_found(spec, summary))
+        removed = self._shards.merger.remove(spec, plan)
+        announced = self._notices.announce_found(spec, summary)
+        if removed:
+            self._ack_announced(job, announced)
+        else:  # back to remove them: it may be the last delivery of the job left
+            self._outcomes.retry_later(job, "the shards' files were not removed")
         return True
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:

@@ -36,7 +36,7 @@ from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
-from worker.sharding.merging import PoisonMerge
+from worker.sharding.merging import PoisonMerge, ShardsLeft
 from worker.sharding.planning import sweep_replaced
 from worker.sharding.shards import Shards
 
@@ -258,7 +258,7 @@ class Finisher:
             write = functools.partial(self._write, job, lines, summary)
         else:
             write = functools.partial(self._commit, job, summary, lines)
-        done, finished = self._written(job, write)
+        done, finished, shards_left = self._written(job, write)
         if not done:
             return
         assert job.log is not None
@@ -280,26 +280,32 @@ class Finisher:
         ):
             self._outcomes.retry_later(job, "a notice of the finished job was not sent")
             return
+        if shards_left:  # back to remove them: it may be the last delivery of the job left
+            self._outcomes.retry_later(job, "the shards' files were not removed")
+            return
         self._outcomes.ack(job)
 
     def _written(  # noqa: PLR0911 (one a way a finish ends)
         self, job: Job, write: Callable[[], dict[str, Any] | None]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    ) -> tuple[bool, dict[str, Any] | None, bool]:
         """`write` the outputs, trying again while the lease is kept: whether they were
         written (not if the job was released instead, here or by shutdown meanwhile),
-        and the job.json written with them, if one was."""
+        the job.json written with them, if one was, and whether the job is merged with
+        its shards' files left (`ShardsLeft`)."""
         for attempt in range(1, FINISH_ATTEMPTS + 1):
             try:
-                return True, write()
+                return True, write(), False
+            except ShardsLeft as left:
+                return True, left.summary, True
             except _Abandoned:
-                return False, None
+                return False, None, False
             except PreconditionFailed as error:
                 log.warning("job_fenced", job_id=job.job_id, error=str(error))
                 self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
-                return False, None
+                return False, None, False
             except NoDiskRoom as error:  # a merge's join: others' copies hold the disk now
                 self._outcomes.hand_over(job, str(error), NO_DISK_ROOM_RETRY_S)
-                return False, None
+                return False, None, False
             except (UnfitResults, PoisonMerge) as error:  # the same on every delivery
                 assert job.spec is not None
                 # A whole job is refused, and so is a shard's whose merge cannot be made
@@ -312,7 +318,7 @@ class Finisher:
                 if self._outcomes.dead_letter(job, str(error)) and not whole:
                     assert job.plan is not None
                     self._shards.dead_lettered(job.spec, job.plan, str(error))
-                return False, None
+                return False, None, False
             except Exception as error:
                 log.warning(
                     "job_upload_failed", job_id=job.job_id, attempt=attempt, error=repr(error)
@@ -320,8 +326,8 @@ class Finisher:
                 self._progress.beat()
                 if attempt == FINISH_ATTEMPTS or self._closed.wait(FINISH_BACKOFF.delay_s(attempt)):
                     self._outcomes.retry_later(job, f"upload failed: {error!r}")
-                    return False, None
-        return False, None
+                    return False, None, False
+        return False, None, False
 
     def _closing(self, job: Job, summary: dict[str, Any]) -> bytes:
         """The job's last log lines, and its results.jsonl: the results it finished (a

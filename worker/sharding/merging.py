@@ -127,6 +127,16 @@ class Refused:
 MergeOutcome = Merged | AlreadyMerged | Incomplete | MergingElsewhere | Fenced | Refused
 
 
+class ShardsLeft(Exception):
+    """The job is merged (the job.json this delivery wrote: `summary`; None if another
+    did), but its shards' files could not be removed. The delivery's message must come
+    back to remove them, not be deleted: no other delivery of the job may be left."""
+
+    def __init__(self, summary: dict[str, Any] | None):
+        super().__init__("the job is merged, its shards' files not removed")
+        self.summary = summary
+
+
 @dataclass(frozen=True)
 class JoinSpace:
     """Where a merge joins a sharded Parquet job's files on this machine: in a directory
@@ -303,7 +313,8 @@ class Merger:
             return Refused(str(error))
         log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
         self._checkpoints.remove_stale(spec, top, outputs)
-        self.remove(spec, plan)
+        if not self.remove(spec, plan):
+            raise ShardsLeft(summary)
         return Merged(summary)
 
     def _joined(
@@ -400,10 +411,10 @@ class Merger:
         }
         return summary
 
-    def remove(self, spec: JobMessage, plan: Plan) -> None:
+    def remove(self, spec: JobMessage, plan: Plan) -> bool:
         """The shards' files (the claim with them) and every checkpoint under the output:
-        the job is done. Never raises: whoever finds the job done next removes what is
-        left."""
+        the job is done. Whether they are gone; never raises: whoever removes them
+        settles its message only once they are (`ShardsLeft`)."""
         try:
             checkpoints = self._blobs.objects_under(spec.output_location(CHECKPOINT_PREFIX))
             self._blobs.delete(
@@ -412,6 +423,8 @@ class Merger:
             )
         except Exception as error:
             log.warning("shards_not_removed", job_id=plan.job_id, error=repr(error))
+            return False
+        return True
 
 
 def open_claim(blobs: BlobStore, spec: JobMessage, digest: str) -> None:

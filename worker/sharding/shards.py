@@ -58,6 +58,7 @@ from worker.sharding.merging import (
     Merger,
     MergingElsewhere,
     Refused,
+    ShardsLeft,
 )
 
 log = structlog.get_logger()
@@ -274,8 +275,9 @@ class Shards:
         match outcome:
             case Merged(summary):
                 return summary
-            case AlreadyMerged():
-                self.merger.remove(spec, plan)  # what a merger that died, or a late run, left
+            case AlreadyMerged():  # what a merger that died, or a late run, left
+                if not self.merger.remove(spec, plan):
+                    raise ShardsLeft(None)
             case Incomplete():
                 self.watch(spec, plan, watch_in_s)
             case MergingElsewhere(until):
