@@ -605,3 +605,29 @@ def test_a_merge_whose_removal_of_the_shards_files_fails_leaves_none_behind(
         game.check()
     finally:
         game.teardown()
+
+
+def test_a_redelivery_that_merges_a_committed_job_and_cannot_remove_its_files_comes_back(
+    protocol: None,
+) -> None:
+    """The last shard's run commits and dies before its merge; its message's next
+    delivery finds the shard committed, merges the job, and its listing of the shards'
+    files fails: its message comes back (`ShardsLeft`), announced, to remove them."""
+    game = FleetProtocol()
+    try:
+        _shard_0_committed_with_no_watch(game, JSON_LINES)
+        last = game.start("m3")
+        _go_on_until(last, r"put shards/\w+/commits/000001\.commit")
+        last.step()
+        game.kill(last)
+        CLOCK.now += LEASE_S
+        again = game.start("m3")
+        _go_on_until(again, r"put job\.json")
+        _go_on_until(again, r"list shards/\w+/")  # the listing of what to remove
+        again.step("fails")
+        game.finish(again)
+        assert list(game.world.queue.messages) == ["m3"]  # back to remove them
+        assert OUTPUT + "announced" in game.world.store.objects
+        game.check()
+    finally:
+        game.teardown()

@@ -134,7 +134,9 @@ class Preparing:
         one place that picks, so a free thread never goes to an item that needs none."""
         now = time.perf_counter()
         while self._due and self._due[0][0] <= now:
-            self._waiting_for_hedge.append(heapq.heappop(self._due)[1])
+            tag = heapq.heappop(self._due)[1]
+            if tag in self._running:  # (while every hedge hangs, none piles up here)
+                self._waiting_for_hedge.append(tag)
         while self._waiting_for_hedge and self._hedging_now < self._hedges:
             running = self._running.get(self._waiting_for_hedge.popleft())
             if running is not None and running.calls == 1:

@@ -42,7 +42,7 @@ from worker.message import (
 from worker.plugins.identity import ModelIdentity
 from worker.ports import SQS_MAX_DELAY_S, BlobStore, LocalPart, ReceivedMessage, S3Location
 from worker.settings import Settings
-from worker.sharding.merging import PoisonMerge
+from worker.sharding.merging import PoisonMerge, ShardsLeft
 from worker.sharding.planning import Planner, Snapshot, replaced, sweep_replaced
 from worker.sharding.shards import Shards
 from worker.sharding.stragglers import Stragglers
@@ -367,7 +367,6 @@ class AdmissionReader:
             ids=_with_ids(spec),
             tar=spec.tar,
         )
-        self._notices.withdraw_rejection(spec, job.received_at - CLOCK_SKEW_S)  # a new run
         self._planner.plan(job, spec, plan, snapshot.inputs)
 
     def _read_shard(self, job: Job, spec: JobMessage, model: ModelIdentity) -> Admission | None:
@@ -380,10 +379,18 @@ class AdmissionReader:
             return None
         if self._shards.committed(spec, plan):
             log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
-            merged = self._shards.merge(spec, plan, job.message.job_message_id)
+            try:
+                merged = self._shards.merge(spec, plan, job.message.job_message_id)
+                shards_left = False
+            except ShardsLeft as left:
+                merged, shards_left = left.summary, True
             if merged is not None:
                 sweep_replaced(self._blobs, spec, plan)
-            self._ack_announced(job, self._notices.merged(spec, plan, merged, job))
+            announced = self._notices.merged(spec, plan, merged, job)
+            if shards_left:  # back to remove them: it may be the last delivery of the job left
+                self._outcomes.retry_later(job, "the shards' files were not removed")
+            else:
+                self._ack_announced(job, announced)
             return None
         if plan.tar is not None and not self._claim_tar_shard(job):
             return None  # handed back, before its tars are copied
