@@ -631,3 +631,30 @@ def test_a_redelivery_that_merges_a_committed_job_and_cannot_remove_its_files_co
         game.check()
     finally:
         game.teardown()
+
+
+@pytest.mark.parametrize("results_format", [JSON_LINES, PARQUET])
+def test_a_merger_fenced_by_its_own_messages_other_delivery_watches_the_claim(
+    protocol: None, results_format: str
+) -> None:
+    """A game the machine found, playing a Parquet job; JSON Lines' is the same. Shard 0
+    commits, its watch not armed (S3 refuses the marker). Shard 1's message is delivered
+    twice: the later delivery commits the shard and merges; the earlier one finds the
+    shard committed and takes the claim over (the same message's). The later, fenced off
+    at its next renewal, deleted the message (its receipt handle the latest), the only
+    thing that could bring the earlier one's merge back: that one died, and the job
+    waited without job.json, its claim held, for ever. A merger fenced off now has a
+    watch of the claim due, as one that finds another merging does."""
+    game = FleetProtocol()
+    try:
+        _shard_0_committed_with_no_watch(game, results_format)
+        earlier, later = game.start("m3"), game.start("m3")
+        _go_on_until(later, r"get shards/\w+/commits/000000\.commit")  # it holds the claim
+        _go_on_until(earlier, r"put shards/\w+/merge")
+        earlier.step()  # the claim taken over
+        game.finish(later)
+        assert "m3" not in game.world.queue.messages
+        game.kill(earlier)
+        game.check()
+    finally:
+        game.teardown()

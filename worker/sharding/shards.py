@@ -269,8 +269,8 @@ class Shards:
         this merge wrote, to announce; a watch due in `watch_in_s` while shards are
         left, or while another merger's claim stands (should its merger be lost), by
         when it runs out; the shards' files removed once the job is done; a merge fenced
-        off leaves everything to the one that fenced it, and one refused (its output
-        changed) raises, to be tried again."""
+        off leaves everything to the one that fenced it, watched as another's claim, and
+        one refused (its output changed) raises, to be tried again."""
         outcome = self.merger.merge(spec, plan, merger, markers)
         match outcome:
             case Merged(summary):
@@ -283,7 +283,10 @@ class Shards:
             case MergingElsewhere(until):
                 self._watch_claim(spec, plan, until, watch_in_s)
             case Fenced():
-                pass
+                # The merger that took the claim over may be another delivery of this
+                # same message, which this one's deletion leaves nothing to bring back
+                # should it die: watched as a claim just renewed.
+                self._watch_claim(spec, plan, time.time() + MERGE_CLAIM_S, watch_in_s)
             case Refused(reason):  # raised: its message comes back, and merges again
                 raise TransientError(f"a write of the merge was refused: {reason}")
         return None
