@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -128,16 +129,37 @@ def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
 
 
 def test_a_daemon_stopped_while_its_modules_import_exits_0() -> None:
-    """SIGTERM a moment after `python -m worker run` starts (its imports take seconds,
-    torch's among them): it holds nothing yet, and exits 0, not killed by the signal (as
-    an orchestrator stopping a task that is still starting would see it)."""
+    """SIGTERM a moment after `python -m worker run` starts (its imports take a second
+    or more, torch's among them, on a loaded machine several): it holds nothing yet, and
+    exits 0, not killed by the signal (as an orchestrator stopping a task that is still
+    starting would see it); and so it does if its imports were done by then."""
     process = subprocess.Popen(
         [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1"},
     )
-    time.sleep(1)  # running `worker/__main__.py`, its imports taking seconds more
+    time.sleep(1)  # running `worker/__main__.py`, its imports likely under way
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 0, stderr[-2000:]
+
+
+def test_a_daemon_with_no_aws_region_says_so_in_one_line_and_exits_2() -> None:
+    """Started where boto3 finds no region (EC2 sets none in the environment), the
+    daemon exits 2 with one line naming the setting, not a traceback and 1."""
+    unset = ("AWS_REGION", "AWS_DEFAULT_REGION")
+    env = {key: value for key, value in os.environ.items() if key not in unset}
+    env["AWS_CONFIG_FILE"] = os.devnull  # (nor one from a developer's ~/.aws/config)
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("cannot start: no AWS region")

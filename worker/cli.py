@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from botocore.exceptions import NoRegionError
 from pydantic import ValidationError
 
 from worker.adapters import aws
@@ -296,7 +297,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"invalid settings:\n{_explain(error)}", file=sys.stderr)
         return EXIT_USAGE
     configure_daemon_logging()
-    sqs = aws.sqs_client()
+    try:
+        sqs = aws.sqs_client()
+    except NoRegionError:
+        print(
+            "cannot start: no AWS region: set AWS_REGION (ECS sets it for a task; on EC2 "
+            "set it, or AWS_DEFAULT_REGION)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     attempts = settings.aws_max_attempts
     source = aws.SqsJobSource(sqs, settings.queue_url, settings.dlq_url, attempts)
     shard_source = (
