@@ -26,6 +26,7 @@ from worker.loops.results import Finisher
 from worker.message import TarMembers, parse_job_message
 from worker.plugins.identity import ModelIdentity
 from worker.ports import ReceivedMessage
+from worker.sharding.merging import Written
 from worker.telemetry.metrics import Metrics
 from worker.telemetry.progress import Progress
 
@@ -41,16 +42,17 @@ class _Shards:
         self._disk = disk
         self.held_at_commit: list[int] = []
 
-    def commit(self, job: Job, summary: dict[str, Any], outputs: list[Any]) -> None:
+    def commit(self, job: Job, summary: dict[str, Any], outputs: list[Any]) -> Written:
         self.held_at_commit.append(self._disk.held_bytes)
+        return Written()
 
 
 class _Outcomes:
     def __init__(self) -> None:
-        self.acked: list[Job] = []
+        self.settled: list[tuple[Job, bool, bool]] = []
 
-    def ack(self, job: Job) -> None:
-        self.acked.append(job)
+    def settle_written(self, job: Job, *, announced: bool, shards_left: bool = False) -> None:
+        self.settled.append((job, announced, shards_left))
 
 
 def test_a_tar_shard_gives_its_tars_copies_back_before_it_commits(tmp_path: Path) -> None:
@@ -89,4 +91,4 @@ def test_a_tar_shard_gives_its_tars_copies_back_before_it_commits(tmp_path: Path
     )
     finisher._finish(job)
     assert shards.held_at_commit == [0]
-    assert outcomes.acked == [job]
+    assert outcomes.settled == [(job, True, False)]

@@ -591,7 +591,7 @@ def test_a_merge_whose_removal_of_the_shards_files_fails_leaves_none_behind(
     and writes job.json; its listing of the shards' files to remove them fails
     (throttled past the adapter's tries). Its message was deleted, and with no watch to
     come the shards' files, their commit markers and the merge claim stayed for ever.
-    The message comes back now (`ShardsLeft`), and its next delivery removes them."""
+    The message comes back now (`Written.shards_left`), and its next delivery removes them."""
     game = FleetProtocol()
     try:
         _shard_0_committed_with_no_watch(game, results_format)
@@ -612,7 +612,7 @@ def test_a_redelivery_that_merges_a_committed_job_and_cannot_remove_its_files_co
 ) -> None:
     """The last shard's run commits and dies before its merge; its message's next
     delivery finds the shard committed, merges the job, and its listing of the shards'
-    files fails: its message comes back (`ShardsLeft`), announced, to remove them."""
+    files fails: its message comes back (`Written.shards_left`), announced, to remove them."""
     game = FleetProtocol()
     try:
         _shard_0_committed_with_no_watch(game, JSON_LINES)

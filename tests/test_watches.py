@@ -5,6 +5,7 @@ which is what watches are for)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ from worker.errors import TransientError
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.ledger import Ledger
+from worker.jobs.outcomes import Outcomes
 from worker.jobs.plan import Commit, Plan, commit_file, shard_file, watch_body, watch_file
 from worker.message import JobMessage, parse_job_message
 from worker.ports import S3Location
@@ -53,6 +55,8 @@ class _Watched:
             {"due": clock.now}
         ).encode()
         outcomes: Any = SimpleNamespace(ack=self._ack, retry_later=self._retry_later)
+        # What the daemon decides, over the fake's SQS calls.
+        outcomes.settle_written = functools.partial(Outcomes.settle_written, outcomes)
         lifecycle: Any = SimpleNamespace(outcomes=outcomes, progress=None)
         checkpoints = Checkpoints(blobs, Ledger())
         merger = Merger(

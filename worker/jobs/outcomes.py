@@ -77,6 +77,18 @@ class Outcomes:
         finally:
             self._forget(job)
 
+    def settle_written(self, job: Job, *, announced: bool, shards_left: bool = False) -> None:
+        """Ack a job whose job.json is written once its message has nothing left to come
+        back for: its notices sent (`announced`), and, merged, its shards' files removed
+        (`shards_left` if not: this may be the last delivery of the job left to remove
+        them). Else it is retried later, for what is left."""
+        if not announced:
+            self.retry_later(job, "a notice of the finished job was not sent")
+        elif shards_left:
+            self.retry_later(job, "the shards' files were not removed")
+        else:
+            self.ack(job)
+
     def release(self, job: Job, reason: str, delay_s: int = 0) -> None:
         """Give a job back unfinished, visible again after `delay_s`."""
         if not self._ledger.release(job, delay_s):

@@ -42,8 +42,8 @@ from worker.message import (
 from worker.plugins.identity import ModelIdentity
 from worker.ports import SQS_MAX_DELAY_S, BlobStore, LocalPart, ReceivedMessage, S3Location
 from worker.settings import Settings
-from worker.sharding.merging import PoisonMerge, ShardsLeft
-from worker.sharding.planning import Planner, Snapshot, replaced, sweep_replaced
+from worker.sharding.merging import PoisonMerge
+from worker.sharding.planning import Planner, Snapshot, replaced
 from worker.sharding.shards import Shards
 from worker.sharding.stragglers import Stragglers
 
@@ -250,15 +250,8 @@ class AdmissionReader:
         if summary is None:
             return False
         log.info("job_already_done", job_id=job_id, status=summary.get("status"))
-        self._ack_announced(job, self._notices.announce_found(spec, summary))
+        self._outcomes.settle_written(job, announced=self._notices.announce_found(spec, summary))
         return True
-
-    def _ack_announced(self, job: Job, announced: bool) -> None:
-        """Ack a job whose notices are sent (`announced`); else have it back later."""
-        if announced:
-            self._outcomes.ack(job)
-        else:
-            self._outcomes.retry_later(job, "a notice of the finished job was not sent")
 
     def _read_kind(
         self, job: Job, spec: JobMessage, job_id: str, model: ModelIdentity
@@ -379,18 +372,9 @@ class AdmissionReader:
             return None
         if self._shards.committed(spec, plan):
             log.info("shard_committed_already", job_id=plan.job_id, shard=spec.shard.index)
-            try:
-                merged = self._shards.merge(spec, plan, job.message.job_message_id)
-                shards_left = False
-            except ShardsLeft as left:
-                merged, shards_left = left.summary, True
-            if merged is not None:
-                sweep_replaced(self._blobs, spec, plan)
-            announced = self._notices.merged(spec, plan, merged, job)
-            if shards_left:  # back to remove them: it may be the last delivery of the job left
-                self._outcomes.retry_later(job, "the shards' files were not removed")
-            else:
-                self._ack_announced(job, announced)
+            written = self._shards.merge(spec, plan, job.message.job_message_id)
+            announced = self._notices.merged(spec, plan, written.summary, job)
+            self._outcomes.settle_written(job, announced=announced, shards_left=written.shards_left)
             return None
         if plan.tar is not None and not self._claim_tar_shard(job):
             return None  # handed back, before its tars are copied
@@ -447,10 +431,7 @@ class AdmissionReader:
         log.info("job_already_done", job_id=plan.job_id, shard=spec.shard.index)
         removed = self._shards.merger.remove(spec, plan)
         announced = self._notices.announce_found(spec, summary)
-        if removed:
-            self._ack_announced(job, announced)
-        else:  # back to remove them: it may be the last delivery of the job left
-            self._outcomes.retry_later(job, "the shards' files were not removed")
+        self._outcomes.settle_written(job, announced=announced, shards_left=not removed)
         return True
 
     def _handed_over(self, job: Job, spec: JobMessage, prior: Prior, job_id: str) -> bool:

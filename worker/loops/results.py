@@ -36,8 +36,7 @@ from worker.plugins import POSTPROCESS_STAGE, Postprocessor
 from worker.plugins.encoding import chain_postprocess_fault, encode_json, postprocessed
 from worker.ports import ABSENT, BlobStore
 from worker.retry import Backoff
-from worker.sharding.merging import PoisonMerge, ShardsLeft
-from worker.sharding.planning import sweep_replaced
+from worker.sharding.merging import PoisonMerge, Written
 from worker.sharding.shards import Shards
 
 log = structlog.get_logger()
@@ -253,13 +252,13 @@ class Finisher:
             # claims: a shard that commits its job's last merges it now, and its own
             # copies would leave the join no room.
             job.tar_copies.remove()
-        write: Callable[[], dict[str, Any] | None]
+        write: Callable[[], Written]
         if job.plan is None:
             write = functools.partial(self._write, job, lines, summary)
         else:
             write = functools.partial(self._commit, job, summary, lines)
-        done, finished, shards_left = self._written(job, write)
-        if not done:
+        written = self._written(job, write)
+        if written is None:
             return
         assert job.log is not None
         try:
@@ -271,41 +270,30 @@ class Finisher:
         except Exception as error:  # harmless left over: the next delivery sees job.json
             log.warning("checkpoint_not_removed", job_id=job.job_id, error=repr(error))
         assert job.spec is not None
-        if finished is not None and job.plan is not None:  # merged here
-            sweep_replaced(self._blobs, job.spec, job.plan)
         # Announced before the ack: a notice not sent (or a worker that dies first)
         # leaves the message, whose next delivery finds job.json and sends it.
-        if finished is not None and not self.notices.announce(
-            job.spec, finished, job.message.message_id
-        ):
-            self._outcomes.retry_later(job, "a notice of the finished job was not sent")
-            return
-        if shards_left:  # back to remove them: it may be the last delivery of the job left
-            self._outcomes.retry_later(job, "the shards' files were not removed")
-            return
-        self._outcomes.ack(job)
+        announced = written.summary is None or self.notices.announce(
+            job.spec, written.summary, job.message.message_id
+        )
+        self._outcomes.settle_written(job, announced=announced, shards_left=written.shards_left)
 
     def _written(  # noqa: PLR0911 (one a way a finish ends)
-        self, job: Job, write: Callable[[], dict[str, Any] | None]
-    ) -> tuple[bool, dict[str, Any] | None, bool]:
-        """`write` the outputs, trying again while the lease is kept: whether they were
-        written (not if the job was released instead, here or by shutdown meanwhile),
-        the job.json written with them, if one was, and whether the job is merged with
-        its shards' files left (`ShardsLeft`)."""
+        self, job: Job, write: Callable[[], Written]
+    ) -> Written | None:
+        """`write` the outputs, trying again while the lease is kept: what it wrote, or
+        None if the job was settled instead (released, here or by shutdown meanwhile)."""
         for attempt in range(1, FINISH_ATTEMPTS + 1):
             try:
-                return True, write(), False
-            except ShardsLeft as left:
-                return True, left.summary, True
+                return write()
             except _Abandoned:
-                return False, None, False
+                return None
             except PreconditionFailed as error:
                 log.warning("job_fenced", job_id=job.job_id, error=str(error))
                 self._outcomes.release(job, f"fenced: another delivery wrote first ({error})")
-                return False, None, False
+                return None
             except NoDiskRoom as error:  # a merge's join: others' copies hold the disk now
                 self._outcomes.hand_over(job, str(error), NO_DISK_ROOM_RETRY_S)
-                return False, None, False
+                return None
             except (UnfitResults, PoisonMerge) as error:  # the same on every delivery
                 assert job.spec is not None
                 # A whole job is refused, and so is a shard's whose merge cannot be made
@@ -318,7 +306,7 @@ class Finisher:
                 if self._outcomes.dead_letter(job, str(error)) and not whole:
                     assert job.plan is not None
                     self._shards.dead_lettered(job.spec, job.plan, str(error))
-                return False, None, False
+                return None
             except Exception as error:
                 log.warning(
                     "job_upload_failed", job_id=job.job_id, attempt=attempt, error=repr(error)
@@ -326,8 +314,8 @@ class Finisher:
                 self._progress.beat()
                 if attempt == FINISH_ATTEMPTS or self._closed.wait(FINISH_BACKOFF.delay_s(attempt)):
                     self._outcomes.retry_later(job, f"upload failed: {error!r}")
-                    return False, None, False
-        return False, None, False
+                    return None
+        return None
 
     def _closing(self, job: Job, summary: dict[str, Any]) -> bytes:
         """The job's last log lines, and its results.jsonl: the results it finished (a
@@ -365,10 +353,10 @@ class Finisher:
             *_openai_batch_files(job, arrays),
         ]
 
-    def _write(self, job: Job, lines: bytes, summary: dict[str, Any]) -> dict[str, Any]:
+    def _write(self, job: Job, lines: bytes, summary: dict[str, Any]) -> Written:
         """Each output on condition that it is as this delivery found it at admission (or
         as it last wrote it): a delivery that wrote first fences this one off. Then
-        job.json, naming the outputs it completes by their ETags; returns that. Results
+        job.json, naming the outputs it completes by their ETags, which it returns. Results
         files an earlier delivery left beyond these then go."""
         assert job.log is not None and job.spec is not None
         if job.settled:  # before its Parquet files are made
@@ -379,10 +367,10 @@ class Finisher:
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         self._put(job, "job.json", json.dumps(summary).encode() + b"\n", "application/json")
         self._checkpoints.remove_stale(job.spec, job.output_etags, summary["outputs"])
-        return summary
+        return Written(summary)
 
-    def _commit(self, job: Job, summary: dict[str, Any], lines: bytes) -> dict[str, Any] | None:
-        """A shard's commit (`Shards.commit`): the job.json written if it merged the job."""
+    def _commit(self, job: Job, summary: dict[str, Any], lines: bytes) -> Written:
+        """A shard's commit (`Shards.commit`), and the merge it made, if it did."""
         if job.settled:
             raise _Abandoned
         return self._shards.commit(job, summary, self._results(job, lines))

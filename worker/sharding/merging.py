@@ -82,9 +82,11 @@ MARKERS_A_BLOCK = 1000
 
 @dataclass(frozen=True)
 class Merged:
-    """This merge wrote the job's job.json."""
+    """This merge wrote the job's job.json; `shards_left` if its shards' files could not
+    be removed then."""
 
     summary: dict[str, Any]
+    shards_left: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,17 @@ class Refused:
 MergeOutcome = Merged | AlreadyMerged | Incomplete | MergingElsewhere | Fenced | Refused
 
 
-class ShardsLeft(Exception):
-    """The job is merged (the job.json this delivery wrote: `summary`; None if another
-    did), but its shards' files could not be removed. The delivery's message must come
-    back to remove them, not be deleted: no other delivery of the job may be left."""
+@dataclass(frozen=True)
+class Written:
+    """What a job's finish leaves the delivery that made it: the job.json it wrote, to
+    announce (None where it wrote none: a shard's commit that did not merge the job, or
+    a merge another delivery made), and whether the job is merged with its shards'
+    files left (`shards_left`): they could not be removed, so the delivery's message
+    must come back to remove them, not be deleted, as no other delivery of the job may
+    be left."""
 
-    def __init__(self, summary: dict[str, Any] | None):
-        super().__init__("the job is merged, its shards' files not removed")
-        self.summary = summary
+    summary: dict[str, Any] | None = None
+    shards_left: bool = False
 
 
 @dataclass(frozen=True)
@@ -313,9 +318,7 @@ class Merger:
             return Refused(str(error))
         log.info("job_merged", job_id=plan.job_id, shards=plan.shards, status=summary["status"])
         self._checkpoints.remove_stale(spec, top, outputs)
-        if not self.remove(spec, plan):
-            raise ShardsLeft(summary)
-        return Merged(summary)
+        return Merged(summary, shards_left=not self.remove(spec, plan))
 
     def _joined(
         self,
@@ -414,7 +417,7 @@ class Merger:
     def remove(self, spec: JobMessage, plan: Plan) -> bool:
         """The shards' files (the claim with them) and every checkpoint under the output:
         the job is done. Whether they are gone; never raises: whoever removes them
-        settles its message only once they are (`ShardsLeft`)."""
+        settles its message only once they are (`Written.shards_left`)."""
         try:
             checkpoints = self._blobs.objects_under(spec.output_location(CHECKPOINT_PREFIX))
             self._blobs.delete(

@@ -58,8 +58,9 @@ from worker.sharding.merging import (
     Merger,
     MergingElsewhere,
     Refused,
-    ShardsLeft,
+    Written,
 )
+from worker.sharding.planning import sweep_replaced
 
 log = structlog.get_logger()
 
@@ -192,13 +193,10 @@ class Shards:
             return False  # or merged since the inputs were listed: its commit finds out
         return not committed.run.endswith(f"-{job.message.message_id}")
 
-    def commit(
-        self, job: Job, summary: dict[str, Any], results: list[Output]
-    ) -> dict[str, Any] | None:
+    def commit(self, job: Job, summary: dict[str, Any], results: list[Output]) -> Written:
         """Write this run's results (results.jsonl, or its Parquet files) and log, then
         its commit marker if no run of the shard has one; then merge the job if every
-        shard is committed (whichever run's commit counts). Returns the job.json written
-        if this run wrote it."""
+        shard is committed (whichever run's commit counts), as `merge` does."""
         spec, plan = job.spec, job.plan
         assert spec is not None and spec.shard is not None and plan is not None
         assert job.log is not None
@@ -263,21 +261,22 @@ class Shards:
         *,
         watch_in_s: int = WATCH_MIN_S,
         markers: dict[int, S3Location] | None = None,
-    ) -> dict[str, Any] | None:
+    ) -> Written:
         """Merge the job if every shard is committed (`Merger.merge`, as `merger`, with
         the `markers` a watch found), and see to what the answer leaves: the job.json
-        this merge wrote, to announce; a watch due in `watch_in_s` while shards are
-        left, or while another merger's claim stands (should its merger be lost), by
-        when it runs out; the shards' files removed once the job is done; a merge fenced
-        off leaves everything to the one that fenced it, watched as another's claim, and
-        one refused (its output changed) raises, to be tried again."""
+        this merge wrote, to announce, and what replaced plans left, swept; a watch due
+        in `watch_in_s` while shards are left, or while another merger's claim stands
+        (should its merger be lost), by when it runs out; the shards' files removed once
+        the job is done; a merge fenced off leaves everything to the one that fenced it,
+        watched as another's claim, and one refused (its output changed) raises, to be
+        tried again."""
         outcome = self.merger.merge(spec, plan, merger, markers)
         match outcome:
-            case Merged(summary):
-                return summary
+            case Merged(summary, shards_left):
+                sweep_replaced(self._blobs, spec, plan)
+                return Written(summary, shards_left)
             case AlreadyMerged():  # what a merger that died, or a late run, left
-                if not self.merger.remove(spec, plan):
-                    raise ShardsLeft(None)
+                return Written(shards_left=not self.merger.remove(spec, plan))
             case Incomplete():
                 self.watch(spec, plan, watch_in_s)
             case MergingElsewhere(until):
@@ -289,7 +288,7 @@ class Shards:
                 self._watch_claim(spec, plan, time.time() + MERGE_CLAIM_S, watch_in_s)
             case Refused(reason):  # raised: its message comes back, and merges again
                 raise TransientError(f"a write of the merge was refused: {reason}")
-        return None
+        return Written()
 
     def _watch_claim(self, spec: JobMessage, plan: Plan, until: float, soonest_s: int) -> None:
         """Have a watch due while another merger's claim stands (until `until`), in place

@@ -62,8 +62,7 @@ from worker.jobs.plan import (
 )
 from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
-from worker.sharding.merging import ShardsLeft
-from worker.sharding.planning import replaced, sweep_replaced
+from worker.sharding.planning import replaced
 from worker.sharding.shards import WATCH_SLACK_S, Shards, watch_delay_s
 
 log = structlog.get_logger()
@@ -206,19 +205,9 @@ class Stragglers:
         last committer's merge may have failed for good), or find it merged; its notices
         go before the ack: a watch whose send failed comes back, and finds the job
         merged and not announced."""
-        try:
-            merged = self._shards.merge(spec, plan, job.message.job_message_id, markers=markers)
-            shards_left = False
-        except ShardsLeft as left:
-            merged, shards_left = left.summary, True
-        if merged is not None:
-            sweep_replaced(self._blobs, spec, plan)
-        if not self._announce_merged(spec, plan, merged, job):
-            self._outcomes.retry_later(job, "a notice of the merged job was not sent")
-        elif shards_left:  # back to remove them: it may be the last delivery of the job left
-            self._outcomes.retry_later(job, "the shards' files were not removed")
-        else:
-            self._outcomes.ack(job)
+        written = self._shards.merge(spec, plan, job.message.job_message_id, markers=markers)
+        announced = self._announce_merged(spec, plan, written.summary, job)
+        self._outcomes.settle_written(job, announced=announced, shards_left=written.shards_left)
 
     def _stall(self, spec: JobMessage, plan: Plan, left: list[int], reason: str | None) -> None:
         """No shard left can run: they were dead-lettered, or their messages are gone.
