@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 import structlog
-from PIL import Image
 from structlog.testing import capture_logs
 
 from stages.synthetic import samples
-from tests.support.faults import BREAK_MODEL_FILE, png_bytes
+from tests.support.faults import BREAK_MODEL_FILE, blank_png
 from tests.support.in_process import (
     draining_settings,
     job_file,
@@ -79,7 +78,7 @@ def test_bad_inputs_fail_alone_and_the_job_is_partial(tmp_path: Path) -> None:
     jpeg = next(data for _, data in samples(10, seed=9) if data[:2] == b"\xff\xd8")
     blobs.objects["s3://bkt/bad/garbage"] = b"definitely not an image"
     blobs.objects["s3://bkt/bad/truncated"] = jpeg[: len(jpeg) // 3]
-    blobs.objects["s3://bkt/bad/bomb"] = png_bytes(Image.new("L", (30_000, 30_000)))
+    blobs.objects["s3://bkt/bad/bomb"] = blank_png(30_000, 30_000)
     inputs = [
         good[0],
         "s3://bkt/bad/garbage",

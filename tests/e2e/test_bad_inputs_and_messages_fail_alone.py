@@ -18,7 +18,7 @@ from bench.processes import peak_rss, tree_rss_mb
 from stages.synthetic import samples
 from tests.support.aws import Aws
 from tests.support.daemons import StartDaemon, daemon_args, run_daemon
-from tests.support.faults import MAGENTA, png_bytes
+from tests.support.faults import MAGENTA, blank_png, png_bytes
 from tests.support.jobs import assert_complete, job_output, send_jobs, upload
 from worker.demo import upload_samples
 
@@ -140,8 +140,7 @@ def test_bad_inputs_and_poison_messages_fail_alone(
         for name, data in {
             "garbage": b"definitely not an image",
             "truncated": jpeg[: len(jpeg) // 3],
-            # Over twice Pillow's limit, its own guard's (225 Mpx: quicker to encode than more).
-            "bomb": png_bytes(Image.new("L", (15_000, 15_000))),
+            "bomb": blank_png(15_000, 15_000),  # over twice Pillow's limit: its own guard's
             "hang": b"FAULT:hang",
             "segfault": b"FAULT:segfault",
             "sigkill": b"FAULT:sigkill",
