@@ -69,6 +69,33 @@ def test_a_notice_arriving_during_the_grace_period_cuts_it_short() -> None:
     assert 0.5 < waited_s < 2.0, waited_s
 
 
+def _sigterm_to_another_thread(after_s: float) -> None:
+    """A SIGTERM, in `after_s`, given to a thread other than the main one, as the kernel
+    may give a process's signal to any of its threads: no wait of the main thread is cut
+    short for it."""
+    threading.Timer(
+        after_s, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    ).start()
+
+
+def test_stop_signals_given_to_another_thread_are_acted_on_while_the_main_thread_waits() -> None:
+    """A daemon went on for good after its SIGTERM, logging no shutdown at all: the
+    kernel gave the signal to another thread, so Python ran the handler only once the
+    main thread woke, and it waited for a reason to stop with no end. The first signal
+    stops it, the second cuts the grace short, however long the main thread's waits."""
+    shutdown = _holding_one_job()  # 30 s of grace
+    woken_anyway = threading.Timer(10.0, shutdown.drained)  # what woke it before
+    woken_anyway.start()
+    try:
+        with shutdown.signal_handlers():
+            _sigterm_to_another_thread(0.5)
+            assert shutdown.wait() is ExitCode.SIGNALLED
+            _sigterm_to_another_thread(0.5)
+            assert _timed(shutdown.let_held_jobs_finish) < 5.0
+    finally:
+        woken_anyway.cancel()
+
+
 def test_a_rebalance_stops_intake_but_is_no_reason_to_exit() -> None:
     shutdown = _holding_one_job()
     shutdown.interrupted(Notice(NoticeKind.REBALANCE, "rebalance-recommendation"))

@@ -26,6 +26,10 @@ from worker.telemetry.metrics import Metrics
 log = structlog.get_logger()
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# How often the main thread looks for a stop signal while it waits. The kernel may give a
+# process's signal to any of its threads, and then Python runs the handler only once the
+# main thread wakes: blocked for good, it never would.
+SIGNAL_CHECK_S = 0.2
 
 
 class ExitCode(StrEnum):
@@ -50,7 +54,6 @@ class Shutdown:
         self._grace_s = grace_s
         self._margin_s = margin_s
         self.stopping = threading.Event()  # no more receiving
-        self._hurry = threading.Event()  # cut the grace period short
         self.requested = threading.Event()
         self._reason: ExitCode | None = None
         self.broken_cause: str | None = None
@@ -58,7 +61,7 @@ class Shutdown:
         # any held job may have.
         self.suspects: frozenset[str] | None = frozenset()
         self._notice: Notice | None = None  # the termination notice acted on
-        self._signalled = False
+        self._signals = 0  # stop signals caught: the first stops, a second cuts the grace
         self._hand_back_at = float("inf")  # (monotonic) the notice's end less the margin
 
     def request(self, reason: ExitCode) -> None:
@@ -108,16 +111,14 @@ class Shutdown:
 
     @contextlib.contextmanager
     def signal_handlers(self) -> Iterator[None]:
-        """SIGTERM or SIGINT: stop; a second one: cut the grace short. The handlers only
-        set flags, and the previous ones are back once the daemon has stopped."""
+        """SIGTERM or SIGINT: stop; a second one: cut the grace short. The handler only
+        counts them, for the main thread's waits to act on (a handler takes no lock: it
+        runs between two steps of the main thread, which may hold that very lock, as an
+        `Event`'s wait does as it wakes), and the previous handlers are back once the
+        daemon has stopped."""
 
         def handle(signum: int, _frame: object) -> None:
-            if self._signalled:
-                self._hurry.set()
-                self._ledger.wake()
-                return
-            self._signalled = True
-            self.request(ExitCode.SIGNALLED)
+            self._signals += 1
 
         previous = {signum: signal.signal(signum, handle) for signum in SHUTDOWN_SIGNALS}
         try:
@@ -127,8 +128,12 @@ class Shutdown:
                 signal.signal(signum, handler)
 
     def wait(self) -> ExitCode:
-        """Block until there is a reason to stop, and say which."""
-        self.requested.wait()
+        """Block until there is a reason to stop, and say which (on the main thread, the
+        only one whose waits act on a signal)."""
+        while not self.requested.is_set():
+            if self._signals:
+                self.request(ExitCode.SIGNALLED)
+            self.requested.wait(SIGNAL_CHECK_S)
         return self._reason or ExitCode.SIGNALLED
 
     def let_held_jobs_finish(self) -> None:
@@ -139,7 +144,8 @@ class Shutdown:
             return
 
         def finished() -> bool:
-            return not len(self._ledger) or self._hurry.is_set() or self.broken_cause is not None
+            hurried = self._signals > 1
+            return not len(self._ledger) or hurried or self.broken_cause is not None
 
         def finished_or_moved(hand_back_at: float) -> bool:
             return finished() or self._hand_back_at != hand_back_at
@@ -153,7 +159,9 @@ class Shutdown:
             left_s = min(grace_ends, hand_back_at) - time.monotonic()
             if left_s <= 0:
                 return
-            self._ledger.wait_until(functools.partial(finished_or_moved, hand_back_at), left_s)
+            self._ledger.wait_until(
+                functools.partial(finished_or_moved, hand_back_at), min(left_s, SIGNAL_CHECK_S)
+            )
 
     def release_reason(self) -> str:
         """What a job handed back at shutdown is told."""
