@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -20,67 +21,9 @@ from tests.support.aws import Aws
 from tests.support.daemons import StartDaemon, daemon_args, run_daemon
 from tests.support.faults import MAGENTA, blank_png, png_bytes
 from tests.support.jobs import assert_complete, job_output, send_jobs, upload
-from worker.demo import upload_samples
+from worker.demo import Stack, upload_samples
 
 pytestmark = pytest.mark.e2e
-
-
-def test_forged_continuation_attributes_poison_their_own_message_alone(
-    aws: Aws, tmp_path: Path
-) -> None:
-    """Messages sent with boto3 whose continuation attributes do not parse (a count of
-    "²", a lease end of "soon", a first message id of "../../x", which would name a file
-    outside --log-dir) are each dead-lettered naming the attribute, and the valid jobs
-    received beside them run. A message naming another job's message as the one it
-    replaces, with an output of its own, neither skips nor stops that job."""
-    stack = aws.stack()
-    uris = list(upload_samples(aws.s3, stack.bucket, 6, seed=3))
-    jobs = {f"good-{number}": uris[number * 2 : number * 2 + 2] for number in range(3)}
-    victim = aws.sqs.send_message(
-        QueueUrl=stack.queue_url,
-        MessageBody=json.dumps(
-            {"job_id": "good-0", "inputs": jobs["good-0"], "output": job_output(stack, "good-0")}
-        ),
-    )["MessageId"]
-    send_jobs(aws, stack, {job_id: jobs[job_id] for job_id in ("good-1", "good-2")})
-
-    def forge(name: str, attribute: str, value: str, **body: str) -> str:
-        return aws.sqs.send_message(
-            QueueUrl=stack.queue_url,
-            MessageBody=json.dumps({**body, "inputs": uris[:1], "output": job_output(stack, name)}),
-            MessageAttributes={attribute: {"DataType": "String", "StringValue": value}},
-        )["MessageId"]
-
-    poison = {
-        forge("count", "worker.earlier-attempts", "²", job_id="count"): "worker.earlier-attempts",
-        forge("soon", "worker.replaced-lease-ends", "soon", job_id="soon"): (
-            "worker.replaced-lease-ends"
-        ),
-        forge("escape", "worker.first-message-id", "../../x"): "worker.first-message-id",
-    }
-    forge("hijack", "worker.handed-over-from", victim, job_id="hijack")
-
-    log_dir = tmp_path / "logs"
-    run = run_daemon(aws, daemon_args(stack, log_dir, "--drain"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    for job_id in ("good-0", "good-1", "good-2"):
-        assert_complete(aws, stack, job_id, jobs[job_id])
-    assert_complete(aws, stack, "hijack", uris[:1])
-    # Dead-lettering is a send, then a delete: a send whose answer was lost is sent again,
-    # and a message back before its delete is dead-lettered again, so a source message may
-    # be there twice; each names its source and its reason.
-    reasons: dict[str, set[str]] = {}
-    for message in aws.dead_letters(stack.dlq_url):
-        attributes = message["MessageAttributes"]
-        source = attributes["source_message_id"]["StringValue"]
-        reasons.setdefault(source, set()).add(attributes["reason"]["StringValue"])
-    assert reasons.keys() == poison.keys(), reasons
-    for source, attribute in poison.items():
-        (reason,) = reasons[source]
-        assert f"message attribute {attribute} is not" in reason, reasons
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["logs"]
-    assert not list(tmp_path.parent.glob("x*.log"))
-    assert aws.queue_depth(stack.queue_url) == (0, 0)
 
 
 def test_a_huge_input_and_a_huge_manifest_leave_the_daemons_memory_alone(
@@ -128,9 +71,16 @@ def test_bad_inputs_and_poison_messages_fail_alone(
 ) -> None:
     """Corrupt, truncated, missing and oversized inputs, inputs that hang, segfault or
     SIGKILL their preprocessing process, an image the model raises on, batches that run
-    out of memory, and eight kinds of poison message, all in one run: each bad item gets
-    its own error record, the killing job ends failed, every poison message is
-    dead-lettered with its reason, and every other job is complete and right."""
+    out of memory, eight kinds of poison message and three of forged continuation
+    attributes, all in one run: each bad item gets its own error record, the killing job
+    ends failed, every poison message is dead-lettered with its reason, and every other
+    job is complete and right.
+
+    The attributes sent with boto3 do not parse (a count of "²", a lease end of "soon",
+    a first message id of "../../x", which would name a file outside --log-dir): each
+    message is dead-lettered naming the attribute. A message naming another job's
+    message as the one it replaces, with an output of its own, neither skips nor stops
+    that job."""
     stack = aws.stack()
     labels = upload_samples(aws.s3, stack.bucket, 58, seed=21)
     good = list(labels)
@@ -176,13 +126,12 @@ def test_bad_inputs_and_poison_messages_fail_alone(
         {"manifest": empty, "output": output},
         {"manifest": too_long, "output": output},
     ]
-    for body in poison:
-        aws.send(stack.queue_url, body)
+    forged = _send_poison(aws, stack, poison, good[:2])
 
     daemon = start_daemon(
         daemon_args(
             stack,
-            tmp_path,
+            tmp_path / "logs",
             "--drain",
             "--preprocess",
             "tests.support.faults:faulty_preprocessor",
@@ -239,12 +188,78 @@ def test_bad_inputs_and_poison_messages_fail_alone(
     started = [e["stage"] for e in daemon.events("stage_worker_started")]
     assert started.count("inference") == 1 and started.count("preprocess") > 2
 
-    dead = aws.dead_letters(stack.dlq_url)
+    dead = _other_dead_letters_than_the_forged(aws, stack, forged, good[:2], tmp_path)
     assert sorted(m["Body"] for m in dead) == sorted(
         p if isinstance(p, str) else json.dumps(p) for p in poison
     )
     assert all(m["MessageAttributes"]["reason"]["StringValue"] for m in dead)
     assert aws.queue_depth(stack.queue_url) == (0, 0)
+
+
+def _send_poison(
+    aws: Aws, stack: Stack, poison: list[str | dict[str, object]], inputs: list[str]
+) -> dict[str, str]:
+    """The `poison` bodies; the job "victim" of `inputs`; messages whose continuation
+    attributes do not parse, sent with boto3 (returned: their ids, each with the
+    attribute it forges); and the job "hijack", whose message names victim's as the one
+    it replaces. Those last of the first of `inputs`."""
+    for body in poison:
+        aws.send(stack.queue_url, body)
+    victim = aws.sqs.send_message(
+        QueueUrl=stack.queue_url,
+        MessageBody=json.dumps(
+            {"job_id": "victim", "inputs": inputs, "output": job_output(stack, "victim")}
+        ),
+    )["MessageId"]
+
+    def forge(name: str, attribute: str, value: str, **body: str) -> str:
+        output = job_output(stack, name)
+        return str(
+            aws.sqs.send_message(
+                QueueUrl=stack.queue_url,
+                MessageBody=json.dumps({**body, "inputs": inputs[:1], "output": output}),
+                MessageAttributes={attribute: {"DataType": "String", "StringValue": value}},
+            )["MessageId"]
+        )
+
+    forged = {
+        forge("count", "worker.earlier-attempts", "²", job_id="count"): "worker.earlier-attempts",
+        forge("soon", "worker.replaced-lease-ends", "soon", job_id="soon"): (
+            "worker.replaced-lease-ends"
+        ),
+        forge("escape", "worker.first-message-id", "../../x"): "worker.first-message-id",
+    }
+    forge("hijack", "worker.handed-over-from", victim, job_id="hijack")
+    return forged
+
+
+def _other_dead_letters_than_the_forged(
+    aws: Aws, stack: Stack, forged: dict[str, str], inputs: list[str], logs_in: Path
+) -> list[dict[str, Any]]:
+    """Checks that each forged message was dead-lettered naming its attribute, that no
+    log was written outside `logs_in`/logs (the first message id "../../x"), and that
+    "victim" and "hijack" (`_send_poison`) are complete; the other dead letters.
+    Dead-lettering is a send, then a delete: a send whose answer was lost is sent again,
+    and a message back before its delete is dead-lettered again, so a forged message
+    may be there twice; each names its source and its reason."""
+    others: list[dict[str, Any]] = []
+    reasons: dict[str, set[str]] = {}
+    for message in aws.dead_letters(stack.dlq_url):
+        attributes = message["MessageAttributes"]
+        source = attributes["source_message_id"]["StringValue"]
+        if source in forged:
+            reasons.setdefault(source, set()).add(attributes["reason"]["StringValue"])
+        else:
+            others.append(message)
+    assert reasons.keys() == forged.keys(), reasons
+    for source, attribute in forged.items():
+        (reason,) = reasons[source]
+        assert f"message attribute {attribute} is not" in reason, reasons
+    assert sorted(path.name for path in logs_in.iterdir()) == ["logs"]
+    assert not list(logs_in.parent.glob("x*.log"))
+    assert_complete(aws, stack, "victim", inputs)
+    assert_complete(aws, stack, "hijack", inputs[:1])
+    return others
 
 
 def test_a_job_of_missing_inputs_fails_with_their_errors_on_a_fresh_daemon(
