@@ -32,38 +32,6 @@ def _local_log(log_dir: Path, job_id: str) -> Path:
     return path
 
 
-def test_killed_inference_process_is_restarted_and_its_batch_retried(
-    aws: Aws, start_daemon: StartDaemon, tmp_path: Path
-) -> None:
-    """SIGKILL the inference process mid-run: the daemon sees it die, starts a new one,
-    retries the batch it held, and every job still completes, succeeded."""
-    stack = aws.stack()
-    uris = list(upload_samples(aws.s3, stack.bucket, 48, seed=4))
-    jobs = {f"job-{n}": uris[n * 8 : n * 8 + 8] for n in range(6)}
-    send_jobs(aws, stack, jobs)
-    daemon = start_daemon(
-        daemon_args(stack, tmp_path, "--drain", *slow_model_flags(4)),
-        env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.3").env,
-    )
-    [inference] = [
-        e for e in daemon.wait_for("stage_worker_started", 3) if e["stage"] == "inference"
-    ]
-    daemon.wait_for("job_received")
-    time.sleep(1.0)
-    os.kill(inference["pid"], signal.SIGKILL)
-    assert daemon.wait(120) == 0, daemon.stderr[-3000:]
-
-    for job_id, inputs in jobs.items():
-        assert_complete(aws, stack, job_id, inputs)
-    [lost] = daemon.events("worker_lost")
-    assert lost["stage"] == "inference" and "exited with code -9" in lost["reason"]
-    started = [e for e in daemon.events("stage_worker_started") if e["stage"] == "inference"]
-    assert len(started) == 2 and started[1]["pid"] != inference["pid"]
-    logged = [e for job in jobs for e in aws.log_events(job_output(stack, job))]
-    assert any(e["event"] == "worker_lost" and e["stage"] == "inference" for e in logged)
-    assert aws.queue_depth(stack.queue_url) == (0, 0)
-
-
 def test_transient_errors_are_retried_and_an_unuploadable_job_goes_to_the_dlq(
     aws: Aws, tmp_path: Path
 ) -> None:
@@ -179,13 +147,15 @@ def test_second_signal_cuts_the_grace_period_short(
     assert aws.queue_depth(stack.queue_url) == (2, 0)
 
 
-def test_sigkill_of_the_daemon_loses_nothing(
+def test_sigkill_of_the_daemon_or_of_its_inference_process_loses_nothing(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
     """SIGKILL the daemon with 30 jobs in flight; its children go with it. A new daemon
     started at once with `--drain` does the rest, the dead one's jobs included once
-    their leases run out: every job has exactly one complete, in-order results.jsonl
-    and job.json, and both queues are empty."""
+    their leases run out. SIGKILL that one's inference process mid-run: it sees it die,
+    starts a new one and retries the batch it held. Every job has exactly one complete,
+    in-order results.jsonl and job.json, and both queues are empty. (One test: the
+    second daemon's run serves both kills, one daemon's start fewer.)"""
     # Leases longer than a daemon's start, so the new daemon's first receive finds the
     # dead one's messages still in flight.
     stack = aws.stack(visibility_timeout_s=12)
@@ -194,15 +164,27 @@ def test_sigkill_of_the_daemon_loses_nothing(
     send_jobs(aws, stack, jobs)
     lease = ["--visibility-timeout-seconds", "12", "--heartbeat-interval-seconds", "3"]
     model = slow_model_flags(4)
-    env = aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.1").env
-    first = start_daemon(daemon_args(stack, tmp_path, *lease, *model), env=env)
+    first = start_daemon(
+        daemon_args(stack, tmp_path, *lease, *model),
+        env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.1").env,
+    )
     first.wait_for("job_finished", 5)
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     assert first.close() == []  # its children noticed and exited
     assert aws.queue_depth(stack.queue_url)[1] > 0  # the dead daemon's leases
 
-    second = start_daemon(daemon_args(stack, tmp_path, "--drain", *lease, *model), env=env)
+    # Slower batches: its inference process holds one when it is killed.
+    second = start_daemon(
+        daemon_args(stack, tmp_path, "--drain", *lease, *model),
+        env=aws.with_env(SLOW_MODEL_SECONDS_PER_BATCH="0.3").env,
+    )
+    [inference] = [
+        e for e in second.wait_for("stage_worker_started", 3) if e["stage"] == "inference"
+    ]
+    second.wait_for("job_received")
+    time.sleep(1.0)
+    os.kill(inference["pid"], signal.SIGKILL)
     assert second.wait(120) == 0, second.stderr[-3000:]
 
     attempts = []
@@ -218,6 +200,13 @@ def test_sigkill_of_the_daemon_loses_nothing(
     assert max(attempts) >= 2  # the kill did interrupt jobs in flight
     assert aws.queue_depth(stack.queue_url) == (0, 0)
     assert aws.dead_letters(stack.dlq_url) == []
+
+    [lost] = second.events("worker_lost")
+    assert lost["stage"] == "inference" and "exited with code -9" in lost["reason"]
+    started = [e for e in second.events("stage_worker_started") if e["stage"] == "inference"]
+    assert len(started) == 2 and started[1]["pid"] != inference["pid"]
+    logged = [e for job in jobs for e in aws.log_events(job_output(stack, job))]
+    assert any(e["event"] == "worker_lost" and e["stage"] == "inference" for e in logged)
 
 
 def test_job_reaching_the_lease_ceiling_is_released_with_a_reason(aws: Aws, tmp_path: Path) -> None:
