@@ -494,6 +494,39 @@ def test_a_late_planners_inputs_files_are_removed_once_the_job_is_merged(
         game.teardown()
 
 
+@pytest.mark.parametrize("planner", ["dies", "goes_on"])
+def test_a_planners_marks_of_shards_sent_after_their_merge_are_removed(
+    protocol: None, planner: str
+) -> None:
+    """A game the machine found. The job's message sends its shards, which commit and
+    merge (and their watch ends) before it marks them sent: the marks went under the
+    shards' directory that the merge had removed, and stayed for ever. The planner that
+    goes on sees the job merged once its marks are written, and removes them; one that
+    dies first leaves them to its message's next delivery, which finds the job done."""
+    game = FleetProtocol()
+    try:
+        game.send_the_job(items=2, shard_items=1, results_format=JSON_LINES)
+        first = game.start("m1")
+        _go_on_until(first, r"send shard 0,shard 1 in 0 s")
+        first.step()
+        game.finish(game.start("m2"))
+        game.finish(game.start("m3"))
+        assert OUTPUT + "job.json" in game.world.store.objects
+        CLOCK.now += shards.WATCH_MIN_S
+        game.finish(game.start("m4"))  # the watch, which finds the job merged
+        _go_on_until(first, r"put shards/\w+/000001\.sent")
+        first.step()
+        if planner == "dies":
+            game.kill(first)
+            CLOCK.now += LEASE_S
+            game.finish(game.start("m1"))
+        else:
+            game.finish(first)
+        game.check()
+    finally:
+        game.teardown()
+
+
 @pytest.mark.parametrize(
     "write",
     [r"put shards/\w+/merge", r"compose job\.log", r"put job\.json"],

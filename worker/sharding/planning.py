@@ -154,14 +154,13 @@ class Planner:
             return
         if unsent and plan.request_digest == new_plan.request_digest:
             self._write_inputs(job, spec, plan, inputs(), frozenset(unsent))
-            # Looked at after the files are written: a merge writes job.json before it
-            # lists the shards' files to remove, so a file it did not list is seen here
-            # (another delivery of the message sent the shards, and they merged).
-            if self.finished(spec, plan.job_id, plan.request_digest) is not None:
-                log.info("job_merged_while_planned", job_id=plan.job_id)
-                self._outcomes.ack(job)
+            # Another delivery of the message may have sent the shards, and they merged.
+            if self._merged_meanwhile(job, spec, plan):
                 return
         self._send(job, spec, plan, unsent, sender)
+        # The shards sent may have merged before they were marked sent.
+        if self._merged_meanwhile(job, spec, plan):
+            return
         log.info(
             "job_planned",
             job_id=plan.job_id,
@@ -171,6 +170,16 @@ class Planner:
             message_id=job.message.message_id,
         )
         self._outcomes.ack(job)
+
+    def _merged_meanwhile(self, job: Job, spec: JobMessage, plan: Plan) -> bool:
+        """Ack the job if it is merged, having removed what this planner wrote under its
+        shards since: looked at after the writes, as a merge writes job.json before it
+        lists the shards' files to remove, so a file it did not list is seen here."""
+        if self.finished(spec, plan.job_id, plan.request_digest) is None:
+            return False
+        log.info("job_merged_while_planned", job_id=plan.job_id)
+        self._outcomes.ack(job)
+        return True
 
     def finished(self, spec: JobMessage, job_id: str, digest: str) -> dict[str, Any] | None:
         """The job.json under the output if it completes request `digest`, what a planner
