@@ -9,7 +9,9 @@ the first receive, within the set-up limits, one inference process per device.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import threading
 import time
 from collections import Counter
@@ -557,6 +559,22 @@ def test_intake_and_health_wait_until_the_model_is_warmed_up(tmp_path: Path, dev
     assert summary["model"]["name"] == "tests.support.slow_model:slow_to_warm_up"
     batches = [e for e in job_file(blobs, "one", "job.log").splitlines() if '"batch_done"' in e]
     assert len(batches) == 1 and '"batch_items": 1' in batches[0]  # a lone image's batch too
+
+
+def test_a_daemon_stopped_while_it_warms_up_takes_no_job(tmp_path: Path) -> None:
+    """SIGTERM during the model's warm-up: the daemon stops once started, without a
+    receive, where its intake, started before the main thread looked for the signal,
+    received (a job admitted only to be handed over, a receive spent)."""
+    source, blobs = TimedSource(), InMemoryBlobStore()
+    send_job(source, "one", sample_images(blobs, 1))
+    settings = draining_settings(
+        tmp_path, model="tests.support.slow_model:slow_to_warm_up", batch_size=4
+    )
+    daemon = Daemon(settings, source, blobs)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert daemon.run() is ExitCode.SIGNALLED
+    assert source.first_receive_at is None
+    assert len(source) == 1
 
 
 def test_the_set_up_limit_is_a_setting_and_the_warm_up_adds_to_it(

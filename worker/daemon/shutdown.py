@@ -131,10 +131,14 @@ class Shutdown:
         """Block until there is a reason to stop, and say which (on the main thread, the
         only one whose waits act on a signal)."""
         while not self.requested.is_set():
-            if self._signals:
-                self.request(ExitCode.SIGNALLED)
+            self.act_on_signals()
             self.requested.wait(SIGNAL_CHECK_S)
         return self._reason or ExitCode.SIGNALLED
+
+    def act_on_signals(self) -> None:
+        """Stop if a stop signal came (on the main thread, where the handler runs)."""
+        if self._signals and not self.requested.is_set():
+            self.request(ExitCode.SIGNALLED)
 
     def let_held_jobs_finish(self) -> None:
         """After a signal or a termination notice, wait for held jobs to finish until the

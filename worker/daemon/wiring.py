@@ -335,6 +335,8 @@ class Daemon:
             running.enter_context(started_heap_frozen(self._paused))
             if self._interruptions:  # a restarted daemon takes no work on a doomed machine
                 self._interruptions.check()
+            # Nor one stopped while it started: its intake would receive before `wait`.
+            self._shutdown.act_on_signals()
             for name, unit in self._units.items():
                 self._supervisor.spawn(name, unit)
             self._supervisor.start_watching(WATCHDOG_INTERVAL_S)
