@@ -98,14 +98,20 @@ class DaemonProcess:
         self.process.send_signal(signum)
 
     def wait(self, timeout_s: float) -> int:
-        """The daemon's exit status; on a time-out, an error that shows its last events."""
+        """The daemon's exit status, and every line it wrote read (its events are then
+        all there, its last ones too); on a time-out, an error that shows its last
+        events."""
         try:
-            return self.process.wait(timeout_s)
+            status = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             tail = "".join(self._lines["stdout"][-40:])
             raise AssertionError(
                 f"still running after {timeout_s} s; last events:\n{tail}"
             ) from None
+        # The readers end at the pipes' end: once its children, which exit with it, let go.
+        for reader in self._readers:
+            reader.join(ORPHAN_GRACE_S)
+        return status
 
     def close(self) -> list[str]:
         """Kill whatever is left; returns what was still running of the daemon's group."""
