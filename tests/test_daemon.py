@@ -582,18 +582,18 @@ def test_the_set_up_limit_is_a_setting_and_the_warm_up_adds_to_it(
 ) -> None:
     """`--setup-timeout-seconds` bounds a stage process's start; a model's process also
     has `--inference-timeout-seconds` for each batch size its warm-up runs: a warm-up of
-    4 s starts within a 10 s set-up limit, and a model that takes 30 s to load does not
+    4 s starts within a 30 s set-up limit, and a model that takes 30 s to load does not
     start within 20 s and seven warm-up sizes of 0.125 s (one try here: each is timed
-    alike). The preprocessing processes have the same limit: 20 s, for a loaded machine,
-    where beside a second suite one took over 10 s to start and its limit, not the
-    model's, stopped the daemon."""
+    alike). The preprocessing processes have the same limit, so it is one a loaded
+    machine's starts fit: beside a second suite one took over 10 s to start, and its
+    limit, not the model's, stopped the daemon."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     send_job(source, "one", sample_images(blobs, 1))
     warming = draining_settings(
         tmp_path,
         model="tests.support.slow_model:slow_to_warm_up",
         batch_size=16,  # warm-up batches of 16, 8, 4 and 2 images: 1 s each
-        setup_timeout_seconds=10,
+        setup_timeout_seconds=30,
         inference_timeout_seconds=5,
     )
     assert Daemon(warming, source, blobs).run() is ExitCode.DRAINED

@@ -145,6 +145,10 @@ def test_bad_inputs_and_poison_messages_fail_alone(
             "60",
             "--receive-wait-seconds",
             "0",  # short polls: it drains (two empty receives) without waiting 1 s on each
+            # Batches fill (over 8: out of memory) however slowly a loaded machine
+            # prepares their items, where 20 ms gave batches of 8 at most once.
+            "--max-batch-wait-ms",
+            "500",
         )
     )
     exit_code = daemon.wait(240)
