@@ -23,10 +23,11 @@ from worker.adapters.fakes import InMemoryBlobStore
 from worker.datasets import table_ranges
 from worker.datasets.disk import DiskBudget
 from worker.datasets.inputs import Input, InputReader, shard_lines
+from worker.jobs import checkpoints
 from worker.jobs.checkpoints import RequestDigest
 from worker.message import JobMessage, PoisonMessage, parse_job_message
 from worker.ports import S3Location
-from worker.sharding.planning import Snapshot
+from worker.sharding.planning import Snapshot, shards_of
 
 NO_LIMIT: frozenset[str] = frozenset()
 TEXT_CHARS = 60_000  # each text: a table's row group of three is 180 KB, its footer < 2 KB
@@ -103,8 +104,7 @@ def _planned(
     with Snapshot(tmp_path, DiskBudget(2**30).claim()) as snapshot:
         for listed in reader.inputs(_spec(shard_items, **table)):
             snapshot.add(listed)
-        inputs = snapshot.inputs()
-        shards = iter(lambda: list(itertools.islice(inputs, shard_items)), [])
+        shards = shards_of(snapshot.inputs(), shard_items)
         return [b"".join(shard_lines(listed)) for listed in shards]
 
 
@@ -287,8 +287,9 @@ def test_a_shard_streams_its_rows_in_reads_of_a_bounded_size(
 
 def test_a_prefix_of_many_files_lists_its_first_rows_after_the_footers_it_needs() -> None:
     """A planned prefix's footers are read file by file, each told (`looked_at`: its
-    daemon's clock of progress beats): its first row is listed once the footers read
-    hold more rows than the shard size, before the other files' are read."""
+    daemon's clock of progress beats): its first rows are listed once the footers read
+    hold more rows than the shard size, before the other files' are read, a file's rows
+    as one input."""
     blobs = _CountingStore()
     for number in range(6):
         sink = io.BytesIO()
@@ -300,9 +301,9 @@ def test_a_prefix_of_many_files_lists_its_first_rows_after_the_footers_it_needs(
 
     first = next(listed)
 
-    assert first == Input("s3://bkt/table/0.parquet#row=0", first.id)
+    assert first == Input("s3://bkt/table/0.parquet#rows=0-2")
     assert looked_at == [1, 2] and len(blobs.bytes_read) == 2
-    assert len(list(listed)) == 17
+    assert len(list(listed)) == 5
     assert looked_at == [1, 2, 3, 4, 5, 6]
 
 
@@ -397,3 +398,36 @@ def test_a_mixed_prefix_copies_its_csv_rows_and_plans_its_parquet_rows_as_ranges
         got = [row for data in files for row in _shard(blobs, data, shard_items)]
         assert [(str(row.uri), row.id) for row in got] == [(str(r.uri), r.id) for r in whole]
         assert [row.uri.text for row in got] == [r.uri.text for r in whole]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("id_column", ["doc", None])
+def test_a_planned_tables_rows_digest_as_its_shards_list_them_row_by_row(
+    monkeypatch: pytest.MonkeyPatch, id_column: str | None
+) -> None:
+    """Planning lists a file's rows as one input (`TableRows`) and digests them at once,
+    a few thousand at a time; the request's digest is the one its rows listed one by one
+    (`TableRow`s, as a shard lists them, and as planners did before) give, whatever the
+    file's name holds, so a request keeps its digest and its checkpoints."""
+    monkeypatch.setattr(checkpoints, "DIGEST_ROWS", 3)
+    name = 's3://bkt/t\u00e9 "x"#row=5\\.parquet'
+    span = table_ranges.Span(name, '"e\u00f1"', 3, 11, ("b\u00f6dy", id_column))
+    before, after = Input("s3://bkt/a.png"), Input("s3://bkt/b.png", "9")
+    at_once, by_rows = RequestDigest(), RequestDigest()
+    for listed in (before, Input(table_ranges.TableRows(span)), after):
+        at_once.add(*listed)
+    for listed in (before, *(Input(row, row.listed_id) for row in span.rows()), after):
+        by_rows.add(*listed)
+    assert at_once.hexdigest({}, {}, "jsonl") == by_rows.hexdigest({}, {}, "jsonl")
+
+
+def test_a_run_of_rows_is_cut_where_each_shard_ends() -> None:
+    """Shards of 4 from inputs, a run of 10 rows, and an input: every shard holds 4
+    items, the run cut into spans that cover its rows once, in order."""
+    span = table_ranges.Span(A_URI, "e", 0, 10, ("body", None))
+    listed = [Input("s3://bkt/x"), Input(table_ranges.TableRows(span)), Input("s3://bkt/y")]
+    cut = [[each.uri for each in shard] for shard in shards_of(listed, 4)]
+    assert cut == [
+        ["s3://bkt/x", f"{A_URI}#rows=0-2"],
+        [f"{A_URI}#rows=3-6"],
+        [f"{A_URI}#rows=7-9", "s3://bkt/y"],
+    ]

@@ -109,3 +109,22 @@ def test_embeddings_are_written_as_float16_where_the_job_asks(tmp_path: Path) ->
     column = pq.read_table(io.BytesIO(blobs.objects[f"s3://bkt/out/pq/{part}"])).column("embedding")
     assert column.type == pa.list_(pa.float16(), 64)
     assert np.allclose(np.array(column.to_pylist(), dtype=np.float32), answers, atol=2e-3)
+
+
+def test_a_planned_tables_rows_count_each_against_the_limit_of_a_jobs_inputs(
+    tmp_path: Path,
+) -> None:
+    """A Parquet table over the shard size is listed a file at a time, not a row at a
+    time (`TableRows`), yet each of its rows counts against --max-items-per-job: seven
+    rows over a limit of five is refused before anything is planned."""
+    blobs = InMemoryBlobStore()
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"body": [text for _, text in sentences(7, seed=3)]}), sink)
+    blobs.objects["s3://bkt/texts.parquet"] = sink.getvalue()
+    table = {"uri": "s3://bkt/texts.parquet", "text_column": "body"}
+    source = InMemoryJobSource()
+    source.send(json.dumps({"job_id": "big", "output": "s3://bkt/out/big/", "table": table}))
+    run_until_drained(source, blobs, tmp_path, shard_items=3, max_items_per_job=5, **TEXT_PIPELINE)
+
+    assert "more than 5 inputs" in json.loads(job_file(blobs, "big", "rejected.json"))["reason"]
+    assert not [uri for uri in blobs.objects if uri.startswith("s3://bkt/out/big/shards/")]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -253,9 +253,14 @@ def check_buckets(buckets: set[str], allowed_buckets: frozenset[str]) -> None:
 MAX_MANIFEST_LINE_BYTES = 2048
 
 
-def at_most(inputs: Iterable[T], max_items: int) -> Iterator[T]:
-    """`inputs`, refused (poison) at the first one past `max_items`, before it is read on."""
-    for count, listed in enumerate(inputs, start=1):
+def at_most(
+    inputs: Iterable[T], max_items: int, items: Callable[[T], int] = lambda _: 1
+) -> Iterator[T]:
+    """`inputs`, refused (poison) at the first one past `max_items`, before it is read on;
+    each counted as its `items`."""
+    count = 0
+    for listed in inputs:
+        count += items(listed)
         if count > max_items:
             raise PoisonMessage(f"more than {max_items} inputs, over the limit")
         yield listed

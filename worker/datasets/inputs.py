@@ -53,7 +53,7 @@ from worker.datasets.table_ranges import (
     Columns,
     PlannedFile,
     Span,
-    TableRow,
+    TableRows,
     TextColumns,
     is_span_line,
     planned_file,
@@ -62,7 +62,6 @@ from worker.datasets.table_ranges import (
     span_batches,
     span_line,
     span_of_line,
-    spans,
     spooled_parquet_batches,
 )
 from worker.datasets.texts import (
@@ -136,7 +135,7 @@ class InputReader:
         shard_items: int | None = None,
     ):
         """With `shard_items` (the worker's `--shard-items`), a Parquet table of texts of
-        more rows than a job's shard size is listed as `TableRow`s, read by its shards."""
+        more rows than a job's shard size is listed as `TableRows`, read by its shards."""
         self._blobs = blobs
         self._allowed = allowed_buckets
         self._max_file_bytes = max_file_bytes
@@ -205,7 +204,7 @@ class InputReader:
     ) -> Iterator[Input]:
         """A table's rows, file by file (a prefix's in key order), each a URI or a text;
         a table of texts whose Parquet files hold more rows than the job's shard size
-        (`shard_items`, at most the worker's) has their rows listed as `TableRow`s from
+        (`shard_items`, at most the worker's) has their rows listed as `TableRows` from
         their footers, their texts left for their shards to read."""
         rows_of = self._text_rows if table.text_column else self._uri_rows
         files = ((uri, _file_format(table, uri)) for uri in self._table_files(table))
@@ -218,8 +217,8 @@ class InputReader:
         for uri, file_format, planned in planned_files(files, footer, most, looked_at):
             if planned is None:
                 yield from rows_of(table, uri, file_format)
-            else:  # its shard reads its id and text
-                yield from (Input(row, row.listed_id) for row in planned.table_rows())
+            elif planned.rows:  # its shards read its ids and texts
+                yield Input(planned.table_rows())
 
     def _planned_file(self, columns: TextColumns, uri: str) -> PlannedFile:
         with unreadable_is_poison(f"table {uri}"):
@@ -502,21 +501,17 @@ def _shard_inputs(
 
 
 def shard_lines(listed: Iterable[Input]) -> Iterator[bytes]:
-    """`listed` as lines of a shard's inputs file: a `shard_line` each, but a run of a
-    Parquet table's rows planned as a range (`TableRow`s), a line of its span."""
-    for planned, run in itertools.groupby(listed, lambda each: isinstance(each.uri, TableRow)):
-        if planned:
-            yield from map(span_line, spans(each.uri for each in run))  # type: ignore[misc]
-        else:
-            yield from map(shard_line, run)
+    """`listed` as lines of a shard's inputs file: a `shard_line` each, a run of a
+    Parquet table's rows planned as a range (`TableRows`) a line of its span."""
+    for each in listed:
+        yield span_line(each.uri.span) if isinstance(each.uri, TableRows) else shard_line(each)
 
 
-def shard_line_inputs(line: bytes) -> Iterator[Input]:
-    """The inputs a line of `shard_lines` is, its values unchecked (a planner's own)."""
+def shard_line_listed(line: bytes) -> Input:
+    """The input a line of `shard_lines` is, its values unchecked (a planner's own)."""
     if is_span_line(line):
-        span = span_of_line(line)
-        return (Input(row, row.listed_id) for row in span.rows())
-    return iter((shard_line_input(line),))
+        return Input(TableRows(span_of_line(line)))
+    return shard_line_input(line)
 
 
 def shard_line(listed: Input) -> bytes:

@@ -1,7 +1,8 @@
 """A Parquet table of texts too big for one worker, split across the fleet by row ranges
 rather than copied: planning reads each file's footer alone (its ETag, row count and row
-groups), lists each row as a `TableRow` (its name, no text), and a shard's inputs file
-holds a `Span` line for each run of its rows in one file, never their texts:
+groups) and lists its rows as one input (`TableRows`: their names, no text), cut where
+shards end; a shard's inputs file holds a `Span` line for each run of its rows in one
+file, never their texts, and its daemon lists each of them as a `TableRow`:
 
     {"table": "s3://b/t.parquet", "etag": "\\"9b2c...\\"", "rows": [200000, 300000],
      "text_column": "text", "id_column": "id"}
@@ -22,9 +23,7 @@ files (`worker.datasets.texts.shard_text_line`).
 
 from __future__ import annotations
 
-import itertools
 import json
-import operator
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
@@ -104,8 +103,8 @@ def _rows(first: int, count: int) -> str:
 
 
 class TableRow(TextInput):
-    """A row of a Parquet table of texts as planning lists it: named as the row is when
-    read whole (`s3://b/t.parquet#row=17`), its text left in the table for its shard to
+    """A row of a Parquet table of texts as its shard lists it: named as the row is when
+    read whole (`s3://b/t.parquet#row=17`), its text left in the table for the shard to
     read (`span_batches`). It is listed with `listed_id` where a row's id would be: its
     file's ETag at planning and the columns read, so that the request digest covers the
     version planned and what is read of it (another `id_column` is another request)."""
@@ -120,7 +119,7 @@ class TableRow(TextInput):
     def __new__(
         cls, file: str, row: int, etag: str, columns: TextColumns, listed_id: str
     ) -> TableRow:
-        # str's own, not TextInput's: planning makes two of these a row of the table.
+        # str's own, not TextInput's: a shard makes one of these a row it reads.
         made = str.__new__(cls, f"{file}#row={row}")
         made.text, made.problem = None, "its text is read by its shard"
         made.file, made.row, made.etag, made.columns = file, row, etag, columns
@@ -142,13 +141,49 @@ class Span(NamedTuple):
     columns: TextColumns
 
     def rows(self) -> Iterator[TableRow]:
-        listed_id = json.dumps([self.etag, *self.columns])  # once a span, not a row
+        listed_id = self.listed_id()  # once a span, not a row
         return (
             TableRow(self.file, row, self.etag, self.columns, listed_id) for row in self.range()
         )
 
     def range(self) -> range:
         return range(self.first, self.stop)
+
+    def listed_id(self) -> str:
+        """What each of its rows is listed with where a row's id would be (`TableRow`)."""
+        return json.dumps([self.etag, *self.columns])
+
+
+class TableRows(TextInput):
+    """The rows of a `span` as planning lists them: one input of the listing for all of
+    them, counted as its `row_count` items, so that planning a table of 20 million rows
+    makes a few objects a file, not a few a row. Named as its rows are
+    (`s3://b/t.parquet#rows=0-999`); no text (`TextInput`'s `problem`), as no run of
+    rows is an item a pipeline runs."""
+
+    __slots__ = ("span",)
+    span: Span
+
+    def __new__(cls, span: Span) -> TableRows:
+        made = str.__new__(cls, f"{span.file}#rows={span.first}-{span.stop - 1}")
+        made.text, made.problem = None, "its texts are read by its shards"
+        made.span = span
+        return made
+
+    @property
+    def row_count(self) -> int:
+        return self.span.stop - self.span.first
+
+    def cut(self, rows: int) -> tuple[TableRows, TableRows]:
+        """Its first `rows` rows, and the rest (both some)."""
+        end = self.span.first + rows
+        assert self.span.first < end < self.span.stop, "a cut leaves rows on each side"
+        return TableRows(self.span._replace(stop=end)), TableRows(self.span._replace(first=end))
+
+
+def listed_items(uri: str) -> int:
+    """The items an input of a listing stands for: a `TableRows`' rows, else one."""
+    return uri.row_count if isinstance(uri, TableRows) else 1
 
 
 class PlannedFile(NamedTuple):
@@ -159,8 +194,8 @@ class PlannedFile(NamedTuple):
     rows: int
     columns: TextColumns
 
-    def table_rows(self) -> Iterator[TableRow]:
-        return Span(self.uri, self.etag, 0, self.rows, self.columns).rows()
+    def table_rows(self) -> TableRows:
+        return TableRows(Span(self.uri, self.etag, 0, self.rows, self.columns))
 
 
 def planned_file(
@@ -232,20 +267,6 @@ def spooled_parquet_batches(  # noqa: PLR0917 (a store's object, then how it is 
         read = weighed(metadata, columns, str(location), row_bytes, limits)
         parquet = pq.ParquetFile(spool, metadata=metadata, read_dictionary=read.dictionaries)
         yield from parquet.iter_batches(read.batch_rows, columns=read.columns)
-
-
-def spans(rows: Iterable[TableRow]) -> Iterator[Span]:
-    """`rows` as spans: each run of consecutive rows of one version of one file."""
-    version = operator.attrgetter("file", "etag", "columns")
-    for (file, etag, columns), same_version in itertools.groupby(rows, version):
-        first = stop = -1
-        for number in (row.row for row in same_version):
-            if number != stop:
-                if stop >= 0:
-                    yield Span(file, etag, first, stop, columns)
-                first = number
-            stop = number + 1
-        yield Span(file, etag, first, stop, columns)
 
 
 def span_line(span: Span) -> bytes:

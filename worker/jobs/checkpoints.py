@@ -42,6 +42,7 @@ import structlog
 
 from worker.datasets.arrays import ARRAY_FILE_SUFFIX
 from worker.datasets.openai_batch import OPENAI_ERRORS_FILE, OPENAI_OUTPUT_FILE
+from worker.datasets.table_ranges import Span, TableRows
 from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
@@ -81,6 +82,7 @@ MAX_MARKER_BYTES = 64 * 2**10  # `cancel`, and the shards' small notes
 # results over MAX_RESUMED_LINE_BYTES is not resumed (the item is run again).
 MAX_PART_BYTES = 256 * 2**20
 MAX_RESUMED_LINE_BYTES = 2**20
+DIGEST_ROWS = 2**16  # a planned table's rows digested at a time
 
 
 def request_digest(
@@ -106,9 +108,26 @@ class RequestDigest:
         self._separator = b""
 
     def add(self, uri: str, input_id: Any = None) -> None:
+        """An input as listed: a `TableRows` adds each of its rows as a `TableRow`."""
+        if isinstance(uri, TableRows):
+            self._add_rows(uri.span)
+            return
         entry = uri if input_id is None else [uri, input_id]
         self._hash.update(self._separator + json.dumps(entry).encode())
         self._separator = b","
+
+    def _add_rows(self, span: Span) -> None:
+        """What `add` takes of each row of `span` as its shard lists it (`file#row=n`,
+        with its listed id), made `DIGEST_ROWS` at a time: a row a microsecond or less,
+        where listing each as an object took 10."""
+        # ["<file>#row=  then the row's number, then  ", "<listed id>"]
+        head = json.dumps([f"{span.file}#row="])[:-2]
+        tail = json.dumps([f"{span.file}#row=0", span.listed_id()])[len(head) + 1 :]
+        for start in range(span.first, span.stop, DIGEST_ROWS):
+            numbers = range(start, min(start + DIGEST_ROWS, span.stop))
+            entries = ",".join([f"{head}{number}{tail}" for number in numbers])
+            self._hash.update(self._separator + entries.encode())
+            self._separator = b","
 
     def hexdigest(
         self,

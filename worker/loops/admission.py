@@ -24,6 +24,7 @@ import structlog
 from worker.datasets.arrays import ArraySpool
 from worker.datasets.disk import NO_DISK_ROOM_RETRY_S, DiskBudget, NoDiskRoom
 from worker.datasets.inputs import Input, InputReader
+from worker.datasets.table_ranges import listed_items
 from worker.datasets.tables import JSON_LINES
 from worker.datasets.tars import TarCopies
 from worker.jobs.checkpoints import Checkpoints, Prior, RequestDigest, request_digest
@@ -284,11 +285,14 @@ class AdmissionReader:
 
         def listed() -> Iterator[Input]:
             inputs = self._inputs.inputs(spec, looked_at)
-            return self._followed(job, at_most(inputs, settings.max_items_per_job))
+            most = settings.max_items_per_job
+            counted = at_most(inputs, most, lambda each: listed_items(each.uri))
+            return self._followed(job, counted)
 
         stream = listed()
-        first = list(itertools.islice(stream, shard_items + 1))
-        if len(first) <= shard_items:
+        first = _first_items(stream, shard_items + 1)
+        # A table's rows listed as one input (`TableRows`) come only past the shard size.
+        if sum(listed_items(uri) for uri, _ in first) <= shard_items:
             whole = _split(first, _with_ids(spec))
             request = request_digest(*whole, spec, model)
             if spec.tar and self._finished(job, spec, job_id, request):
@@ -336,7 +340,7 @@ class AdmissionReader:
         listing says later; or settle it, if done already."""
         digest, count = RequestDigest(), 0
         for uri, input_id in listed:
-            count += 1
+            count += listed_items(uri)
             digest.add(uri, input_id)
             snapshot.add(Input(uri, input_id))
         request = digest.hexdigest(spec.params, model.as_dict(), spec.format, spec.tar)
@@ -459,6 +463,17 @@ class AdmissionReader:
 class _Listed(NamedTuple):
     uris: list[str]
     ids: list[Any] | None  # where the job's table gives them
+
+
+def _first_items(listed: Iterator[Input], items: int) -> list[Input]:
+    """The first inputs of `listed` up to `items` items, or past them by the last one's."""
+    first: list[Input] = []
+    for each in listed:
+        first.append(each)
+        items -= listed_items(each.uri)
+        if items <= 0:
+            break
+    return first
 
 
 def _split(listed: list[Input], with_ids: bool) -> _Listed:

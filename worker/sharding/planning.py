@@ -15,10 +15,9 @@ they left under `shards/` is swept once the job is merged (`sweep_replaced`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -27,7 +26,8 @@ from typing import Any
 import structlog
 
 from worker.datasets.disk import DiskClaim
-from worker.datasets.inputs import Input, shard_line_inputs, shard_lines
+from worker.datasets.inputs import Input, shard_line_listed, shard_lines
+from worker.datasets.table_ranges import TableRows, listed_items
 from worker.datasets.texts import TextInput
 from worker.errors import MissingObject, PreconditionFailed, TransientError
 from worker.jobs.checkpoints import Checkpoints
@@ -95,7 +95,7 @@ class Snapshot:
         self._write_pending()
         self._file.flush()
         with self._path.open("rb") as lines:
-            yield from itertools.chain.from_iterable(map(shard_line_inputs, lines))
+            yield from map(shard_line_listed, lines)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -250,10 +250,11 @@ class Planner:
 
         # A shard's file is written while the next shard's inputs are read: two shards'
         # inputs held at most (writers side by side held one each, up to 17).
+        cut = shards_of(inputs, plan.shard_items)
         with ThreadPoolExecutor(1, thread_name_prefix="shard-inputs") as writer:
             writing: Future[None] | None = None
             for shard in range(plan.shards):
-                listed = list(itertools.islice(inputs, plan.shard_items))
+                listed = next(cut, [])
                 if writing is not None:
                     writing.result()
                 if job.settled:
@@ -305,6 +306,26 @@ class Planner:
                 chunk,
             )
             self._progress.beat()
+
+
+def shards_of(listed: Iterable[Input], shard_items: int) -> Iterator[list[Input]]:
+    """`listed` cut into shards of `shard_items` items (the last may hold fewer), a run
+    of a table's rows (`TableRows`) cut where a shard ends."""
+    shard: list[Input] = []
+    room = shard_items
+    for each in listed:
+        left = each
+        while isinstance(left.uri, TableRows) and left.uri.row_count > room:
+            filled, rest = left.uri.cut(room)
+            yield [*shard, Input(filled)]
+            shard, room, left = [], shard_items, Input(rest)
+        shard.append(left)
+        room -= listed_items(left.uri)
+        if room == 0:
+            yield shard
+            shard, room = [], shard_items
+    if shard:
+        yield shard
 
 
 def standing_plan(blobs: BlobStore, spec: JobMessage) -> str | None:
