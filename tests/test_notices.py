@@ -154,6 +154,39 @@ def test_a_new_run_of_a_rejected_request_withdraws_its_rejection(tmp_path: Path)
     assert kept is not None and kept["request_id"] == "r-0"
 
 
+class _SeesRejectionAsShardsAreSent(InMemoryJobSource):
+    """A queue that notes, as each batch of shards is sent, whether the job's
+    rejected.json is still there."""
+
+    def __init__(self, blobs: InMemoryBlobStore, output: str) -> None:
+        super().__init__()
+        self._blobs, self._output = blobs, output
+        self.rejected_as_sent: list[bool] = []
+
+    def send_many(self, bodies: list[str], group: str, delay_s: int = 0) -> None:
+        self.rejected_as_sent.append(_rejection(self._blobs, self._output) is not None)
+        super().send_many(bodies, group, delay_s)
+
+
+def test_a_new_run_of_a_rejected_request_too_big_for_one_worker_withdraws_it_as_planned(
+    tmp_path: Path,
+) -> None:
+    """A rejected job redriven whose inputs are over the shard size is planned, not
+    admitted: its planner withdraws the old rejected.json before it sends the shards,
+    so the client follows the new run from then, not once a shard is admitted."""
+    blobs = InMemoryBlobStore()
+    output = "s3://bkt/out/planned/"
+    source = _SeesRejectionAsShardsAreSent(blobs, output)
+    rejection = {"reason": "a setting since changed", "rejected_at": "2026-01-01T00:00:00+00:00"}
+    ids = {"job_id": "planned", "request_id": "r-1"}
+    blobs.objects[f"{output}rejected.json"] = json.dumps({**rejection, **ids}).encode()
+    source.send(json.dumps({**ids, "inputs": sample_images(blobs, 3), "output": output}))
+    run_until_drained(source, blobs, tmp_path, shard_items=2)
+
+    assert source.rejected_as_sent and not any(source.rejected_as_sent)
+    assert job_file(blobs, "planned", "job.json")["items"] == 3
+
+
 def test_a_job_json_written_for_a_rejected_request_withdraws_its_rejection() -> None:
     """A run of a rejected request that was never admitted as one (its watch redriven,
     which merges the job) withdraws the old rejected.json as its job.json is

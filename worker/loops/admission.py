@@ -364,6 +364,9 @@ class AdmissionReader:
             ids=_with_ids(spec),
             tar=spec.tar,
         )
+        # A new run of a rejected request, as a run admitted whole withdraws it (intake):
+        # its shards' admissions would, but only once one is.
+        self._notices.withdraw_rejection(spec, job.received_at - CLOCK_SKEW_S)
         self._planner.plan(job, spec, plan, snapshot.inputs)
 
     def _read_shard(self, job: Job, spec: JobMessage, model: ModelIdentity) -> Admission | None:
