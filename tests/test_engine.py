@@ -285,6 +285,18 @@ def test_children_start_with_openmps_idle_threads_asleep() -> None:
     assert result.value == (given or "PASSIVE")
 
 
+def test_a_child_sets_up_with_what_it_inherited_frozen_and_its_collector_on() -> None:
+    """A child's collections never walk the modules it has from the fork server (torch's
+    objects: a full collection over them was a tenth of a second of each child's start,
+    and copied every page it touched), and it still collects what it makes itself."""
+    stage = ProcessStage("inference", stagefns.collector_at_setup)
+    with Pipeline([stage], RecordingObserver()) as pipeline:
+        (result,) = run_items(pipeline, [Item("j", 0, None)])
+    frozen, collecting = result.value
+    assert frozen > 10_000  # torch alone is 100,000 objects
+    assert collecting
+
+
 def test_a_prepare_step_runs_in_the_child_first_and_its_errors_are_the_items() -> None:
     """Each item is fetched in the child, then written. A fetch's error is that item's,
     named after the step, transient where the error is; the others' go on. The stage's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import threading
@@ -479,3 +480,10 @@ def environment_reader() -> Callable[[Sequence[str]], list[str | None]]:
     """A stage whose items are names of environment variables, and their outputs the
     child's values of them."""
     return lambda names: [os.environ.get(name) for name in names]
+
+
+def collector_at_setup() -> Callable[[Sequence[Any]], list[tuple[int, bool]]]:
+    """A stage whose every output is what the child's garbage collector was at its
+    set-up: how many objects it held frozen, and whether it was on."""
+    seen = (gc.get_freeze_count(), gc.isenabled())
+    return lambda items: [seen for _ in items]
