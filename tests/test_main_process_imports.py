@@ -54,3 +54,6 @@ def test_the_fork_server_started_first_imports_what_every_stage_process_imports(
     every_child = {*FORKSERVER_PRELOAD, *SET_UP_MODULES}
     s3_readers = {open_s3_reader.__module__, open_obstore_reader.__module__}
     assert every_child | s3_readers <= set(FORK_SERVER_PRELOAD)
+    # First, the one that turns the server's collector off (imported here, it would turn
+    # this process's off): test_engine.py checks what it does.
+    assert FORK_SERVER_PRELOAD[0] == FORKSERVER_PRELOAD[0] == "worker.engine.fork_server"

@@ -15,6 +15,7 @@ import sys
 # started first for the seconds torch takes (tests/test_main_process_imports.py checks
 # that it names them all).
 FORK_SERVER_PRELOAD = (
+    "worker.engine.fork_server",  # first: its collector off while it imports the rest
     "torch",
     "worker.engine",
     "worker.engine.child_main",

@@ -482,8 +482,9 @@ def environment_reader() -> Callable[[Sequence[str]], list[str | None]]:
     return lambda names: [os.environ.get(name) for name in names]
 
 
-def collector_at_setup() -> Callable[[Sequence[Any]], list[tuple[int, bool]]]:
+def collector_at_setup() -> Callable[[Sequence[Any]], list[tuple[int, bool, int]]]:
     """A stage whose every output is what the child's garbage collector was at its
-    set-up: how many objects it held frozen, and whether it was on."""
-    seen = (gc.get_freeze_count(), gc.isenabled())
+    set-up: how many objects it held frozen, whether it was on, and how many full
+    collections it had run (those of the fork server it was forked from included)."""
+    seen = (gc.get_freeze_count(), gc.isenabled(), gc.get_stats()[2]["collections"])
     return lambda items: [seen for _ in items]

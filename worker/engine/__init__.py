@@ -30,7 +30,8 @@ functions and knows nothing of images, models, S3 or SQS.
 What runs where. In the daemon's process: `pipeline` (the stages and channels),
 `stage` (thread stages, and what all stages share), `process_stage` (a process stage's
 driver threads), `child_handle` (starting, feeding and replacing one child), `scaler`.
-In each child process: `child_main`, and `child_arenas` (the arenas as tensors). Between
+In each child process: `child_main`, and `child_arenas` (the arenas as tensors); in the
+fork server they are forked from, `fork_server`, imported first. Between
 them: `wire` (what crosses the pipe) and `arena` (what crosses through shared memory).
 `items` is the data all of them move; `token_batches` chooses batches sized in tokens.
 """

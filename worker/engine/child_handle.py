@@ -30,8 +30,13 @@ START_ATTEMPTS = 3
 
 # Torch and the child's side of the engine, imported once by the server, never by the
 # daemon's own process (`worker run` names them in `worker.entry`'s list, with the rest
-# its server imports, as it starts it before importing this).
-FORKSERVER_PRELOAD = ("torch", "worker.engine", "worker.engine.child_main")
+# its server imports, as it starts it before importing this); `fork_server` first.
+FORKSERVER_PRELOAD = (
+    "worker.engine.fork_server",
+    "torch",
+    "worker.engine",
+    "worker.engine.child_main",
+)
 
 
 HOST_VMSTAT = Path("/proc/vmstat")  # its oom_kill counts the OOM killer's kills

@@ -70,7 +70,9 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
     # What the fork server imported (torch and the rest: 200,000 objects) lives as long
     # as the child: frozen before anything runs, no collection walks it. The first full
     # one did, for a tenth of a second, copying each page it touched from the server.
+    # The server imported it with its collector off (`fork_server`): on again here.
     gc.freeze()
+    gc.enable()
     threading.Thread(target=_exit_when_closed, args=(lifeline,), daemon=True).start()
     if plan.niceness:
         os.nice(plan.niceness)
