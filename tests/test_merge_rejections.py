@@ -16,7 +16,7 @@ from tests.support.in_process import run_until_drained, sample_images
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client.handles import Job, JobRejected
 from worker.ports import S3Location
-from worker.sharding import merging
+from worker.sharding import claims
 
 OUTPUT = "s3://bkt/out/unjoinable/"
 BODY = {
@@ -75,7 +75,7 @@ def test_a_merge_found_poison_leaves_the_reason_where_the_clients_wait_reads_it(
     `JobRejected` naming the file, where nothing was written and it waited out its
     timeout. (Merge claims run out in a second here, so that the job's watch merges
     soon after the committing shard's claim.)"""
-    monkeypatch.setattr(merging, "MERGE_CLAIM_S", 1)
+    monkeypatch.setattr(claims, "MERGE_CLAIM_S", 1)
     source, blobs = InMemoryJobSource(), _RejectionsCounted()
     source.send(json.dumps({**BODY, "inputs": sample_images(blobs, 4)}))
     run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)

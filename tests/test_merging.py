@@ -36,7 +36,8 @@ from worker.jobs.plan import (
 )
 from worker.message import JobMessage, PoisonMessage, ShardRef, parse_job_message
 from worker.ports import S3Location
-from worker.sharding import merging
+from worker.sharding import claims, merging
+from worker.sharding.claims import MergingElsewhere
 from worker.sharding.merging import (
     AlreadyMerged,
     Fenced,
@@ -44,7 +45,6 @@ from worker.sharding.merging import (
     JoinSpace,
     Merged,
     Merger,
-    MergingElsewhere,
     Refused,
 )
 
@@ -146,7 +146,7 @@ def _committed_job(
         )
         marker = commit_file(spec, DIGEST, shard)
         blobs.put(marker, commit.model_dump_json().encode(), "application/json")
-    merging.open_claim(blobs, spec, DIGEST)  # as its planner does
+    claims.open_claim(blobs, spec, DIGEST)  # as its planner does
     return spec, plan
 
 
@@ -327,7 +327,7 @@ def test_a_merger_whose_claim_was_taken_over_writes_nothing_more(
     """A merger stalls past its claim (a claim of no time at all here): another takes
     the claim over and merges; the first, going on, is fenced off at its next write and
     writes no job.json; the job counts as done with the outputs job.json names."""
-    monkeypatch.setattr("worker.sharding.merging.MERGE_CLAIM_S", 0.0)
+    monkeypatch.setattr(claims, "MERGE_CLAIM_S", 0.0)
     spec, plan = _committed_job(store)
     merger, checkpoints = _merger(store)
     store.pause_at = {"stalled": "job.log"}
@@ -531,7 +531,7 @@ def test_a_merger_fenced_as_it_sends_a_file_leaves_that_file_alone_and_writes_no
     rows; the job's next run removes it), and the late merger is fenced at its next
     renewal, writing nothing more; the job is complete as the watch merged it. (Claims
     run out at once here.)"""
-    monkeypatch.setattr(merging, "MERGE_CLAIM_S", 0)
+    monkeypatch.setattr(claims, "MERGE_CLAIM_S", 0)
     spec, plan = _committed_job(store, tables=_shard_tables())
     group_bytes = pq.ParquetFile(io.BytesIO(_parquet([_rows(0, 3)]))).read_row_group(0).nbytes
     late_tables = Tables(file_bytes=1, row_group_bytes=2 * group_bytes)

@@ -77,7 +77,7 @@ from worker.loops import results
 from worker.loops.notices import REJECTED
 from worker.ports import S3Location
 from worker.retry import Backoff
-from worker.sharding import merging, planning, shards, stragglers
+from worker.sharding import claims, merging, planning, shards, stragglers
 
 LONG = os.environ.get("PROTOCOL_PROOF") == "long"
 MOST_DAEMONS = 3  # holding a message at once
@@ -229,7 +229,7 @@ class FleetProtocol(RuleBasedStateMachine):
     def _daemon(self, data: st.DataObject) -> Actor:
         return self.actors[data.draw(st.sampled_from(self._live()), "daemon")]
 
-    @rule(seconds=st.sampled_from([5, LEASE_S, merging.MERGE_CLAIM_S + 1, 3600]))
+    @rule(seconds=st.sampled_from([5, LEASE_S, claims.MERGE_CLAIM_S + 1, 3600]))
     def time_passes(self, seconds: float) -> None:
         CLOCK.now += seconds
 
@@ -340,7 +340,7 @@ def _check_only_final_left(world: World) -> None:
 def protocol(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The protocol's modules on the model's clock, their calls one after another, a
     finish tried again at once; the daemons' logs kept out of the test's output."""
-    for module in (shards, merging, stragglers):
+    for module in (shards, claims, stragglers):
         monkeypatch.setattr(module, "time", CLOCK)
     for module in (shards, merging, stragglers, planning):
         monkeypatch.setattr(module, "each_at_once", one_after_another)
@@ -587,20 +587,28 @@ def test_a_merger_that_finds_the_claim_gone_after_the_merge_leaves_none(protocol
         game.teardown()
 
 
+def _last_shard_merging(game: FleetProtocol, results_format: str, call: str) -> Actor:
+    """The job of four inputs planned (m2 and m3 run shards 0 and 1), shard 0
+    committed, and shard 1's run merging, up to its first call `call` matches."""
+    game.send_the_job(items=4, shard_items=2, results_format=results_format)
+    game.finish(game.start("m1"))
+    game.finish(game.start("m2"))
+    last = game.start("m3")
+    _go_on_until(last, call)
+    return last
+
+
 def test_a_merger_dead_between_two_joined_files_leaves_the_next_to_write_them_over(
     protocol: None,
 ) -> None:
     """A Parquet job's merge joins its shards' files into several of its own, each sent
     on condition that it is as listed: a merger that dies after the first leaves it, and
-    its message's redelivery, resuming the claim, lists it and writes it over, then the
-    rest, and job.json names what it wrote, the rows an unsharded run's."""
+    its message's redelivery, resuming the claim, lists it, finds it holds what it would
+    write and keeps it, writes the rest, and job.json names them, the rows an unsharded
+    run's."""
     game = FleetProtocol()
     try:
-        game.send_the_job(items=4, shard_items=2, results_format=PARQUET)
-        game.finish(game.start("m1"))  # planned: m2 and m3 run shards 0 and 1
-        game.finish(game.start("m2"))
-        last = game.start("m3")
-        _go_on_until(last, r"put results/part-000000-0001\.parquet")
+        last = _last_shard_merging(game, PARQUET, r"put results/part-000000-0001\.parquet")
         assert OUTPUT + "results/part-000000-0000.parquet" in game.world.store.objects
         game.kill(last)
         CLOCK.now += LEASE_S
@@ -688,6 +696,32 @@ def test_a_merger_fenced_by_its_own_messages_other_delivery_watches_the_claim(
         game.finish(later)
         assert "m3" not in game.world.queue.messages
         game.kill(earlier)
+        game.check()
+    finally:
+        game.teardown()
+
+
+@pytest.mark.parametrize("results_format", [JSON_LINES, PARQUET])
+def test_a_merger_stalled_past_its_claim_and_the_one_that_took_it_over_write_one_join(
+    protocol: None, results_format: str
+) -> None:
+    """An order `make prove` found, playing a Parquet job; JSON Lines' is the same. The
+    last shard's run merges: it renews its claim, then stalls past it before it writes
+    job.json. Its message's redelivery takes the claim over and lists the outputs, the
+    first's join among them. The first then writes job.json, naming its files, and
+    dies. The second wrote its join over them, the same bytes (every merger cuts it
+    alike) but, where ETags are not MD5s, another version: job.json named files no
+    longer there, and the job's results were never readable. A merger that finds its
+    file written with the bytes it would write keeps it as it is."""
+    game = FleetProtocol()
+    try:
+        first = _last_shard_merging(game, results_format, r"put job\.json")
+        CLOCK.now += claims.MERGE_CLAIM_S + LEASE_S  # it stalls, past its claim and lease
+        second = game.start("m3")
+        _go_on_until(second, r"put job\.json")  # its join and job.log written, or kept
+        first.step()  # job.json, naming the first's files
+        game.kill(first)
+        game.finish(second)
         game.check()
     finally:
         game.teardown()

@@ -122,8 +122,11 @@ class GatedStore:
     ) -> Any:
         return self._call("get", location, lambda: self._store.get(location, max_bytes, byte_range))
 
-    def chunks(self, location: S3Location, max_bytes: int) -> Iterator[bytes]:
-        yield self.get(location, max_bytes)
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Iterator[bytes]:
+        whole = lambda: b"".join(self._store.chunks(location, max_bytes, expect=expect))  # noqa: E731
+        yield self._call("get", location, whole)
 
     def put(self, location: S3Location, *args: Any, **kwargs: Any) -> str:
         return self._call("put", location, lambda: self._store.put(location, *args, **kwargs))

@@ -1,16 +1,17 @@
-"""An object's bytes as they stream in: inflated (gzip), or as a file to read."""
+"""An object's bytes as they stream in: inflated (gzip), as a file to read, or compared."""
 
 from __future__ import annotations
 
 import io
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from worker.message import PoisonMessage
 from worker.ports import S3Location
 
 GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's way of asking for a gzip header
+COMPARED_BYTES = 2**20  # two streams compared this much at a time
 
 
 def gunzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
@@ -52,3 +53,15 @@ class ChunkStream(io.RawIOBase):
         buffer[:size] = self._pending[:size]
         self._pending = self._pending[size:]
         return size
+
+
+def same_bytes(first: Iterable[bytes], second: Iterable[bytes]) -> bool:
+    """Whether two streams of pieces hold the same bytes, however each is cut; neither
+    is read past the first piece where they differ."""
+    ours, theirs = (io.BufferedReader(ChunkStream(iter(each))) for each in (first, second))
+    while True:
+        piece = ours.read(COMPARED_BYTES)
+        if piece != theirs.read(COMPARED_BYTES):
+            return False
+        if not piece:
+            return True

@@ -26,9 +26,7 @@ import json
 import math
 import shutil
 import tempfile
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ import structlog
 
 from worker.datasets.arrays import ArraySpool
 from worker.datasets.disk import DiskBudget, NoDiskRoom
+from worker.datasets.streams import same_bytes
 from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
@@ -49,7 +48,7 @@ from worker.datasets.tables import (
     read_footer,
     table_name,
 )
-from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
+from worker.errors import MissingObject, PreconditionFailed
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
@@ -66,15 +65,12 @@ from worker.jobs.plan import (
 )
 from worker.jobs.summary import job_summary
 from worker.message import JobMessage, PoisonMessage
-from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, S3Location
+from worker.ports import ABSENT, BlobStore, S3Location
+from worker.sharding.claims import Claim, ClaimLost, MergingElsewhere, NoClaim, put_once
 
 log = structlog.get_logger()
 
-# A merge claim lasts this long past its latest renewal (each write of the merge renews
-# it; one compose of thousands of parts takes minutes): a merger that died is replaced
-# by its message's redelivery at once, and by anyone once its claim has run out.
-MERGE_CLAIM_S = SQS_MAX_DELAY_S
-MAX_CLAIM_BYTES = 4096
+MAX_OUTPUT_BYTES = 5 * 2**40  # an output file is compared to its end, however big
 # Commit markers are read a block of shards at a time, a page of S3's listing (1,000
 # keys): a power of ten, so that the names of a block's markers share a prefix.
 MARKERS_A_BLOCK = 1000
@@ -99,13 +95,6 @@ class AlreadyMerged:
 @dataclass(frozen=True)
 class Incomplete:
     """Not every shard is committed yet."""
-
-
-@dataclass(frozen=True)
-class MergingElsewhere:
-    """Another merger holds the job's claim, until `until` (epoch seconds) unless renewed."""
-
-    until: float
 
 
 @dataclass(frozen=True)
@@ -161,10 +150,6 @@ class PoisonMerge(PoisonMessage):
     own poison leaves its job waiting for the shard's redrive."""
 
 
-class _ClaimLost(Exception):
-    """The merge claim is no longer this merger's."""
-
-
 class Merger:
     """Merges a job whose shards are all committed, one merger at a time."""
 
@@ -204,9 +189,9 @@ class Merger:
             done = self._checkpoints.finished(spec, plan.job_id, plan.request_digest)
             return Incomplete() if done is None else AlreadyMerged(done)
         location = merge_file(spec, plan.request_digest)
-        claim = _Claim(self._blobs, location, merger)
+        claim = Claim(self._blobs, location, merger)
         holder = claim.take(self._blobs.objects_under(location).get(""))
-        if isinstance(holder, _NoClaim):
+        if isinstance(holder, NoClaim):
             # The claim stands from the job's planning to its merge's removal: gone, the
             # job was merged (job.json is written before the removal). A claim written
             # anew now, by a merger whose message another delivery deleted, would be
@@ -219,7 +204,7 @@ class Merger:
             return holder
         try:
             return self._merge(spec, plan, markers, claim)
-        except _ClaimLost as lost:
+        except ClaimLost as lost:
             log.info("merge_fenced", job_id=plan.job_id, error=str(lost))
             return Fenced(str(lost))
         except MissingObject:
@@ -270,7 +255,7 @@ class Merger:
         return markers
 
     def _merge(
-        self, spec: JobMessage, plan: Plan, markers: dict[int, S3Location], claim: _Claim
+        self, spec: JobMessage, plan: Plan, markers: dict[int, S3Location], claim: Claim
     ) -> MergeOutcome:
         # Listed once, under the claim, before anything is read: what is written after
         # this is another's, and fences this merge off.
@@ -294,6 +279,9 @@ class Merger:
             parts = [part(file) for file in files]
             claim.renew()
             location, expect = spec.output_location(name), top.get(name, ABSENT)
+            joined = (chunk for at, size in parts for chunk in self._blobs.chunks(at, size))
+            if self._holds(location, expect, joined):
+                return name, expect
             return name, self._blobs.compose(location, parts, content_type, expect=expect)
 
         results = [file for commit in commits for file in commit.results]
@@ -307,7 +295,7 @@ class Merger:
             summary["outputs"] = outputs
             claim.renew()
             written = json.dumps(summary).encode() + b"\n"  # its finished_at its own
-            _put_once(
+            put_once(
                 self._blobs,
                 spec.output_location("job.json"),
                 written,
@@ -325,7 +313,7 @@ class Merger:
         spec: JobMessage,
         files: list[tuple[S3Location, int]],
         top: dict[str, str],
-        claim: _Claim,
+        claim: Claim,
     ) -> dict[str, str]:
         """The shards' Parquet `files` (each with its size) joined in order into the
         files a run of the job alone writes (`Tables.join`; larger ones for a job too
@@ -370,9 +358,13 @@ class Merger:
                     name = table_name(0, len(written))
                     claim.renew()
                     location, expect = spec.output_location(name), top.get(name, ABSENT)
-                    written[name] = self._blobs.put_file(
-                        location, path, PARQUET_CONTENT_TYPE, expect=expect
-                    )
+                    with path.open("rb") as file:
+                        kept = self._holds(location, expect, iter(file.read, b""))
+                    if not kept:
+                        expect = self._blobs.put_file(
+                            location, path, PARQUET_CONTENT_TYPE, expect=expect
+                        )
+                    written[name] = expect
                     space.beat()
                     path.unlink()  # the disk holds one joined file at a time
         except UnfitResults as error:
@@ -381,6 +373,19 @@ class Merger:
             shutil.rmtree(directory, ignore_errors=True)
             disk.release()
         return written
+
+    def _holds(self, location: S3Location, listed: str, ours: Iterable[bytes]) -> bool:
+        """Whether the output at `location` is still as listed (`listed`, its ETag) and
+        holds the bytes `ours`: an earlier merger's write of what this one would write
+        (every merger cuts the join alike), which it keeps as it is: written again, it
+        would be another version where ETags are not MD5s, and a merger stalled past its
+        claim may have named this one in job.json already. Read only where it is there."""
+        if listed == ABSENT:
+            return False
+        try:
+            return same_bytes(self._blobs.chunks(location, MAX_OUTPUT_BYTES, expect=listed), ours)
+        except (MissingObject, PreconditionFailed):
+            return False
 
     def _footer(self, location: S3Location, size: int) -> pq.FileMetaData:
         """A shard's Parquet file's columns and row groups, from its footer
@@ -428,106 +433,6 @@ class Merger:
             log.warning("shards_not_removed", job_id=plan.job_id, error=repr(error))
             return False
         return True
-
-
-def open_claim(blobs: BlobStore, spec: JobMessage, digest: str) -> None:
-    """Write request `digest`'s merge claim, held by none, as its plan is first written
-    (before plan.json: a planner that finds plan.json finds the claim too): mergers
-    then only ever take it over as it is (`If-Match`), and once the job's merge
-    removes it, none writes it again."""
-    note = json.dumps({"merger": None, "until": 0}).encode()
-    # Refused: opened by an earlier delivery of the job's message (or a retry of this write).
-    with contextlib.suppress(PreconditionFailed):
-        blobs.put(merge_file(spec, digest), note, "application/json", expect=ABSENT)
-
-
-@dataclass(frozen=True)
-class _NoClaim:
-    """The job has no merge claim: its merge removed it, or (a job planned by a worker
-    from before claims were opened at planning) none was ever written."""
-
-
-class _Claim:
-    """A job's merge claim: `{"merger", "until", "write"}`, its ETag kept to renew it."""
-
-    def __init__(self, blobs: BlobStore, location: S3Location, merger: str):
-        self._blobs = blobs
-        self._location = location
-        self._merger = merger
-        self._etag = ABSENT
-        self.name = location.key.rsplit("/", 1)[1]
-
-    def take(self, listed: str | None) -> MergingElsewhere | _NoClaim | None:
-        """Take the claim (`listed`: its ETag as listed, None if there was none), on
-        condition that it is as listed: None once it is this merger's; else who holds
-        it, until when, or that there is none."""
-        if listed is None:
-            return _NoClaim()
-        try:
-            fields = _json_object(self._blobs.get(self._location, MAX_CLAIM_BYTES))
-        except MissingObject:
-            return _NoClaim()  # the merge it named ended and removed it
-        until = fields.get("until")
-        ours = fields.get("merger") == self._merger
-        if not ours and isinstance(until, int | float) and until > time.time():
-            return MergingElsewhere(float(until))
-        # Run out, opened by the planner, not one, or ours from an earlier delivery.
-        return self._write_on(listed)
-
-    def take_anew(self) -> MergingElsewhere | None:
-        """Write the claim where there is none (a job whose planner opened none)."""
-        return self._write_on(ABSENT)
-
-    def _write_on(self, expect: str) -> MergingElsewhere | None:
-        try:
-            self._write(expect)
-        except PreconditionFailed:
-            return MergingElsewhere(time.time() + MERGE_CLAIM_S)  # taken meanwhile
-        return None
-
-    def renew(self) -> None:
-        """Renew the claim on condition that it is still this merger's; `_ClaimLost` if
-        another took it over."""
-        try:
-            self._write(self._etag)
-        except PreconditionFailed as error:
-            raise _ClaimLost(f"another merger took the merge over: {error}") from error
-
-    def _write(self, expect: str) -> None:
-        # Each write's bytes its own (`write`), so that a try of it found written is told
-        # from another merger's claim (`_put_once`).
-        note = {"merger": self._merger, "until": time.time() + MERGE_CLAIM_S}
-        data = json.dumps({**note, "write": uuid.uuid4().hex}).encode()
-        self._etag = _put_once(self._blobs, self._location, data, expect)
-
-
-def _put_once(blobs: BlobStore, location: S3Location, data: bytes, expect: str) -> str:
-    """Write `data` (JSON) on `expect`'s condition; its ETag. Refused, it may be a try of
-    this same write whose answer was lost, retried by the adapter, which then fails its
-    condition against the first try's write (where ETags are not the bytes' MD5s, as
-    under SSE-KMS, the adapter cannot tell): if the object holds `data`, the write is
-    done, and its ETag is the one listed (listed before it is read: the bytes read are
-    that ETag's or later ones', and these are written once). Else `PreconditionFailed`:
-    another's write."""
-    try:
-        return blobs.put(location, data, "application/json", expect=expect)
-    except PreconditionFailed:
-        etag = blobs.objects_under(location).get("")
-        try:
-            ours = etag is not None and blobs.get(location, len(data)) == data
-        except (MissingObject, ObjectTooLarge):
-            ours = False
-        if not ours or etag is None:
-            raise
-        return etag
-
-
-def _json_object(data: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _items(plan: Plan, commits: list[Commit]) -> int:

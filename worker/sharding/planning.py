@@ -50,7 +50,7 @@ from worker.jobs.plan import (
 )
 from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_ENTRIES_PER_BATCH_CALL, BlobStore, JobSource, S3Location
-from worker.sharding.merging import open_claim
+from worker.sharding.claims import open_claim
 
 log = structlog.get_logger()
 

@@ -49,14 +49,13 @@ from worker.jobs.plan import (
 )
 from worker.message import JobMessage, PoisonMessage
 from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, JobSource, S3Location
+from worker.sharding.claims import MERGE_CLAIM_S, MergingElsewhere, json_object
 from worker.sharding.merging import (
-    MERGE_CLAIM_S,
     AlreadyMerged,
     Fenced,
     Incomplete,
     Merged,
     Merger,
-    MergingElsewhere,
     Refused,
     Written,
 )
@@ -389,7 +388,7 @@ class Shards:
             return None
         except ObjectTooLarge:  # not what a worker writes
             marker = b""
-        due = _json_object(marker).get("due")
+        due = json_object(marker).get("due")
         if not isinstance(due, int | float) or isinstance(due, bool):
             return ArmedWatch(etag, None)
         return ArmedWatch(etag, float(due))
@@ -490,7 +489,7 @@ class Shards:
         """The job's progress.json as an object; empty if it is not one a worker wrote
         (over a size no count of its shards reaches)."""
         try:
-            return _json_object(self._blobs.get(location, MAX_PROGRESS_BYTES))
+            return json_object(self._blobs.get(location, MAX_PROGRESS_BYTES))
         except ObjectTooLarge:
             return {}
 
@@ -505,14 +504,6 @@ class Shards:
 
 def _name(location: S3Location) -> str:
     return location.key.rsplit("/", 1)[1]
-
-
-def _json_object(data: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _count(value: Any, position: int) -> int:
