@@ -301,7 +301,9 @@ def test_a_prefix_of_many_files_lists_its_first_rows_after_the_footers_it_needs(
 
     first = next(listed)
 
-    assert first == Input("s3://bkt/table/0.parquet#rows=0-2")
+    etag = blobs.head(S3Location("bkt", "table/0.parquet")).etag
+    span = table_ranges.Span("s3://bkt/table/0.parquet", etag, 0, 3, ("body", "doc"))
+    assert isinstance(first.uri, table_ranges.TableRows) and first.uri.span == span
     assert looked_at == [1, 2] and len(blobs.bytes_read) == 2
     assert len(list(listed)) == 5
     assert looked_at == [1, 2, 3, 4, 5, 6]
@@ -401,23 +403,27 @@ def test_a_mixed_prefix_copies_its_csv_rows_and_plans_its_parquet_rows_as_ranges
 
 
 @pytest.mark.parametrize("id_column", ["doc", None])
-def test_a_planned_tables_rows_digest_as_its_shards_list_them_row_by_row(
+def test_a_planned_tables_rows_digest_as_they_did_listed_one_by_one(
     monkeypatch: pytest.MonkeyPatch, id_column: str | None
 ) -> None:
-    """Planning lists a file's rows as one input (`TableRows`) and digests them at once,
-    a few thousand at a time; the request's digest is the one its rows listed one by one
-    (`TableRow`s, as a shard lists them, and as planners did before) give, whatever the
-    file's name holds, so a request keeps its digest and its checkpoints."""
+    """Planning lists a file's rows as one input (`TableRows`) and digests them a chunk
+    at a time, each chunk progress; the request's digest is the one the rows listed one
+    by one give (`file#row=n` and the span's listed id, as planners listed each row
+    before), whatever the file's name holds, so a request keeps its digest and its
+    checkpoints."""
     monkeypatch.setattr(checkpoints, "DIGEST_ROWS", 3)
     name = 's3://bkt/t\u00e9 "x"#row=5\\.parquet'
     span = table_ranges.Span(name, '"e\u00f1"', 3, 11, ("b\u00f6dy", id_column))
     before, after = Input("s3://bkt/a.png"), Input("s3://bkt/b.png", "9")
-    at_once, by_rows = RequestDigest(), RequestDigest()
+    told: list[None] = []
+    at_once, by_rows = RequestDigest(lambda: told.append(None)), RequestDigest()
     for listed in (before, Input(table_ranges.TableRows(span)), after):
         at_once.add(*listed)
-    for listed in (before, *(Input(row, row.listed_id) for row in span.rows()), after):
+    rows = [Input(f"{name}#row={row}", span.listed_id()) for row in span.range()]
+    for listed in (before, *rows, after):
         by_rows.add(*listed)
     assert at_once.hexdigest({}, {}, "jsonl") == by_rows.hexdigest({}, {}, "jsonl")
+    assert len(told) == 3  # 8 rows, 3 at a time
 
 
 def test_a_run_of_rows_is_cut_where_each_shard_ends() -> None:

@@ -2,7 +2,7 @@
 rather than copied: planning reads each file's footer alone (its ETag, row count and row
 groups) and lists its rows as one input (`TableRows`: their names, no text), cut where
 shards end; a shard's inputs file holds a `Span` line for each run of its rows in one
-file, never their texts, and its daemon lists each of them as a `TableRow`:
+file, never their texts:
 
     {"table": "s3://b/t.parquet", "etag": "\\"9b2c...\\"", "rows": [200000, 300000],
      "text_column": "text", "id_column": "id"}
@@ -102,34 +102,6 @@ def _rows(first: int, count: int) -> str:
     return f"row {first}" if count == 1 else f"rows {first}-{first + count - 1}"
 
 
-class TableRow(TextInput):
-    """A row of a Parquet table of texts as its shard lists it: named as the row is when
-    read whole (`s3://b/t.parquet#row=17`), its text left in the table for the shard to
-    read (`span_batches`). It is listed with `listed_id` where a row's id would be: its
-    file's ETag at planning and the columns read, so that the request digest covers the
-    version planned and what is read of it (another `id_column` is another request)."""
-
-    __slots__ = ("columns", "etag", "file", "listed_id", "row")
-    file: str
-    row: int
-    etag: str
-    columns: TextColumns
-    listed_id: str
-
-    def __new__(
-        cls, file: str, row: int, etag: str, columns: TextColumns, listed_id: str
-    ) -> TableRow:
-        # str's own, not TextInput's: a shard makes one of these a row it reads.
-        made = str.__new__(cls, f"{file}#row={row}")
-        made.text, made.problem = None, "its text is read by its shard"
-        made.file, made.row, made.etag, made.columns = file, row, etag, columns
-        made.listed_id = listed_id
-        return made
-
-    def __reduce__(self) -> Any:
-        return type(self), (self.file, self.row, self.etag, self.columns, self.listed_id)
-
-
 class Span(NamedTuple):
     """Rows `first` to `stop` (excluded) of the table file `file` as it was at planning
     (`etag`), with the columns to read."""
@@ -140,26 +112,22 @@ class Span(NamedTuple):
     stop: int
     columns: TextColumns
 
-    def rows(self) -> Iterator[TableRow]:
-        listed_id = self.listed_id()  # once a span, not a row
-        return (
-            TableRow(self.file, row, self.etag, self.columns, listed_id) for row in self.range()
-        )
-
     def range(self) -> range:
         return range(self.first, self.stop)
 
     def listed_id(self) -> str:
-        """What each of its rows is listed with where a row's id would be (`TableRow`)."""
+        """What the request digest takes for each of its rows where a row's id would be:
+        its file's ETag at planning and the columns read, so that the digest covers the
+        version planned and what is read of it (another `id_column` is another request)."""
         return json.dumps([self.etag, *self.columns])
 
 
 class TableRows(TextInput):
     """The rows of a `span` as planning lists them: one input of the listing for all of
     them, counted as its `row_count` items, so that planning a table of 20 million rows
-    makes a few objects a file, not a few a row. Named as its rows are
-    (`s3://b/t.parquet#rows=0-999`); no text (`TextInput`'s `problem`), as no run of
-    rows is an item a pipeline runs."""
+    makes a few objects a file, not a few a row. Named for its rows
+    (`s3://b/t.parquet#rows=0-999`, where a shard names each `...#row=17`); no text
+    (`TextInput`'s `problem`): no run of rows is an item a pipeline runs."""
 
     __slots__ = ("span",)
     span: Span
@@ -169,6 +137,9 @@ class TableRows(TextInput):
         made.text, made.problem = None, "its texts are read by its shards"
         made.span = span
         return made
+
+    def __reduce__(self) -> Any:
+        return type(self), (self.span,)
 
     @property
     def row_count(self) -> int:

@@ -34,7 +34,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -103,12 +103,15 @@ class RequestDigest:
     """`request_digest` taken as the inputs stream past (a planned job's manifest is
     never held whole): the SHA-256 of `[inputs, params, model]` as compact JSON."""
 
-    def __init__(self) -> None:
+    def __init__(self, progress: Callable[[], None] = lambda: None) -> None:
+        """`progress`: told as a table's rows are digested, 65,536 at a time (`add`)."""
         self._hash = hashlib.sha256(b"[[")
         self._separator = b""
+        self._progress = progress
 
     def add(self, uri: str, input_id: Any = None) -> None:
-        """An input as listed: a `TableRows` adds each of its rows as a `TableRow`."""
+        """An input as listed; a table's rows (`TableRows`) each as a shard names it,
+        `file#row=n`, with the span's listed id (as planners listed each row before)."""
         if isinstance(uri, TableRows):
             self._add_rows(uri.span)
             return
@@ -117,9 +120,9 @@ class RequestDigest:
         self._separator = b","
 
     def _add_rows(self, span: Span) -> None:
-        """What `add` takes of each row of `span` as its shard lists it (`file#row=n`,
-        with its listed id), made `DIGEST_ROWS` at a time: a row a microsecond or less,
-        where listing each as an object took 10."""
+        """What `add` takes of each row of `span`, made `DIGEST_ROWS` at a time (a row in
+        half a microsecond, where listing each as an object took 10), the listing's
+        `progress` told after each."""
         # ["<file>#row=  then the row's number, then  ", "<listed id>"]
         head = json.dumps([f"{span.file}#row="])[:-2]
         tail = json.dumps([f"{span.file}#row=0", span.listed_id()])[len(head) + 1 :]
@@ -128,6 +131,7 @@ class RequestDigest:
             entries = ",".join([f"{head}{number}{tail}" for number in numbers])
             self._hash.update(self._separator + entries.encode())
             self._separator = b","
+            self._progress()
 
     def hexdigest(
         self,

@@ -338,7 +338,8 @@ class AdmissionReader:
         """Plan a job over its shard size from its listing, read through once into a
         `snapshot` (never held whole): the plan is of what it held then, whatever the
         listing says later; or settle it, if done already."""
-        digest, count = RequestDigest(), 0
+        # A table's rows listed as one input are digested a chunk at a time, each progress.
+        digest, count = RequestDigest(lambda: self._listing_beat(job)), 0
         for uri, input_id in listed:
             count += listed_items(uri)
             digest.add(uri, input_id)
