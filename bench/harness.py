@@ -154,9 +154,11 @@ class LatentBlobStore(InMemoryBlobStore):
         location: S3Location,
         max_bytes: int | None = None,
         byte_range: ByteRange | None = None,
+        *,
+        expect: str | None = None,
     ) -> bytes:
         self._wait()
-        return super().get(location, max_bytes, byte_range)
+        return super().get(location, max_bytes, byte_range, expect=expect)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

@@ -168,7 +168,8 @@ def test_blob_round_trip_and_missing_key(parts: tuple[Any, Any, Any]) -> None:
 
 def test_conditional_writes_listing_and_delete(parts: tuple[Any, Any, Any]) -> None:
     """A write on condition of absence, or of the ETag seen, fails once another writer
-    was first; a listing names the objects directly under a prefix with their ETags."""
+    was first, and so does a ranged read on condition of the ETag seen; a listing names
+    the objects directly under a prefix with their ETags."""
     _, blobs, _ = parts
     out = S3Location.parse("s3://bkt/out/")
     results = S3Location.parse("s3://bkt/out/results.jsonl")
@@ -178,6 +179,9 @@ def test_conditional_writes_listing_and_delete(parts: tuple[Any, Any, Any]) -> N
     second = blobs.put(results, b"ours, again", "text/plain", expect=first)
     with pytest.raises(PreconditionFailed):
         blobs.put(results, b"stale", "text/plain", expect=first)
+    assert blobs.get(results, byte_range=(6, 5), expect=second) == b"again"
+    with pytest.raises(PreconditionFailed):
+        blobs.get(results, byte_range=(0, 4), expect=first)
     blobs.put(S3Location.parse("s3://bkt/out/deeper/x"), b"", "text/plain")
     assert blobs.objects_under(out) == {"results.jsonl": second}
     blobs.delete([results, S3Location.parse("s3://bkt/out/never-there")])

@@ -23,6 +23,7 @@ from worker.adapters.fakes import InMemoryBlobStore
 from worker.datasets import table_ranges
 from worker.datasets.disk import DiskBudget
 from worker.datasets.inputs import Input, InputReader, shard_lines
+from worker.errors import TransientError
 from worker.jobs import checkpoints
 from worker.jobs.checkpoints import RequestDigest
 from worker.message import JobMessage, PoisonMessage, parse_job_message
@@ -39,7 +40,8 @@ A_URI = "s3://bkt/table/a.parquet"
 class _CountingStore(InMemoryBlobStore):
     """A store that counts the bytes read of each object, whole or by ranges, and the
     largest read; a.parquet is rewritten (its rows, other texts) once `replace_after`
-    ranges of it are read (`replace_a_after`)."""
+    ranges of it are read (`replace_a_after`), and put back as it was once one more is
+    asked for, if `put_back` holds it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,17 +50,23 @@ class _CountingStore(InMemoryBlobStore):
         self.ranges: list[tuple[int, int]] = []
         self.replace_after = 0
         self.replacement = b""
+        self.put_back = b""
 
-    def replace_a_after(self, reads: int) -> None:
+    def replace_a_after(self, reads: int, put_back: bool = False) -> None:
         # Made here, not in `get`: a shard's reads are called from pyarrow's own.
         rewritten = pq.read_table(io.BytesIO(self.objects[A_URI]))
         body = pa.array([f"other {row}" for row in range(rewritten.num_rows)])
         sink = io.BytesIO()
         pq.write_table(rewritten.set_column(1, "body", body), sink, row_group_size=3)
         self.replacement, self.replace_after = sink.getvalue(), reads
+        self.put_back = self.objects[A_URI] if put_back else b""
 
     def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
-        data = super().get(location, *args, **kwargs)
+        try:
+            data = super().get(location, *args, **kwargs)
+        finally:
+            if str(location) == A_URI and self.put_back and self.objects[A_URI] is self.replacement:
+                self.objects[A_URI], self.put_back = self.put_back, b""
         self.bytes_read[str(location)] += len(data)
         if kwargs.get("byte_range"):
             self.ranges.append(kwargs["byte_range"])
@@ -203,17 +211,36 @@ def test_a_table_replaced_after_planning_is_its_shards_poison_naming_it(tmp_path
     assert _digest(blobs) != before
 
 
-@pytest.mark.parametrize("reads", [1, 3, 5])  # a shard of two row groups reads 5 ranges
+@pytest.mark.parametrize("reads", [1, 3])  # a shard of two row groups reads 5 ranges
 def test_a_table_replaced_while_a_shard_reads_it_is_poison(tmp_path: Path, reads: int) -> None:
     """A file replaced while a shard reads its rows (after its footer, or after some of
-    its row groups): the shard's look at its ETag, as a read fails or once they are all
-    read, finds it before any of them runs."""
+    its row groups): its next read is refused (If-Match the planned ETag), and the
+    shard's look at the ETag then finds it replaced, before any row runs."""
     blobs = _CountingStore()
     _table_files(blobs)
     files = _planned(blobs, 4, tmp_path)
     blobs.replace_a_after(reads)
     with pytest.raises(PoisonMessage, match=r"a\.parquet was replaced since its job was planned"):
         _shard(blobs, files[1], 4)
+
+
+def test_a_table_replaced_and_put_back_while_a_shard_reads_it_is_read_again(
+    tmp_path: Path,
+) -> None:
+    """A file replaced after a shard's third read and put back as it was at its fourth
+    (its ETag the planned one again): that read is refused, not answered from the other
+    version, and the shard is tried again (a transient fault); its next try reads the
+    planned rows. Its rows mixed the two versions, the other's texts among them."""
+    blobs = _CountingStore()
+    _table_files(blobs)
+    files = _planned(blobs, 4, tmp_path)
+    expected = [row.uri for row in _shard(blobs, files[1], 4)]
+    blobs.replace_a_after(3, put_back=True)
+    with pytest.raises(TransientError, match=r"a\.parquet changed while its rows were read"):
+        _shard(blobs, files[1], 4)
+    assert not blobs.put_back
+    got = [row.uri for row in _shard(blobs, files[1], 4)]
+    assert [(name, name.text) for name in got] == [(name, name.text) for name in expected]
 
 
 def _digest(blobs: InMemoryBlobStore, **table: Any) -> str:

@@ -234,11 +234,14 @@ class BlobStore(Protocol):
         location: S3Location,
         max_bytes: int | None = None,
         byte_range: ByteRange | None = None,
+        *,
+        expect: str | None = None,
     ) -> bytes:
         """The object's bytes (those of `byte_range` only, a ranged GET, if given);
         raises `MissingObject`, `AccessDenied` or `TransientError` (after its own
         retries), `ObjectTooLarge` (without reading it) if they are over `max_bytes`, or
-        another error that retrying will not cure."""
+        another error that retrying will not cure. With `expect`, read only if the
+        object still has that ETag (If-Match): `PreconditionFailed` if it was replaced."""
 
     def chunks(
         self, location: S3Location, max_bytes: int, *, expect: str | None = None

@@ -118,9 +118,15 @@ class GatedStore:
         return str(location).removeprefix(self._root)
 
     def get(
-        self, location: S3Location, max_bytes: int | None = None, byte_range: Any = None
+        self,
+        location: S3Location,
+        max_bytes: int | None = None,
+        byte_range: Any = None,
+        *,
+        expect: str | None = None,
     ) -> Any:
-        return self._call("get", location, lambda: self._store.get(location, max_bytes, byte_range))
+        read = lambda: self._store.get(location, max_bytes, byte_range, expect=expect)  # noqa: E731
+        return self._call("get", location, read)
 
     def chunks(
         self, location: S3Location, max_bytes: int, *, expect: str | None = None

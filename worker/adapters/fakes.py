@@ -294,6 +294,8 @@ class InMemoryBlobStore:
         location: S3Location,
         max_bytes: int | None = None,
         byte_range: ByteRange | None = None,
+        *,
+        expect: str | None = None,
     ) -> bytes:
         with self._lock:
             self.reads[str(location)] += 1
@@ -301,6 +303,8 @@ class InMemoryBlobStore:
                 data = self.objects[str(location)]
             except KeyError:
                 raise MissingObject(f"{location} does not exist") from None
+            if expect is not None and self._etag(str(location)) != expect:
+                raise PreconditionFailed(f"{location} changed since it was listed")
         if byte_range is not None:
             first, size = byte_range
             data = data[first : first + size]
@@ -310,11 +314,7 @@ class InMemoryBlobStore:
     def chunks(
         self, location: S3Location, max_bytes: int, *, expect: str | None = None
     ) -> Generator[bytes]:
-        with self._lock:
-            uri = str(location)
-            if expect is not None and uri in self.objects and self._etag(uri) != expect:
-                raise PreconditionFailed(f"{location} changed since it was listed")
-        data = self.get(location, max_bytes)
+        data = self.get(location, max_bytes, expect=expect)
         for start in range(0, len(data), self._chunk_bytes):
             yield data[start : start + self._chunk_bytes]
 

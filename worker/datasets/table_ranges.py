@@ -9,12 +9,12 @@ file, never their texts:
 
 A shard's daemon reads only its rows (`span_batches`): the row groups its span overlaps,
 from the first's start to its last row, streamed by ranged GETs of at most
-`PARQUET_READ_BYTES` (or of one page, where a page is larger), pinned to the ETag its
-plan saw. The file is asked for its ETag before its rows are read and again once they
-are (or a read fails): a file replaced meanwhile (or since planning) is the shard's
-poison, naming it and both ETags, so that no shard's results mix two versions of a
-table and the job's error says which file changed. (A file replaced and put back as it
-was between the two looks is read as it was; its rows then are its planned version's.)
+`PARQUET_READ_BYTES` (or of one page, where a page is larger), each on condition that
+the file is still the version its plan saw (If-Match its ETag). A file replaced since
+planning, or while its rows are read, is the shard's poison, naming it and both ETags,
+so that no shard's results mix two versions of a table and the job's error says which
+file changed; one replaced and put back as it was while they are read (its ETag the
+planned one again) has them read again, on the shard's next try.
 
 CSV and JSON-lines tables have no random access by row: reaching row n means parsing
 every row before it, so their rows' texts are still copied into the shards' inputs
@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from worker.datasets.tables import UnfitResults, read_footer
 from worker.datasets.texts import TextInput
+from worker.errors import PreconditionFailed, TransientError
 from worker.message import PoisonMessage, check_buckets
 from worker.ports import BlobStore, S3Location
 
@@ -178,7 +179,7 @@ def planned_file(
     the shard that reads it: a footer does not say.)"""
     location = S3Location.parse(uri)
     head = blobs.head(location)
-    metadata = _footer(blobs, location, head.size, max_bytes)
+    metadata = _footer(blobs, location, head.size, max_bytes, head.etag)
     weighed(metadata, _wanted(columns), uri, row_bytes, TEXT_ROW_LIMIT)
     id_column = columns[1]
     if id_column is not None:
@@ -299,13 +300,13 @@ def span_batches(
     """The rows of `span` as record batches of its columns, each with its first row's
     number in the file: only the row groups the span overlaps are read, up to its last
     row, each column chunk streamed by ranged GETs of `PARQUET_READ_BYTES` (a page at
-    least). Poison if the file is not the version planned (`span.etag`), asked before
-    the rows are read, after, and where a read fails, whatever it fails with (S3 answers
-    a range past a shortened file's end with InvalidRange)."""
+    least), each on condition that the file is the version planned (`span.etag`).
+    Poison if it is not, asked before the rows are read and where a read fails, whatever
+    it fails with (S3 answers a range past a shortened file's end with InvalidRange)."""
     location = S3Location.parse(span.file)
     head = blobs.head(location)
     _same_version(span, head.etag)
-    metadata = _footer(blobs, location, head.size, max_bytes)
+    metadata = _footer(blobs, location, head.size, max_bytes, span.etag)
     if metadata.num_rows < span.stop:
         raise PoisonMessage(
             f"table {span.file} has {metadata.num_rows} rows, not the {span.stop} it had when "
@@ -322,7 +323,7 @@ def span_batches(
         row += group_rows
     row = first_row
     parquet = pq.ParquetFile(
-        _RangedObject(blobs, location, head.size),
+        _RangedObject(blobs, location, head.size, span.etag),
         metadata=metadata,
         read_dictionary=read.dictionaries,
         pre_buffer=False,
@@ -339,14 +340,15 @@ def span_batches(
             row += batch.num_rows
             if row >= span.stop:
                 break  # the rest of its last row group is another shard's
-    except Exception:
+    except Exception as error:
         # A read past a replaced file's end, or of what its offsets no longer point at,
         # is the replacement's, not a fault to retry.
         _same_version(span, blobs.head(location).etag)
+        if isinstance(error, PreconditionFailed):  # and put back since
+            raise TransientError(f"table {span.file} changed while its rows were read") from error
         raise
     finally:
         batches.close()
-    _same_version(span, blobs.head(location).etag)
 
 
 def _wanted(columns: TextColumns) -> list[str]:
@@ -362,11 +364,13 @@ def _same_version(span: Span, etag: str) -> None:
         )
 
 
-def _footer(blobs: BlobStore, location: S3Location, size: int, max_bytes: int) -> pq.FileMetaData:
+def _footer(
+    blobs: BlobStore, location: S3Location, size: int, max_bytes: int, etag: str
+) -> pq.FileMetaData:
     if size > max_bytes:
         raise PoisonMessage(f"table {location} is {size} bytes, over {max_bytes}")
     try:
-        return read_footer(blobs, location, size)
+        return read_footer(blobs, location, size, etag)
     except UnfitResults as error:
         raise PoisonMessage(
             f"table {location} is not a table this worker reads: {error}"
@@ -377,8 +381,8 @@ class _RangedObject:
     """An S3 object as the random-access file pyarrow reads a Parquet file from: each
     read a ranged GET."""
 
-    def __init__(self, blobs: BlobStore, location: S3Location, size: int):
-        self._blobs, self._location, self._size = blobs, location, size
+    def __init__(self, blobs: BlobStore, location: S3Location, size: int, etag: str):
+        self._blobs, self._location, self._size, self._etag = blobs, location, size, etag
         self._position = 0
         self.closed = False
         self.mode = "rb"
@@ -395,7 +399,8 @@ class _RangedObject:
         end = self._size if size < 0 else min(self._size, self._position + size)
         if end <= self._position:
             return b""
-        data = self._blobs.get(self._location, byte_range=(self._position, end - self._position))
+        wanted = (self._position, end - self._position)
+        data = self._blobs.get(self._location, byte_range=wanted, expect=self._etag)
         self._position += len(data)
         return data
 

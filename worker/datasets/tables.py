@@ -289,15 +289,18 @@ def footer_bytes(tail: bytes, size: int) -> int:
     return footer
 
 
-def read_footer(blobs: BlobStore, location: S3Location, size: int) -> pq.FileMetaData:
+def read_footer(
+    blobs: BlobStore, location: S3Location, size: int, etag: str | None = None
+) -> pq.FileMetaData:
     """The columns and row groups of the Parquet file at `location` (of `size` bytes),
     from its footer: its end, read by a ranged GET (two where the footer is over
-    `FOOTER_GUESS_BYTES`). `UnfitResults` if it has none."""
+    `FOOTER_GUESS_BYTES`), on condition that it has `etag`, if given. `UnfitResults` if
+    it has none."""
     tail_bytes = min(size, FOOTER_GUESS_BYTES)
-    tail = blobs.get(location, byte_range=(size - tail_bytes, tail_bytes))
+    tail = blobs.get(location, byte_range=(size - tail_bytes, tail_bytes), expect=etag)
     footer = footer_bytes(tail, size)
     if footer > len(tail):
-        tail = blobs.get(location, footer, byte_range=(size - footer, footer))
+        tail = blobs.get(location, footer, byte_range=(size - footer, footer), expect=etag)
     return footer_metadata(tail[-footer:])
 
 

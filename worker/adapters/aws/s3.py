@@ -128,6 +128,8 @@ class S3BlobStore(Retrying):
         location: S3Location,
         max_bytes: int | None = None,
         byte_range: ByteRange | None = None,
+        *,
+        expect: str | None = None,
     ) -> bytes:
         if byte_range is not None and byte_range[1] == 0:
             return b""  # no Range header asks for nothing
@@ -136,7 +138,7 @@ class S3BlobStore(Retrying):
             # Inside the retried call: a reset or a short read mid-body is as transient
             # as a failed request (botocore checks the length read against the size
             # S3 gave when the body is read whole).
-            body, size = self._opened(location, max_bytes, byte_range)
+            body, size = self._opened(location, max_bytes, byte_range, if_match=expect)
             with contextlib.closing(body):
                 if max_bytes is None or size is not None:
                     return body.read()  # type: ignore[no-any-return]
