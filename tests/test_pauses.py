@@ -43,3 +43,27 @@ def test_a_full_collection_while_the_daemon_serves_walks_what_it_did_since_it_st
         assert run_while(daemon, collect_while_serving) is ExitCode.SIGNALLED
     assert min(pauses) < MAX_FULL_COLLECTION_S, pauses
     assert gc.get_freeze_count() == 0
+
+
+def test_a_daemon_started_with_its_collector_off_collects_once_it_has_started(
+    tmp_path: Path,
+) -> None:
+    """`worker run` starts with the collector off (what it makes as it starts lives as
+    long as it does); the daemon turns it on once started, and on its way out leaves it
+    as it found it."""
+    daemon = Daemon(serving_settings(tmp_path), InMemoryJobSource(), InMemoryBlobStore())
+    collecting: list[bool] = []
+
+    def look_then_stop() -> None:
+        wait_until(lambda: any(entry["event"] == "daemon_started" for entry in logs))
+        collecting.append(gc.isenabled())
+        daemon.stop()
+
+    gc.disable()
+    try:
+        with capture_logs() as logs:
+            assert run_while(daemon, look_then_stop) is ExitCode.SIGNALLED
+        assert collecting == [True]
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -24,10 +24,13 @@ OnPause = Callable[[int, float], None]  # (generation, seconds)
 @contextlib.contextmanager
 def started_heap_frozen(on_pause: OnPause | None = None) -> Iterator[None]:
     """Collect once, freeze what is left (the process as started), and report each
-    collection's pause to `on_pause` while inside; unfrozen on the way out (a daemon
-    embedded in another program, or a test, leaves its collector as it found it)."""
+    collection's pause to `on_pause` while inside, the collector on (`worker run` starts
+    with it off); unfrozen, and off again if it was, on the way out (a daemon embedded
+    in another program, or a test, leaves its collector as it found it)."""
+    was_on = gc.isenabled()
     gc.collect()
     gc.freeze()
+    gc.enable()
     timer = _PauseTimer(on_pause) if on_pause is not None else None
     if timer is not None:
         gc.callbacks.append(timer)
@@ -37,6 +40,8 @@ def started_heap_frozen(on_pause: OnPause | None = None) -> Iterator[None]:
         if timer is not None:
             gc.callbacks.remove(timer)
         gc.unfreeze()
+        if not was_on:
+            gc.disable()
 
 
 class _PauseTimer:
