@@ -598,18 +598,19 @@ def _last_shard_merging(game: FleetProtocol, results_format: str, call: str) -> 
     return last
 
 
-def test_a_merger_dead_between_two_joined_files_leaves_the_next_to_write_them_over(
+def test_a_merger_dead_between_two_joined_files_leaves_the_next_to_keep_one_and_write_one(
     protocol: None,
 ) -> None:
     """A Parquet job's merge joins its shards' files into several of its own, each sent
     on condition that it is as listed: a merger that dies after the first leaves it, and
     its message's redelivery, resuming the claim, lists it, finds it holds what it would
-    write and keeps it, writes the rest, and job.json names them, the rows an unsharded
-    run's."""
+    write and keeps it (the same version), writes the rest, and job.json names them,
+    the rows an unsharded run's."""
     game = FleetProtocol()
     try:
         last = _last_shard_merging(game, PARQUET, r"put results/part-000000-0001\.parquet")
-        assert OUTPUT + "results/part-000000-0000.parquet" in game.world.store.objects
+        results = game.world.store.objects_under(S3Location.parse(OUTPUT + "results/"))
+        first = results["part-000000-0000.parquet"]
         game.kill(last)
         CLOCK.now += LEASE_S
         game.finish(game.start("m3"))
@@ -618,6 +619,7 @@ def test_a_merger_dead_between_two_joined_files_leaves_the_next_to_write_them_ov
             "results/part-000000-0000.parquet",
             "results/part-000000-0001.parquet",
         ]
+        assert summary["outputs"]["results/part-000000-0000.parquet"] == first
         game.check()
     finally:
         game.teardown()

@@ -134,6 +134,9 @@ class GatedStore:
         whole = lambda: b"".join(self._store.chunks(location, max_bytes, expect=expect))  # noqa: E731
         yield self._call("get", location, whole)
 
+    def head(self, location: S3Location) -> Any:
+        return self._call("head", location, lambda: self._store.head(location))
+
     def put(self, location: S3Location, *args: Any, **kwargs: Any) -> str:
         return self._call("put", location, lambda: self._store.put(location, *args, **kwargs))
 

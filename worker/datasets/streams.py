@@ -58,10 +58,10 @@ class ChunkStream(io.RawIOBase):
 def same_bytes(first: Iterable[bytes], second: Iterable[bytes]) -> bool:
     """Whether two streams of pieces hold the same bytes, however each is cut; neither
     is read past the first piece where they differ."""
-    ours, theirs = (io.BufferedReader(ChunkStream(iter(each))) for each in (first, second))
+    one, other = (io.BufferedReader(ChunkStream(iter(each))) for each in (first, second))
     while True:
-        piece = ours.read(COMPARED_BYTES)
-        if piece != theirs.read(COMPARED_BYTES):
+        piece = one.read(COMPARED_BYTES)
+        if piece != other.read(COMPARED_BYTES):
             return False
         if not piece:
             return True

@@ -22,6 +22,7 @@ of its own: a `None` that means three things is where such protocols lose data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import shutil
@@ -36,7 +37,7 @@ import structlog
 
 from worker.datasets.arrays import ArraySpool
 from worker.datasets.disk import DiskBudget, NoDiskRoom
-from worker.datasets.streams import same_bytes
+from worker.datasets.streams import COMPARED_BYTES, same_bytes
 from worker.datasets.tables import (
     JSON_LINES,
     NDJSON,
@@ -48,7 +49,7 @@ from worker.datasets.tables import (
     read_footer,
     table_name,
 )
-from worker.errors import MissingObject, PreconditionFailed
+from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX, Checkpoints
 from worker.jobs.plan import (
     COMMIT_SUFFIX,
@@ -65,12 +66,14 @@ from worker.jobs.plan import (
 )
 from worker.jobs.summary import job_summary
 from worker.message import JobMessage, PoisonMessage
-from worker.ports import ABSENT, BlobStore, S3Location
+from worker.ports import ABSENT, BlobStore, ObjectHead, S3Location
 from worker.sharding.claims import Claim, ClaimLost, MergingElsewhere, NoClaim, put_once
 
 log = structlog.get_logger()
 
-MAX_OUTPUT_BYTES = 5 * 2**40  # an output file is compared to its end, however big
+# An output found written is compared with what a merger would write this much at a
+# time between renewals of its claim: tens of GB take minutes.
+RENEW_COMPARED_BYTES = 2**30
 # Commit markers are read a block of shards at a time, a page of S3's listing (1,000
 # keys): a power of ten, so that the names of a block's markers share a prefix.
 MARKERS_A_BLOCK = 1000
@@ -280,7 +283,7 @@ class Merger:
             claim.renew()
             location, expect = spec.output_location(name), top.get(name, ABSENT)
             joined = (chunk for at, size in parts for chunk in self._blobs.chunks(at, size))
-            if self._holds(location, expect, joined):
+            if self._holds(location, expect, sum(size for _, size in parts), joined, claim):
                 return name, expect
             return name, self._blobs.compose(location, parts, content_type, expect=expect)
 
@@ -359,12 +362,15 @@ class Merger:
                     claim.renew()
                     location, expect = spec.output_location(name), top.get(name, ABSENT)
                     with path.open("rb") as file:
-                        kept = self._holds(location, expect, iter(file.read, b""))
-                    if not kept:
-                        expect = self._blobs.put_file(
+                        pieces = iter(functools.partial(file.read, COMPARED_BYTES), b"")
+                        kept = self._holds(location, expect, path.stat().st_size, pieces, claim)
+                    written[name] = (
+                        expect
+                        if kept
+                        else self._blobs.put_file(
                             location, path, PARQUET_CONTENT_TYPE, expect=expect
                         )
-                    written[name] = expect
+                    )
                     space.beat()
                     path.unlink()  # the disk holds one joined file at a time
         except UnfitResults as error:
@@ -374,17 +380,23 @@ class Merger:
             disk.release()
         return written
 
-    def _holds(self, location: S3Location, listed: str, ours: Iterable[bytes]) -> bool:
+    def _holds(
+        self, location: S3Location, listed: str, size: int, ours: Iterable[bytes], claim: Claim
+    ) -> bool:
         """Whether the output at `location` is still as listed (`listed`, its ETag) and
-        holds the bytes `ours`: an earlier merger's write of what this one would write
-        (every merger cuts the join alike), which it keeps as it is: written again, it
+        holds the `size` bytes `ours`: an earlier merger's write of what this one would
+        write (where both cut the join alike), which it keeps as it is: written again, it
         would be another version where ETags are not MD5s, and a merger stalled past its
-        claim may have named this one in job.json already. Read only where it is there."""
+        claim may have named this one in job.json already. Read only where it is there
+        and of that size, the claim renewed as it goes."""
         if listed == ABSENT:
             return False
         try:
-            return same_bytes(self._blobs.chunks(location, MAX_OUTPUT_BYTES, expect=listed), ours)
-        except (MissingObject, PreconditionFailed):
+            if self._blobs.head(location) != ObjectHead(listed, size):
+                return False
+            theirs = self._blobs.chunks(location, size, expect=listed)
+            return same_bytes(theirs, _renewing(ours, claim))
+        except (MissingObject, PreconditionFailed, ObjectTooLarge):
             return False
 
     def _footer(self, location: S3Location, size: int) -> pq.FileMetaData:
@@ -433,6 +445,17 @@ class Merger:
             log.warning("shards_not_removed", job_id=plan.job_id, error=repr(error))
             return False
         return True
+
+
+def _renewing(pieces: Iterable[bytes], claim: Claim) -> Iterator[bytes]:
+    """`pieces`, the claim renewed each `RENEW_COMPARED_BYTES` of them."""
+    since = 0
+    for piece in pieces:
+        since += len(piece)
+        if since >= RENEW_COMPARED_BYTES:
+            claim.renew()
+            since = 0
+        yield piece
 
 
 def _items(plan: Plan, commits: list[Commit]) -> int:
