@@ -14,28 +14,33 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset
 import pyarrow.parquet as pq
+import pytest
 
 from stages.sentences import sentences
 from stages.text import MAX_TOKENS
 from tests.support.in_process import job_file, run_until_drained
+from tests.support.markers import also_on_gpu
 from tests.support.texts import TEXT_PIPELINE, model_answers
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 
 LONG = " ".join(["rain"] * (2 * MAX_TOKENS))  # over the model's longest sequence
 
 
-def _run(tmp_path: Path, blobs: InMemoryBlobStore, **message: Any) -> None:
+def _run(tmp_path: Path, blobs: InMemoryBlobStore, device: str = "auto", **message: Any) -> None:
     source = InMemoryJobSource()
     source.send(json.dumps({"output": f"s3://bkt/out/{message['job_id']}/", **message}))
-    run_until_drained(source, blobs, tmp_path, **TEXT_PIPELINE)
+    run_until_drained(source, blobs, tmp_path, device=device, **TEXT_PIPELINE)
 
 
+@pytest.mark.parametrize(("device", "tolerance"), also_on_gpu(("cpu", 1e-5), ("cuda", 1e-4)))
 def test_a_table_of_texts_is_sharded_into_parquet_embeddings_equal_to_the_models(
-    tmp_path: Path,
+    tmp_path: Path, device: str, tolerance: float
 ) -> None:
     """Seven rows in shards of three, keyed by their ids in table order: each row's
     label and embedding (a float32 fixed-size list) are the model's own answer to its
-    text; the row whose text is null is that row's error, the job goes on."""
+    text, run on the CPU here (within `tolerance` of it on a GPU, where one is: its sums
+    are made in another order); the row whose text is null is that row's error, the job
+    goes on."""
     drawn = list(sentences(7, seed=11))
     texts: list[str | None] = [text for _, text in drawn]
     texts[4] = None
@@ -45,7 +50,9 @@ def test_a_table_of_texts_is_sharded_into_parquet_embeddings_equal_to_the_models
     pq.write_table(pa.table({"id": ids, "body": texts}), sink)
     blobs.objects["s3://bkt/texts.parquet"] = sink.getvalue()
     table = {"uri": "s3://bkt/texts.parquet", "text_column": "body", "id_column": "id"}
-    _run(tmp_path, blobs, job_id="table", table=table, format="parquet", shard_items=3)
+    _run(
+        tmp_path, blobs, job_id="table", table=table, format="parquet", shard_items=3, device=device
+    )
 
     summary = job_file(blobs, "table", "job.json")
     assert (summary["shards"]["count"], summary["succeeded"], summary["failed"]) == (3, 6, 1)
@@ -66,7 +73,7 @@ def test_a_table_of_texts_is_sharded_into_parquet_embeddings_equal_to_the_models
     got = [row for row in results.to_pylist() if row["error"] is None]
     for row, answer in zip(got, expected, strict=True):
         assert row["label"] == ("weather", "sport", "food", "travel")[int(np.argmax(answer[:4]))]
-        assert np.allclose(row["embedding"], answer[4:], atol=1e-5)
+        assert np.allclose(row["embedding"], answer[4:], atol=tolerance)
         assert row["truncated"] is False
     assert [row["label"] for row in got[:4]] == ["weather", "sport", "food", "travel"]
 
