@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -39,7 +39,9 @@ from worker.plugins.loading import (
 )
 from worker.plugins.spec import FAN_OUT_STAGE, ModelStep, PipelineSpec
 from worker.ports import BlobStore, LocalPart, ObjectReader, RemoteReader, S3Location
-from worker.settings import Settings
+
+if TYPE_CHECKING:  # imported by the stages' fork server, which has no settings to read
+    from worker.settings import Settings
 
 log = structlog.get_logger()
 
