@@ -2,9 +2,10 @@
 over one job of 8 images against a moto server started here, every process of the
 daemon's tree read from /proc while it runs (its CPU seconds, user and system, when
 last seen). The test suite starts about a hundred daemons on a 2-core machine, so their
-starts and stops are most of its CPU.
+starts and stops are most of its CPU. With `--until-started`, its start alone: no job,
+the daemon stopped once it logs `daemon_started`, its processes read as they were then.
 
-    python -m bench.daemon_start [--runs 3]
+    python -m bench.daemon_start [--runs 3] [--until-started]
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -63,44 +66,68 @@ def _role(pid: int, parent: int, root: int, cmdline: bytes) -> str:
     return "forkserver" if parent == root else "stage"
 
 
-def one_daemon(endpoint: str, log_dir: Path) -> dict[str, float]:
-    """CPU seconds by role (main, forkserver, stage processes summed) over one drain."""
+def one_daemon(endpoint: str, log_dir: Path, until_started: bool) -> dict[str, float]:
+    """CPU seconds by role (main, forkserver, stage processes summed) over one drain, or
+    up to `daemon_started`."""
     session = boto3.session.Session(
         aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
     )
     sqs = session.client("sqs", endpoint_url=endpoint)
     s3 = session.client("s3", endpoint_url=endpoint)
     stack = create_stack(sqs, s3, f"start-{time.monotonic_ns()}")
-    uris = list(upload_samples(s3, stack.bucket, 8))
-    job = {"job_id": "start", "inputs": uris, "output": f"s3://{stack.bucket}/out/start/"}
-    sqs.send_message(QueueUrl=stack.queue_url, MessageBody=json.dumps(job))
+    if not until_started:
+        uris = list(upload_samples(s3, stack.bucket, 8))
+        job = {"job_id": "start", "inputs": uris, "output": f"s3://{stack.bucket}/out/start/"}
+        sqs.send_message(QueueUrl=stack.queue_url, MessageBody=json.dumps(job))
     env = {**os.environ, **LOCAL_AWS_ENV, "AWS_ENDPOINT_URL": endpoint, "WORKER_METRICS_PORT": "0"}
-    flags = ["--queue-url", stack.queue_url, "--drain", "--receive-wait-seconds", "1"]
+    flags = ["--queue-url", stack.queue_url, "--receive-wait-seconds", "1"]
     started = time.monotonic()
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "worker", "run", *flags, "--log-dir", str(log_dir)],
+        [sys.executable, "-m", "worker", "run", *flags, "--log-dir", str(log_dir)]
+        + ([] if until_started else ["--drain"]),
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if until_started else subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
+    ready = threading.Event()
+    if until_started:
+        threading.Thread(target=_set_when_started, args=(daemon, ready), daemon=True).start()
     last: dict[int, tuple[str, float]] = {}
-    while daemon.poll() is None:
+    while daemon.poll() is None and not ready.is_set():
         last |= _tree_cpu(daemon.pid)
         time.sleep(POLL_S)
+    by_role: dict[str, float] = {"wall_s": time.monotonic() - started}  # to its exit, or ready
+    if ready.is_set():
+        last |= _tree_cpu(daemon.pid)
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait()
     if daemon.returncode != 0:
         raise SystemExit(f"the daemon exited {daemon.returncode}")
-    by_role: dict[str, float] = {"wall_s": time.monotonic() - started}
     for role, seconds in last.values():
         by_role[role] = by_role.get(role, 0.0) + seconds
     return by_role
 
 
+def _set_when_started(daemon: subprocess.Popen[str], ready: threading.Event) -> None:
+    assert daemon.stdout is not None
+    for line in daemon.stdout:
+        if '"daemon_started"' in line:
+            ready.set()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="daemons, one after another")
-    runs = parser.parse_args().runs
+    parser.add_argument(
+        "--until-started", action="store_true", help="no job; each stopped once started"
+    )
+    args = parser.parse_args()
     with local_moto_server() as endpoint, tempfile.TemporaryDirectory() as logs:
-        figures = [one_daemon(endpoint, Path(logs) / str(run)) for run in range(runs)]
+        figures = [
+            one_daemon(endpoint, Path(logs) / str(run), args.until_started)
+            for run in range(args.runs)
+        ]
     roles = sorted({role for figure in figures for role in figure})
     medians = {
         role: round(statistics.median(f.get(role, 0.0) for f in figures), 2) for role in roles
