@@ -298,13 +298,14 @@ class InMemoryBlobStore:
         expect: str | None = None,
     ) -> bytes:
         with self._lock:
-            self.reads[str(location)] += 1
+            uri = str(location)
+            if expect is not None and uri in self.objects and self._etag(uri) != expect:
+                raise PreconditionFailed(f"{location} changed since it was listed")  # unread
+            self.reads[uri] += 1
             try:
-                data = self.objects[str(location)]
+                data = self.objects[uri]
             except KeyError:
                 raise MissingObject(f"{location} does not exist") from None
-            if expect is not None and self._etag(str(location)) != expect:
-                raise PreconditionFailed(f"{location} changed since it was listed")
         if byte_range is not None:
             first, size = byte_range
             data = data[first : first + size]
