@@ -290,9 +290,9 @@ class AdmissionReader:
             return self._followed(job, counted)
 
         stream = listed()
-        first = _first_items(stream, shard_items + 1)
+        first, counted = _first_items(stream, shard_items + 1)
         # A table's rows listed as one input (`TableRows`) come only past the shard size.
-        if sum(listed_items(uri) for uri, _ in first) <= shard_items:
+        if counted <= shard_items:
             whole = _split(first, _with_ids(spec))
             request = request_digest(*whole, spec, model)
             if spec.tar and self._finished(job, spec, job_id, request):
@@ -469,15 +469,17 @@ class _Listed(NamedTuple):
     ids: list[Any] | None  # where the job's table gives them
 
 
-def _first_items(listed: Iterator[Input], items: int) -> list[Input]:
-    """The first inputs of `listed` up to `items` items, or past them by the last one's."""
+def _first_items(listed: Iterator[Input], most: int) -> tuple[list[Input], int]:
+    """The first inputs of `listed` up to `most` items (or past them by the last one's),
+    and the items they are."""
     first: list[Input] = []
+    items = 0
     for each in listed:
         first.append(each)
-        items -= listed_items(each.uri)
-        if items <= 0:
+        items += listed_items(each.uri)
+        if items >= most:
             break
-    return first
+    return first, items
 
 
 def _split(listed: list[Input], with_ids: bool) -> _Listed:
