@@ -44,6 +44,7 @@ from bench.harness import (
     median_of,
     run_daemon,
 )
+from bench.preparing import preparing
 from bench.processes import backlog, fetch_clients, host_cpu
 from bench.scaling import control_plane_scaling
 from bench.tables import parquet_output, results_file_sizes
@@ -505,6 +506,7 @@ def main(out: Path, quick: bool, only: list[str] | None = None) -> int:
             ),
             "host_ceiling": lambda: host_ceiling(work_dir, 5000 if quick else 20000),
             "gpu_shaped": lambda: gpu_shaped(work_dir, 10_000 if quick else 20_000, runs, out),
+            "preparing": lambda: preparing(4000 if quick else 8000),
             # Quick too: 5,000 items are over in a quarter second, of which the first
             # requests, sized before a child's pace is known, and the last jobs' writes
             # are a tenth (19,300 items/s there, where 20,000 give 20,700-23,000).

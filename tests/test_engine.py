@@ -503,8 +503,8 @@ def test_values_at_hand_are_prepared_as_their_request_comes_in_with_their_own_er
             r.index: r for r in run_items(pipeline, [Item("j", i, v) for i, v in enumerate(values)])
         }
     threads = {index: results[index].value[0][1] for index in (0, 1, 3, 4)}
-    assert not any(threads[index].startswith("ThreadPoolExecutor") for index in (0, 3))
-    assert all(threads[index].startswith("ThreadPoolExecutor") for index in (1, 4))
+    assert not any(threads[index].startswith("prepare-") for index in (0, 3))
+    assert all(threads[index].startswith("prepare-") for index in (1, 4))
     assert results[2].error == ItemError("FileNotFoundError", "no object missing", "fetch", False)
 
 

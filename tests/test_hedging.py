@@ -9,7 +9,6 @@ import multiprocessing
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tests.support import stagefns
@@ -119,24 +118,23 @@ def test_an_item_that_ended_while_waiting_for_a_hedge_holds_up_no_other() -> Non
         return value
 
     ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    with ThreadPoolExecutor(8) as threads:
-        stage_fn = StageFunction(lambda value, out: value, prepare=fetch)
-        preparing = Preparing(stage_fn, threads, ready, hedges=1)
-        ours, theirs = multiprocessing.Pipe()
-        reading = threading.Thread(target=preparing.read, args=(theirs,), daemon=True)
-        reading.start()
-        ours.send([(None, f"warm-{n}", (), n) for n in range(TIMED_BEFORE_HEDGING)])
-        for _ in range(TIMED_BEFORE_HEDGING):
-            ready.get(timeout=30)
-        ours.send([(None, "a", (), 100), (None, "b", (), 101), (None, "c", (), 102)])
-        time.sleep(1.0)  # each due its hedge: a's under way, b's and c's waiting for it
-        first_calls["b"].set()  # b ends by itself
-        assert ready.get(timeout=30).task.value == "b"
-        a_hedge.set()  # a's hedge ends: c's turn
-        answered = {ready.get(timeout=30).task.value for _ in range(2)}
-        for release in first_calls.values():
-            release.set()
-        ours.send(None)
-        reading.join(10)
+    stage_fn = StageFunction(lambda value, out: value, prepare=fetch)
+    preparing = Preparing(stage_fn, 8, ready, hedges=1)
+    ours, theirs = multiprocessing.Pipe()
+    reading = threading.Thread(target=preparing.read, args=(theirs,), daemon=True)
+    reading.start()
+    ours.send([(None, f"warm-{n}", (), n) for n in range(TIMED_BEFORE_HEDGING)])
+    for _ in range(TIMED_BEFORE_HEDGING):
+        ready.get(timeout=30)
+    ours.send([(None, "a", (), 100), (None, "b", (), 101), (None, "c", (), 102)])
+    time.sleep(1.0)  # each due its hedge: a's under way, b's and c's waiting for it
+    first_calls["b"].set()  # b ends by itself
+    assert ready.get(timeout=30).task.value == "b"
+    a_hedge.set()  # a's hedge ends: c's turn
+    answered = {ready.get(timeout=30).task.value for _ in range(2)}
+    for release in first_calls.values():
+        release.set()
+    ours.send(None)
+    reading.join(10)
     assert answered == {"a", "c"}
     assert calls["c"] == 2  # hedged: its first call was still held

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -35,8 +35,8 @@ from worker.engine.wire import (
     PROBE,
     ChildPlan,
     KnownGood,
+    Preparation,
     Prepared,
-    PreparedAtOnce,
     Ready,
     ReadyItem,
     Received,
@@ -119,8 +119,8 @@ def child_main(conn: Connection, lifeline: Connection, plan: ChildPlan) -> None:
         _serve_in_order(requests, run, send, stage_fn, logs)
     else:
         ready: queue.SimpleQueue[ReadyItem | Any] = queue.SimpleQueue()
-        threads = ThreadPoolExecutor(plan.prepare_threads)
-        preparing = Preparing(stage_fn, threads, ready, plan.prepare.hedges if plan.prepare else 0)
+        hedges = plan.prepare.hedges if plan.prepare else 0
+        preparing = Preparing(stage_fn, plan.prepare_threads, ready, hedges)
         threading.Thread(target=preparing.read, args=(conn,), daemon=True).start()
         _serve_as_prepared(
             preparing, run, send, stage_fn=stage_fn, plan=plan, known_good=known_good, logs=logs
@@ -298,14 +298,14 @@ def _sent(conn: Connection, message: Any) -> bool:
 
 
 def _prepared(
-    request: list[Task], preparations: list[Future[Any] | PreparedAtOnce], step: PrepareStep
+    request: list[Task], preparations: list[Preparation], step: PrepareStep
 ) -> tuple[list[Task], dict[int, ItemError]]:
     """The request with each item's value prepared, and the errors of those that could
     not be, by position."""
     prepared, failed = [], {}
-    for position, (task, future) in enumerate(zip(request, preparations, strict=True)):
+    for position, (task, preparation) in enumerate(zip(request, preparations, strict=True)):
         try:
-            prepared.append(task._replace(value=future.result()))
+            prepared.append(task._replace(value=preparation.result()))
         except Exception as error:
             failed[position] = ItemError.from_exception(error, step.name)
             prepared.append(task)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
@@ -131,12 +130,12 @@ class KnownGood:
         return replace(self, unprepared=list(self.unprepared))
 
 
-class PreparedAtOnce(NamedTuple):
-    """A value prepared as its request came in (`StageFunction.at_hand`), read as its
-    future would be: what it became, or the error preparing it raised."""
+class Preparation(NamedTuple):
+    """What an item's preparation gave: the value it became, or the error it raised
+    (which `result` raises again)."""
 
     value: Any
-    error: Exception | None = None
+    error: BaseException | None = None
 
     def result(self) -> Any:
         if self.error is not None:
@@ -156,5 +155,5 @@ class ReadyItem(NamedTuple):
     became, or the error), taken in the order preparations end."""
 
     task: Task
-    preparation: Future[Any] | PreparedAtOnce
+    preparation: Preparation
     arrived: float  # `time.perf_counter()` when its request came in

@@ -95,9 +95,8 @@ class JobObserver:
 
     def stage_counted(self, stage: str, counts: Mapping[str, int]) -> None:
         for name, count in counts.items():
-            self._metrics.stage_counted(stage, name, count)
-        if self._timeline is not None:
-            for name, total in self._metrics.stage_totals(stage).items():
+            total = self._metrics.stage_counted(stage, name, count)
+            if self._timeline is not None:
                 self._timeline.count(f"{stage} {name}", total)
 
     def stage_broken(self, stage: str, error: BaseException, jobs: frozenset[str] | None) -> None:

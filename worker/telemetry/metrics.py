@@ -7,6 +7,7 @@ otherwise (the container's HEALTHCHECK and the ECS task's health check use it).
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -122,6 +123,8 @@ class Metrics:
             registry=registry,
         )
         self._stage_metrics: dict[str, tuple[Any, Any]] = {}
+        self._stage_count_children: dict[tuple[str, str], Any] = {}
+        self._stage_count_totals: collections.Counter[tuple[str, str]] = collections.Counter()
         self._items_succeeded = self.items.labels("succeeded")
         self._items_failed = self.items.labels("failed")
 
@@ -153,17 +156,16 @@ class Metrics:
         busy.inc(duration_s)
         batch_items.observe(items)
 
-    def stage_counted(self, stage: str, name: str, count: int) -> None:
-        self.stage_counts.labels(stage, name).inc(count)
-
-    def stage_totals(self, stage: str) -> dict[str, int]:
-        """What `stage`'s processes counted so far, by name."""
-        return {
-            sample.labels["count"]: int(sample.value)
-            for metric in self.stage_counts.collect()
-            for sample in metric.samples
-            if sample.name.endswith("_total") and sample.labels["stage"] == stage
-        }
+    def stage_counted(self, stage: str, name: str, count: int) -> int:
+        """Add to what `stage`'s processes counted as `name`; the total so far. (Kept
+        here too: reading it back from the counter collects every label's samples, on
+        each answer of a child.)"""
+        key = (stage, name)
+        if key not in self._stage_count_children:
+            self._stage_count_children[key] = self.stage_counts.labels(stage, name)
+        self._stage_count_children[key].inc(count)
+        self._stage_count_totals[key] += count
+        return self._stage_count_totals[key]
 
     def gc_paused(self, generation: int, seconds: float) -> None:
         self.gc_pauses.labels(str(generation)).observe(seconds)
