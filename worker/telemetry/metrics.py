@@ -124,6 +124,7 @@ class Metrics:
         )
         self._stage_metrics: dict[str, tuple[Any, Any]] = {}
         self._stage_count_children: dict[tuple[str, str], Any] = {}
+        self._stage_counts_lock = threading.Lock()
         self._stage_count_totals: collections.Counter[tuple[str, str]] = collections.Counter()
         self._items_succeeded = self.items.labels("succeeded")
         self._items_failed = self.items.labels("failed")
@@ -161,11 +162,12 @@ class Metrics:
         here too: reading it back from the counter collects every label's samples, on
         each answer of a child.)"""
         key = (stage, name)
-        if key not in self._stage_count_children:
-            self._stage_count_children[key] = self.stage_counts.labels(stage, name)
-        self._stage_count_children[key].inc(count)
-        self._stage_count_totals[key] += count
-        return self._stage_count_totals[key]
+        with self._stage_counts_lock:  # each of a stage's driver threads counts
+            if key not in self._stage_count_children:
+                self._stage_count_children[key] = self.stage_counts.labels(stage, name)
+            self._stage_count_children[key].inc(count)
+            self._stage_count_totals[key] += count
+            return self._stage_count_totals[key]
 
     def gc_paused(self, generation: int, seconds: float) -> None:
         self.gc_pauses.labels(str(generation)).observe(seconds)
