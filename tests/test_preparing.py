@@ -105,3 +105,21 @@ def test_a_group_short_of_its_items_goes_at_its_deadline(
         values, took_s = values + more, more_s
     assert sorted(values) == [0, 1] and marker is None
     assert took_s >= 0.3
+
+
+def test_a_probe_to_an_idle_child_leaves_its_later_groups_whole(
+    gates: dict[int, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe taken as a group's first entry is counted off: groups after it still
+    wait for their items (a marker counted for ever ended every group at once, an
+    answer an item)."""
+    monkeypatch.setattr(preparing_module, "GROUP_WAIT_S", 0.5)
+    preparing, daemon = _started(gates, range(0))
+    daemon.send(PROBE)
+    assert _group(preparing)[:2] == ([], PROBE)
+    for value in range(10, 15):
+        gates[value] = threading.Event()
+    daemon.send([(None, value, (), value) for value in range(10, 15)])
+    _open_one_at_a_time(gates, range(10, 13))
+    values, marker, _ = _group(preparing)
+    assert sorted(values) == [10, 11, 12] and marker is None

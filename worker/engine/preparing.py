@@ -4,9 +4,11 @@ preparation ends (not its request's slowest), and hedged when it runs long."""
 from __future__ import annotations
 
 import heapq
+import os
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,11 +132,17 @@ class Preparing:
                 preparation = Preparation(prepare(running.task.value))
             except BaseException as error:  # the item's; `result` raises it again
                 preparation = Preparation(None, error)
-            if first:
-                self._tails.timed(time.perf_counter() - running.started)
-            else:
-                self._hedge_ended()
-            self._ended(running, preparation)
+            try:
+                if first:
+                    self._tails.timed(time.perf_counter() - running.started)
+                else:
+                    self._hedge_ended()
+                self._ended(running, preparation)
+            except BaseException:
+                # A thread gone would leave its item unanswered, unseen: the child ends
+                # instead, and the daemon redoes what it held.
+                traceback.print_exc()
+                os._exit(1)
 
     def _ended(self, running: _Running, preparation: Preparation) -> None:
         """A preparation of the item `running` ended: the item is ready, unless the
@@ -204,6 +212,8 @@ class Preparing:
         woken once it is complete (`_put_ready`), not by each item of it."""
         first = self._ready.get()
         if not isinstance(first, ReadyItem):
+            with self._lock:
+                self._markers -= 1
             return [], first
         group, marker = [first], None
         deadline = time.perf_counter() + GROUP_WAIT_S
