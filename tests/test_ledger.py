@@ -83,6 +83,7 @@ def test_a_job_goes_through_its_lifecycle_leased_until_settled(tmp_path: Path) -
     assert ledger.record(job.key, 1, DONE) is None
     assert ledger.record(job.key, 0, FAILED) is job
     assert job.state is JobState.FINISHING and (job.succeeded, job.failed) == (1, 1)
+    assert ledger.items_recorded() == 2
     assert ledger.ack(job) and job.state is JobState.ACKED
     assert ledger.leases() == {} and len(ledger) == 1
     ledger.forget(job)

@@ -195,7 +195,9 @@ class Settings(BaseSettings):
         default=4,
         ge=1,
         description="Receive more messages only while fewer than this many batches of items, "
-        "and --fetch-concurrency more (those being fetched), are waiting ahead of inference.",
+        "and --fetch-concurrency more (those being fetched), are waiting ahead of inference; "
+        "and as many more as the pipeline goes through while a job is admitted (the most "
+        "of the latest 16 admissions, up to as many again).",
     )
     max_items_per_job: int = Field(
         default=100_000_000,

@@ -51,6 +51,7 @@ class Ledger:
         self._deliveries = itertools.count(1)
         # Kept as a count: the intake asks after every change, with hundreds of jobs held.
         self._outstanding = 0
+        self._recorded = 0  # items whose results were filed, ever
         # Items fed and not yet back, by job key: counted until they come back, whether
         # their job is still held or not.
         self._inside: Counter[str] = Counter()
@@ -298,6 +299,7 @@ class Ledger:
             if job.results[index] is not None:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
+            self._recorded += 1
             if result.has_arrays:
                 job.uncheckpointed += 1
             else:
@@ -464,6 +466,11 @@ class Ledger:
         """Items of unsettled jobs not yet back from the pipeline (fed or not)."""
         with self._changed:
             return self._outstanding
+
+    def items_recorded(self) -> int:
+        """Items whose results were filed since the daemon started."""
+        with self._changed:
+            return self._recorded
 
     def close(self) -> None:
         """Refuse new messages and stop the feeder: shutdown's list of jobs is final."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -48,6 +49,7 @@ ADMISSION_PATIENCE_S = 1.0
 # Messages admitted at once: reading their listings and outputs, planning them, copying
 # their tars. The intake receives no more while this many are.
 MAX_ADMITTING = 16
+ADMISSION_LEADS = 16  # the latest admissions whose lead sizes the prefetch
 
 
 class Intake:
@@ -117,6 +119,7 @@ class Intake:
         # (a held item being fetched is not yet waiting for the model).
         first_batch = settings.pipeline_spec().models[0].batch_size
         self._prefetch_items = settings.prefetch_batches * first_batch + settings.fetch_concurrency
+        self._lead = AdmissionLead(self._ledger.items_recorded, most=self._prefetch_items)
 
     def room(self) -> int:
         """How many messages may be received now: none while enough work is waiting (but
@@ -178,8 +181,9 @@ class Intake:
         return self._ledger.shards_held() == 1 and self._ledger.tar_shards_held() == 1
 
     def _full(self) -> bool:
-        """Whether enough work is waiting here for the next few batches."""
-        return self._ledger.outstanding_items() >= self._prefetch_items
+        """Whether enough work is waiting here for the next few batches, and for those
+        the pipeline goes through while the next job is admitted."""
+        return self._ledger.outstanding_items() >= self._prefetch_items + self._lead.items
 
     def _full_of_shards(self, *, tar: bool) -> bool:
         """Whether a shard received now (of tars, `tar`) is more than this daemon is to
@@ -274,6 +278,7 @@ class Intake:
         `before` it are (or a second has gone by), or settle it; a shard this daemon is
         not to hold is handed back. Never raises: what the job cannot be admitted for
         now releases it."""
+        lead = self._lead.start()
         try:
             admission = self._reader.read(job)
             if admission is None:
@@ -291,6 +296,7 @@ class Intake:
                 spare = plan is not None and self._full_of_shards(tar=plan.tar is not None)
                 if not spare:
                     self._admit(job, admission)
+                    self._lead.admitted(lead)
             if spare:
                 self._hand_back_spare(job)  # not to hoard a planned job's shards
                 return
@@ -469,3 +475,29 @@ class Feeder:
                 value = (job.source(index), job.spec.params)
                 items.append(Item(job.key, index, value, urgent=not job.background))
             self._pipeline.submit(*items)
+
+
+class AdmissionLead:
+    """The items the pipeline goes through while a job is received and admitted, the
+    most of the latest `ADMISSION_LEADS` admissions, at most `most`: the intake holds
+    that many more than its prefetch. With the prefetch alone, the next receive came
+    once it ran short, and the fetches in flight fell to a tenth while the jobs it
+    brought were admitted (a listing and a read at S3's latency), twice a second at an
+    H100's pace (`bench.gpu_shaped`). `most` keeps a planned job's long admission from
+    having the daemon hoard its queue's jobs."""
+
+    def __init__(self, recorded: Callable[[], int], most: int):
+        self._recorded = recorded  # items whose results were filed so far
+        self._most = most
+        self._leads: deque[int] = deque(maxlen=ADMISSION_LEADS)
+        self._lock = threading.Lock()
+        self.items = 0  # read without the lock: the intake asks under the ledger's
+
+    def start(self) -> int:
+        """An admission starts: what to give `admitted` once it is."""
+        return self._recorded()
+
+    def admitted(self, started: int) -> None:
+        with self._lock:
+            self._leads.append(min(self._most, self._recorded() - started))
+            self.items = max(self._leads)
