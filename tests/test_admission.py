@@ -5,8 +5,10 @@ nor counts as a stall of the daemon."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -98,3 +100,29 @@ def test_the_intake_holds_ahead_what_the_pipeline_goes_through_while_a_job_is_ad
         recorded[0] += 80
         lead.admitted(started)
     assert lead.items == 80
+
+
+class _CountingReads(InMemoryBlobStore):
+    """Counts the GETs of each name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
+        self.reads[location.key.rsplit("/", 1)[-1]] += 1
+        return super().get(location, *args, **kwargs)
+
+
+def test_a_job_with_no_rejection_under_its_output_is_admitted_without_reading_one(
+    tmp_path: Path,
+) -> None:
+    """Admission withdraws an earlier run's rejected.json only where its listing of the
+    output holds one: a GET at S3's latency on every admission, before, of an object
+    that is almost never there."""
+    source, blobs = InMemoryJobSource(), _CountingReads()
+    send_job(source, "plain", sample_images(blobs, 2))
+    run_until_drained(source, blobs, tmp_path)
+    assert job_file(blobs, "plain", "job.json")["status"] == "succeeded"
+    # The one read is the finish's, which withdraws one written while the job ran.
+    assert blobs.reads["rejected.json"] == 1

@@ -64,6 +64,7 @@ log = structlog.get_logger()
 
 FINAL_OUTPUTS = ("results.jsonl", "job.log", "job.json", OPENAI_OUTPUT_FILE, OPENAI_ERRORS_FILE)
 CHECKPOINT_PREFIX = "checkpoint-"
+REJECTED = "rejected.json"  # a dead-lettered request's answer (`Notices`)
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
 Halt = Literal["superseded", "cancelled"]
 REQUEST_DIGEST_CHARS = 16
@@ -165,6 +166,9 @@ class Prior:
     resumed: dict[int, Result] = field(default_factory=dict)  # by index
     earlier_log: bytes = b""
     leftovers: bool = False  # checkpoint objects to remove once the job is done
+    # A rejected.json under the output (an earlier run's, redriven since, or one
+    # beside this): only then is there one to withdraw, a GET at S3's latency.
+    rejected: bool = False
 
 
 class Checkpoints:
@@ -220,6 +224,7 @@ class Checkpoints:
             resumed,
             b"".join(earlier_log),
             any(name.startswith(CHECKPOINT_PREFIX) for name in listing),
+            REJECTED in listing,
         )
 
     def finished(self, spec: JobMessage, job_id: str, digest: str) -> dict[str, Any] | None:

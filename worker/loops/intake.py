@@ -284,7 +284,8 @@ class Intake:
             if admission is None:
                 return
             # A new run of a rejected request: the rejection written before it came is old.
-            self._notices.withdraw_rejection(admission.spec, job.received_at - CLOCK_SKEW_S)
+            if admission.prior.rejected:  # (one written since it was listed is this run's)
+                self._notices.withdraw_rejection(admission.spec, job.received_at - CLOCK_SKEW_S)
             plan = admission.plan
             # In the order they came, so that they are fed in turn in that order; but not
             # after one that takes long (a listing past a page, tars to copy), nor for

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from worker.errors import MissingObject, ObjectTooLarge
-from worker.jobs.checkpoints import MAX_MARKER_BYTES, Checkpoints
+from worker.jobs.checkpoints import MAX_MARKER_BYTES, REJECTED, Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.plan import Plan
 from worker.message import JobMessage
@@ -29,7 +29,6 @@ from worker.telemetry.metrics import Metrics
 log = structlog.get_logger()
 
 ANNOUNCED = "announced"
-REJECTED = "rejected.json"
 # The fields of a job.json that name one writing of it (a job sent again writes another).
 ANNOUNCED_FIELDS = ("job_id", "request_id", "request_digest", "finished_at")
 
