@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from tests.support.in_process import job_file, run_until_drained, sample_images, send_job
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
-from worker.loops.intake import ADMISSION_LEADS, AdmissionLead
+from worker.loops.intake import ADMISSION_LEADS, LEAD_MEMORY_S, AdmissionLead
 from worker.ports import S3Location
 
 PAGE = 1000  # keys in a page of a listing, as S3
@@ -85,21 +85,23 @@ def test_the_jobs_received_after_a_slow_listing_do_not_wait_for_it(
 
 def test_the_intake_holds_ahead_what_the_pipeline_goes_through_while_a_job_is_admitted() -> None:
     """The lead is the most items filed during any of the latest admissions, within its
-    ceiling; an admission long past (a planned job's listing) stops counting."""
-    recorded = [0]
-    lead = AdmissionLead(lambda: recorded[0], most=1000)
+    ceiling; an admission long past stops counting, by number or by age."""
+    recorded, now = [0], [1000.0]
+    lead = AdmissionLead(lambda: recorded[0], most=1000, clock=lambda: now[0])
     quick, slow = lead.start(), lead.start()
     recorded[0] += 120
     lead.admitted(quick)
-    assert lead.items == 120
-    recorded[0] += 5000  # a listing of a prefix, admitted while thousands went through
+    assert lead.items() == 120
+    recorded[0] += 5000  # tars copied, admitted while thousands of items went through
     lead.admitted(slow)
-    assert lead.items == 1000
+    assert lead.items() == 1000
     for _ in range(ADMISSION_LEADS):
         started = lead.start()
         recorded[0] += 80
         lead.admitted(started)
-    assert lead.items == 80
+    assert lead.items() == 80
+    now[0] += LEAD_MEMORY_S + 1  # an idle while: what a busy hour measured is forgotten
+    assert lead.items() == 0
 
 
 class _CountingReads(InMemoryBlobStore):

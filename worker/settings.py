@@ -167,7 +167,8 @@ class Settings(BaseSettings):
         "where they fetch (each fetches as many at once, and so does each process added "
         "beyond them); finished jobs are uploaded as many at a time (32 at most). "
         "A daemon receives more jobs while fewer items than this and --prefetch-batches "
-        "batches are waiting ahead of the model.",
+        "batches (and its admissions' lead: see --prefetch-batches) are waiting ahead of "
+        "the model.",
     )
     fetch_in: Literal["auto", "preprocess", "threads"] = Field(
         default="auto",
@@ -196,8 +197,9 @@ class Settings(BaseSettings):
         ge=1,
         description="Receive more messages only while fewer than this many batches of items, "
         "and --fetch-concurrency more (those being fetched), are waiting ahead of inference; "
-        "and as many more as the pipeline goes through while a job is admitted (the most "
-        "of the latest 16 admissions, up to as many again).",
+        "and, of jobs (not shards), as many more as the pipeline went through while its "
+        "latest jobs were admitted (the most of the latest 16 admissions of the last 30 s, "
+        "up to as many again).",
     )
     max_items_per_job: int = Field(
         default=100_000_000,

@@ -50,6 +50,7 @@ ADMISSION_PATIENCE_S = 1.0
 # their tars. The intake receives no more while this many are.
 MAX_ADMITTING = 16
 ADMISSION_LEADS = 16  # the latest admissions whose lead sizes the prefetch
+LEAD_MEMORY_S = 30.0  # and how long one counts
 
 
 class Intake:
@@ -129,7 +130,7 @@ class Intake:
         the fleet is to share them)."""
         if self._tar_shard_being_copied():
             return 0
-        if self._full():
+        if self._full(ahead=not self._ledger.shards_held()):
             return self._one_if(self._copy_ahead() and self._ledger.seat_free())
         return self._one_if(True) if self._ledger.shards_held() else self._free()
 
@@ -138,7 +139,7 @@ class Intake:
         many as there is room for; and while enough work is waiting, one at a time, when
         every job held that is not a shard is fed whole (the rest waits for daemons with
         room, while a small job is not stuck behind the shards held here)."""
-        return self._one_if(self._ledger.seat_free()) if self._full() else self._free()
+        return self._one_if(self._ledger.seat_free()) if self._full(ahead=True) else self._free()
 
     def room_for_a_shard(self) -> int:
         """How many messages the shards lane may bring now: one, while there is room.
@@ -180,10 +181,12 @@ class Intake:
             return False
         return self._ledger.shards_held() == 1 and self._ledger.tar_shards_held() == 1
 
-    def _full(self) -> bool:
-        """Whether enough work is waiting here for the next few batches, and for those
-        the pipeline goes through while the next job is admitted."""
-        return self._ledger.outstanding_items() >= self._prefetch_items + self._lead.items
+    def _full(self, *, ahead: bool = False) -> bool:
+        """Whether enough work is waiting here for the next few batches; `ahead`: and
+        for those the pipeline goes through while the next jobs are admitted (not where
+        shards are concerned: a daemon holds one at a time, the rest for the fleet)."""
+        lead = self._lead.items() if ahead else 0
+        return self._ledger.outstanding_items() >= self._prefetch_items + lead
 
     def _full_of_shards(self, *, tar: bool) -> bool:
         """Whether a shard received now (of tars, `tar`) is more than this daemon is to
@@ -479,26 +482,36 @@ class Feeder:
 
 
 class AdmissionLead:
-    """The items the pipeline goes through while a job is received and admitted, the
-    most of the latest `ADMISSION_LEADS` admissions, at most `most`: the intake holds
-    that many more than its prefetch. With the prefetch alone, the next receive came
-    once it ran short, and the fetches in flight fell to a tenth while the jobs it
-    brought were admitted (a listing and a read at S3's latency), twice a second at an
-    H100's pace (`bench.gpu_shaped`). `most` keeps a planned job's long admission from
-    having the daemon hoard its queue's jobs."""
+    """The items the pipeline goes through while a job is admitted: the most of the
+    latest `ADMISSION_LEADS` admissions of the last `LEAD_MEMORY_S`, at most `most`.
+    The intake holds that many more than its prefetch. With the prefetch alone, the
+    next receive came once it ran short, and the fetches in flight fell to a tenth while
+    the jobs it brought were admitted (a listing at S3's latency, behind the slowest of
+    its receive), twice a second at an H100's pace (`bench.gpu_shaped`). `most` and the
+    memory keep an admission that took long (tars copied, a listing of pages) from
+    having the daemon hold twice what it needs for long, after a busy hour too."""
 
-    def __init__(self, recorded: Callable[[], int], most: int):
+    def __init__(
+        self, recorded: Callable[[], int], most: int, clock: Callable[[], float] = time.monotonic
+    ):
         self._recorded = recorded  # items whose results were filed so far
         self._most = most
-        self._leads: deque[int] = deque(maxlen=ADMISSION_LEADS)
-        self._lock = threading.Lock()
-        self.items = 0  # read without the lock: the intake asks under the ledger's
+        self._clock = clock
+        self._leads: deque[tuple[float, int]] = deque(maxlen=ADMISSION_LEADS)  # (when, items)
+        self._lock = threading.Lock()  # taken under the ledger's, never around it
 
     def start(self) -> int:
         """An admission starts: what to give `admitted` once it is."""
         return self._recorded()
 
     def admitted(self, started: int) -> None:
+        lead = min(self._most, self._recorded() - started)
         with self._lock:
-            self._leads.append(min(self._most, self._recorded() - started))
-            self.items = max(self._leads)
+            self._leads.append((self._clock(), lead))
+
+    def items(self) -> int:
+        forgotten = self._clock() - LEAD_MEMORY_S
+        with self._lock:
+            while self._leads and self._leads[0][0] < forgotten:
+                self._leads.popleft()
+            return max((lead for _, lead in self._leads), default=0)
