@@ -703,22 +703,28 @@ def test_a_merger_fenced_by_its_own_messages_other_delivery_watches_the_claim(
         game.teardown()
 
 
-@pytest.mark.parametrize("results_format", [JSON_LINES, PARQUET])
+@pytest.mark.parametrize(
+    ("results_format", "rollout"), [(JSON_LINES, False), (PARQUET, False), (PARQUET, True)]
+)
 def test_a_merger_stalled_past_its_claim_and_the_one_that_took_it_over_write_one_join(
-    protocol: None, results_format: str
+    protocol: None, results_format: str, rollout: bool
 ) -> None:
     """An order `make prove` found, playing a Parquet job; JSON Lines' is the same. The
     last shard's run merges: it renews its claim, then stalls past it before it writes
     job.json. Its message's redelivery takes the claim over and lists the outputs, the
     first's join among them. The first then writes job.json, naming its files, and
-    dies. The second wrote its join over them, the same bytes (every merger cuts it
-    alike) but, where ETags are not MD5s, another version: job.json named files no
-    longer there, and the job's results were never readable. A merger that finds its
-    file written with the bytes it would write keeps it as it is."""
+    dies. The second wrote its join over them, the same bytes but, where ETags are not
+    MD5s, another version: job.json named files no longer there, and the job's results
+    were never readable. A merger that finds its file written with the bytes it would
+    write keeps it as it is. In a `rollout` the second is set to cut its Parquet files
+    otherwise (one file where the first cut one a row group): it cuts as the claim says
+    the first did, so the bytes are the same all the same."""
     game = FleetProtocol()
     try:
         first = _last_shard_merging(game, results_format, r"put job\.json")
         CLOCK.now += claims.MERGE_CLAIM_S + LEASE_S  # it stalls, past its claim and lease
+        if rollout:  # the next daemon's settings
+            game.world.tables = game.world.tables.cut_at((2**30, game.world.tables.cut[1]))
         second = game.start("m3")
         _go_on_until(second, r"put job\.json")  # its join and job.log written, or kept
         first.step()  # job.json, naming the first's files
@@ -727,3 +733,13 @@ def test_a_merger_stalled_past_its_claim_and_the_one_that_took_it_over_write_one
         game.check()
     finally:
         game.teardown()
+
+
+def test_a_claim_takes_a_recorded_cut_only_within_bounds() -> None:
+    """A claim lies under the job's output, anyone's to write: a cut it records is taken
+    only if it is two whole numbers of bytes, within bounds."""
+    own = (256 * 2**20, 64 * 2**20)
+    assert claims._recorded_cut([1, 2**16], own) == (1, 2**16)
+    for forged in ([1, 1], [0, 2**20], [2**41, 2**20], [1.5, 2**20], "1,2", [1, 2, 3], None):
+        assert claims._recorded_cut(forged, own) == own
+    assert claims._recorded_cut([1, 120], (1, 120)) == (1, 120)  # its own, however small

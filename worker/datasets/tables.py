@@ -25,6 +25,7 @@ integer field holding 0.5) are the model's fault, found only at the finish:
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import math
 import re
@@ -118,6 +119,19 @@ class Tables:
         self._fields = pa.schema([])
         self._text_fields: frozenset[str] = frozenset()
         self._layouts: ArrayLayouts = {}
+
+    @property
+    def cut(self) -> tuple[int, int]:
+        """Where it cuts files and row groups: (file bytes, row group bytes)."""
+        return (self._file_bytes, self._row_group_bytes)
+
+    def cut_at(self, cut: tuple[int, int]) -> Tables:
+        """The same writer, cutting at `cut` (`cut`'s form)."""
+        if cut == self.cut:
+            return self
+        other = copy.copy(self)
+        other._file_bytes, other._row_group_bytes = cut
+        return other
 
     def joined_file_bytes(self, sources_bytes: int) -> int:
         """The bytes a join of shards' files of `sources_bytes` in all cuts its files

@@ -26,6 +26,13 @@ from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, S3Location
 # by its message's redelivery at once, and by anyone once its claim has run out.
 MERGE_CLAIM_S = SQS_MAX_DELAY_S
 MAX_CLAIM_BYTES = 4096
+# A cut a claim records is anyone's to write (it lies under the job's output): taken only
+# up to this, and with row groups of this many bytes at least (or the merger's own, where
+# they are smaller): a row a group, the join's footer would hold a group for each.
+CUT_CEILING_BYTES = 2**40
+ROW_GROUP_FLOOR_BYTES = 2**16
+
+Cut = tuple[int, int]  # where a Parquet join cuts files and row groups, in bytes
 
 
 @dataclass(frozen=True)
@@ -57,13 +64,19 @@ class NoClaim:
 
 
 class Claim:
-    """A job's merge claim: `{"merger", "until", "write"}`, its ETag kept to renew it."""
+    """A job's merge claim: `{"merger", "until", "write", "cut"}`, its ETag kept to
+    renew it. `cut` is where the job's first merger cut its Parquet join (`own_cut`,
+    its --parquet-file-bytes and --parquet-row-group-bytes): a merger that takes the
+    claim over cuts as it did, so that a join it finds written is one it would write
+    (`Merger._holds`), whatever its own settings (a rollout of other ones)."""
 
-    def __init__(self, blobs: BlobStore, location: S3Location, merger: str):
+    def __init__(self, blobs: BlobStore, location: S3Location, merger: str, own_cut: Cut):
         self._blobs = blobs
         self._location = location
         self._merger = merger
         self._etag = ABSENT
+        self._own_cut = own_cut
+        self.cut = own_cut
         self.name = location.key.rsplit("/", 1)[1]
 
     def take(self, listed: str | None) -> MergingElsewhere | NoClaim | None:
@@ -78,6 +91,7 @@ class Claim:
             return NoClaim()  # the merge it named ended and removed it
         until = fields.get("until")
         ours = fields.get("merger") == self._merger
+        self.cut = _recorded_cut(fields.get("cut"), self._own_cut)
         if not ours and isinstance(until, int | float) and until > time.time():
             return MergingElsewhere(float(until))
         # Run out, opened by the planner, not one, or ours from an earlier delivery.
@@ -105,9 +119,22 @@ class Claim:
     def _write(self, expect: str) -> None:
         # Each write's bytes its own (`write`), so that a try of it found written is told
         # from another merger's claim (`put_once`).
-        note = {"merger": self._merger, "until": time.time() + MERGE_CLAIM_S}
+        note = {"merger": self._merger, "until": time.time() + MERGE_CLAIM_S, "cut": self.cut}
         data = json.dumps({**note, "write": uuid.uuid4().hex}).encode()
         self._etag = put_once(self._blobs, self._location, data, expect)
+
+
+def _recorded_cut(recorded: Any, own: Cut) -> Cut:
+    """The cut a claim records, if it is one within bounds; else the merger's `own`
+    (a claim opened by the planner, or written by a worker from before cuts were)."""
+    if not isinstance(recorded, list) or len(recorded) != 2:
+        return own
+    file_bytes, row_group_bytes = recorded
+    floors = (1, min(own[1], ROW_GROUP_FLOOR_BYTES))
+    for value, floor in zip(recorded, floors, strict=True):
+        if type(value) is not int or not floor <= value <= CUT_CEILING_BYTES:
+            return own
+    return (file_bytes, row_group_bytes)
 
 
 def put_once(blobs: BlobStore, location: S3Location, data: bytes, expect: str) -> str:

@@ -192,7 +192,7 @@ class Merger:
             done = self._checkpoints.finished(spec, plan.job_id, plan.request_digest)
             return Incomplete() if done is None else AlreadyMerged(done)
         location = merge_file(spec, plan.request_digest)
-        claim = Claim(self._blobs, location, merger)
+        claim = Claim(self._blobs, location, merger, self._tables.cut)
         holder = claim.take(self._blobs.objects_under(location).get(""))
         if isinstance(holder, NoClaim):
             # The claim stands from the job's planning to its merge's removal: gone, the
@@ -328,13 +328,14 @@ class Merger:
         a joined file) claimed first: `NoDiskRoom` if others' copies hold it now."""
         space = self._join_space
         assert space is not None, "a merger of Parquet jobs is given where to join them"
+        tables = self._tables.cut_at(claim.cut)  # as the job's first merger cut it
         written: dict[str, str] = {}
         disk = space.disk.claim("a join of its shards' results files")
         directory = Path(tempfile.mkdtemp(prefix="join-", dir=space.spool.directory))
         try:
-            file_bytes = self._tables.joined_file_bytes(sum(size for _, size in files))
+            file_bytes = tables.joined_file_bytes(sum(size for _, size in files))
             schema = joined_schema(each_at_once(lambda file: self._footer(*file), files))
-            largest = self._tables.largest_file_bytes(file_bytes)
+            largest = tables.largest_file_bytes(file_bytes)
             needed = max((size for _, size in files), default=0) + largest
             if needed > space.disk.total_bytes:  # the worker's setting: not the job's fault
                 raise NoDiskRoom(
@@ -355,7 +356,7 @@ class Merger:
                     yield copy
 
             joined_at = directory / "joined"
-            joining = self._tables.join(copied(), schema, joined_at, space.beat, file_bytes)
+            joining = tables.join(copied(), schema, joined_at, space.beat, file_bytes)
             with contextlib.closing(joining) as joined:
                 for path in joined:
                     name = table_name(0, len(written))
@@ -385,10 +386,10 @@ class Merger:
     ) -> bool:
         """Whether the output at `location` is still as listed (`listed`, its ETag) and
         holds the `size` bytes `ours`: an earlier merger's write of what this one would
-        write (where both cut the join alike), which it keeps as it is: written again, it
-        would be another version where ETags are not MD5s, and a merger stalled past its
-        claim may have named this one in job.json already. Read only where it is there
-        and of that size, the claim renewed as it goes."""
+        write (both cut the join as the claim says: `Claim.cut`), which it keeps as it
+        is: written again, it would be another version where ETags are not MD5s, and a
+        merger stalled past its claim may have named this one in job.json already. Read
+        only where it is there and of that size, the claim renewed as it goes."""
         if listed == ABSENT:
             return False
         try:
