@@ -737,9 +737,21 @@ def test_a_merger_stalled_past_its_claim_and_the_one_that_took_it_over_write_one
 
 def test_a_claim_takes_a_recorded_cut_only_within_bounds() -> None:
     """A claim lies under the job's output, anyone's to write: a cut it records is taken
-    only if it is two whole numbers of bytes, within bounds."""
+    only where the merger could join at it without exhausting itself."""
     own = (256 * 2**20, 64 * 2**20)
-    assert claims._recorded_cut([1, 2**16], own) == (1, 2**16)
-    for forged in ([1, 1], [0, 2**20], [2**41, 2**20], [1.5, 2**20], "1,2", [1, 2, 3], None):
-        assert claims._recorded_cut(forged, own) == own
+    assert claims._recorded_cut([2**28, 2**16], own) == (2**28, 2**16)
+    assert claims._recorded_cut([1, 2**28], own) == (1, 2**28)
+    forged = [
+        [1, 1],  # a row a group
+        [2**40, 2**16],  # millions of groups a file, each in its footer
+        [2**30, 2**30],  # row groups of a GiB held as they are joined
+        [0, 2**20],
+        [True, 2**20],
+        [1.5, 2**20],
+        "1,2",
+        [1, 2, 3],
+        None,
+    ]
+    for recorded in forged:
+        assert claims._recorded_cut(recorded, own) == own
     assert claims._recorded_cut([1, 120], (1, 120)) == (1, 120)  # its own, however small

@@ -27,10 +27,10 @@ from worker.ports import ABSENT, SQS_MAX_DELAY_S, BlobStore, S3Location
 MERGE_CLAIM_S = SQS_MAX_DELAY_S
 MAX_CLAIM_BYTES = 4096
 # A cut a claim records is anyone's to write (it lies under the job's output): taken only
-# up to this, and with row groups of this many bytes at least (or the merger's own, where
-# they are smaller): a row a group, the join's footer would hold a group for each.
-CUT_CEILING_BYTES = 2**40
+# where this worker could join at it without exhausting itself (`_recorded_cut`).
+ROW_GROUP_CEILING_BYTES = 2**28  # a join holds about two row groups, decoded
 ROW_GROUP_FLOOR_BYTES = 2**16
+ROW_GROUPS_A_FILE = 4096  # each indexed in the file's footer, read whole by readers
 
 Cut = tuple[int, int]  # where a Parquet join cuts files and row groups, in bytes
 
@@ -125,15 +125,21 @@ class Claim:
 
 
 def _recorded_cut(recorded: Any, own: Cut) -> Cut:
-    """The cut a claim records, if it is one within bounds; else the merger's `own`
-    (a claim opened by the planner, or written by a worker from before cuts were)."""
+    """The cut a claim records (`[file bytes, row group bytes]`), where this worker may
+    join at it: row groups of `ROW_GROUP_FLOOR_BYTES` to `ROW_GROUP_CEILING_BYTES` (or
+    as small, or as large, as its own), and no more of them a file than
+    `ROW_GROUPS_A_FILE` (or its own's). Else its `own`: none recorded (a claim the
+    planner opened, or written by a worker from before cuts were), or a forged one."""
     if not isinstance(recorded, list) or len(recorded) != 2:
         return own
+    if any(type(value) is not int or value < 1 for value in recorded):
+        return own
     file_bytes, row_group_bytes = recorded
-    floors = (1, min(own[1], ROW_GROUP_FLOOR_BYTES))
-    for value, floor in zip(recorded, floors, strict=True):
-        if type(value) is not int or not floor <= value <= CUT_CEILING_BYTES:
-            return own
+    floor = min(own[1], ROW_GROUP_FLOOR_BYTES)
+    ceiling = max(own[1], ROW_GROUP_CEILING_BYTES)
+    groups = max(own[0] // own[1], ROW_GROUPS_A_FILE)
+    if not floor <= row_group_bytes <= ceiling or file_bytes // row_group_bytes > groups:
+        return own
     return (file_bytes, row_group_bytes)
 
 

@@ -43,6 +43,7 @@ from worker.datasets.tables import (
     NDJSON,
     PARQUET,
     PARQUET_CONTENT_TYPE,
+    TABLE_NAME,
     Tables,
     UnfitResults,
     joined_schema,
@@ -328,7 +329,12 @@ class Merger:
         a joined file) claimed first: `NoDiskRoom` if others' copies hold it now."""
         space = self._join_space
         assert space is not None, "a merger of Parquet jobs is given where to join them"
-        tables = self._tables.cut_at(claim.cut)  # as the job's first merger cut it
+        # As the job's first merger cut it, where that one wrote any of its files (with
+        # none there, nothing is to match, and this one cuts as it is set to); the claim
+        # says which from its next renewal, before any file is written.
+        if not any(TABLE_NAME.fullmatch(name) for name in top):
+            claim.cut = self._tables.cut
+        tables = self._tables.cut_at(claim.cut)
         written: dict[str, str] = {}
         disk = space.disk.claim("a join of its shards' results files")
         directory = Path(tempfile.mkdtemp(prefix="join-", dir=space.spool.directory))
