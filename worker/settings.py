@@ -165,10 +165,8 @@ class Settings(BaseSettings):
         le=512,
         description="Parallel S3 downloads, split among the --preprocess-workers processes "
         "where they fetch (each fetches as many at once, and so does each process added "
-        "beyond them); finished jobs are uploaded as many at a time (32 at most). "
-        "A daemon receives more jobs while fewer items than this and --prefetch-batches "
-        "batches (and its admissions' lead: see --prefetch-batches) are waiting ahead of "
-        "the model.",
+        "beyond them); finished jobs are uploaded as many at a time (32 at most). A daemon "
+        "receives jobs while fewer items wait ahead of the model (see --prefetch-batches).",
     )
     fetch_in: Literal["auto", "preprocess", "threads"] = Field(
         default="auto",
@@ -196,10 +194,8 @@ class Settings(BaseSettings):
         default=4,
         ge=1,
         description="Receive more messages only while fewer than this many batches of items, "
-        "and --fetch-concurrency more (those being fetched), are waiting ahead of inference; "
-        "and, of jobs (not shards), as many more as the pipeline went through while its "
-        "latest jobs were admitted (the most of the latest 16 admissions of the last 30 s, "
-        "up to as many again).",
+        "--fetch-concurrency more, and of jobs (not shards) what the pipeline went through "
+        "while the latest were admitted (up to as many again), are waiting ahead of inference.",
     )
     max_items_per_job: int = Field(
         default=100_000_000,
