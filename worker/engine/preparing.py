@@ -44,10 +44,10 @@ class Preparing:
     item's.
 
     The threads are its own, each taking the next item off a queue and handing on what
-    it became, where an executor's futures, their conditions and callbacks cost a child
-    twice the CPU an item (126 µs against 59 in `bench.preparing`'s microbenchmark, a
-    fetch of S3's latency): with 16 children sharing the host's cores, that CPU is
-    what the feed runs on."""
+    it became, where an executor's futures, their conditions and callbacks, and a wake
+    of the group's thread for each item, cost a child 152-163 µs of CPU an item read at
+    S3's latency against 92-94 now (`bench.preparing`): with 16 children sharing the
+    host's cores, that CPU is what the feed runs on."""
 
     def __init__(
         self,
