@@ -67,11 +67,11 @@ def _part(module: str) -> str:
 
 
 def test_no_module_outgrows_a_reading() -> None:
-    """A module over 550 lines mixes parts that want a module each."""
+    """A module of 550 lines or more mixes parts that want a module each."""
     long = {
         str(path.relative_to(REPO)): lines
         for path in sorted((REPO / "worker").rglob("*.py"))
-        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+        if (lines := len(path.read_text().splitlines())) >= MAX_MODULE_LINES
     }
     assert not long, long
 

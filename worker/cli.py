@@ -502,7 +502,9 @@ def add_settings_flags(parser: argparse._ActionsContainer, only: Sequence[str] =
             continue
         flag = "--" + name.replace("_", "-")
         env = f"WORKER_{name.upper()}"
-        default = "" if field.is_required() else f" [default: {_show(field.default)}]"
+        # A field unset by default says in its description what unset means.
+        unset = field.is_required() or field.default is None
+        default = "" if unset else f" [default: {_show(field.default)}]"
         help_text = f"{field.description}{default} (env {env})"
         if field.annotation is bool:
             parser.add_argument(

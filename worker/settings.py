@@ -50,9 +50,8 @@ class Settings(BaseSettings):
     shard_queue_url: str | None = Field(
         default=None,
         description="SQS queue URL for the shards of jobs split across the fleet, and their "
-        "watches. With it, a daemon busy with a shard still takes jobs from --queue-url, one "
-        "at a time, so a small job is not stuck behind a giant one's shards; without it, "
-        "shards go to --queue-url, behind which a job sent later waits.",
+        "watches: a daemon busy with a shard still takes jobs from --queue-url, one at a time, "
+        "so a small job is not stuck behind a giant one's shards (else they go to --queue-url).",
     )
     log_dir: Path = Field(
         default=Path("logs"),
@@ -83,10 +82,9 @@ class Settings(BaseSettings):
     )
     model_cache_dir: Path | None = Field(
         default=None,
-        description="Where a model in S3 is kept, by bucket, key and ETag, and fetched at "
-        "start unless that ETag's copy is here; a start removes the object's other copies "
-        "that no process on the host holds (docs/models.md; default: model-cache under "
-        "--log-dir).",
+        description="Where a model in S3 is kept (by bucket, key and ETag), fetched at start "
+        "unless that ETag's copy is here; a start removes its other copies no process on the "
+        "host holds (docs/models.md; default: model-cache under --log-dir).",
     )
     preprocess: str = Field(
         default="stages.preprocess:default_preprocessor",
@@ -141,13 +139,16 @@ class Settings(BaseSettings):
         default=20, ge=0, description="How long a partial batch waits for more items."
     )
     max_batch_tokens: int = Field(
-        default=0, ge=0, description="Padded tokens a batch of texts holds at most; 0: off."
+        default=0,
+        ge=0,
+        description="Texts: padded tokens a batch holds at most (texts of like length together, "
+        "padded to a few fixed lengths, --batch-size at most; docs/models.md); 0: off.",
     )
     preprocess_workers: int = Field(
         default=2,
         ge=1,
         le=256,
-        description="Preprocessing (decode/resize) processes, at least: the floor.",
+        description="Preprocessing (decode, resize, tokenize) processes, at least: the floor.",
     )
     preprocess_workers_max: int | None = Field(
         default=None,
@@ -416,16 +417,14 @@ class Settings(BaseSettings):
     )
     timeline_dir: Path | None = Field(
         default=None,
-        description="Write where the time goes here, every minute and at exit: "
-        "timeline.json (a Chrome trace of the last 100,000 stage calls, for Perfetto) and "
-        "timeline.png (one lane per stage).",
+        description="Where the time goes, written here every minute and at exit: timeline.json "
+        "(a Chrome trace of the last 100,000 stage calls, for Perfetto) and timeline.png.",
     )
     device_hour_price: float | None = Field(
         default=None,
         ge=0,
-        description="What an hour of this worker's device costs (an instance's price "
-        "divided by its GPUs, say): job.json then gives each job's 'cost' beside the "
-        "'device_s' it used across the fleet.",
+        description="What an hour of this worker's device costs (its instance's price over "
+        "its GPUs, say): job.json then gives each job's 'cost' beside its fleet-wide 'device_s'.",
     )
     notify_queue_url: str | None = Field(
         default=None,

@@ -48,6 +48,9 @@ class DaemonProcess:
             start_new_session=True,
         )
         self._lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        # Parsed once as they come: a test polls for events every 50 ms, and a busy
+        # daemon's thousands of lines parsed at each poll cost its neighbours CPU.
+        self._events: dict[str, list[dict[str, Any]]] = {}
         self._readers = [
             threading.Thread(target=self._collect, args=(name,), daemon=True)
             for name in self._lines
@@ -57,6 +60,10 @@ class DaemonProcess:
 
     def _collect(self, name: str) -> None:
         for line in getattr(self.process, name):
+            if name == "stdout":
+                with contextlib.suppress(json.JSONDecodeError, AttributeError):
+                    event = json.loads(line)
+                    self._events.setdefault(event.get("event"), []).append(event)
             self._lines[name].append(line)
 
     @property
@@ -73,13 +80,7 @@ class DaemonProcess:
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """The daemon's log events called `name`, so far."""
-        events = []
-        for line in list(self._lines["stdout"]):
-            with contextlib.suppress(json.JSONDecodeError):
-                event = json.loads(line)
-                if event.get("event") == name:
-                    events.append(event)
-        return events
+        return list(self._events.get(name, []))
 
     def wait_for(self, name: str, count: int = 1, timeout_s: float = 120) -> list[dict[str, Any]]:
         """Wait until the daemon has logged `name` `count` times; its events."""
