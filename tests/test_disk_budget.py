@@ -8,6 +8,7 @@ import json
 import random
 import shutil
 import threading
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from worker.datasets.disk import DiskBudget, NoDiskRoom
 from worker.datasets.tars import TarCopies
 from worker.errors import TransientError
 from worker.message import PoisonMessage, TarMembers
+from worker.ports import ObjectHead, S3Location
 
 CHUNK_BYTES = 2**16
 
@@ -128,6 +130,59 @@ def test_a_job_whose_tars_are_over_the_whole_budget_is_poison(tmp_path: Path) ->
         copies.members(tars, TarMembers())
     copies.remove()
     assert budget.held_bytes == 0
+
+
+class CountedReads(InMemoryBlobStore):
+    """Counts the bytes its readers are given of each object's chunks."""
+
+    def __init__(self) -> None:
+        super().__init__(chunk_bytes=CHUNK_BYTES)
+        self.read_bytes = 0
+
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
+        for chunk in super().chunks(location, max_bytes, expect=expect):
+            self.read_bytes += len(chunk)
+            yield chunk
+
+
+def test_a_tar_over_the_whole_budget_is_poison_before_a_byte_of_it_is_read(
+    tmp_path: Path,
+) -> None:
+    """Its size is claimed from its HEAD before the copy: a 10 MB tar on a 1 MB budget
+    is poison at once, where a claim as it is written would have read the budget's
+    worth first."""
+    blobs = CountedReads()
+    [tar] = _tars(blobs, 10_000_000)
+    budget = DiskBudget(1_000_000)
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, budget)
+    with pytest.raises(PoisonMessage, match=r"--tar-disk-bytes, 1000000 bytes"):
+        copies.members([tar], TarMembers())
+    assert blobs.read_bytes == 0
+    copies.remove()
+    assert budget.held_bytes == 0
+
+
+def test_a_tar_replaced_between_its_head_and_its_read_is_tried_again(tmp_path: Path) -> None:
+    """The copy reads the tar whose size it claimed (If-Match): one replaced meanwhile,
+    by a bigger one say, is a transient error (the job's next delivery claims its new
+    size), neither poison nor the bigger tar copied on the smaller one's claim."""
+    blobs = InMemoryBlobStore(chunk_bytes=CHUNK_BYTES)
+    [tar] = _tars(blobs, 1000)
+    replace = blobs.head
+
+    def head_then_replace(location: S3Location) -> ObjectHead:
+        found = replace(location)
+        blobs.objects[tar] = tar_of([("a.jpg", bytes(900_000))])
+        return found
+
+    blobs.head = head_then_replace  # type: ignore[method-assign]
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, DiskBudget(1_000_000))
+    with pytest.raises(TransientError, match="was replaced while it was copied") as raised:
+        copies.members([tar], TarMembers())
+    assert not isinstance(raised.value, PoisonMessage)
+    copies.remove()
 
 
 def test_a_budget_by_default_is_three_quarters_of_the_free_space_of_its_disk(

@@ -295,8 +295,10 @@ class TrickledTars(InMemoryBlobStore):
         super().__init__(chunk_bytes=4096)
         self.chunk_s = chunk_s
 
-    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
-        for chunk in super().chunks(location, max_bytes):
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
+        for chunk in super().chunks(location, max_bytes, expect=expect):
             time.sleep(self.chunk_s)
             yield chunk
 
@@ -354,11 +356,13 @@ class SlowTars(InMemoryBlobStore):
         self.copied_at: dict[str, float] = {}
         self.committed_at: dict[str, float] = {}
 
-    def chunks(self, location: S3Location, max_bytes: int) -> Generator[bytes]:
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
         if str(location).endswith(".tar"):
             self.copied_at[str(location)] = time.monotonic()
             time.sleep(self.copy_s)
-        yield from super().chunks(location, max_bytes)
+        yield from super().chunks(location, max_bytes, expect=expect)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None

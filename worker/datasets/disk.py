@@ -1,8 +1,9 @@
 """The disk what jobs copy to this machine may take, all of it together
 (`--tar-disk-bytes`): whole tar jobs and tar shards copy their tars here
 (`worker.datasets.tars`), and a job planned into shards its listing (a snapshot read back
-to write the shards' inputs files); each claims its bytes of one budget as it grows,
-before each piece is written, and gives them back when its copy is removed.
+to write the shards' inputs files); each claims its bytes of one budget before it
+writes them (a tar's copy its whole size, a snapshot each piece), and gives them back
+when its copy is removed.
 
 A claim that others' copies leave no room for now is `NoDiskRoom`, transient: the job
 goes back to the queue, uncharged, to run when room is made (here or elsewhere); one

@@ -13,9 +13,10 @@ compressed one included), or that holds a member name twice or one over
 `MAX_NAME_BYTES`, makes the message poison, named; a member over `--max-input-bytes` is
 that member's error, as an object over it is. What an untrusted tar costs is bounded
 before it is paid: its first header is checked as soon as it has arrived (a video named
-as a tar is refused after its first chunk, not read whole); the copies of all jobs claim
-their bytes of one `DiskBudget` as they grow; members are counted as they are listed, and
-listing stops once the job's tars hold more than `--shard-items`.
+as a tar is refused after its first chunk, not read whole); each copy claims its tar's
+size of one `DiskBudget`, shared by all jobs, before it reads a byte of it; members are
+counted as they are listed, and listing stops once the job's tars hold more than
+`--shard-items`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import BinaryIO, NamedTuple
 
 from worker.datasets.disk import DiskBudget
 from worker.datasets.inputs import unreadable_is_poison
-from worker.errors import TransientError
+from worker.errors import ObjectTooLarge, PreconditionFailed, TransientError
 from worker.message import PoisonMessage, TarMembers
 from worker.ports import BlobStore, LocalPart, S3Location
 
@@ -63,8 +64,8 @@ class Member(NamedTuple):
 
 class TarCopies:
     """One job's local copies of its tars, in `directory` (made as they are copied),
-    their bytes claimed of the daemon's `disk` budget (none: no limit) as they are
-    written, and given back by `remove`."""
+    their sizes claimed of the daemon's `disk` budget (none: no limit) before they are
+    read, and given back by `remove`."""
 
     def __init__(
         self,
@@ -129,17 +130,32 @@ class TarCopies:
         return members
 
     def _copy(self, uri: str, row: int) -> Path:
+        """The tar copied whole to this machine's disk, its size claimed of the budget
+        before a byte of it is read, and read as it was then (If-Match): a tar over the
+        whole budget costs a HEAD, not a download up to the budget."""
+        location = S3Location.parse(uri)
+        with unreadable_is_poison(f"tar {uri}"):
+            head = self._blobs.head(location)
+            if head.size > self._max_tar_bytes:
+                raise ObjectTooLarge(head.size, self._max_tar_bytes)
+        self._claim_room(head.size, uri)
+        chunks = self._blobs.chunks(location, head.size, expect=head.etag)
         path = self.directory / f"{row:06d}.tar"
         with self._lock:  # the file is made before `remove` can take the directory away
             if self._removed:  # settled meanwhile (a shutdown): nothing will read it
                 raise _Stopped("the job was settled while its tars were copied")
             self.directory.mkdir(exist_ok=True)  # in the daemon's spool, there while it runs
             copy = open(path, "wb")  # noqa: SIM115 (closed below, whatever happens)
-        chunks = self._blobs.chunks(S3Location.parse(uri), self._max_tar_bytes)
         first = b""  # the first header, checked as soon as it is here
-        with unreadable_is_poison(f"tar {uri}"), contextlib.closing(chunks), copy:
+        with (
+            unreadable_is_poison(f"tar {uri}"),
+            _replaced_is_transient(uri),
+            contextlib.closing(chunks),
+            copy,
+        ):
             for chunk in chunks:
-                self._claim_room(len(chunk), uri)
+                if self._stop.is_set():
+                    raise _Stopped(f"tar {uri} was not copied whole: the job's copying stopped")
                 copy.write(chunk)
                 if len(first) < BLOCK:
                     first += chunk[: BLOCK - len(first)]
@@ -148,8 +164,8 @@ class TarCopies:
         return path
 
     def _claim_room(self, size: int, uri: str) -> None:
-        """Claim `size` bytes of the disk budget for a copy's next piece; `_Stopped` if
-        the job's copying stopped, or it was settled (its claim given back)."""
+        """Claim `size` bytes of the disk budget for a copy; `_Stopped` if the job's
+        copying stopped, or it was settled (its claim given back)."""
         if self._stop.is_set():
             raise _Stopped(f"tar {uri} was not copied whole: the job's copying stopped")
         with self._lock:
@@ -166,6 +182,16 @@ class TarCopies:
             shutil.rmtree(self.directory, ignore_errors=True)
             if self._claim is not None:
                 self._claim.release()
+
+
+@contextlib.contextmanager
+def _replaced_is_transient(uri: str) -> Iterator[None]:
+    """A tar replaced between its HEAD and its read is read again with the job's next
+    delivery, its new size claimed: not the tar's fault, nor the worker's."""
+    try:
+        yield
+    except PreconditionFailed as replaced:
+        raise TransientError(f"tar {uri} was replaced while it was copied") from replaced
 
 
 class _Stopped(TransientError):
