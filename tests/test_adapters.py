@@ -26,6 +26,7 @@ from tests.support.aws import Aws
 from tests.support.buckets import bucket_with
 from tests.support.daemons import free_port
 from tests.support.faultproxy import Fault, FaultProxy
+from worker.adapters.aws.calls import client_config
 from worker.adapters.aws.obstore_reads import open_obstore_reader
 from worker.adapters.aws.s3 import InputClient, S3BlobStore, open_s3_reader
 from worker.adapters.aws.sqs import SqsJobSource, _received
@@ -592,6 +593,40 @@ def test_a_reader_classifies_an_error_reply_where_it_is_raised(
         with pytest.raises(raised, match=code):
             get(S3Location(bucket, "in/a"))
     assert proxy.injected["error"] == tries
+
+
+@pytest.mark.parametrize(
+    ("answer", "raised"),
+    [
+        ((403, "RequestTimeTooSkewed"), TransientError),  # the worker's clock
+        ((400, "ExpiredToken"), TransientError),  # the worker's credentials
+        ((403, "AccessDenied"), AccessDenied),  # the object's
+    ],
+)
+def test_a_head_refused_is_named_by_a_get_of_the_objects_first_byte(
+    aws: Aws, answer: tuple[int, str], raised: type[Exception]
+) -> None:
+    """A HEAD's error reply has no body, so botocore names it by its status alone ("403",
+    "400"): a refused HEAD is told apart by a GET of one byte, whose reply names the
+    code, so that a worker's clock or credentials are retried, not taken for the
+    object's refusal (poison) or an unknown error."""
+    status, code = answer
+    bucket = bucket_with(aws, {"in/a": b"bytes"})
+    proxy = FaultProxy(aws.endpoint)
+    proxy.add(Fault("head", lambda request: request.method == "HEAD", status=status, code=code))
+    proxy.add(Fault("get", lambda request: request.method == "GET", status=status, code=code))
+    with proxy.serving() as endpoint:
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name=LOCAL_AWS_ENV["AWS_DEFAULT_REGION"],
+            aws_access_key_id=LOCAL_AWS_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=LOCAL_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
+            config=client_config(),
+        )
+        with pytest.raises(raised, match=code):
+            S3BlobStore(s3, ATTEMPTS).head(S3Location(bucket, "in/a"))
+    assert proxy.injected["head"] >= 1 and proxy.injected["get"] >= 1
 
 
 def test_a_reader_retries_a_slow_down_and_a_reset_and_reads_the_object(

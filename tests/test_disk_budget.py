@@ -5,6 +5,7 @@ a job that cannot fit now is told apart from one that can never fit."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import threading
@@ -93,7 +94,7 @@ def _tars(blobs: InMemoryBlobStore, *sizes: int) -> list[str]:
 
 def test_every_jobs_tar_copies_claim_one_budget_until_they_are_removed(tmp_path: Path) -> None:
     """Two jobs' copies on one budget: the second finds no room while the first holds
-    its tar (`NoDiskRoom`, its partial copy's claim given back with its copies), and
+    its tar (`NoDiskRoom`, having claimed and written nothing), and
     fits once the first's copies are removed; the budget is never passed."""
     blobs = InMemoryBlobStore(chunk_bytes=CHUNK_BYTES)
     big, small = _tars(blobs, 600_000, 300_000)
@@ -147,27 +148,28 @@ class CountedReads(InMemoryBlobStore):
             yield chunk
 
 
-def test_a_tar_over_the_whole_budget_is_poison_before_a_byte_of_it_is_read(
+def test_a_tar_over_the_whole_budget_is_poison_having_read_only_its_first_chunk(
     tmp_path: Path,
 ) -> None:
-    """Its size is claimed from its HEAD before the copy: a 10 MB tar on a 1 MB budget
-    is poison at once, where a claim as it is written would have read the budget's
-    worth first."""
+    """Its size, from its HEAD, is claimed once its first block is checked, before a
+    byte is written: a 10 MB tar on a 1 MB budget is poison after its first chunk,
+    where a claim as it was written read the budget's worth first."""
     blobs = CountedReads()
     [tar] = _tars(blobs, 10_000_000)
     budget = DiskBudget(1_000_000)
     copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, budget)
     with pytest.raises(PoisonMessage, match=r"--tar-disk-bytes, 1000000 bytes"):
         copies.members([tar], TarMembers())
-    assert blobs.read_bytes == 0
+    assert blobs.read_bytes == CHUNK_BYTES
+    assert sum(path.stat().st_size for path in (tmp_path / "copies").iterdir()) == 0
     copies.remove()
     assert budget.held_bytes == 0
 
 
 def test_a_tar_replaced_between_its_head_and_its_read_is_tried_again(tmp_path: Path) -> None:
-    """The copy reads the tar whose size it claimed (If-Match): one replaced meanwhile,
+    """The copy reads the tar whose size it claims (If-Match): one replaced meanwhile,
     by a bigger one say, is a transient error (the job's next delivery claims its new
-    size), neither poison nor the bigger tar copied on the smaller one's claim."""
+    size), with nothing of the bigger one written or claimed."""
     blobs = InMemoryBlobStore(chunk_bytes=CHUNK_BYTES)
     [tar] = _tars(blobs, 1000)
     replace = blobs.head
@@ -178,11 +180,40 @@ def test_a_tar_replaced_between_its_head_and_its_read_is_tried_again(tmp_path: P
         return found
 
     blobs.head = head_then_replace  # type: ignore[method-assign]
-    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, DiskBudget(1_000_000))
-    with pytest.raises(TransientError, match="was replaced while it was copied") as raised:
+    budget = DiskBudget(1_000_000)
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, budget)
+    with pytest.raises(TransientError, match="was replaced while it was copied"):
         copies.members([tar], TarMembers())
-    assert not isinstance(raised.value, PoisonMessage)
+    assert budget.held_bytes == 0
+    assert sum(path.stat().st_size for path in (tmp_path / "copies").iterdir()) == 0
     copies.remove()
+
+
+def test_what_is_not_a_tar_is_said_so_before_its_size_is_claimed(tmp_path: Path) -> None:
+    """An object named as a tar that is none, bigger than the room others leave and than
+    the whole budget: poison saying it is not a tar (its first block is checked before
+    its size is claimed), not a wait for room nor a refusal for its size."""
+    blobs = InMemoryBlobStore(chunk_bytes=CHUNK_BYTES)
+    blobs.objects["s3://bkt/video.tar"] = os.urandom(3_000_000)
+    budget = DiskBudget(1_000_000)
+    budget.claim().grow(900_000)  # another job's copies
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, budget)
+    with pytest.raises(PoisonMessage, match="is not a tar this worker reads"):
+        copies.members(["s3://bkt/video.tar"], TarMembers())
+    assert budget.held_bytes == 900_000
+
+
+def test_a_tar_that_ends_at_its_first_block_claims_only_what_it_wrote(tmp_path: Path) -> None:
+    """A tar whose first block is its end (an empty tar, then padding) is copied no
+    further: it holds of the budget only the chunk written, not its whole size."""
+    blobs = InMemoryBlobStore(chunk_bytes=CHUNK_BYTES)
+    blobs.objects["s3://bkt/empty.tar"] = bytes(2_000_000)
+    budget = DiskBudget(1_000_000)
+    copies = TarCopies(tmp_path / "copies", blobs, 2**30, 100, budget)
+    assert copies.members(["s3://bkt/empty.tar"], TarMembers()) == []
+    assert budget.held_bytes == CHUNK_BYTES
+    copies.remove()
+    assert budget.held_bytes == 0
 
 
 def test_a_budget_by_default_is_three_quarters_of_the_free_space_of_its_disk(

@@ -231,8 +231,8 @@ class Settings(BaseSettings):
         ge=1,
         description="Most bytes of disk the local copies of tars, the snapshots of "
         "listings planned into shards, and a merge's copies of a sharded Parquet job's "
-        "files, may take at once, all jobs' together, claimed as "
-        "they are written: a job that finds no room now is handed back to run later, "
+        "files, may take at once, all jobs' together, claimed "
+        "before they are written: a job that finds no room now is handed back to run later, "
         "uncharged; one whose own copy alone takes more is poison. Default: three "
         "quarters of the space free on --log-dir's disk at start (daemons sharing a "
         "disk should each be given their share).",

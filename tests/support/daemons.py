@@ -60,11 +60,11 @@ class DaemonProcess:
 
     def _collect(self, name: str) -> None:
         for line in getattr(self.process, name):
+            self._lines[name].append(line)
             if name == "stdout":
-                with contextlib.suppress(json.JSONDecodeError, AttributeError):
+                with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
                     event = json.loads(line)
                     self._events.setdefault(event.get("event"), []).append(event)
-            self._lines[name].append(line)
 
     @property
     def pid(self) -> int:

@@ -82,8 +82,8 @@ class DiskBudget:
 
 
 class DiskClaim:
-    """What one job's copies hold of a budget: grown before each piece is written, given
-    back whole when the copies are removed."""
+    """What one job's copies hold of a budget: grown before what it holds is written,
+    given back whole when the copies are removed."""
 
     def __init__(self, budget: DiskBudget, copies: str):
         self._budget = budget

@@ -14,7 +14,7 @@ compressed one included), or that holds a member name twice or one over
 that member's error, as an object over it is. What an untrusted tar costs is bounded
 before it is paid: its first header is checked as soon as it has arrived (a video named
 as a tar is refused after its first chunk, not read whole); each copy claims its tar's
-size of one `DiskBudget`, shared by all jobs, before it reads a byte of it; members are
+size of one `DiskBudget`, shared by all jobs, before it writes a byte of it; members are
 counted as they are listed, and listing stops once the job's tars hold more than
 `--shard-items`.
 """
@@ -130,15 +130,16 @@ class TarCopies:
         return members
 
     def _copy(self, uri: str, row: int) -> Path:
-        """The tar copied whole to this machine's disk, its size claimed of the budget
-        before a byte of it is read, and read as it was then (If-Match): a tar over the
-        whole budget costs a HEAD, not a download up to the budget."""
+        """The tar copied whole to this machine's disk, read as its HEAD found it
+        (If-Match), its size claimed of the budget before a byte of it is written: a tar
+        over the whole budget costs a HEAD and its first chunk, not a download up to the
+        budget. That chunk's first block is checked first: what is not a tar is said so,
+        and a tar that ends there claims only that chunk."""
         location = S3Location.parse(uri)
         with unreadable_is_poison(f"tar {uri}"):
             head = self._blobs.head(location)
             if head.size > self._max_tar_bytes:
                 raise ObjectTooLarge(head.size, self._max_tar_bytes)
-        self._claim_room(head.size, uri)
         chunks = self._blobs.chunks(location, head.size, expect=head.etag)
         path = self.directory / f"{row:06d}.tar"
         with self._lock:  # the file is made before `remove` can take the directory away
@@ -147,6 +148,7 @@ class TarCopies:
             self.directory.mkdir(exist_ok=True)  # in the daemon's spool, there while it runs
             copy = open(path, "wb")  # noqa: SIM115 (closed below, whatever happens)
         first = b""  # the first header, checked as soon as it is here
+        claimed = False
         with (
             unreadable_is_poison(f"tar {uri}"),
             _replaced_is_transient(uri),
@@ -154,13 +156,18 @@ class TarCopies:
             copy,
         ):
             for chunk in chunks:
-                if self._stop.is_set():
-                    raise _Stopped(f"tar {uri} was not copied whole: the job's copying stopped")
-                copy.write(chunk)
+                ends = False
                 if len(first) < BLOCK:
                     first += chunk[: BLOCK - len(first)]
-                    if len(first) == BLOCK and _ends_at_first(first, uri):
-                        break  # nothing after its first block is read: not copied either
+                    ends = len(first) == BLOCK and _ends_at_first(first, uri)
+                if not claimed:
+                    self._claim_room(len(chunk) if ends else head.size, uri)
+                    claimed = True
+                elif self._stop.is_set():
+                    raise _Stopped(f"tar {uri} was not copied whole: the job's copying stopped")
+                copy.write(chunk)
+                if ends:
+                    break  # nothing after its first block is read: not copied either
         return path
 
     def _claim_room(self, size: int, uri: str) -> None:

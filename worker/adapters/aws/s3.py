@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import boto3
 import structlog
+from botocore.exceptions import ClientError
 
 from worker.adapters.aws.calls import Retrying, client_config, retried_call_s
-from worker.errors import MissingObject, ObjectTooLarge, PreconditionFailed
+from worker.errors import AccessDenied, MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.ports import (
     ABSENT,
     ByteRange,
@@ -315,9 +316,18 @@ class S3BlobStore(Retrying):
             return ours
 
     def head(self, location: S3Location) -> ObjectHead:
-        reply = self._call(
-            lambda: self._client.head_object(Bucket=location.bucket, Key=location.key)
-        )
+        try:
+            reply = self._call(
+                lambda: self._client.head_object(Bucket=location.bucket, Key=location.key)
+            )
+        except (AccessDenied, ClientError) as error:
+            # A HEAD's error has no body, so it is named by its status alone: an expired
+            # token (400) or the worker's clock (403), for now, read as a request or an
+            # object refused for good. A GET of its first byte says which, by its code.
+            if isinstance(error, ClientError) and error.response["Error"]["Code"] != "400":
+                raise
+            self.get(location, byte_range=(0, 1))
+            raise
         return ObjectHead(reply["ETag"], reply["ContentLength"])
 
     def _etag(self, location: S3Location) -> str | None:
