@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sources.add_argument(
         "--openai-batch",
-        help="s3:// URI of an OpenAI Batch API file of /v1/embeddings requests, answered in "
-        "that API's output and error files too",
+        help="an OpenAI Batch API file of /v1/embeddings requests, answered in that API's "
+        "output and error files too: an s3:// URI, or a local file, uploaded first to "
+        "<output>/openai-requests.jsonl",
     )
     sources.add_argument(
         "--inputs-suffix",
@@ -391,22 +392,32 @@ def _enqueue(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
         return EXIT_USAGE
     try:
-        job = Jobs.connect(args.queue_url).submit(
-            args.output,
-            job_id=args.job_id,
-            inputs=args.inputs or None,
-            manifest=args.manifest,
-            inputs_prefix=args.inputs_prefix,
-            inputs_suffix=args.inputs_suffix,
-            table=_table(args),
-            inventory=args.inventory,
-            texts=args.texts,
-            openai_batch=args.openai_batch,
-            params=json.loads(args.params),
-            format=args.format,
-            shard_items=args.shard_items,
-            tar=TarMembers(member_suffix=args.member_suffix) if args.tar else None,
-        )
+        jobs, params = Jobs.connect(args.queue_url), json.loads(args.params)
+        if args.openai_batch and not args.openai_batch.startswith("s3://"):
+            job = jobs.submit_openai_batch(
+                Path(args.openai_batch),
+                args.output,
+                job_id=args.job_id,
+                params=params,
+                format=args.format,
+            )
+        else:
+            job = jobs.submit(
+                args.output,
+                job_id=args.job_id,
+                inputs=args.inputs or None,
+                manifest=args.manifest,
+                inputs_prefix=args.inputs_prefix,
+                inputs_suffix=args.inputs_suffix,
+                table=_table(args),
+                inventory=args.inventory,
+                texts=args.texts,
+                openai_batch=args.openai_batch,
+                params=params,
+                format=args.format,
+                shard_items=args.shard_items,
+                tar=TarMembers(member_suffix=args.member_suffix) if args.tar else None,
+            )
     except json.JSONDecodeError as error:
         print(f"--params is not JSON: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -427,6 +438,12 @@ def _enqueue_usage_problem(args: argparse.Namespace) -> str | None:
         return "--uri-column, --text-column and --id-column name columns of --table"
     if args.member_suffix and not args.tar:
         return "--member-suffix keeps members of --tar shards"
+    if args.openai_batch and not args.openai_batch.startswith("s3://"):
+        others = [args.inputs, args.manifest, args.inputs_prefix, args.table, args.inventory]
+        if any([*others, args.texts, args.tar, args.shard_items]):
+            return "a local --openai-batch file is the job's only input (no other inputs)"
+        if not Path(args.openai_batch).is_file():
+            return f"--openai-batch {args.openai_batch}: no such file (or an s3:// URI)"
     return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from stages.sentences import TOPICS
 from tests.support.aws import Aws
 from tests.support.daemons import daemon_args, run_daemon
-from tests.support.jobs import job_output
+from tests.support.jobs import enqueue_command, job_output
 from tests.support.texts import TEXT_MODEL_FLAGS, embeddings_request, model_answers
 from worker.client import Jobs
 
@@ -66,3 +67,32 @@ def test_a_local_batch_file_is_submitted_in_one_call_and_answered_in_openais_fil
     assert (chat["custom_id"], chat["error"]) == ("chat", None)
     assert chat["response"]["status_code"] == 400
     assert chat["response"]["body"]["error"]["type"] == "invalid_request_error"
+
+
+def test_enqueue_uploads_a_local_batch_file_and_sends_its_job(aws: Aws, tmp_path: Path) -> None:
+    """`worker enqueue --openai-batch FILE`, a local file: uploaded to the job's output
+    (openai-requests.jsonl) and its job sent naming it, as the client's one call does; a
+    file that is not there, or one given beside other inputs, is a usage error (exit 2)
+    with nothing sent."""
+    stack = aws.stack()
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps(embeddings_request("only", "a late train")) + "\n")
+    output = job_output(stack, "local")
+
+    def enqueue(*more: str) -> subprocess.CompletedProcess[str]:
+        command = enqueue_command(stack.queue_url, "local", output, *more)
+        return subprocess.run(command, env=aws.env, capture_output=True, text=True, check=False)
+
+    missing = enqueue("--openai-batch", str(tmp_path / "absent.jsonl"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    beside = enqueue("--openai-batch", str(requests), f"s3://{stack.bucket}/a.jpg")
+    assert beside.returncode == 2 and "the job's only input" in beside.stderr
+    assert aws.queue_depth(stack.queue_url) == (0, 0)
+
+    sent = enqueue("--openai-batch", str(requests))
+    assert sent.returncode == 0, sent.stderr
+    assert aws.read(output, "openai-requests.jsonl") == requests.read_bytes()
+    [message] = aws.sqs.receive_message(QueueUrl=stack.queue_url)["Messages"]
+    body = json.loads(message["Body"])
+    assert body["job_id"] == "local" == sent.stdout.strip()
+    assert body["openai_batch"] == f"{output.rstrip('/')}/openai-requests.jsonl"

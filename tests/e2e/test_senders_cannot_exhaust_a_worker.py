@@ -16,7 +16,7 @@ from bench.harness import tar_of
 from bench.processes import peak_rss, tree_rss_mb
 from tests.support.aws import Aws
 from tests.support.daemons import StartDaemon, daemon_args
-from tests.support.hostile import gzipped_rows, megabyte_uri, tar_of_empty_members
+from tests.support.hostile import gzipped_rows, megabyte_uri, parquet_rows, tar_of_empty_members
 from tests.support.jobs import assert_complete, job_output, send_jobs, upload
 from worker.demo import upload_samples
 from worker.message import CANCEL_MARKER
@@ -30,7 +30,8 @@ SHARD_ITEMS = 1000
 def test_senders_cannot_exhaust_a_worker(
     aws: Aws, start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
-    """A table of 1 MB URIs (a .csv.gz of 1 MB that held 1 GB), a tar of 20 times the
+    """A table of 1 MB URIs (a .csv.gz of 1 MB that held 1 GB; and a Parquet file of 47
+    KB, the value stored once), a tar of 20 times the
     members a shard holds, a tar whose member has a 1 MiB pax name, and 32 MiB of random
     bytes named as a tar: each dead-lettered with the limit it passes named; a job whose
     output holds a `cancel` of 300 MiB cancelled without reading it; the one-image job
@@ -39,8 +40,10 @@ def test_senders_cannot_exhaust_a_worker(
     stack = aws.stack()
     [image] = upload_samples(aws.s3, stack.bucket, 1, seed=41)
     table = gzipped_rows("uri", megabyte_uri(stack.bucket), 1000)  # 1 MB; 1 GB held before
+    parquet = parquet_rows("uri", megabyte_uri(stack.bucket), 1000)  # the same, in Parquet
     hostile = {
         "megabyte-uris": {"table": {"uri": upload(aws, stack, "bomb.csv.gz", table)}},
+        "megabyte-uris-parquet": {"table": {"uri": upload(aws, stack, "bomb.parquet", parquet)}},
         "many-members": {
             "inputs": [upload(aws, stack, "many.tar", tar_of_empty_members(20 * SHARD_ITEMS))],
             "tar": {},
@@ -82,6 +85,9 @@ def test_senders_cannot_exhaust_a_worker(
     }
     assert sorted(reasons) == sorted(hostile), reasons
     assert "row 1: its URI's key is over S3's limit of 1024 bytes" in reasons["megabyte-uris"]
+    assert (
+        "row 1: its URI's key is over S3's limit of 1024 bytes" in reasons["megabyte-uris-parquet"]
+    )
     assert f"hold more than {SHARD_ITEMS} inputs" in reasons["many-members"]
     assert "a member's name of 1048476 bytes (at most 4096)" in reasons["long-name"]
     assert "video.tar is not a tar this worker reads" in reasons["not-a-tar"]

@@ -1,12 +1,15 @@
 """What a hostile sender sends (the review of 2026-11-26, H4 and H5), made in
-milliseconds however large it reads: a gzipped table of megabyte-long URIs, a tar of
-very many empty members."""
+milliseconds however large it reads: a gzipped or Parquet table of megabyte-long
+URIs, a tar of very many empty members."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import tarfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 
 def megabyte_uri(bucket: str) -> str:
@@ -32,3 +35,11 @@ def tar_of_empty_members(count: int) -> bytes:
         blocks.write(header)
     blocks.write(bytes(1024))  # the end: two zero blocks
     return blocks.getvalue()
+
+
+def parquet_rows(column: str, value: str, rows: int) -> bytes:
+    """A Parquet table of `rows` copies of `value` in `column`: dictionary-encoded, the
+    value is stored once, so a file of about its size holds `rows` times it."""
+    sink = io.BytesIO()
+    pq.write_table(pa.table({column: [value] * rows}), sink, use_dictionary=True)
+    return sink.getvalue()

@@ -65,7 +65,7 @@ class Member(NamedTuple):
 class TarCopies:
     """One job's local copies of its tars, in `directory` (made as they are copied),
     their sizes claimed of the daemon's `disk` budget (none: no limit) before they are
-    read, and given back by `remove`."""
+    written, and given back by `remove`."""
 
     def __init__(
         self,

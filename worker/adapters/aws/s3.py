@@ -15,7 +15,13 @@ import structlog
 from botocore.exceptions import ClientError
 
 from worker.adapters.aws.calls import Retrying, client_config, retried_call_s
-from worker.errors import AccessDenied, MissingObject, ObjectTooLarge, PreconditionFailed
+from worker.errors import (
+    AccessDenied,
+    MissingObject,
+    ObjectTooLarge,
+    PreconditionFailed,
+    TransientError,
+)
 from worker.ports import (
     ABSENT,
     ByteRange,
@@ -326,8 +332,13 @@ class S3BlobStore(Retrying):
             # object refused for good. A GET of its first byte says which, by its code.
             if isinstance(error, ClientError) and error.response["Error"]["Code"] != "400":
                 raise
-            self.get(location, byte_range=(0, 1))
-            raise
+            try:
+                self.get(location, byte_range=(0, 1))
+            except ClientError:  # unnamed by its class (an empty object's range): the HEAD's
+                raise error from None
+            raise TransientError(
+                f"{location}: its HEAD was refused ({error}), a GET not"
+            ) from error
         return ObjectHead(reply["ETag"], reply["ContentLength"])
 
     def _etag(self, location: S3Location) -> str | None:
