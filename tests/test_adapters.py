@@ -596,28 +596,34 @@ def test_a_reader_classifies_an_error_reply_where_it_is_raised(
 
 
 @pytest.mark.parametrize(
-    ("answer", "get_refused", "raised", "match"),
+    ("answer", "refused", "data", "raised"),
     [
-        ((403, "RequestTimeTooSkewed"), True, TransientError, "RequestTimeTooSkewed"),
-        ((400, "ExpiredToken"), True, TransientError, "ExpiredToken"),
-        ((403, "AccessDenied"), True, AccessDenied, "AccessDenied"),  # the object's
-        ((403, "AccessDenied"), False, TransientError, "its HEAD was refused"),  # a passing 403
+        ((403, "RequestTimeTooSkewed"), "head and get", b"bytes", TransientError),  # its clock
+        ((400, "ExpiredToken"), "head and get", b"bytes", TransientError),  # its token
+        ((403, "AccessDenied"), "head and get", b"bytes", AccessDenied),  # the object's
+        ((403, "AccessDenied"), "every head", b"bytes", AccessDenied),  # a store refusing HEADs
+        ((403, "AccessDenied"), "every head", b"", AccessDenied),  # empty: no first byte
+        ((403, "AccessDenied"), "one head", b"bytes", None),  # rotated between HEAD and GET
     ],
 )
 def test_a_head_refused_is_named_by_a_get_of_the_objects_first_byte(
-    aws: Aws, answer: tuple[int, str], get_refused: bool, raised: type[Exception], match: str
+    aws: Aws, answer: tuple[int, str], refused: str, data: bytes, raised: type[Exception] | None
 ) -> None:
     """A HEAD's error reply has no body, so botocore names it by its status alone ("403",
     "400"): a refused HEAD is told apart by a GET of one byte, whose reply names the
     code, so that a worker's clock or credentials are retried, not taken for the
-    object's refusal (poison) or an unknown error; a GET answered says the HEAD's
-    refusal has passed (credentials rotated between them), to be tried again."""
+    object's refusal (poison) or an unknown error. A GET answered (or an empty object's
+    range refused) leads to a second HEAD: a refusal that has passed answers it, one
+    for good is the object's."""
     status, code = answer
-    bucket = bucket_with(aws, {"in/a": b"bytes"})
+    bucket = bucket_with(aws, {"in/a": data})
     proxy = FaultProxy(aws.endpoint)
-    proxy.add(Fault("head", lambda request: request.method == "HEAD", status=status, code=code))
-    if get_refused:
-        proxy.add(Fault("get", lambda request: request.method == "GET", status=status, code=code))
+    heads = 1 if refused == "one head" else None
+    is_head = lambda request: request.method == "HEAD"  # noqa: E731
+    proxy.add(Fault("head", is_head, status=status, code=code, times=heads))
+    if refused == "head and get":
+        is_get = lambda request: request.method == "GET"  # noqa: E731
+        proxy.add(Fault("get", is_get, status=status, code=code))
     with proxy.serving() as endpoint:
         s3 = boto3.client(
             "s3",
@@ -627,8 +633,14 @@ def test_a_head_refused_is_named_by_a_get_of_the_objects_first_byte(
             aws_secret_access_key=LOCAL_AWS_ENV["AWS_SECRET_ACCESS_KEY"],
             config=client_config(),
         )
-        with pytest.raises(raised, match=match):
-            S3BlobStore(s3, ATTEMPTS).head(S3Location(bucket, "in/a"))
+        store = S3BlobStore(s3, ATTEMPTS)
+        if raised is None:
+            assert store.head(S3Location(bucket, "in/a")).size == len(data)
+        else:
+            # A HEAD's refusal is named by its status alone ("403: Forbidden").
+            named = code if refused == "head and get" else "403"
+            with pytest.raises(raised, match=named):
+                store.head(S3Location(bucket, "in/a"))
     assert proxy.injected["head"] >= 1
 
 

@@ -30,7 +30,7 @@ from worker.client import (
     UnreadableOutput,
 )
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
-from worker.errors import CannotStart
+from worker.errors import AccessDenied, CannotStart, TransientError
 from worker.jobs.joblog import configure_daemon_logging
 from worker.message import REQUEST_ID_PATTERN, TarMembers
 from worker.plugins import PluginError
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--openai-batch",
         help="an OpenAI Batch API file of /v1/embeddings requests, answered in that API's "
         "output and error files too: an s3:// URI, or a local file, uploaded first to "
-        "<output>/openai-requests.jsonl",
+        "<output>openai-requests.jsonl",
     )
     sources.add_argument(
         "--inputs-suffix",
@@ -392,19 +392,18 @@ def _enqueue(args: argparse.Namespace) -> int:
         print(problem, file=sys.stderr)
         return EXIT_USAGE
     try:
-        jobs, params = Jobs.connect(args.queue_url), json.loads(args.params)
+        jobs = Jobs.connect(args.queue_url)
+        run: dict[str, Any] = {  # the job's, however its inputs are given
+            "job_id": args.job_id,
+            "params": json.loads(args.params),
+            "format": args.format,
+            "shard_items": args.shard_items,
+        }
         if args.openai_batch and not args.openai_batch.startswith("s3://"):
-            job = jobs.submit_openai_batch(
-                Path(args.openai_batch),
-                args.output,
-                job_id=args.job_id,
-                params=params,
-                format=args.format,
-            )
+            job = jobs.submit_openai_batch(Path(args.openai_batch), args.output, **run)
         else:
             job = jobs.submit(
                 args.output,
-                job_id=args.job_id,
                 inputs=args.inputs or None,
                 manifest=args.manifest,
                 inputs_prefix=args.inputs_prefix,
@@ -413,17 +412,18 @@ def _enqueue(args: argparse.Namespace) -> int:
                 inventory=args.inventory,
                 texts=args.texts,
                 openai_batch=args.openai_batch,
-                params=params,
-                format=args.format,
-                shard_items=args.shard_items,
                 tar=TarMembers(member_suffix=args.member_suffix) if args.tar else None,
+                **run,
             )
     except json.JSONDecodeError as error:
         print(f"--params is not JSON: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except InvalidJob as error:
+    except (InvalidJob, OSError) as error:  # OSError: a local batch file, unreadable
         print(error, file=sys.stderr)
         return EXIT_USAGE
+    except (AccessDenied, TransientError) as error:  # its upload, refused or failing
+        print(f"the batch file was not uploaded, and no job sent: {error}", file=sys.stderr)
+        return 1
     print(job.job_id)
     if args.wait:
         return _wait(job, args.timeout_seconds)
@@ -440,7 +440,7 @@ def _enqueue_usage_problem(args: argparse.Namespace) -> str | None:
         return "--member-suffix keeps members of --tar shards"
     if args.openai_batch and not args.openai_batch.startswith("s3://"):
         others = [args.inputs, args.manifest, args.inputs_prefix, args.table, args.inventory]
-        if any([*others, args.texts, args.tar, args.shard_items]):
+        if any([*others, args.texts, args.tar, args.inputs_suffix]):
             return "a local --openai-batch file is the job's only input (no other inputs)"
         if not Path(args.openai_batch).is_file():
             return f"--openai-batch {args.openai_batch}: no such file (or an s3:// URI)"

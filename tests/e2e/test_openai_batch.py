@@ -87,12 +87,13 @@ def test_enqueue_uploads_a_local_batch_file_and_sends_its_job(aws: Aws, tmp_path
     assert missing.returncode == 2 and "no such file" in missing.stderr
     beside = enqueue("--openai-batch", str(requests), f"s3://{stack.bucket}/a.jpg")
     assert beside.returncode == 2 and "the job's only input" in beside.stderr
-    assert aws.queue_depth(stack.queue_url) == (0, 0)
+    assert aws.queue_depth(stack.queue_url) == (0, 0) and aws.names(output) == []
 
-    sent = enqueue("--openai-batch", str(requests))
+    sent = enqueue("--openai-batch", str(requests), "--shard-items", "50")
     assert sent.returncode == 0, sent.stderr
     assert aws.read(output, "openai-requests.jsonl") == requests.read_bytes()
     [message] = aws.sqs.receive_message(QueueUrl=stack.queue_url)["Messages"]
     body = json.loads(message["Body"])
     assert body["job_id"] == "local" == sent.stdout.strip()
     assert body["openai_batch"] == f"{output.rstrip('/')}/openai-requests.jsonl"
+    assert body["shard_items"] == 50

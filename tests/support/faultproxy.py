@@ -147,7 +147,9 @@ class FaultProxy:
                     reply = upstream.getresponse()
                     data = reply.read()
                     kept = [(k, v) for k, v in reply.getheaders() if k.lower() not in HOP_BY_HOP]
-                    self._reply(reply.status, kept, data)
+                    # A HEAD's reply has no body, and its length is the object's.
+                    length = reply.getheader("Content-Length") if self.command == "HEAD" else None
+                    self._reply(reply.status, kept, data, length)
                 finally:
                     upstream.close()
 
@@ -158,11 +160,17 @@ class FaultProxy:
                 )
                 self.close_connection = True
 
-            def _reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
+            def _reply(
+                self,
+                status: int,
+                headers: list[tuple[str, str]],
+                body: bytes,
+                length: str | None = None,
+            ) -> None:
                 self.send_response(status)
                 for key, value in headers:
                     self.send_header(key, value)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", length or str(len(body)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(body)

@@ -40,6 +40,7 @@ def tar_of_empty_members(count: int) -> bytes:
 def parquet_rows(column: str, value: str, rows: int) -> bytes:
     """A Parquet table of `rows` copies of `value` in `column`: dictionary-encoded, the
     value is stored once, so a file of about its size holds `rows` times it."""
+    values = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([value]))
     sink = io.BytesIO()
-    pq.write_table(pa.table({column: [value] * rows}), sink, use_dictionary=True)
+    pq.write_table(pa.table({column: values}), sink)
     return sink.getvalue()

@@ -186,6 +186,7 @@ class Jobs:
         job_id: str | None = None,
         params: dict[str, Any] | None = None,
         format: Literal["jsonl", "parquet"] = "jsonl",
+        shard_items: int | None = None,
     ) -> Job:
         """Send a job of an OpenAI Batch API input file of /v1/embeddings requests (docs/
         jobs.md, "OpenAI batch files"): an s3:// URI, or a local file, uploaded first to
@@ -200,6 +201,7 @@ class Jobs:
             "output": output,
             "params": params,
             "format": format,
+            "shard_items": shard_items,
         }
         message = self._message(fields)
         if local:

@@ -15,13 +15,7 @@ import structlog
 from botocore.exceptions import ClientError
 
 from worker.adapters.aws.calls import Retrying, client_config, retried_call_s
-from worker.errors import (
-    AccessDenied,
-    MissingObject,
-    ObjectTooLarge,
-    PreconditionFailed,
-    TransientError,
-)
+from worker.errors import AccessDenied, MissingObject, ObjectTooLarge, PreconditionFailed
 from worker.ports import (
     ABSENT,
     ByteRange,
@@ -322,10 +316,11 @@ class S3BlobStore(Retrying):
             return ours
 
     def head(self, location: S3Location) -> ObjectHead:
+        def asked() -> Any:
+            return self._client.head_object(Bucket=location.bucket, Key=location.key)
+
         try:
-            reply = self._call(
-                lambda: self._client.head_object(Bucket=location.bucket, Key=location.key)
-            )
+            reply = self._call(asked)
         except (AccessDenied, ClientError) as error:
             # A HEAD's error has no body, so it is named by its status alone: an expired
             # token (400) or the worker's clock (403), for now, read as a request or an
@@ -336,9 +331,9 @@ class S3BlobStore(Retrying):
                 self.get(location, byte_range=(0, 1))
             except ClientError:  # unnamed by its class (an empty object's range): the HEAD's
                 raise error from None
-            raise TransientError(
-                f"{location}: its HEAD was refused ({error}), a GET not"
-            ) from error
+            # The GET answered: the refusal has passed (credentials rotated between the
+            # two) or the store refuses HEADs alone; a second HEAD says which.
+            reply = self._call(asked)
         return ObjectHead(reply["ETag"], reply["ContentLength"])
 
     def _etag(self, location: S3Location) -> str | None:
