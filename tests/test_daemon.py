@@ -692,7 +692,9 @@ def test_a_chains_postprocessor_that_fails_known_good_input_breaks_the_worker(
     )
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     send_job(source, "boards", sample_images(blobs, 2))
-    settings = Settings(queue_url="q", log_dir=tmp_path / "logs", pipeline=str(chain))
+    settings = Settings(
+        queue_url="q", log_dir=tmp_path / "logs", metrics_port=0, pipeline=str(chain)
+    )
     marker.touch()
     with pytest.raises(PluginError, match="fails on an input with no parts and no params"):
         Daemon(settings, source, blobs)
