@@ -97,9 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--openai-batch, --text.",
     )
     sources.add_argument("--manifest", help="s3:// URI of a file listing one input URI per line")
-    sources.add_argument(
-        "--inputs-prefix", help="s3:// prefix: every object under it, in key order"
-    )
+    sources.add_argument("--inputs-prefix", help="s3:// prefix: every object under it, by key")
     sources.add_argument(
         "--table",
         help="s3:// URI of a CSV (with a header row; .csv or .csv.gz) or Parquet file, a row "
@@ -154,9 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the job across the fleet in shards of this many inputs, or tars "
         "with --tar (default: the workers' --shard-items, or --shard-tars)",
     )
-    enqueue.add_argument(
-        "--wait", action="store_true", help="follow the job until job.json appears"
-    )
+    enqueue.add_argument("--wait", action="store_true", help="follow the job to its job.json")
     enqueue.add_argument(
         "--timeout-seconds", type=float, default=3600, help="give up waiting after this"
     )
@@ -387,8 +383,7 @@ def _explain(error: ValidationError) -> str:
 
 
 def _enqueue(args: argparse.Namespace) -> int:
-    problem = _enqueue_usage_problem(args)
-    if problem:
+    if problem := _enqueue_usage_problem(args):
         print(problem, file=sys.stderr)
         return EXIT_USAGE
     try:
@@ -399,8 +394,8 @@ def _enqueue(args: argparse.Namespace) -> int:
             "format": args.format,
             "shard_items": args.shard_items,
         }
-        if args.openai_batch and not args.openai_batch.startswith("s3://"):
-            job = jobs.submit_openai_batch(Path(args.openai_batch), args.output, **run)
+        if (local_batch := _local_batch(args)) is not None:
+            job = jobs.submit_openai_batch(local_batch, args.output, **run)
         else:
             job = jobs.submit(
                 args.output,
@@ -438,13 +433,19 @@ def _enqueue_usage_problem(args: argparse.Namespace) -> str | None:
         return "--uri-column, --text-column and --id-column name columns of --table"
     if args.member_suffix and not args.tar:
         return "--member-suffix keeps members of --tar shards"
-    if args.openai_batch and not args.openai_batch.startswith("s3://"):
+    if (local_batch := _local_batch(args)) is not None:
         others = [args.inputs, args.manifest, args.inputs_prefix, args.table, args.inventory]
         if any([*others, args.texts, args.tar, args.inputs_suffix]):
             return "a local --openai-batch file is the job's only input (no other inputs)"
-        if not Path(args.openai_batch).is_file():
-            return f"--openai-batch {args.openai_batch}: no such file (or an s3:// URI)"
+        if not local_batch.is_file():
+            return f"--openai-batch {local_batch}: no such file (or an s3:// URI)"
     return None
+
+
+def _local_batch(args: argparse.Namespace) -> Path | None:
+    """`--openai-batch` where it names a local file (uploaded with the job), not S3."""
+    batch = args.openai_batch
+    return Path(batch) if batch and not batch.startswith("s3://") else None
 
 
 def _table(args: argparse.Namespace) -> dict[str, str] | None:

@@ -147,9 +147,9 @@ class FaultProxy:
                     reply = upstream.getresponse()
                     data = reply.read()
                     kept = [(k, v) for k, v in reply.getheaders() if k.lower() not in HOP_BY_HOP]
-                    # A HEAD's reply has no body, and its length is the object's.
-                    length = reply.getheader("Content-Length") if self.command == "HEAD" else None
-                    self._reply(reply.status, kept, data, length)
+                    if self.command == "HEAD":  # no body: its length is the object's
+                        kept.append(("Content-Length", reply.getheader("Content-Length", "0")))
+                    self._reply(reply.status, kept, data)
                 finally:
                     upstream.close()
 
@@ -160,17 +160,12 @@ class FaultProxy:
                 )
                 self.close_connection = True
 
-            def _reply(
-                self,
-                status: int,
-                headers: list[tuple[str, str]],
-                body: bytes,
-                length: str | None = None,
-            ) -> None:
+            def _reply(self, status: int, headers: list[tuple[str, str]], body: bytes) -> None:
                 self.send_response(status)
                 for key, value in headers:
                     self.send_header(key, value)
-                self.send_header("Content-Length", length or str(len(body)))
+                if not any(key == "Content-Length" for key, _ in headers):
+                    self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(body)
