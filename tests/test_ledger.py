@@ -142,17 +142,6 @@ def test_a_resumed_job_is_fed_only_what_is_left_and_counts_what_it_resumed(
     assert everything.state is JobState.FINISHING and ledger.outstanding_items() == 0
 
 
-def test_results_with_array_rows_are_not_checkpointed(tmp_path: Path) -> None:
-    """A result that refers to rows of the job's array files (kept on this machine
-    only) is not taken for a checkpoint: a later delivery computes it again."""
-    ledger = Ledger()
-    job = _held(ledger, 1, 2, tmp_path)
-    ledger.next_items(1)[0], ledger.next_items(1)[0]
-    assert ledger.record(job.key, 0, Result(b"{}\n", failed=False, has_arrays=True)) is None
-    assert ledger.record(job.key, 1, DONE) is job
-    assert ledger.take_unsaved(job) == [(1, DONE)]
-
-
 def test_a_cancelled_job_stops_feeding_and_drops_late_results(tmp_path: Path) -> None:
     ledger = Ledger()
     job = _held(ledger, 1, 3, tmp_path)

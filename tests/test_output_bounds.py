@@ -4,9 +4,12 @@ this daemon writes is not taken for one, and never held whole."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
 from structlog.testing import capture_logs
 
 from tests.support.in_process import run_while, sample_images, serving_settings
@@ -14,6 +17,8 @@ from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon.shutdown import ExitCode
 from worker.daemon.wiring import Daemon
+from worker.datasets.arrays import NPY_HEADER_MOST, ArrayFiles, npy_bytes
+from worker.jobs import checkpoints
 from worker.jobs.checkpoints import (
     MAX_PART_BYTES,
     MAX_RESUMED_LINE_BYTES,
@@ -21,10 +26,11 @@ from worker.jobs.checkpoints import (
     Checkpoints,
     part_prefix,
 )
-from worker.jobs.job import Place
+from worker.jobs.job import Place, Result
+from worker.jobs.joblog import JobLog
 from worker.jobs.ledger import Ledger
 from worker.jobs.plan import Plan, shard_body
-from worker.message import JobMessage
+from worker.message import JobMessage, parse_job_message
 
 DIGEST = "0123456789abcdef"
 
@@ -41,7 +47,7 @@ class _Sized(InMemoryBlobStore):
         return super().get(location, max_bytes, byte_range)
 
 
-def test_checkpoint_parts_and_lines_over_their_bounds_are_not_resumed() -> None:
+def test_checkpoint_parts_and_lines_over_their_bounds_are_not_resumed(tmp_path: Path) -> None:
     """A part over `MAX_PART_BYTES` is skipped unread, and a line over
     `MAX_RESUMED_LINE_BYTES` in a part is not resumed (its item runs again); the line
     within bounds beside it is."""
@@ -53,9 +59,91 @@ def test_checkpoint_parts_and_lines_over_their_bounds_are_not_resumed() -> None:
     lines = [{"index": 0, "input": "s3://bkt/a", "label": "a"}, huge_line]
     blobs.objects[f"{prefix}0001-m-00001.jsonl"] = b"\n".join(json.dumps(x).encode() for x in lines)
     blobs.objects[f"{prefix}0001-m-00002.jsonl"] = b" " * (MAX_PART_BYTES + 1)
-    prior = Checkpoints(blobs, Ledger()).read(spec, "job", DIGEST, places)
+    prior = Checkpoints(blobs, Ledger()).read(
+        spec, "job", DIGEST, places, arrays=ArrayFiles(tmp_path, 2)
+    )
     assert list(prior.resumed) == [0]
     assert blobs.bounds["checkpoint-0123456789abcdef-a0001-m-00002.jsonl"] == MAX_PART_BYTES
+
+
+def test_a_parts_array_rows_are_resumed_only_where_they_are_the_lines_own(
+    tmp_path: Path,
+) -> None:
+    """Row n of a part's `<field>.npy` is line n's: a line is resumed with its row
+    written to the job's array file only where the part has that row, of the job's
+    layout, at the row its reference names; an .npy whose header claims more than it
+    holds is refused unallocated, and read within the part's bound."""
+    blobs = _Sized()
+    uris = [f"s3://bkt/{n}" for n in range(6)]
+    spec = JobMessage(inputs=uris, output="s3://bkt/out/")
+    places = [Place(n, uri) for n, uri in enumerate(uris)]
+    prefix = f"s3://bkt/out/{part_prefix(DIGEST, None)}"
+
+    def line(index: int, row: int) -> bytes:
+        reference = {"array": "embedding.npy", "row": row}
+        return json.dumps({"index": index, "input": uris[index], "embedding": reference}).encode()
+
+    saved = np.arange(12, dtype=np.float32).reshape(3, 4)
+    # Rows for lines 0-2; line 1 names another row, line 3 has none.
+    lines = [line(0, 0), line(1, 4), line(2, 2), line(3, 3)]
+    blobs.objects[f"{prefix}0001-m-00001.jsonl"] = b"\n".join(lines)
+    blobs.objects[f"{prefix}0001-m-00001.embedding.npy"] = npy_bytes(saved)
+    blobs.objects[f"{prefix}0001-m-00002.jsonl"] = line(4, 4)  # rows of another layout
+    blobs.objects[f"{prefix}0001-m-00002.embedding.npy"] = npy_bytes(np.zeros((1, 5), np.float32))
+    claims_more = bytearray(npy_bytes(np.zeros((1, 4), np.float32)))
+    claims_more[claims_more.index(b"(1, 4)") : claims_more.index(b"(1, 4)") + 6] = b"(9, 4)"
+    blobs.objects[f"{prefix}0001-m-00003.jsonl"] = line(5, 5)
+    blobs.objects[f"{prefix}0001-m-00003.embedding.npy"] = bytes(claims_more)
+    arrays = ArrayFiles(tmp_path, 6, {"embedding": (np.dtype(np.float32), (4,))})
+
+    prior = Checkpoints(blobs, Ledger()).read(spec, "job", DIGEST, places, arrays=arrays)
+
+    assert sorted(prior.resumed) == [0, 2]
+    written = np.load(arrays.files()["embedding.npy"])
+    assert (written[[0, 2]] == saved[[0, 2]]).all() and not written[[1, 3, 4, 5]].any()
+    assert blobs.bounds["checkpoint-0123456789abcdef-a0001-m-00001.embedding.npy"] == MAX_PART_BYTES
+
+
+def test_a_parts_rows_stay_within_its_bound_and_come_back_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part takes as many results as its array rows fit in `MAX_PART_BYTES` (here 3
+    rows of 16 bytes beside the .npy's header), the rest going in the next; read back,
+    every result is resumed with its rows where they were."""
+    monkeypatch.setattr(checkpoints, "MAX_PART_BYTES", NPY_HEADER_MOST + 3 * 16 + 15)
+    source = InMemoryJobSource()
+    source.send("{}")
+    [message] = source.receive(1, 0, 30)
+    ledger, blobs = Ledger(), InMemoryBlobStore()
+    job = ledger.receive(message)
+    assert job is not None
+    uris = [f"s3://bkt/{n}" for n in range(5)]
+    spec = parse_job_message(json.dumps({"inputs": uris, "output": "s3://bkt/out/"}), frozenset())
+    layouts = {"embedding": (np.dtype(np.float32), (4,))}
+    job.arrays = ArrayFiles(tmp_path / "first", 5, layouts)
+    job.request_digest = DIGEST
+    ledger.admit(job, spec, uris, JobLog(tmp_path / "job.log", job.key))
+    ledger.next_items(5)
+    rows = np.arange(20, dtype=np.float32).reshape(5, 4)
+    for index, uri in enumerate(uris):
+        fields = job.arrays.write(index, {"embedding": rows[index]})
+        ledger.record(
+            job.key,
+            index,
+            Result(b'{"index":%d,"input":"%s"%s}\n' % (index, uri.encode(), fields), False),
+        )
+    saver = Checkpoints(blobs, ledger)
+    saver.save(job)
+    saver.save(job)
+    parts = sorted(uri for uri in blobs.objects if uri.endswith(".npy"))
+    assert [len(np.load(io.BytesIO(blobs.objects[uri]))) for uri in parts] == [3, 2]
+
+    monkeypatch.undo()
+    resumed_rows = ArrayFiles(tmp_path / "again", 5, layouts)
+    places = [Place(n, uri) for n, uri in enumerate(uris)]
+    prior = Checkpoints(blobs, Ledger()).read(spec, "job", DIGEST, places, arrays=resumed_rows)
+    assert sorted(prior.resumed) == list(range(5))
+    assert (np.load(resumed_rows.files()["embedding.npy"]) == rows).all()
 
 
 def test_a_job_json_over_its_bound_does_not_complete_the_job() -> None:

@@ -185,30 +185,45 @@ def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> 
     assert (again.receive_count, again.earlier_attempts) == (2, 0)
 
 
-def test_an_array_job_stopped_part_way_is_released_and_counts(tmp_path: Path) -> None:
-    """Results with array rows are not checkpointed (their rows live only on the machine
-    that made them), so a delivery that finished only such results did not move its job
-    forward: it is released, not handed over, and a job whose arrays can never be
-    finished within a delivery reaches the DLQ instead of going round forever."""
+def test_an_embedding_job_resumes_its_array_rows_from_its_checkpoint(tmp_path: Path) -> None:
+    """A 30-item job whose postprocessor gives an array is stopped part-way: each part
+    saves its items' rows as `<part>.embedding.npy` beside their lines, so the job is
+    handed over as having moved; the next delivery runs only the items not done, and
+    its embedding.npy and results.jsonl are byte for byte an uninterrupted run's."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = sample_images(blobs, 12)
-    send_job(source, "arrays", uris)
+    uris = sample_images(blobs, 30)
     settings = serving_settings(
-        tmp_path,
-        grace_seconds=0,
-        postprocess="stages.postprocess:embedding",
-        progress_interval_seconds=0.1,
+        tmp_path, checkpoint_items=5, grace_seconds=0, postprocess="stages.postprocess:embedding"
     )
-    daemon = Daemon(settings, source, blobs)
-    progress = "s3://bkt/out/arrays/progress.json"
+    send_job(source, "arrays", uris)
+    first = Daemon(settings, source, blobs)
+    saved_rows: list[str] = []
 
     def drive() -> None:
-        wait_until(lambda: json.loads(blobs.objects.get(progress, b"{}")).get("finished", 0) >= 3)
-        daemon.stop()
+        wait_until(lambda: len([n for n in _parts(blobs, "arrays") if n.endswith(".jsonl")]) >= 2)
+        saved_rows.extend(n for n in _parts(blobs, "arrays") if n.endswith(".embedding.npy"))
+        first.stop()
 
-    assert run_while(daemon, drive) is ExitCode.SIGNALLED
-    [again] = source.receive(1, 0, 30)
-    assert (again.receive_count, again.earlier_attempts) == (2, 0)
+    assert run_while(first, drive) is ExitCode.SIGNALLED
+    assert len(saved_rows) >= 2
+    [continuation] = source.receive(1, 0, 0)  # it moved: handed over, not released
+    assert (continuation.receive_count, continuation.earlier_attempts) == (1, 1)
+    read_first = blobs.inputs_read(uris)
+
+    slow = {"model": "tests.support.slow_model:tenth_of_a_second", "batch_size": 4}
+    run_until_drained(source, blobs, tmp_path, postprocess="stages.postprocess:embedding", **slow)
+    summary = job_file(blobs, "arrays", "job.json")
+    assert summary["status"] == "succeeded" and summary["resumed"] >= 10
+    assert blobs.inputs_read(uris) - read_first == 30 - summary["resumed"]
+    assert _parts(blobs, "arrays") == []
+
+    send_job(source, "whole", uris)
+    run_until_drained(source, blobs, tmp_path, postprocess="stages.postprocess:embedding", **slow)
+    for name in ("embedding.npy", "results.jsonl"):
+        assert (
+            blobs.objects[f"s3://bkt/out/arrays/{name}"]
+            == blobs.objects[f"s3://bkt/out/whole/{name}"]
+        )
 
 
 def test_a_delivery_beaten_to_its_outputs_is_fenced_off_and_overwrites_nothing(

@@ -11,6 +11,7 @@ take, is zeros, and its line has no reference to it.
 from __future__ import annotations
 
 import fcntl
+import io
 import math
 import os
 import shutil
@@ -24,6 +25,10 @@ import numpy as np
 from worker.plugins.fields import ArrayLayout, ArrayLayouts, check_field_name
 
 ARRAY_FILE_SUFFIX = ".npy"
+NPY_CONTENT_TYPE = "application/x-npy"
+# The longest header of an .npy file of version 1.0, which numpy writes for any array of
+# numbers whose description fits it (`npy_bytes`).
+NPY_HEADER_MOST = 10 + 2**16
 ARRAYS_DIR = "arrays"  # under --log-dir
 SPOOL_LOCK = ".lock"  # in each daemon's directory there, held while it runs
 
@@ -165,6 +170,24 @@ class ArrayFiles:
         self._files[field] = file
         return file
 
+    def rows(self, indices: list[int]) -> dict[str, np.ndarray]:
+        """Each field's rows `indices`, copied (for a checkpoint; a row not written is
+        zeros)."""
+        with self._lock:
+            if self._removed:
+                return {}
+            return {field: np.array(file.rows[indices]) for field, file in self._files.items()}
+
+    def rows_within(self, most_bytes: int) -> int | None:
+        """How many rows of the fields opened so far fit in `most_bytes` as .npy files
+        (`rows`, then `npy_bytes`), a file per field; at least one, if any field has rows;
+        None, if there are no fields yet."""
+        with self._lock:
+            row_bytes = sum(file.row_bytes for file in self._files.values())
+            if not row_bytes:
+                return None
+            return max(1, (most_bytes - NPY_HEADER_MOST * len(self._files)) // row_bytes)
+
     def files(self) -> dict[str, Path]:
         """Each file's output name and local path, written through to disk."""
         with self._lock:
@@ -191,7 +214,7 @@ class _ArrayFile:
         self.rows: np.memmap = np.lib.format.open_memmap(
             path, mode="w+", dtype=dtype, shape=(rows, *shape)
         )
-        self._row_bytes = dtype.itemsize * math.prod(shape)
+        self.row_bytes = dtype.itemsize * math.prod(shape)
 
     @property
     def layout(self) -> ArrayLayout:
@@ -201,11 +224,38 @@ class _ArrayFile:
         # The row's blocks are taken first: on a full disk this is an OSError here, not
         # a SIGBUS when its page is written back. (Linux; macOS, for local runs, has no
         # posix_fallocate.)
-        if self._row_bytes and hasattr(os, "posix_fallocate"):
+        if self.row_bytes and hasattr(os, "posix_fallocate"):
             descriptor = os.open(self.path, os.O_RDWR)
             try:
-                offset = self.rows.offset + row * self._row_bytes
-                os.posix_fallocate(descriptor, offset, self._row_bytes)
+                offset = self.rows.offset + row * self.row_bytes
+                os.posix_fallocate(descriptor, offset, self.row_bytes)
             finally:
                 os.close(descriptor)
         self.rows[row] = array
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """`array` as an .npy file's bytes."""
+    stream = io.BytesIO()
+    np.lib.format.write_array(stream, array, allow_pickle=False)
+    return stream.getvalue()
+
+
+def read_npy(data: bytes) -> np.ndarray:
+    """The array of an .npy file's bytes that anyone may have written: ValueError for
+    anything but a whole .npy of numbers, read without allocating more than `data`
+    holds (numpy's own reader allocates what the header claims)."""
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    if version == (1, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
+    elif version == (2, 0):
+        shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(stream)
+    else:
+        raise ValueError(f"an .npy file of version {version}, not 1.0 or 2.0")
+    if dtype.hasobject:
+        raise ValueError("an .npy file of Python objects, not numbers")
+    body = memoryview(data)[stream.tell() :]
+    if len(body) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"an .npy file of {len(body)} bytes past its header, not its {shape}'s")
+    return np.frombuffer(body, dtype).reshape(shape, order="F" if fortran_order else "C")

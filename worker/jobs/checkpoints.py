@@ -8,6 +8,7 @@ the next.
       cancel                                 a request to cancel the job (`worker cancel`)
       checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
       checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
+      checkpoint-<request>-<delivery>-<n>.<field>.npy  the array rows of part n's lines
       checkpoint-<request>-s<shard>-<delivery>-<n>.{jsonl,log}  the same, of one shard
       checkpoint-superseded-<message id>     that message was handed over, but not deleted
 
@@ -38,9 +39,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import structlog
 
-from worker.datasets.arrays import ARRAY_FILE_SUFFIX
+from worker.datasets.arrays import (
+    ARRAY_FILE_SUFFIX,
+    NPY_CONTENT_TYPE,
+    ArrayFiles,
+    npy_bytes,
+    read_npy,
+)
 from worker.datasets.openai_batch import OPENAI_ERRORS_FILE, OPENAI_OUTPUT_FILE
 from worker.datasets.table_ranges import Span, TableRows
 from worker.datasets.tables import (
@@ -79,8 +87,9 @@ CHECK_EVERY_S = 1.0
 # The most read of each object under a job's output: larger ones are not this daemon's.
 MAX_SUMMARY_BYTES = 16 * 2**20  # job.json (the client reads it within the same)
 MAX_MARKER_BYTES = 64 * 2**10  # `cancel`, and the shards' small notes
-# A part holds at most `--checkpoint-items` results, and their log lines; a line of
-# results over MAX_RESUMED_LINE_BYTES is not resumed (the item is run again).
+# A part holds at most `--checkpoint-items` results, their log lines, and their array
+# rows within MAX_PART_BYTES; a line of results over MAX_RESUMED_LINE_BYTES is not
+# resumed (the item is run again).
 MAX_PART_BYTES = 256 * 2**20
 MAX_RESUMED_LINE_BYTES = 2**20
 DIGEST_ROWS = 2**16  # a planned table's rows digested at a time
@@ -184,16 +193,23 @@ class Checkpoints:
         job_id: str,
         digest: str,
         places: list[Place],
+        *,
+        arrays: ArrayFiles,
         shard: int | None = None,
     ) -> Prior:
         """One listing of the output prefix, then job.json, `cancel` and checkpoint parts
         as needed, for request `digest`, whose items are at `places` (a shard's, `shard`,
-        its part of its job's: its own parts alone are read)."""
+        its part of its job's: its own parts alone are read); the resumed results' array
+        rows are written to `arrays`."""
         positions = {place: position for position, place in enumerate(places)}
         listing = self.outputs(spec)
         cancelled = self._cancel_stands(spec, job_id, listing)
         summary = self._completed(spec, digest, listing, cancelled)
-        own_parts = sorted(name for name in listing if name.startswith(part_prefix(digest, shard)))
+        own_parts = sorted(
+            name
+            for name in listing
+            if name.startswith(part_prefix(digest, shard)) and name.endswith((".log", ".jsonl"))
+        )
         resumed: dict[int, Result] = {}
         earlier_log = []
         for name in own_parts:
@@ -205,12 +221,15 @@ class Checkpoints:
             if name.endswith(".log"):
                 earlier_log.append(data)
                 continue
-            for line in data.splitlines():
+            rows = _PartRows(self._blobs, spec, name.removesuffix(".jsonl"), listing)
+            for number, line in enumerate(data.splitlines()):
                 record = (len(line) <= MAX_RESUMED_LINE_BYTES and _json(line, name)) or {}
                 place = _place(record)
                 position = None if place is None else positions.get(place)
-                if position is not None:
-                    resumed.setdefault(position, Result(line + b"\n", "error" in record))
+                if position is None or position in resumed:
+                    continue
+                if rows.resume(record, number, position, arrays):
+                    resumed[position] = Result(line + b"\n", "error" in record)
         return Prior(
             digest,
             {name: etag for name, etag in listing.items() if _final_output(name)},
@@ -323,18 +342,27 @@ class Checkpoints:
             results = self._ledger.take_unsaved(job)
             if not results:
                 return
+            most = job.arrays.rows_within(MAX_PART_BYTES) if job.arrays else None
+            if most is not None and len(results) > most:  # the rest in the next part
+                self._ledger.keep_unsaved(job, [index for index, _ in results[most:]])
+                results = results[:most]
             log_lines, log_mark = job.log.since(job.checkpoint.log_mark)
             part = job.checkpoint.parts + 1
             delivery = f"a{job.attempt:04d}-{job.message.message_id}"
             prefix = part_prefix(job.request_digest, _shard(job.spec))
             name = f"{prefix}{delivery}-{part:05d}"
+            indices = [index for index, _ in results]
             try:
+                # The lines last: a part whose lines are written has its rows.
+                for field, rows in (job.arrays.rows(indices) if job.arrays else {}).items():
+                    location = job.spec.output_location(f"{name}.{field}{ARRAY_FILE_SUFFIX}")
+                    self._blobs.put(location, npy_bytes(rows), NPY_CONTENT_TYPE)
                 self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
                 records = b"".join(result.line for _, result in results)
                 self._blobs.put(job.spec.output_location(f"{name}.jsonl"), records, NDJSON)
             except Exception as error:
                 log.warning("checkpoint_failed", job_id=job.job_id, error=repr(error))
-                self._ledger.keep_unsaved(job, [index for index, _ in results])
+                self._ledger.keep_unsaved(job, indices)
                 return
             job.checkpoint.parts, job.checkpoint.log_mark = part, log_mark
             job.checkpoint.saved_at = time.monotonic()
@@ -391,6 +419,66 @@ class Checkpointer:
             return False
         waited_s = time.monotonic() - job.checkpoint.saved_at
         return len(job.unsaved) >= self._every_items or waited_s >= self._every_s
+
+
+class _PartRows:
+    """The array rows a checkpoint part (`part`, its name less `.jsonl`) saved beside
+    its lines: row n of its `<field>.npy` is line n's, read once a line refers to the
+    field, within MAX_PART_BYTES for the part."""
+
+    def __init__(self, blobs: BlobStore, spec: JobMessage, part: str, listing: dict[str, str]):
+        self._blobs = blobs
+        self._spec = spec
+        self._part = part
+        self._listing = listing
+        self._room = MAX_PART_BYTES
+        self._fields: dict[str, np.ndarray | None] = {}
+
+    def resume(
+        self, record: dict[str, Any], number: int, position: int, arrays: ArrayFiles
+    ) -> bool:
+        """Whether line `number`, `record`, of the item at `position`, can be resumed:
+        it refers to no array rows, or its rows are in the part and written to `arrays`
+        at `position` (where its references say they are)."""
+        references = {
+            name: reference.get("row")
+            for name, reference in record.items()
+            if isinstance(reference, dict) and reference.get("array") == name + ARRAY_FILE_SUFFIX
+        }
+        if not references:
+            return True
+        if set(references.values()) != {position}:
+            return False
+        rows = {}
+        for name in references:
+            row = self._row(name, number)
+            if row is None:
+                return False
+            rows[name] = row
+        try:
+            arrays.write(position, rows)  # checked against the job's layouts as any row
+        except (ValueError, OSError) as error:
+            log.warning("checkpoint_rows_skipped", part=self._part, error=str(error))
+            return False
+        return True
+
+    def _row(self, name: str, number: int) -> np.ndarray | None:
+        if name not in self._fields:
+            self._fields[name] = self._read(f"{self._part}.{name}{ARRAY_FILE_SUFFIX}")
+        rows = self._fields[name]
+        return rows[number] if rows is not None and rows.ndim and number < len(rows) else None
+
+    def _read(self, name: str) -> np.ndarray | None:
+        if name not in self._listing:
+            return None
+        try:
+            data = self._blobs.get(self._spec.output_location(name), self._room)
+            rows = read_npy(data)
+        except (MissingObject, ObjectTooLarge, ValueError) as error:
+            log.warning("checkpoint_part_skipped", name=name, error=str(error))
+            return None
+        self._room -= len(data)
+        return rows
 
 
 def _completes(

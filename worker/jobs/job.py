@@ -59,13 +59,11 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 
 
 class Result(NamedTuple):
-    """One item's line of results.jsonl (its newline included), whether it records the
-    item's error, and whether it refers to rows of the job's array files, which are not
-    checkpointed (a later delivery computes such an item again)."""
+    """One item's line of results.jsonl (its newline included), and whether it records
+    the item's error."""
 
     line: bytes
     failed: bool
-    has_arrays: bool = False
 
 
 SETTLED = frozenset(
@@ -169,7 +167,6 @@ class Job:
     succeeded: int = 0
     failed: int = 0
     resumed: int = 0  # results an earlier delivery checkpointed
-    uncheckpointed: int = 0  # results with arrays, which no checkpoint keeps
     cancelled: bool = False
     unsaved: list[int] = field(default_factory=list)  # results not yet checkpointed
     model: ModelIdentity | None = None  # the model it runs on, part of its request

@@ -300,10 +300,7 @@ class Ledger:
                 raise ValueError(f"job {job.job_id}: result {index} recorded twice")
             job.results[index] = result
             self._recorded += 1
-            if result.has_arrays:
-                job.uncheckpointed += 1
-            else:
-                job.unsaved.append(index)
+            job.unsaved.append(index)
             self._outstanding -= 1
             if result.failed:
                 job.failed += 1

@@ -295,11 +295,10 @@ class Outcomes:
 
 def _moved_or_untouched(job: Job) -> bool:
     """Whether giving the job back should not count against it: this delivery moved it
-    forward (results a checkpoint keeps: those with arrays are done again), or ran none
-    of it. One that ran without moving may be why the worker stops (say, a health check
-    that fails while it runs), so it counts, and cannot go round forever without
-    reaching the DLQ."""
-    return job.finished_items - job.uncheckpointed > job.resumed or job.fed == 0
+    forward (results a checkpoint keeps), or ran none of it. One that ran without moving
+    may be why the worker stops (say, a health check that fails while it runs), so it
+    counts, and cannot go round forever without reaching the DLQ."""
+    return job.finished_items > job.resumed or job.fed == 0
 
 
 @dataclass(frozen=True)

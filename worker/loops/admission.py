@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from worker.datasets.arrays import ArraySpool
+from worker.datasets.arrays import ArrayFiles, ArraySpool
 from worker.datasets.disk import NO_DISK_ROOM_RETRY_S, DiskBudget, NoDiskRoom
 from worker.datasets.inputs import Input, InputReader
 from worker.datasets.table_ranges import listed_items
@@ -193,6 +193,28 @@ class AdmissionReader:
             return None
         return output
 
+    def _prior(
+        self,
+        job: Job,
+        spec: JobMessage,
+        job_id: str,
+        digest: str,
+        items: Items,
+        *,
+        shard: int | None = None,
+    ) -> Prior:
+        """What earlier deliveries left (`Checkpoints.read`), the array rows of their
+        results written to the job's array files, made here."""
+        job.arrays = ArrayFiles(
+            self._arrays.directory / job.key,
+            len(items.inputs),
+            self._arrays.layouts,
+            spec.array_floats,
+        )
+        return self._checkpoints.read(
+            spec, job_id, digest, items.places, arrays=job.arrays, shard=shard
+        )
+
     def _items(self, job: Job, tar: TarMembers | None, listed: _Listed, first_index: int) -> Items:
         """The items of the inputs `listed` (from the job's `first_index` on): the
         inputs, or, where they are tars, their members, once each tar is copied here."""
@@ -300,7 +322,7 @@ class AdmissionReader:
             items = self._items(job, spec.tar, whole, 0)
             if spec.tar and not items.inputs:
                 raise PoisonMessage(f"its tars hold no members (ending {spec.tar.member_suffix!r})")
-            prior = self._checkpoints.read(spec, job_id, request, items.places)
+            prior = self._prior(job, spec, job_id, request, items)
             return Admission(spec, items, prior)
         if spec.openai_batch is not None:  # its output and error files are one run's
             raise PoisonMessage(
@@ -405,8 +427,8 @@ class AdmissionReader:
                 return None
             self._shards.dead_lettered(spec, plan, str(poison))
             raise
-        prior = self._checkpoints.read(
-            spec, plan.job_id, plan.request_digest, items.places, spec.shard.index
+        prior = self._prior(
+            job, spec, plan.job_id, plan.request_digest, items, shard=spec.shard.index
         )
         return Admission(spec, items, prior, plan)
 

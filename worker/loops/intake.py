@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 
-from worker.datasets.arrays import ArrayFiles, ArraySpool
+from worker.datasets.arrays import ArraySpool
 from worker.datasets.disk import DiskBudget
 from worker.engine import Item, Pipeline
 from worker.jobs.checkpoints import Checkpoints
@@ -79,7 +79,6 @@ class Intake:
         """With `lanes` (the same queues as `source`), `run` reads its jobs lane and
         `run_shards_lane` its shards lane; without, `run` reads the one queue."""
         self._settings = settings
-        self._arrays = arrays  # where admitted jobs' array files go
         self._source = source
         self._lanes = lanes
         self._model = model  # known once the inference stage is set up, before the first receive
@@ -414,9 +413,6 @@ class Intake:
         job.request_digest, job.output_etags = prior.digest, prior.etags
         job.checkpoint.leftovers = prior.leftovers
         log_file = JobLog(local_log_path(log_dir, job_id, spec.output), job_id, prior.earlier_log)
-        job.arrays = ArrayFiles(
-            self._arrays.directory / job.key, len(inputs), self._arrays.layouts, spec.array_floats
-        )
         admitted = self._ledger.admit(
             job, spec, inputs, log_file, prior.resumed, cancelled=prior.cancel_requested
         )

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import structlog
 
+from worker.datasets.arrays import NPY_CONTENT_TYPE
 from worker.datasets.disk import NO_DISK_ROOM_RETRY_S, NoDiskRoom
 from worker.datasets.openai_batch import BatchItem, write_batch_files
 from worker.datasets.tables import (
@@ -50,7 +51,6 @@ PARQUET_DIR = "parquet"  # in the job's directory of array files
 # all, the lease kept meanwhile, before the job is released for a later delivery.
 FINISH_ATTEMPTS = 3
 FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
-NPY_CONTENT_TYPE = "application/x-npy"
 
 
 class Regrouper:
@@ -129,17 +129,16 @@ class Regrouper:
             return None
         if isinstance(outcome, ItemError):
             return self._failed(job, item, outcome)
-        fields, has_arrays = outcome
         place = job.places[item.index]
         line = b'{"index":%d,"input":%s%s%s%s,"model":%s}\n' % (
             place.index,
             encode_json(place.input),
             b"" if place.member is None else b',"member":' + encode_json(place.member),
             b"" if job.ids is None else b',"id":' + encode_json(job.ids[item.index]),
-            fields,
+            outcome,
             job.model.encoded_label,
         )
-        return Result(line, failed=False, has_arrays=has_arrays)
+        return Result(line, failed=False)
 
     def _worker_at_fault(self, job: Job, encoded: Any) -> bool:
         """Whether the chain's postprocessor failed the item because it fails known-good
@@ -153,17 +152,15 @@ class Regrouper:
         self._on_broken(f"the postprocessor fails known-good input: {fault}", frozenset({job.key}))
         return True
 
-    def _fields(self, job: Job, index: int, encoded: Any) -> tuple[bytes, bool] | ItemError:
+    def _fields(self, job: Job, index: int, encoded: Any) -> bytes | ItemError:
         """The item's fields, encoded, with its arrays written to the job's array files
-        and referred to among them; and whether it had any. Or why there are none."""
+        and referred to among them; or why there are none."""
         assert job.arrays is not None
-        if isinstance(encoded, ItemError):
+        if isinstance(encoded, ItemError | bytes):
             return encoded
-        if isinstance(encoded, bytes):
-            return encoded, False
-        fields, arrays = encoded
+        fields: bytes = encoded[0]
         try:
-            return fields + job.arrays.write(index, arrays), True
+            return fields + job.arrays.write(index, encoded[1])
         except ValueError as error:
             return ItemError.from_exception(error, POSTPROCESS_STAGE)
         except OSError as error:  # this machine's disk, not the input's fault
