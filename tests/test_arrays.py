@@ -57,7 +57,8 @@ def test_rows_land_in_place_and_a_row_that_does_not_fit_is_refused_whole(
 ) -> None:
     """The first row of a field makes its file (rows x its shape, its dtype); each row
     goes where its index says, unwritten rows stay zeros; a row of another shape or
-    dtype, or a field that cannot name a file, is refused with nothing written; after
+    dtype, a field that cannot name a file, or arrays over `MAX_ROW_BYTES` (which a
+    checkpoint part must hold), are refused with nothing written; after
     `remove` the files are gone and writes are dropped."""
     files = ArrayFiles(tmp_path / "job", rows=4)
     references = files.write(2, {"embedding": np.full(3, 2.0, np.float32)})
@@ -69,6 +70,8 @@ def test_rows_land_in_place_and_a_row_that_does_not_fit_is_refused_whole(
         files.write(1, {"mask": np.ones((2, 2), np.uint8), "embedding": np.zeros(3)})
     with pytest.raises(ValueError, match="cannot name a file"):
         files.write(3, {"../escape": np.zeros(3)})
+    with pytest.raises(ValueError, match=f"over the {arrays.MAX_ROW_BYTES} an input's may take"):
+        files.write(3, {"huge": np.zeros(arrays.MAX_ROW_BYTES + 1, np.uint8)})
     written = files.files()
     assert set(written) == {"embedding.npy", "mask.npy"}
     assert np.load(written["embedding.npy"]).tolist() == [

@@ -23,6 +23,7 @@ from worker.jobs.checkpoints import (
     MAX_PART_BYTES,
     MAX_RESUMED_LINE_BYTES,
     MAX_SUMMARY_BYTES,
+    ROWS,
     Checkpoints,
     part_prefix,
 )
@@ -70,47 +71,53 @@ def test_a_parts_array_rows_are_resumed_only_where_they_are_the_lines_own(
     tmp_path: Path,
 ) -> None:
     """Row n of a part's `<field>.npy` is line n's: a line is resumed with its row
-    written to the job's array file only where the part has that row, of the job's
-    layout, at the row its reference names; an .npy whose header claims more than it
-    holds is refused unallocated, and read within the part's bound."""
+    written to the job's array file only where the part has a row for each of its
+    lines, of the job's layout, at the row the line's reference names; an .npy whose
+    header claims more than it holds is refused unallocated, and each is read within
+    the part's bound."""
     blobs = _Sized()
-    uris = [f"s3://bkt/{n}" for n in range(6)]
+    uris = [f"s3://bkt/{n}" for n in range(8)]
     spec = JobMessage(inputs=uris, output="s3://bkt/out/")
     places = [Place(n, uri) for n, uri in enumerate(uris)]
-    prefix = f"s3://bkt/out/{part_prefix(DIGEST, None)}"
+    prefix = f"s3://bkt/out/{part_prefix(DIGEST, None, ROWS)}"
 
-    def line(index: int, row: int) -> bytes:
-        reference = {"array": "embedding.npy", "row": row}
-        return json.dumps({"index": index, "input": uris[index], "embedding": reference}).encode()
+    def line(index: int, row: object, field: str = "embedding") -> bytes:
+        reference = {"array": f"{field}.npy", "row": row}
+        return json.dumps({"index": index, "input": uris[index], field: reference}).encode()
 
-    saved = np.arange(12, dtype=np.float32).reshape(3, 4)
-    # Rows for lines 0-2; line 1 names another row, line 3 has none.
-    lines = [line(0, 0), line(1, 4), line(2, 2), line(3, 3)]
+    saved = np.arange(20, dtype=np.float32).reshape(5, 4)
+    # Line 1 names another row, line 3 a row of no file, line 4 a row that is no number.
+    lines = [line(0, 0), line(1, 4), line(2, 2), line(3, 3, "mask"), line(4, [4])]
     blobs.objects[f"{prefix}0001-m-00001.jsonl"] = b"\n".join(lines)
     blobs.objects[f"{prefix}0001-m-00001.embedding.npy"] = npy_bytes(saved)
-    blobs.objects[f"{prefix}0001-m-00002.jsonl"] = line(4, 4)  # rows of another layout
+    blobs.objects[f"{prefix}0001-m-00002.jsonl"] = line(5, 5)  # rows of another layout
     blobs.objects[f"{prefix}0001-m-00002.embedding.npy"] = npy_bytes(np.zeros((1, 5), np.float32))
-    claims_more = bytearray(npy_bytes(np.zeros((1, 4), np.float32)))
-    claims_more[claims_more.index(b"(1, 4)") : claims_more.index(b"(1, 4)") + 6] = b"(9, 4)"
-    blobs.objects[f"{prefix}0001-m-00003.jsonl"] = line(5, 5)
-    blobs.objects[f"{prefix}0001-m-00003.embedding.npy"] = bytes(claims_more)
-    arrays = ArrayFiles(tmp_path, 6, {"embedding": (np.dtype(np.float32), (4,))})
+    claims_more = io.BytesIO()
+    header = {"descr": "<f4", "fortran_order": False, "shape": (2**40, 4)}
+    np.lib.format.write_array_header_1_0(claims_more, header)
+    claims_more.write(bytes(16))  # one row
+    blobs.objects[f"{prefix}0001-m-00003.jsonl"] = line(6, 6)
+    blobs.objects[f"{prefix}0001-m-00003.embedding.npy"] = claims_more.getvalue()
+    blobs.objects[f"{prefix}0001-m-00004.jsonl"] = line(7, 7)  # two rows for its one line
+    blobs.objects[f"{prefix}0001-m-00004.embedding.npy"] = npy_bytes(np.ones((2, 4), np.float32))
+    arrays = ArrayFiles(tmp_path, 8, {"embedding": (np.dtype(np.float32), (4,))})
 
     prior = Checkpoints(blobs, Ledger()).read(spec, "job", DIGEST, places, arrays=arrays)
 
     assert sorted(prior.resumed) == [0, 2]
     written = np.load(arrays.files()["embedding.npy"])
-    assert (written[[0, 2]] == saved[[0, 2]]).all() and not written[[1, 3, 4, 5]].any()
-    assert blobs.bounds["checkpoint-0123456789abcdef-a0001-m-00001.embedding.npy"] == MAX_PART_BYTES
+    assert (written[[0, 2]] == saved[[0, 2]]).all() and not written[[1, 3, 4, 5, 6, 7]].any()
+    assert blobs.bounds["checkpoint-0123456789abcdef-r0001-m-00001.embedding.npy"] == MAX_PART_BYTES
 
 
-def test_a_parts_rows_stay_within_its_bound_and_come_back_whole(
+def test_one_save_writes_parts_within_their_rows_bound_that_come_back_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A part takes as many results as its array rows fit in `MAX_PART_BYTES` (here 3
-    rows of 16 bytes beside the .npy's header), the rest going in the next; read back,
-    every result is resumed with its rows where they were."""
-    monkeypatch.setattr(checkpoints, "MAX_PART_BYTES", NPY_HEADER_MOST + 3 * 16 + 15)
+    """A part takes as many results as their array rows fit in `PART_ROW_BYTES` (here 3
+    rows of 16 bytes beside the .npy's header), and one save writes as many parts as
+    its results need (a hand-over saves once); read back, every result is resumed with
+    its rows where they were."""
+    monkeypatch.setattr(checkpoints, "PART_ROW_BYTES", NPY_HEADER_MOST + 3 * 16 + 15)
     source = InMemoryJobSource()
     source.send("{}")
     [message] = source.receive(1, 0, 30)
@@ -127,18 +134,13 @@ def test_a_parts_rows_stay_within_its_bound_and_come_back_whole(
     rows = np.arange(20, dtype=np.float32).reshape(5, 4)
     for index, uri in enumerate(uris):
         fields = job.arrays.write(index, {"embedding": rows[index]})
-        ledger.record(
-            job.key,
-            index,
-            Result(b'{"index":%d,"input":"%s"%s}\n' % (index, uri.encode(), fields), False),
-        )
-    saver = Checkpoints(blobs, ledger)
-    saver.save(job)
-    saver.save(job)
+        line = b'{"index":%d,"input":"%s"%s}\n' % (index, uri.encode(), fields)
+        ledger.record(job.key, index, Result(line, False))
+    Checkpoints(blobs, ledger).save(job)
     parts = sorted(uri for uri in blobs.objects if uri.endswith(".npy"))
     assert [len(np.load(io.BytesIO(blobs.objects[uri]))) for uri in parts] == [3, 2]
+    assert all(f"/{part_prefix(DIGEST, None, ROWS)}" in uri for uri in parts)
 
-    monkeypatch.undo()
     resumed_rows = ArrayFiles(tmp_path / "again", 5, layouts)
     places = [Place(n, uri) for n, uri in enumerate(uris)]
     prior = Checkpoints(blobs, Ledger()).read(spec, "job", DIGEST, places, arrays=resumed_rows)

@@ -3,11 +3,13 @@ a delivery finds under a job's output decides what it runs and what it may write
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from structlog.testing import capture_logs
 
 from tests.support.in_process import (
@@ -186,15 +188,17 @@ def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> 
 
 
 def test_an_embedding_job_resumes_its_array_rows_from_its_checkpoint(tmp_path: Path) -> None:
-    """A 30-item job whose postprocessor gives an array is stopped part-way: each part
-    saves its items' rows as `<part>.embedding.npy` beside their lines, so the job is
-    handed over as having moved; the next delivery runs only the items not done, and
-    its embedding.npy and results.jsonl are byte for byte an uninterrupted run's."""
+    """A 60-item job whose postprocessor gives an array (each input's its own) is
+    stopped part-way: each part saves its items' rows as `<part>.embedding.npy` beside
+    their lines, so the job is handed over as having moved; the next delivery runs only
+    the items not done, and its embedding.npy and results.jsonl are byte for byte an
+    uninterrupted run's."""
     source, blobs = InMemoryJobSource(), CountingBlobs()
-    uris = sample_images(blobs, 30)
+    uris = sample_images(blobs, 60)
+    by_input = {"model": "tests.support.slow_model:tenth_of_a_second_by_input"}
     settings = serving_settings(
         tmp_path, checkpoint_items=5, grace_seconds=0, postprocess="stages.postprocess:embedding"
-    )
+    ).model_copy(update=by_input)
     send_job(source, "arrays", uris)
     first = Daemon(settings, source, blobs)
     saved_rows: list[str] = []
@@ -210,15 +214,17 @@ def test_an_embedding_job_resumes_its_array_rows_from_its_checkpoint(tmp_path: P
     assert (continuation.receive_count, continuation.earlier_attempts) == (1, 1)
     read_first = blobs.inputs_read(uris)
 
-    slow = {"model": "tests.support.slow_model:tenth_of_a_second", "batch_size": 4}
+    slow = {**by_input, "batch_size": 4}
     run_until_drained(source, blobs, tmp_path, postprocess="stages.postprocess:embedding", **slow)
     summary = job_file(blobs, "arrays", "job.json")
     assert summary["status"] == "succeeded" and summary["resumed"] >= 10
-    assert blobs.inputs_read(uris) - read_first == 30 - summary["resumed"]
+    assert blobs.inputs_read(uris) - read_first == 60 - summary["resumed"]
     assert _parts(blobs, "arrays") == []
 
     send_job(source, "whole", uris)
     run_until_drained(source, blobs, tmp_path, postprocess="stages.postprocess:embedding", **slow)
+    rows = np.load(io.BytesIO(blobs.objects["s3://bkt/out/whole/embedding.npy"]))
+    assert len(np.unique(rows, axis=0)) == 60  # a row out of place would show
     for name in ("embedding.npy", "results.jsonl"):
         assert (
             blobs.objects[f"s3://bkt/out/arrays/{name}"]

@@ -38,6 +38,7 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import Jobs
 from worker.daemon.stages import fetcher
 from worker.daemon.wiring import Daemon
+from worker.datasets.arrays import ArrayFiles
 from worker.datasets.tars import TarCopies, _checksum
 from worker.errors import ObjectTooLarge, TransientError
 from worker.jobs.checkpoints import Checkpoints, request_digest
@@ -235,7 +236,9 @@ def test_checkpointed_members_resume_by_their_tar_and_name(tmp_path: Path) -> No
     )
     places = [Place(0, "s3://bkt/0.tar", "new.jpg"), Place(0, "s3://bkt/0.tar", "b.jpg")]
 
-    prior = Checkpoints(blobs, Ledger()).read(spec, "job", "0123456789abcdef", places)
+    prior = Checkpoints(blobs, Ledger()).read(
+        spec, "job", "0123456789abcdef", places, arrays=ArrayFiles(tmp_path, 2)
+    )
 
     assert list(prior.resumed) == [1]
     assert json.loads(prior.resumed[1].line)["label"] == "b"

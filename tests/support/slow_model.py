@@ -34,6 +34,16 @@ class SlowUniform(nn.Module):
         return _circles(len(batch))
 
 
+class SlowMeans(SlowUniform):
+    """As `SlowUniform`, answering each image by its mean pixel: rows that tell the
+    inputs apart (where an embedding must land in its input's row)."""
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        super().forward(batch)
+        means = batch.float().flatten(1).mean(1)
+        return torch.stack([means, means / 2, means / 3, means / 4], 1)
+
+
 def _circles(count: int) -> torch.Tensor:
     scores = torch.zeros(count, 4)
     scores[:, 0] = 1.0
@@ -82,3 +92,7 @@ def slow_to_load() -> nn.Module:
     """Thirty seconds to load (a large model, or one compiled at load)."""
     time.sleep(30)
     return SlowToWarmUp()
+
+
+def tenth_of_a_second_by_input() -> nn.Module:
+    return SlowMeans(0.1)

@@ -29,6 +29,9 @@ NPY_CONTENT_TYPE = "application/x-npy"
 # The longest header of an .npy file of version 1.0, which numpy writes for any array of
 # numbers whose description fits it (`npy_bytes`).
 NPY_HEADER_MOST = 10 + 2**16
+# The most an input's arrays take, all fields together: a row over it is the input's
+# error (a checkpoint part holds at least a row, and is read within a bound).
+MAX_ROW_BYTES = 64 * 2**20
 ARRAYS_DIR = "arrays"  # under --log-dir
 SPOOL_LOCK = ".lock"  # in each daemon's directory there, held while it runs
 
@@ -37,7 +40,7 @@ class ArraySpool:
     """A daemon's directory for array files under `root` (`--log-dir`/arrays), held
     under a lock while the daemon runs. Made by `open`, after removing the directories
     of daemons that are gone (their lock free): what a killed daemon left, which nothing
-    reads again (a job's next delivery computes its arrays anew). A daemon sharing the
+    reads again (a job's next delivery takes its checkpointed rows from S3). A daemon sharing the
     log directory keeps its own."""
 
     def __init__(self, root: Path):
@@ -111,12 +114,18 @@ class ArrayFiles:
     def write(self, row: int, arrays: dict[str, np.ndarray]) -> bytes:
         """Put each field's array in row `row` of the field's file; the references to
         them, JSON-encoded as members of the item's line. ValueError, and nothing
-        written, if a field cannot name a file, is not one of the layouts', or its array
-        does not fit the file."""
+        written, if a field cannot name a file, is not one of the layouts', its array
+        does not fit the file, or the arrays take over MAX_ROW_BYTES."""
         with self._lock:
             if self._removed:  # the job was settled meanwhile: nothing will read them
                 return b""
             files = []
+            row_bytes = sum(array.nbytes for array in arrays.values())
+            if row_bytes > MAX_ROW_BYTES:
+                raise ValueError(
+                    f"its arrays take {row_bytes} bytes, over the {MAX_ROW_BYTES} an input's "
+                    "may take"
+                )
             for field, given in arrays.items():
                 array = self._stored(field, given)
                 file = self._files.get(field)
@@ -165,17 +174,18 @@ class ArrayFiles:
         return dtype, shape
 
     def _open(self, field: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> _ArrayFile:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # Not its parents: a spool removed (the daemon stopped) is not made again.
+        self.directory.mkdir(exist_ok=True)
         file = _ArrayFile(self.directory / f"{field}{ARRAY_FILE_SUFFIX}", dtype, shape, self._rows)
         self._files[field] = file
         return file
 
-    def rows(self, indices: list[int]) -> dict[str, np.ndarray]:
+    def rows(self, indices: list[int]) -> dict[str, np.ndarray] | None:
         """Each field's rows `indices`, copied (for a checkpoint; a row not written is
-        zeros)."""
+        zeros); None once the files are removed."""
         with self._lock:
             if self._removed:
-                return {}
+                return None
             return {field: np.array(file.rows[indices]) for field, file in self._files.items()}
 
     def rows_within(self, most_bytes: int) -> int | None:
@@ -255,6 +265,8 @@ def read_npy(data: bytes) -> np.ndarray:
         raise ValueError(f"an .npy file of version {version}, not 1.0 or 2.0")
     if dtype.hasobject:
         raise ValueError("an .npy file of Python objects, not numbers")
+    if not all(type(size) is int and size >= 0 for size in shape):
+        raise ValueError(f"an .npy file of shape {shape}")
     body = memoryview(data)[stream.tell() :]
     if len(body) != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"an .npy file of {len(body)} bytes past its header, not its {shape}'s")

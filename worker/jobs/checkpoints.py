@@ -6,10 +6,11 @@ the next.
       <field>.npy                            its array outputs, if any (`datasets.arrays`)
       results/part-*.parquet                 its results as Parquet instead (`datasets.tables`)
       cancel                                 a request to cancel the job (`worker cancel`)
-      checkpoint-<request>-<delivery>-<n>.jsonl  results one delivery finished, part n
-      checkpoint-<request>-<delivery>-<n>.log    that delivery's job.log lines, part n
-      checkpoint-<request>-<delivery>-<n>.<field>.npy  the array rows of part n's lines
-      checkpoint-<request>-s<shard>-<delivery>-<n>.{jsonl,log}  the same, of one shard
+      checkpoint-<request>-a<delivery>-<n>.jsonl  results one delivery finished, part n
+      checkpoint-<request>-a<delivery>-<n>.log    that delivery's job.log lines, part n
+      checkpoint-<request>-r<delivery>-<n>.{jsonl,log}  the same, of a job with arrays,
+      checkpoint-<request>-r<delivery>-<n>.<field>.npy  and the rows of its lines
+      checkpoint-<request>-s<shard>-{a,r}<delivery>-<n>.*  the same, of one shard
       checkpoint-superseded-<message id>     that message was handed over, but not deleted
 
 `<request>` is a digest of the job's inputs (in order) and params, so what was written
@@ -39,16 +40,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import structlog
 
-from worker.datasets.arrays import (
-    ARRAY_FILE_SUFFIX,
-    NPY_CONTENT_TYPE,
-    ArrayFiles,
-    npy_bytes,
-    read_npy,
-)
+from worker.datasets.arrays import ARRAY_FILE_SUFFIX, NPY_CONTENT_TYPE, ArrayFiles, npy_bytes
 from worker.datasets.openai_batch import OPENAI_ERRORS_FILE, OPENAI_OUTPUT_FILE
 from worker.datasets.table_ranges import Span, TableRows
 from worker.datasets.tables import (
@@ -60,6 +54,7 @@ from worker.datasets.tables import (
     table_name,
 )
 from worker.errors import MissingObject, ObjectTooLarge
+from worker.jobs.checkpoint_rows import PartRows
 from worker.jobs.job import Job, JobState, Place, Result
 from worker.jobs.ledger import Ledger
 from worker.message import CANCEL_MARKER, JobMessage, TarMembers
@@ -76,6 +71,13 @@ REJECTED = "rejected.json"  # a dead-lettered request's answer (`Notices`)
 SUPERSEDED_PREFIX = f"{CHECKPOINT_PREFIX}superseded-"
 Halt = Literal["superseded", "cancelled"]
 REQUEST_DIGEST_CHARS = 16
+# What a part holds: its lines (and log lines) alone, or its lines and their array rows
+# (a worker from before there were rows does not read those parts: it would resume the
+# lines without their rows).
+LINES, ROWS = "a", "r"
+# The most array rows a part holds (all fields; at least a row, which takes at most
+# `MAX_ROW_BYTES`), so that they are read back within MAX_PART_BYTES.
+PART_ROW_BYTES = 64 * 2**20
 # Outputs every job.json of a format completes, with their ETags recorded in it (beside
 # any array files, and a Parquet job's other files).
 COMPLETED_OUTPUTS = {
@@ -87,9 +89,9 @@ CHECK_EVERY_S = 1.0
 # The most read of each object under a job's output: larger ones are not this daemon's.
 MAX_SUMMARY_BYTES = 16 * 2**20  # job.json (the client reads it within the same)
 MAX_MARKER_BYTES = 64 * 2**10  # `cancel`, and the shards' small notes
-# A part holds at most `--checkpoint-items` results, their log lines, and their array
-# rows within MAX_PART_BYTES; a line of results over MAX_RESUMED_LINE_BYTES is not
-# resumed (the item is run again).
+# A part holds at most `--checkpoint-items` results and their log lines, each object read
+# within MAX_PART_BYTES (its array rows together); a line of results over
+# MAX_RESUMED_LINE_BYTES is not resumed (the item is run again).
 MAX_PART_BYTES = 256 * 2**20
 MAX_RESUMED_LINE_BYTES = 2**20
 DIGEST_ROWS = 2**16  # a planned table's rows digested at a time
@@ -205,10 +207,9 @@ class Checkpoints:
         listing = self.outputs(spec)
         cancelled = self._cancel_stands(spec, job_id, listing)
         summary = self._completed(spec, digest, listing, cancelled)
+        own = (part_prefix(digest, shard, LINES), part_prefix(digest, shard, ROWS))
         own_parts = sorted(
-            name
-            for name in listing
-            if name.startswith(part_prefix(digest, shard)) and name.endswith((".log", ".jsonl"))
+            name for name in listing if name.startswith(own) and name.endswith((".log", ".jsonl"))
         )
         resumed: dict[int, Result] = {}
         earlier_log = []
@@ -221,8 +222,10 @@ class Checkpoints:
             if name.endswith(".log"):
                 earlier_log.append(data)
                 continue
-            rows = _PartRows(self._blobs, spec, name.removesuffix(".jsonl"), listing)
-            for number, line in enumerate(data.splitlines()):
+            lines = data.splitlines()
+            part = name.removesuffix(".jsonl")
+            rows = PartRows(self._blobs, spec, part, listing, lines=len(lines), room=MAX_PART_BYTES)
+            for number, line in enumerate(lines):
                 record = (len(line) <= MAX_RESUMED_LINE_BYTES and _json(line, name)) or {}
                 place = _place(record)
                 position = None if place is None else positions.get(place)
@@ -333,7 +336,8 @@ class Checkpoints:
 
     def save(self, job: Job) -> None:
         """Write the results recorded since the last part (and the log lines with them)
-        as the next part; on failure they stay due for the next one. Never raises."""
+        as the next parts, each within PART_ROW_BYTES of array rows; on failure the rest
+        stay due for the next save. Never raises."""
         if job.spec is None or job.log is None:
             return  # not admitted: nothing done
         with job.checkpoint.lock:
@@ -342,31 +346,38 @@ class Checkpoints:
             results = self._ledger.take_unsaved(job)
             if not results:
                 return
-            most = job.arrays.rows_within(MAX_PART_BYTES) if job.arrays else None
-            if most is not None and len(results) > most:  # the rest in the next part
-                self._ledger.keep_unsaved(job, [index for index, _ in results[most:]])
-                results = results[:most]
-            log_lines, log_mark = job.log.since(job.checkpoint.log_mark)
-            part = job.checkpoint.parts + 1
-            delivery = f"a{job.attempt:04d}-{job.message.message_id}"
-            prefix = part_prefix(job.request_digest, _shard(job.spec))
-            name = f"{prefix}{delivery}-{part:05d}"
-            indices = [index for index, _ in results]
-            try:
-                # The lines last: a part whose lines are written has its rows.
-                for field, rows in (job.arrays.rows(indices) if job.arrays else {}).items():
-                    location = job.spec.output_location(f"{name}.{field}{ARRAY_FILE_SUFFIX}")
-                    self._blobs.put(location, npy_bytes(rows), NPY_CONTENT_TYPE)
-                self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
-                records = b"".join(result.line for _, result in results)
-                self._blobs.put(job.spec.output_location(f"{name}.jsonl"), records, NDJSON)
-            except Exception as error:
-                log.warning("checkpoint_failed", job_id=job.job_id, error=repr(error))
-                self._ledger.keep_unsaved(job, indices)
-                return
-            job.checkpoint.parts, job.checkpoint.log_mark = part, log_mark
-            job.checkpoint.saved_at = time.monotonic()
-            job.log.info("checkpoint_saved", part=part, items=len(results))
+            most = (job.arrays.rows_within(PART_ROW_BYTES) if job.arrays else None) or len(results)
+            for start in range(0, len(results), most):
+                if not self._save_part(job, results[start : start + most]):
+                    self._ledger.keep_unsaved(job, [index for index, _ in results[start:]])
+                    return
+
+    def _save_part(self, job: Job, results: list[tuple[int, Result]]) -> bool:
+        """Write `results`, their array rows and the log lines since the last part, as
+        the next part; whether it was written."""
+        assert job.spec is not None and job.log is not None
+        rows = job.arrays.rows([index for index, _ in results]) if job.arrays else {}
+        if rows is None:  # settled meanwhile: its rows are gone
+            return False
+        log_lines, log_mark = job.log.since(job.checkpoint.log_mark)
+        part = job.checkpoint.parts + 1
+        prefix = part_prefix(job.request_digest, _shard(job.spec), ROWS if rows else LINES)
+        name = f"{prefix}{job.attempt:04d}-{job.message.message_id}-{part:05d}"
+        try:
+            # The lines last: a part whose lines are written has its rows.
+            for field, field_rows in rows.items():
+                location = job.spec.output_location(f"{name}.{field}{ARRAY_FILE_SUFFIX}")
+                self._blobs.put(location, npy_bytes(field_rows), NPY_CONTENT_TYPE)
+            self._blobs.put(job.spec.output_location(f"{name}.log"), log_lines, "text/plain")
+            records = b"".join(result.line for _, result in results)
+            self._blobs.put(job.spec.output_location(f"{name}.jsonl"), records, NDJSON)
+        except Exception as error:
+            log.warning("checkpoint_failed", job_id=job.job_id, error=repr(error))
+            return False
+        job.checkpoint.parts, job.checkpoint.log_mark = part, log_mark
+        job.checkpoint.saved_at = time.monotonic()
+        job.log.info("checkpoint_saved", part=part, items=len(results))
+        return True
 
     def supersede(self, spec: JobMessage | None, message_id: str) -> None:
         """Mark a message of the job as handed over: its continuation runs the job, and
@@ -389,7 +400,7 @@ class Checkpoints:
             if not (job.checkpoint.parts or job.checkpoint.leftovers):
                 return
             shard = _shard(job.spec)
-            own = CHECKPOINT_PREFIX if shard is None else part_prefix(job.request_digest, shard)
+            own = CHECKPOINT_PREFIX if shard is None else part_prefix(job.request_digest, shard, "")
             parts = self._blobs.objects_under(job.spec.output_location(own))
             self._blobs.delete([job.spec.output_location(own + name) for name in parts])
 
@@ -419,66 +430,6 @@ class Checkpointer:
             return False
         waited_s = time.monotonic() - job.checkpoint.saved_at
         return len(job.unsaved) >= self._every_items or waited_s >= self._every_s
-
-
-class _PartRows:
-    """The array rows a checkpoint part (`part`, its name less `.jsonl`) saved beside
-    its lines: row n of its `<field>.npy` is line n's, read once a line refers to the
-    field, within MAX_PART_BYTES for the part."""
-
-    def __init__(self, blobs: BlobStore, spec: JobMessage, part: str, listing: dict[str, str]):
-        self._blobs = blobs
-        self._spec = spec
-        self._part = part
-        self._listing = listing
-        self._room = MAX_PART_BYTES
-        self._fields: dict[str, np.ndarray | None] = {}
-
-    def resume(
-        self, record: dict[str, Any], number: int, position: int, arrays: ArrayFiles
-    ) -> bool:
-        """Whether line `number`, `record`, of the item at `position`, can be resumed:
-        it refers to no array rows, or its rows are in the part and written to `arrays`
-        at `position` (where its references say they are)."""
-        references = {
-            name: reference.get("row")
-            for name, reference in record.items()
-            if isinstance(reference, dict) and reference.get("array") == name + ARRAY_FILE_SUFFIX
-        }
-        if not references:
-            return True
-        if set(references.values()) != {position}:
-            return False
-        rows = {}
-        for name in references:
-            row = self._row(name, number)
-            if row is None:
-                return False
-            rows[name] = row
-        try:
-            arrays.write(position, rows)  # checked against the job's layouts as any row
-        except (ValueError, OSError) as error:
-            log.warning("checkpoint_rows_skipped", part=self._part, error=str(error))
-            return False
-        return True
-
-    def _row(self, name: str, number: int) -> np.ndarray | None:
-        if name not in self._fields:
-            self._fields[name] = self._read(f"{self._part}.{name}{ARRAY_FILE_SUFFIX}")
-        rows = self._fields[name]
-        return rows[number] if rows is not None and rows.ndim and number < len(rows) else None
-
-    def _read(self, name: str) -> np.ndarray | None:
-        if name not in self._listing:
-            return None
-        try:
-            data = self._blobs.get(self._spec.output_location(name), self._room)
-            rows = read_npy(data)
-        except (MissingObject, ObjectTooLarge, ValueError) as error:
-            log.warning("checkpoint_part_skipped", name=name, error=str(error))
-            return None
-        self._room -= len(data)
-        return rows
 
 
 def _completes(
@@ -526,12 +477,13 @@ def _place(record: dict[str, Any]) -> Place | None:
     return Place(index, uri, member) if isinstance(member, str | None) else None
 
 
-def part_prefix(digest: str, shard: int | None) -> str:
-    """What the names of a request's checkpoint parts start with: a shard's own, or,
-    unsharded, the job's (which no shard's part name starts with)."""
+def part_prefix(digest: str, shard: int | None, kind: str = LINES) -> str:
+    """What the names of a request's checkpoint parts of `kind` start with (LINES, ROWS;
+    "": either): a shard's own, or, unsharded, the job's (which no shard's part name
+    starts with, but for kind "")."""
     if shard is None:
-        return f"{CHECKPOINT_PREFIX}{digest}-a"
-    return f"{CHECKPOINT_PREFIX}{digest}-s{shard:06d}-a"
+        return f"{CHECKPOINT_PREFIX}{digest}-{kind}"
+    return f"{CHECKPOINT_PREFIX}{digest}-s{shard:06d}-{kind}"
 
 
 def _shard(spec: JobMessage) -> int | None:
