@@ -72,11 +72,13 @@ class Tokens:
                 f"its text is over the model's {self.output_shape[1]} tokens "
                 '(params: "truncate": false)'
             )
-        ids = torch.tensor(encoding.ids, dtype=out.dtype)
-        out.zero_()
-        out[0, : len(ids)] = ids
-        out[1, : len(ids)] = 1
-        return {"truncated": truncated, "tokens": len(encoding.ids)}
+        ids = encoding.ids
+        # Through numpy: torch's indexing cost more than the tokenizer (14 µs a text).
+        slot = out.numpy()
+        slot.fill(0)
+        slot[0, : len(ids)] = ids
+        slot[1, : len(ids)] = 1
+        return {"truncated": truncated, "tokens": len(ids)}
 
 
 tokens = Tokens(TOKENIZER, MAX_TOKENS)

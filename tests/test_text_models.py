@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
-from stages.text import tokens
+from stages.text import TOKENIZER, tokens
 from tests.support.text_encoders import SAVERS, encoder, encoder_answers, tokenized
 from worker.plugins.identity import identify
 from worker.plugins.loading import load_model, token_slots
@@ -47,3 +48,14 @@ def test_a_users_text_model_in_each_form_answers_as_the_module_itself(
         cut = load_model(reference, torch.device("cpu"))(short[:, 0], short[:, 1]).numpy()
     assert np.allclose(cut, encoder_answers(short[:, 0], short[:, 1]), atol=1e-6)
     assert stage.about["model"] == identify(reference, encoder(), None, None).as_dict()
+
+
+def test_a_text_fills_its_slot_with_its_ids_then_its_mask_and_zeros_past_them() -> None:
+    """`stages.text:tokens` writes a slot a text before left full: the tokenizer's ids
+    in row 0, ones in row 1 as far as they go, zeros past them; its notes count them."""
+    text = "the forecast says rain"
+    ids = Tokenizer.from_file(str(TOKENIZER)).encode(text).ids
+    slot = torch.full(tokens.output_shape, 9, dtype=tokens.output_dtype)
+    assert tokens(text, slot, {}) == {"truncated": False, "tokens": len(ids)}
+    assert slot[0, : len(ids)].tolist() == ids and slot[1, : len(ids)].eq(1).all()
+    assert not slot[:, len(ids) :].any()

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from worker.engine import StageFunction, TokenBudget, bisection_sizes, bucket_of
@@ -184,7 +185,7 @@ def cut_to_length(values: Sequence[WithParams | None], lengths: Sequence[int]) -
 
 def _marked_up_to(mask: torch.Tensor) -> int:
     """The tokens of a mask: up to its last marked one (none: 0)."""
-    marked = mask.nonzero()
+    marked = np.flatnonzero(mask.numpy())  # numpy's: a few µs a text less than torch's
     return int(marked[-1]) + 1 if len(marked) else 0
 
 
