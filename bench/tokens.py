@@ -11,7 +11,9 @@ real tokens and the length its batch was padded to:
 
 - `token_padding_efficiency`: real tokens over padded tokens with `--max-batch-tokens`;
   `item_padding_efficiency`: the same with batches of `--batch-size` texts, each padded
-  to the model's longest sequence, as before;
+  to the model's longest sequence, as before; `item_longest_padding_efficiency`: what
+  batches of as many texts in turn would give, each padded to its longest text (as a
+  collator that pads dynamically does; worked out from the lengths, not run);
 - `token_throughput_ratio`: the daemon's real tokens/s over the model's alone, called
   as the inference process calls it, on the same texts in the batches a budget makes
   of them all at once (every batch full but each length's last; the faster of two
@@ -109,6 +111,7 @@ def token_batches(work_dir: Path, texts: int, item_texts: int) -> dict[str, floa
     return {
         "token_padding_efficiency": tokens["real"] / tokens["padded"],
         "item_padding_efficiency": items["real"] / items["padded"],
+        "item_longest_padding_efficiency": _padded_to_each_batchs_longest(lengths),
         "token_throughput_ratio": tokens["real"] / tokens["wall_s"] / alone,
         "token_device_busy_fraction": tokens["padded"]
         * DEVICE_PER_TOKEN_US
@@ -154,6 +157,14 @@ def _daemon_run(
         real += sum(result["tokens"] for result in results)
         padded += sum(result["padded"] for result in results)
     return {"real": real, "padded": padded, "wall_s": source.wall_s}
+
+
+def _padded_to_each_batchs_longest(lengths: list[int]) -> float:
+    batches = [
+        lengths[start : start + ITEM_BATCH_ROWS]
+        for start in range(0, len(lengths), ITEM_BATCH_ROWS)
+    ]
+    return sum(lengths) / sum(max(batch) * len(batch) for batch in batches)
 
 
 def _model_alone_tokens_per_s(lengths: list[int]) -> float:
