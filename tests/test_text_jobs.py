@@ -92,7 +92,7 @@ def test_inline_texts_that_are_empty_not_text_or_too_long_are_their_items_errors
     assert [line["input"] for line in cut] == ["the forecast says rain", "", "42", LONG]
     assert (cut[0]["label"], cut[0]["truncated"]) == ("weather", False)
     assert cut[1]["error"]["message"] == "its text is empty"
-    assert cut[2]["error"]["message"] == "its value is a int, not text"
+    assert cut[2]["error"]["message"] == "its value is a number, not text"
     assert (cut[3]["label"], cut[3]["truncated"]) == ("weather", True)
     assert kept[3]["error"]["type"] == "TextTooLong"
     assert kept[0]["truncated"] is False

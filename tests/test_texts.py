@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import pickle
 from typing import Any
@@ -18,7 +19,7 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.client import InvalidJob, Jobs
 from worker.daemon.stages import fetcher, on_this_machine
 from worker.datasets.inputs import Input, InputReader, shard_line
-from worker.datasets.texts import MAX_TEXT_BYTES, NotText, TextInput, text_of
+from worker.datasets.texts import MAX_TEXT_BYTES, NOT_UTF8, NotText, TextInput, text_of
 from worker.message import SQS_MAX_BODY_BYTES, PoisonMessage, parse_job_message
 
 NO_LIMIT: frozenset[str] = frozenset()
@@ -90,9 +91,84 @@ def test_a_value_that_is_no_text_is_its_items_error_not_the_tables() -> None:
         f"its text is {MAX_TEXT_BYTES + 1} bytes, over the limit of {MAX_TEXT_BYTES}",
     ]
     numbers = _read(blobs, table={"uri": "s3://tables/a.parquet", "text_column": "number"})
-    assert {uri.problem for uri, _ in numbers} == {"its value is a int64, not text"}  # type: ignore[attr-defined]
+    assert {uri.problem for uri, _ in numbers} == {"its column is of type int64, not text"}  # type: ignore[attr-defined]
     with pytest.raises(PoisonMessage, match="no column 'body'"):
         _read(blobs, table={"uri": "s3://tables/a.parquet", "text_column": "body"})
+
+
+def test_a_json_lines_tables_rows_need_not_agree_on_their_types() -> None:
+    """Each line of a JSON-lines table is read on its own, and only its text and id:
+    a text that is a number, an array or an object is its row's error naming its type,
+    an id of any type is its JSON text, a field only later lines have is no matter, and
+    blank lines are none; a line that is no JSON object, and a column no line has, are
+    the table's fault, named."""
+    blobs = InMemoryBlobStore()
+    lines = [
+        {"id": 1, "body": "a"},
+        {"id": "x", "body": 5},
+        {"id": 2.5, "body": None, "extra": {"deep": [1]}},
+        {"id": True, "body": ["l"]},
+        {"body": "no id"},
+        {"id": None, "body": {"k": 1}, "late": "only here"},
+    ]
+    data = "".join(json.dumps(line) + "\n\n" for line in lines).encode()
+    blobs.objects["s3://tables/t.jsonl"] = data
+    table = {"uri": "s3://tables/t.jsonl", "text_column": "body", "id_column": "id"}
+    assert _texts(_read(blobs, table=table)) == [
+        ("s3://tables/t.jsonl#row=0", "a", "1"),
+        ("s3://tables/t.jsonl#row=1", "its value is a number, not text", "x"),
+        ("s3://tables/t.jsonl#row=2", "its value is null, not text", "2.5"),
+        ("s3://tables/t.jsonl#row=3", "its value is an array, not text", "true"),
+        ("s3://tables/t.jsonl#row=4", "no id", None),
+        ("s3://tables/t.jsonl#row=5", "its value is an object, not text", None),
+    ]
+    with pytest.raises(PoisonMessage, match="no column 'title'"):
+        _read(blobs, table={**table, "text_column": "title"})
+    for bad, why in (
+        (b"{not json", "row 2 is not JSON"),
+        (b"[1, 2]", "row 2 is not a JSON object"),
+    ):
+        blobs.objects["s3://tables/t.jsonl"] = b'{"body": "a"}\n' + bad + b"\n"
+        with pytest.raises(PoisonMessage, match=why):
+            _read(blobs, table=table)
+
+
+def _string_column(values: list[bytes]) -> pa.Array:
+    """A column of text holding `values` as they are, UTF-8 or not (as a writer that
+    does not check leaves them)."""
+    offsets = pa.array([0, *itertools.accumulate(map(len, values))], pa.int32())
+    return pa.Array.from_buffers(
+        pa.string(), len(values), [None, offsets.buffers()[1], pa.py_buffer(b"".join(values))]
+    )
+
+
+def test_a_text_that_is_not_utf8_is_its_rows_error_and_an_id_the_tables() -> None:
+    """A value of the text column that is not UTF-8, in a CSV, in a Parquet column of
+    text whose writer did not check, or of bytes (as writers that store text as binary
+    leave it, the others read as text), is its row's error; an id that is not UTF-8
+    makes the table poison, named, not a job tried again and again."""
+    blobs = InMemoryBlobStore()
+    blobs.objects["s3://tables/t.csv"] = b"key,body\nk0,caf\xe9\nk1,fine\n"
+    blobs.objects["s3://tables/t.parquet"] = _parquet(
+        pa.table(
+            {
+                "body": _string_column([b"caf\xe9", b"fine"]),
+                "raw": pa.array([b"caf\xc3\xa9", b"\xff"], pa.binary()),
+                "key": _string_column([b"k0", b"k\xe9"]),
+            }
+        )
+    )
+    for uri, column, expected in (
+        ("s3://tables/t.csv", "body", [NOT_UTF8, "fine"]),
+        ("s3://tables/t.parquet", "body", [NOT_UTF8, "fine"]),
+        ("s3://tables/t.parquet", "raw", ["café", NOT_UTF8]),
+    ):
+        listed = _read(blobs, table={"uri": uri, "text_column": column})
+        assert [text for _, text, _ in _texts(listed)] == expected
+    with pytest.raises(PoisonMessage, match="id column key"):
+        _read(
+            blobs, table={"uri": "s3://tables/t.parquet", "text_column": "body", "id_column": "key"}
+        )
 
 
 def test_inline_texts_are_named_by_themselves_and_refused_over_what_sqs_takes() -> None:
@@ -102,7 +178,7 @@ def test_inline_texts_are_named_by_themselves_and_refused_over_what_sqs_takes() 
     listed = _read(InMemoryBlobStore(), texts=["one", 7, "two"])
     assert _texts(listed) == [
         ("one", "one", None),
-        ("7", "its value is a int, not text", None),
+        ("7", "its value is a number, not text", None),
         ("two", "two", None),
     ]
     too_many = ["a sentence of some length"] * (SQS_MAX_BODY_BYTES // 20)

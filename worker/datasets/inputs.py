@@ -35,7 +35,6 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
-import pyarrow.json as pa_json
 
 from worker.datasets.inventories import (
     INVENTORY_SKIPS,
@@ -47,6 +46,7 @@ from worker.datasets.inventories import (
     inventory_report,
     truthy,
 )
+from worker.datasets.json_lines import json_lines_batches
 from worker.datasets.openai_batch import batch_requests
 from worker.datasets.streams import ChunkStream, gunzipped
 from worker.datasets.table_ranges import (
@@ -253,7 +253,10 @@ class InputReader:
         columns = [table.text_column, *([table.id_column] if table.id_column else [])]
         rows = 0
         text_rows = MAX_PARQUET_TEXT_ROW_BYTES
-        for batch in self._batches(uri, file_format, columns, header=True, row_bytes=text_rows):
+        batches = self._batches(
+            uri, file_format, columns, header=True, row_bytes=text_rows, text=table.text_column
+        )
+        for batch in batches:
             yield from _text_inputs((table.text_column, table.id_column), uri, batch, rows)
             rows += batch.num_rows
 
@@ -321,10 +324,12 @@ class InputReader:
         *,
         header: bool,
         row_bytes: int = MAX_PARQUET_ROW_BYTES,
+        text: str | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """A CSV, Parquet or JSON-lines file's record batches, of its `columns` (a CSV's
         are named; without a `header` they name its columns), each read as strings in a
-        CSV; a Parquet row group over `row_bytes` a row is refused unread."""
+        CSV, but its `text` column, as bytes (one that is not UTF-8 is its row's error,
+        not the table's); a Parquet row group over `row_bytes` a row is refused unread."""
         location = S3Location.parse(uri)
         with unreadable_is_poison(f"table {uri}"):
             if file_format == "parquet":
@@ -333,31 +338,27 @@ class InputReader:
                 yield from spooled_parquet_batches(*store, *read)
             elif file_format == "jsonl":
                 assert isinstance(columns, list)
-                yield from self._json_lines_batches(location, columns)
+                yield from self._json_lines_batches(location, columns, text)
             else:
                 assert isinstance(columns, list)
-                yield from self._csv_batches(location, columns, header)
+                yield from self._csv_batches(location, columns, header, text)
 
     def _json_lines_batches(
-        self, location: S3Location, columns: list[str]
+        self, location: S3Location, columns: list[str], text: str | None
     ) -> Iterator[pa.RecordBatch]:
-        """A JSON-lines file's record batches (a block of lines at a time), of `columns`."""
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         with contextlib.closing(chunks):
             stream = io.BufferedReader(ChunkStream(self._unzipped(chunks, location)))
-            read = pa_json.ReadOptions(block_size=CSV_BLOCK_BYTES, use_threads=False)
-            for batch in pa_json.open_json(stream, read_options=read):
-                missing = [name for name in columns if name not in batch.schema.names]
-                if missing:
-                    raise PoisonMessage(f"table {location} has no column {missing[0]!r}")
-                yield batch.select(columns)
+            yield from json_lines_batches(
+                stream, str(location), columns, text_column=text, batch_bytes=CSV_BLOCK_BYTES
+            )
 
     @staticmethod
     def _unzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
         return gunzipped(chunks, location) if location.key.lower().endswith(".gz") else chunks
 
     def _csv_batches(
-        self, location: S3Location, columns: list[str], header: bool
+        self, location: S3Location, columns: list[str], header: bool, text: str | None
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         with contextlib.closing(chunks):
@@ -373,7 +374,9 @@ class InputReader:
             )
             convert = pa_csv.ConvertOptions(
                 include_columns=columns if header else None,
-                column_types=dict.fromkeys(columns, pa.string()),
+                column_types={
+                    name: pa.binary() if name == text else pa.string() for name in columns
+                },
             )
             # A quoted value of another column (a caption) may hold a line break.
             parse = pa_csv.ParseOptions(newlines_in_values=True)
@@ -455,6 +458,7 @@ def _ids_as_text(
             )
         else:
             text = column.cast(pa.string())
+        text.validate(full=True)  # UTF-8, which a writer may not have checked
     except pa.ArrowException as error:
         raise PoisonMessage(
             f"table {uri}: its id column {id_column} ({column.type}) cannot be read as text: "

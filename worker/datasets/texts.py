@@ -30,6 +30,10 @@ import pyarrow as pa
 # (512 tokens are a few KiB), and every text of a job is held while it runs.
 MAX_TEXT_BYTES = 64 * 1024
 EMPTY = "its text is empty"
+NOT_UTF8 = "its text is not UTF-8"
+# A JSON-lines table's text column (`worker.datasets.json_lines`): each row's text, or
+# the JSON type of a value that is none (`json_kind`).
+JSON_TEXT = pa.struct([("text", pa.string()), ("not_text", pa.string())])
 
 
 class NotText(ValueError):
@@ -68,18 +72,27 @@ def inline_texts(texts: list[Any]) -> Iterator[TextInput]:
     for value in texts:
         if isinstance(value, str):
             yield bounded_text(value, value)
+        elif value is None:
+            yield TextInput(json.dumps(value), None, _problem(None, None))
         else:
-            yield TextInput(json.dumps(value), None, _not_text(type(value).__name__))
+            yield TextInput(json.dumps(value), None, _not_json_text(json_kind(value)))
 
 
 def column_texts(column: pa.Array, table_uri: str, first_row: int) -> list[TextInput]:
-    """A table column's texts (rows from `first_row` on), each named by its row; a value
-    over `MAX_TEXT_BYTES` is measured and left unread."""
+    """A table column's texts (rows from `first_row` on), each named by its row: a
+    column of text, of bytes (UTF-8 each, as writers that store text as binary leave
+    it), or a JSON-lines table's (`JSON_TEXT`); a value over `MAX_TEXT_BYTES` is measured
+    and left unread."""
     names = [f"{table_uri}#row={row}" for row in range(first_row, first_row + len(column))]
+    not_texts: list[str | None] = [None] * len(column)
+    if column.type == JSON_TEXT:
+        not_texts = column.field("not_text").to_pylist()
+        column = column.field("text")
     if pa.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)
     kind = column.type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    textual = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    if not (textual or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)):
         problem = _not_text(str(kind))
         return [TextInput(name, None, problem) for name in names]
     # Imported here, not with the module: a tenth of a second of every stage process,
@@ -88,12 +101,34 @@ def column_texts(column: pa.Array, table_uri: str, first_row: int) -> list[TextI
 
     lengths = pc.binary_length(column)
     over = pc.fill_null(pc.greater(lengths, MAX_TEXT_BYTES), False)
-    values = pc.if_else(over, pa.scalar(None, kind), column).to_pylist()
+    values = _decoded(pc.if_else(over, pa.scalar(None, kind), column), textual)
     sizes = lengths.to_pylist()
     return [
-        TextInput(name, value, _problem(value, size))
-        for name, value, size in zip(names, values, sizes, strict=True)
+        TextInput(name, None, _not_json_text(not_text))
+        if not_text is not None
+        else TextInput(name, None, NOT_UTF8)
+        if isinstance(value, bytes)
+        else TextInput(name, value, _problem(value, size))
+        for name, value, size, not_text in zip(names, values, sizes, not_texts, strict=True)
     ]
+
+
+def _decoded(column: pa.Array, textual: bool) -> list[str | bytes | None]:
+    """A column's values as text, but a value that is not UTF-8, left as its bytes (a
+    writer that did not check, or a column of bytes)."""
+    if textual:
+        try:
+            return column.to_pylist()  # type: ignore[no-any-return]
+        except UnicodeDecodeError:  # one of them is not UTF-8: each on its own
+            column = column.cast(pa.large_binary())
+    return [None if value is None else _utf8(value) for value in column.to_pylist()]
+
+
+def _utf8(value: bytes) -> str | bytes:
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return value
 
 
 def bounded_text(name: str, text: str) -> TextInput:
@@ -114,8 +149,21 @@ def _problem(value: str | None, size: int | None) -> str | None:
     return f"its text is {size} bytes, over the limit of {MAX_TEXT_BYTES}"
 
 
-def _not_text(kind: str) -> str:
-    return f"its value is a {kind}, not text"
+def _not_text(column_type: str) -> str:
+    return f"its column is of type {column_type}, not text"
+
+
+def _not_json_text(kind: str) -> str:
+    return f"its value is {kind}, not text"
+
+
+def json_kind(value: Any) -> str:
+    """A JSON value's type, as a sentence names it ("a number"); not a string's or null's."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def shard_text_line(listed: TextInput, input_id: Any) -> bytes:
