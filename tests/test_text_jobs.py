@@ -18,10 +18,18 @@ import pytest
 
 from stages.sentences import sentences
 from stages.text import MAX_TOKENS
-from tests.support.in_process import job_file, run_until_drained
+from tests.support.in_process import (
+    job_file,
+    run_until_drained,
+    run_while,
+    serving_settings,
+)
 from tests.support.markers import also_on_gpu
 from tests.support.texts import TEXT_PIPELINE, model_answers
+from tests.support.timing import wait_until
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
+from worker.daemon.shutdown import ExitCode
+from worker.daemon.wiring import Daemon
 
 LONG = " ".join(["rain"] * (2 * MAX_TOKENS))  # over the model's longest sequence
 
@@ -135,3 +143,53 @@ def test_a_planned_tables_rows_count_each_against_the_limit_of_a_jobs_inputs(
 
     assert "more than 5 inputs" in json.loads(job_file(blobs, "big", "rejected.json"))["reason"]
     assert not [uri for uri in blobs.objects if uri.startswith("s3://bkt/out/big/shards/")]
+
+
+def test_a_table_of_texts_stopped_part_way_resumes_and_ends_as_if_uninterrupted(
+    tmp_path: Path,
+) -> None:
+    """A Parquet job of 60 texts is stopped part-way: its checkpoint parts carry the
+    embeddings of the rows done, so the next delivery runs only the rest, and its
+    results (ids, labels, embeddings) are an uninterrupted run's."""
+    texts = [text for _, text in sentences(60, seed=21)]
+    blobs, source = InMemoryBlobStore(), InMemoryJobSource()
+    slow = {**TEXT_PIPELINE, "model": "tests.support.texts:slow_text_model"}
+
+    def send(job_id: str) -> None:
+        message = {"job_id": job_id, "texts": texts, "output": f"s3://bkt/out/{job_id}/"}
+        source.send(json.dumps({**message, "format": "parquet"}))
+
+    send("stopped")
+    first = Daemon(
+        serving_settings(tmp_path, checkpoint_items=5, grace_seconds=0).model_copy(
+            update={**slow, "batch_size": 1}
+        ),
+        source,
+        blobs,
+    )
+
+    def parts() -> list[str]:
+        return [u for u in blobs.objects if "/stopped/checkpoint-" in u and u.endswith(".npy")]
+
+    def drive() -> None:
+        wait_until(lambda: len(parts()) >= 2)
+        first.stop()
+
+    assert run_while(first, drive) is ExitCode.SIGNALLED
+    send("whole")
+    run_until_drained(source, blobs, tmp_path, **slow)
+
+    summary = job_file(blobs, "stopped", "job.json")
+    assert summary["status"] == "succeeded" and summary["resumed"] >= 10
+    tables = {
+        job_id: pq.read_table(io.BytesIO(blobs.objects[f"s3://bkt/out/{job_id}/{name}"]))
+        for job_id in ("stopped", "whole")
+        for name in job_file(blobs, job_id, "job.json")["outputs"]
+        if name.endswith(".parquet")
+    }
+    stopped, whole = tables["stopped"].to_pylist(), tables["whole"].to_pylist()
+    assert [row["label"] for row in stopped] == [row["label"] for row in whole]
+    assert [row["input"] for row in stopped] == texts
+    assert np.allclose(
+        [row["embedding"] for row in stopped], [row["embedding"] for row in whole], atol=1e-6
+    )

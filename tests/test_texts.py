@@ -48,7 +48,9 @@ def _parquet(table: pa.Table) -> bytes:
 ROWS = [("a", "the red fox"), ("b", "jumps over"), ("c", "")]
 
 
-@pytest.mark.parametrize("name", ["texts.parquet", "texts.csv", "texts.jsonl", "texts.jsonl.gz"])
+@pytest.mark.parametrize(
+    "name", ["texts.parquet", "texts.csv", "texts.jsonl", "texts.jsonl.gz", "part-0.json"]
+)
 def test_each_row_of_a_table_is_an_input_whose_value_is_its_text(name: str) -> None:
     """Every format gives the same inputs: named by the table's URI and row (from 0), the
     text beside the name, the id as text; an empty text is an input still."""

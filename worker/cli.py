@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     sources.add_argument("--inputs-prefix", help="s3:// prefix: every object under it, by key")
     sources.add_argument(
         "--table",
-        help="s3:// URI of a CSV (with a header row; .csv or .csv.gz) or Parquet file, a row "
-        "per input",
+        help="s3:// URI of a CSV (a header row; .csv, .csv.gz), Parquet or JSON-lines (.jsonl, "
+        ".json, .gz) file, or a prefix of them, a row per input",
     )
     sources.add_argument("--uri-column", help="the --table column of input URIs (default: uri)")
     sources.add_argument(

@@ -66,7 +66,8 @@ class TableSource(BaseModel):
     uri_column: str = Field(default="uri", min_length=1, max_length=256)
     text_column: str | None = Field(default=None, min_length=1, max_length=256)
     id_column: str | None = Field(default=None, min_length=1, max_length=256)
-    # By default the key's suffix says: .parquet, .csv / .csv.gz, or .jsonl / .jsonl.gz.
+    # By default the key's suffix says: .parquet, .csv / .csv.gz, or .jsonl / .json (.gz):
+    # Spark's `write.json` leaves JSON lines as part-*.json.
     format: Literal["csv", "parquet", "jsonl"] | None = None
 
     @model_validator(mode="after")
@@ -90,11 +91,11 @@ class TableSource(BaseModel):
             return "parquet"
         if key.endswith((".csv", ".csv.gz")):
             return "csv"
-        if key.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
+        if key.endswith((".jsonl", ".ndjson", ".json", ".jsonl.gz", ".ndjson.gz", ".json.gz")):
             return "jsonl"
         raise ValueError(
-            "a table's key ends .csv, .csv.gz or .parquet (JSON lines: .jsonl, .jsonl.gz), or "
-            "'format' says"
+            "a table's key ends .csv, .csv.gz or .parquet (JSON lines: .jsonl, .json, or "
+            "either .gz), or 'format' says"
         )
 
 

@@ -4,8 +4,11 @@ an OpenAI batch file."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
+from torch import nn
 
 from stages.text import text_model, tokens
 
@@ -25,6 +28,24 @@ TEXT_MODEL_FLAGS = [
     "--postprocess",
     "stages.text:labelled",
 ]
+
+
+class _TenthOfASecond(nn.Module):
+    """The shipped text model, a tenth of a second a batch of texts (not of the
+    daemon's own batches of zeros): a job a test can stop part-way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = text_model()
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if mask.any():
+            time.sleep(0.1)
+        return self.model(ids, mask)  # type: ignore[no-any-return]
+
+
+def slow_text_model() -> nn.Module:
+    return _TenthOfASecond().eval()
 
 
 def model_answers(texts: list[str]) -> np.ndarray:
