@@ -182,6 +182,10 @@ def test_a_listing_that_cannot_be_used_makes_its_message_poison_with_the_reason(
         ({"inputs_prefix": "s3://out/job/r"}, "under the 'inputs_prefix'"),  # results.jsonl
         ({"table": {"uri": "s3://pix/ids.tsv"}}, "ends .csv, .csv.gz or .parquet"),
         ({"table": {"uri": "s3://pix/ids.csv", "sheet": 1}}, "Extra inputs"),
+        (
+            {"table": {"uri": "s3://pix/t.jsonl", "text_column": "b", "id_column": "b"}},
+            "another column than its 'text_column'",
+        ),
     ],
 )
 def test_a_message_naming_its_inputs_wrongly_is_poison(source: dict[str, Any], reason: str) -> None:
@@ -364,3 +368,11 @@ def test_a_table_of_megabyte_uris_is_refused_holding_a_few_megabytes(kind: str) 
     # A CSV's reader takes one 1 MiB block at a time (7 MiB seen); the rest, 3 MiB. The
     # measure is the process's: threads an earlier test left in this worker count too.
     assert peak[0] < 64 * 2**20, f"{peak[0] / 2**20:.0f} MiB"
+
+
+def test_a_json_lines_table_whose_ids_are_its_uris_lists_each_row_once() -> None:
+    blobs = InMemoryBlobStore()
+    lines = [{"uri": "s3://pix/a.jpg"}, {"uri": "s3://pix/b.jpg"}]
+    blobs.objects["s3://tbl/t.jsonl"] = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    listed = _read(blobs, table={"uri": "s3://tbl/t.jsonl", "id_column": "uri"})
+    assert listed == [("s3://pix/a.jpg", "s3://pix/a.jpg"), ("s3://pix/b.jpg", "s3://pix/b.jpg")]

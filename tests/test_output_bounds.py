@@ -110,6 +110,22 @@ def test_a_parts_array_rows_are_resumed_only_where_they_are_the_lines_own(
     assert blobs.bounds["checkpoint-0123456789abcdef-r0001-m-00001.embedding.npy"] == MAX_PART_BYTES
 
 
+def test_earlier_deliveries_log_lines_come_back_in_the_order_they_were_written(
+    tmp_path: Path,
+) -> None:
+    """By attempt, whatever letter names the part's kind (and the previous release's
+    `aa` of its first attempt)."""
+    blobs = InMemoryBlobStore()
+    spec = JobMessage(inputs=["s3://bkt/a"], output="s3://bkt/out/")
+    written = {"aa0001": b"first\n", "r0002": b"second\n", "a0003": b"third\n"}
+    for delivery, lines in written.items():
+        blobs.objects[f"s3://bkt/out/checkpoint-{DIGEST}-{delivery}-m-00001.log"] = lines
+    prior = Checkpoints(blobs, Ledger()).read(
+        spec, "job", DIGEST, [Place(0, "s3://bkt/a")], arrays=ArrayFiles(tmp_path, 1)
+    )
+    assert prior.earlier_log == b"first\nsecond\nthird\n"
+
+
 def test_one_save_writes_parts_within_their_rows_bound_that_come_back_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

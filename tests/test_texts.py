@@ -114,7 +114,8 @@ def test_a_json_lines_tables_rows_need_not_agree_on_their_types() -> None:
         {"id": None, "body": {"k": 1}, "late": "only here"},
     ]
     data = "".join(json.dumps(line) + "\n\n" for line in lines).encode()
-    blobs.objects["s3://tables/t.jsonl"] = data
+    # A byte order mark, and more blank lines than a batch's bytes, before the rows.
+    blobs.objects["s3://tables/t.jsonl"] = b"\xef\xbb\xbf" + b" \n" * 2**20 + data
     table = {"uri": "s3://tables/t.jsonl", "text_column": "body", "id_column": "id"}
     assert _texts(_read(blobs, table=table)) == [
         ("s3://tables/t.jsonl#row=0", "a", "1"),

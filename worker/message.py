@@ -76,6 +76,8 @@ class TableSource(BaseModel):
             self.file_format()
         if self.text_column is not None and "uri_column" in self.model_fields_set:
             raise ValueError("a table's inputs are its 'uri_column' or its 'text_column'")
+        if self.id_column is not None and self.id_column == self.text_column:
+            raise ValueError("a table's 'id_column' is another column than its 'text_column'")
         return self
 
     @property

@@ -12,7 +12,8 @@ each line is parsed with orjson, and of it only the columns the job reads are ke
 - any other value of another column (an id, a URI) is its JSON text (`1`, `true`).
 
 A line that is not a JSON object (or not UTF-8, which JSON is) is the table's fault,
-named by its row, as a CSV's broken quoting is.
+named by its row, as a CSV's broken quoting is. Blank lines are no rows, and a byte
+order mark before the first line is no matter.
 """
 
 from __future__ import annotations
@@ -28,24 +29,29 @@ from worker.datasets.texts import JSON_TEXT, json_kind
 from worker.message import PoisonMessage
 
 BATCH_ROWS = 2**16  # at most, and at most `batch_bytes` of lines
+BOM = b"\xef\xbb\xbf"
 
 
 def json_lines_batches(
-    stream: io.BufferedIOBase,
+    stream: io.BufferedReader[Any],
     where: str,
     columns: list[str],
     *,
     text_column: str | None,
     batch_bytes: int,
 ) -> Iterator[pa.RecordBatch]:
-    """The record batches of the JSON lines `stream` (the table `where`), of `columns`,
-    `text_column` among them as `JSON_TEXT`; a line over `batch_bytes` is poison, and
-    so is a column that no line of the first batch has."""
+    """The record batches of the JSON lines `stream` (the table `where`), of `columns`
+    (each once), `text_column` among them as `JSON_TEXT`; a line over `batch_bytes` is
+    poison, and so is a column that no line of the first batch has."""
+    columns = list(dict.fromkeys(columns))
+    if stream.peek(len(BOM))[: len(BOM)] == BOM:
+        stream.read(len(BOM))
     rows_before = 0
-    while True:
-        values, read = _lines(stream, where, columns, rows_before, batch_bytes)
+    ended = False
+    while not ended:
+        values, read, ended = _lines(stream, where, columns, rows_before, batch_bytes)
         if not read:
-            return
+            continue
         if rows_before == 0:
             missing = [name for name in columns if all(value is _MISSING for value in values[name])]
             if missing:
@@ -62,15 +68,20 @@ _MISSING = object()
 
 
 def _lines(
-    stream: io.BufferedIOBase, where: str, columns: list[str], rows_before: int, batch_bytes: int
-) -> tuple[dict[str, list[Any]], int]:
-    """The next batch's values of each column, and the rows read (blank lines are none)."""
+    stream: io.BufferedReader[Any],
+    where: str,
+    columns: list[str],
+    rows_before: int,
+    batch_bytes: int,
+) -> tuple[dict[str, list[Any]], int, bool]:
+    """The next batch's values of each column, the rows read (blank lines are none), and
+    whether the stream has ended."""
     values: dict[str, list[Any]] = {name: [] for name in columns}
     rows = taken = 0
     while rows < BATCH_ROWS and taken < batch_bytes:
         line = stream.readline(batch_bytes + 1)
         if not line:
-            break
+            return values, rows, True
         taken += len(line)
         if len(line) > batch_bytes:
             raise PoisonMessage(
@@ -89,7 +100,7 @@ def _lines(
             raise PoisonMessage(f"table {where} row {rows_before + rows} is not a JSON object")
         for name in columns:
             values[name].append(record.get(name, _MISSING))
-    return values, rows
+    return values, rows, False
 
 
 def _column(values: list[Any]) -> pa.Array:

@@ -208,8 +208,15 @@ class Checkpoints:
         cancelled = self._cancel_stands(spec, job_id, listing)
         summary = self._completed(spec, digest, listing, cancelled)
         own = (part_prefix(digest, shard, LINES), part_prefix(digest, shard, ROWS))
+        # In the order they were written (by attempt), whatever their kind's letter.
+        kind_at = len(part_prefix(digest, shard, ""))
         own_parts = sorted(
-            name for name in listing if name.startswith(own) and name.endswith((".log", ".jsonl"))
+            (
+                name
+                for name in listing
+                if name.startswith(own) and name.endswith((".log", ".jsonl"))
+            ),
+            key=lambda name: name[kind_at:].lstrip(LINES + ROWS),
         )
         resumed: dict[int, Result] = {}
         earlier_log = []
