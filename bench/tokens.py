@@ -19,7 +19,10 @@ real tokens and the length its batch was padded to:
   of them all at once (every batch full but each length's last; the faster of two
   passes, as a loaded machine slows a pass); `token_device_busy_fraction`: the
   stand-in device's time for the tokens the daemon gave it over the daemon's wall time,
-  the ratio to a device never idle and a host that costs nothing.
+  the ratio to a device never idle and a host that costs nothing;
+  `tokenized_throughput_ratio`: `token_throughput_ratio` with each text a string of
+  words that the shipped tokenizer tokenizes in the preprocessing processes
+  (`stages.text.Tokens`, its longest sequence 512), as a text job's are.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 from bench.harness import TimedSource
+from stages.text import TOKENIZER, Tokens
 from worker.adapters.fakes import InMemoryBlobStore
 from worker.daemon.wiring import Daemon
 from worker.engine import TokenBudget, bucket_lengths, bucket_of
@@ -55,6 +59,8 @@ ITEM_BATCH_ROWS = 64
 JOB_SIZE = 100
 
 PREPROCESS = "bench.tokens:length_tokens"
+TOKENIZING = "bench.tokens:word_tokens"
+WORD = "rain"  # a token of the shipped tokenizer's
 MODEL = "bench.tokens:token_device_model"
 POSTPROCESS = "bench.tokens:token_counts"
 
@@ -75,6 +81,12 @@ class LengthTokens:
 
 
 length_tokens = LengthTokens()
+word_tokens = Tokens(TOKENIZER, LONGEST)
+
+
+def word_texts(lengths: list[int]) -> list[str]:
+    """A text of `length` tokens each ([CLS] and [SEP] among them), for `word_tokens`."""
+    return [" ".join([WORD] * (length - 2)) for length in lengths]
 
 
 class TokenDeviceModel(nn.Module):
@@ -107,12 +119,16 @@ def token_batches(work_dir: Path, texts: int, item_texts: int) -> dict[str, floa
     lengths = text_lengths(texts)
     tokens = _daemon_run(work_dir / "tokens", lengths, TOKEN_BATCH_ROWS, MAX_BATCH_TOKENS)
     items = _daemon_run(work_dir / "items", lengths[:item_texts], ITEM_BATCH_ROWS, 0)
+    tokenized = _daemon_run(
+        work_dir / "tokenized", lengths, TOKEN_BATCH_ROWS, MAX_BATCH_TOKENS, TOKENIZING
+    )
     alone = max(_model_alone_tokens_per_s(lengths) for _ in range(2))
     return {
         "token_padding_efficiency": tokens["real"] / tokens["padded"],
         "item_padding_efficiency": items["real"] / items["padded"],
         "item_longest_padding_efficiency": _padded_to_each_batchs_longest(lengths),
         "token_throughput_ratio": tokens["real"] / tokens["wall_s"] / alone,
+        "tokenized_throughput_ratio": tokenized["real"] / tokenized["wall_s"] / alone,
         "token_device_busy_fraction": tokens["padded"]
         * DEVICE_PER_TOKEN_US
         / 1e6
@@ -123,7 +139,11 @@ def token_batches(work_dir: Path, texts: int, item_texts: int) -> dict[str, floa
 
 
 def _daemon_run(
-    work_dir: Path, lengths: list[int], batch_size: int, max_batch_tokens: int
+    work_dir: Path,
+    lengths: list[int],
+    batch_size: int,
+    max_batch_tokens: int,
+    preprocess: str = PREPROCESS,
 ) -> dict[str, float]:
     """The daemon over jobs of `JOB_SIZE` texts of `lengths`, drained: the real and
     padded tokens its results count (every text succeeded, its length its real
@@ -131,7 +151,7 @@ def _daemon_run(
     source, blobs = TimedSource(), InMemoryBlobStore()
     jobs = [lengths[start : start + JOB_SIZE] for start in range(0, len(lengths), JOB_SIZE)]
     for number, job in enumerate(jobs):
-        texts = [str(length) for length in job]
+        texts = word_texts(job) if preprocess == TOKENIZING else [str(length) for length in job]
         output = f"s3://bench/out/job-{number}/"
         source.send(json.dumps({"job_id": f"job-{number}", "texts": texts, "output": output}))
     config = Settings(
@@ -140,7 +160,7 @@ def _daemon_run(
         receive_wait_seconds=0,
         log_dir=work_dir / "logs",
         metrics_port=0,
-        preprocess=PREPROCESS,
+        preprocess=preprocess,
         model=MODEL,
         postprocess=POSTPROCESS,
         device="cpu",
