@@ -274,14 +274,14 @@ def test_a_table_whose_keys_name_no_format_is_planned_and_read_as_its_format_say
 
 def test_the_request_digest_covers_the_columns_a_planned_table_is_read_by() -> None:
     """A planned row is listed with its file's ETag and the columns its shard reads: the
-    job sent again with another id column (or none) is another request, not the first
-    one's results, which have other ids."""
+    job sent again with no id column, or with its columns the other way round, is
+    another request, not the first one's results, which have other ids."""
     blobs = _CountingStore()
     _table_files(blobs)
     with_ids = _digest(blobs)
     assert _digest(blobs) == with_ids
     assert _digest(blobs, id_column=None) != with_ids
-    assert _digest(blobs, id_column="body") != with_ids
+    assert _digest(blobs, text_column="doc", id_column="body") != with_ids
 
 
 def test_a_shard_streams_its_rows_in_reads_of_a_bounded_size(

@@ -148,16 +148,24 @@ def test_a_planned_tables_rows_count_each_against_the_limit_of_a_jobs_inputs(
 def test_a_table_of_texts_stopped_part_way_resumes_and_ends_as_if_uninterrupted(
     tmp_path: Path,
 ) -> None:
-    """A Parquet job of 60 texts is stopped part-way: its checkpoint parts carry the
-    embeddings of the rows done, so the next delivery runs only the rest, and its
-    results (ids, labels, embeddings) are an uninterrupted run's."""
+    """A Parquet table of 60 texts with ids, run as a Parquet job, is stopped part-way:
+    its checkpoint parts carry the embeddings of the rows done, so the next delivery
+    runs only the rest, and its results (rows, ids, labels, embeddings) are an
+    uninterrupted run's."""
     texts = [text for _, text in sentences(60, seed=21)]
+    ids = [f"doc-{row}" for row in range(len(texts))]
     blobs, source = InMemoryBlobStore(), InMemoryJobSource()
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"id": ids, "body": texts}), sink)
+    blobs.objects["s3://bkt/texts.parquet"] = sink.getvalue()
+    table = {"uri": "s3://bkt/texts.parquet", "text_column": "body", "id_column": "id"}
     slow = {**TEXT_PIPELINE, "model": "tests.support.texts:slow_text_model"}
 
     def send(job_id: str) -> None:
-        message = {"job_id": job_id, "texts": texts, "output": f"s3://bkt/out/{job_id}/"}
-        source.send(json.dumps({**message, "format": "parquet"}))
+        output = f"s3://bkt/out/{job_id}/"
+        source.send(
+            json.dumps({"job_id": job_id, "table": table, "output": output, "format": "parquet"})
+        )
 
     send("stopped")
     first = Daemon(
@@ -188,8 +196,11 @@ def test_a_table_of_texts_stopped_part_way_resumes_and_ends_as_if_uninterrupted(
         if name.endswith(".parquet")
     }
     stopped, whole = tables["stopped"].to_pylist(), tables["whole"].to_pylist()
+    assert [row["id"] for row in stopped] == ids
+    assert [row["input"] for row in stopped] == [
+        f"s3://bkt/texts.parquet#row={n}" for n in range(60)
+    ]
     assert [row["label"] for row in stopped] == [row["label"] for row in whole]
-    assert [row["input"] for row in stopped] == texts
     assert np.allclose(
         [row["embedding"] for row in stopped], [row["embedding"] for row in whole], atol=1e-6
     )

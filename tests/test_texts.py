@@ -238,13 +238,15 @@ def test_a_text_needs_no_fetch_and_crosses_to_another_process_whole() -> None:
 
 def test_a_table_may_be_the_files_under_a_prefix_read_in_key_order() -> None:
     """A Spark table's parts, in key order, each row named by its own file and row; the
-    writer's `_SUCCESS` and `.crc` files are not parts; a part of no known format and an
+    writer's `_SUCCESS` and `.crc` files, and what is under a folder of its own named so
+    (an unfinished job's `_temporary/`), are not parts; a part of no known format and an
     output under the prefix are refused."""
     blobs = InMemoryBlobStore()
     for part, texts in (("part-1.parquet", ["c"]), ("part-0.parquet", ["a", "b"])):
         blobs.objects[f"s3://tables/run/{part}"] = _parquet(pa.table({"body": texts}))
     blobs.objects["s3://tables/run/_SUCCESS"] = b""
     blobs.objects["s3://tables/run/.part-0.parquet.crc"] = b"x"
+    blobs.objects["s3://tables/run/_temporary/0/task_1/part-2.json"] = b'{"body": "d"}\n'
     listed = _read(blobs, table={"uri": "s3://tables/run/", "text_column": "body"})
     assert [(name, text) for name, text, _ in _texts(listed)] == [
         ("s3://tables/run/part-0.parquet#row=0", "a"),

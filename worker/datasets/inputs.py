@@ -48,7 +48,7 @@ from worker.datasets.inventories import (
 )
 from worker.datasets.json_lines import json_lines_batches
 from worker.datasets.openai_batch import batch_requests
-from worker.datasets.streams import ChunkStream, gunzipped
+from worker.datasets.streams import ChunkStream, unzipped
 from worker.datasets.table_ranges import (
     Columns,
     PlannedFile,
@@ -226,14 +226,15 @@ class InputReader:
             return planned_file(self._blobs, uri, columns, *read)
 
     def _table_files(self, table: TableSource) -> Iterator[str]:
-        """The table's file, or the files under its prefix in key order, without the
-        names a Spark or Hive writer leaves beside its parts (`_SUCCESS`, `.part.crc`)."""
+        """The table's file, or the files under its prefix in key order, but what Spark or
+        Hive leave beside their parts (`_SUCCESS`, `.crc`, `_temporary/`, `_delta_log/`)."""
         if not table.is_prefix:
             yield table.uri
             return
         prefix = S3Location.parse(table.uri)
         for key in self._blobs.keys_under(prefix):
-            if not key.endswith("/") and not key.rsplit("/", 1)[-1].startswith(("_", ".")):
+            below = key[len(prefix.key) :].split("/")
+            if not key.endswith("/") and not any(n.startswith(("_", ".")) for n in below):
                 yield f"s3://{prefix.bucket}/{key}"
 
     def _uri_rows(self, table: TableSource, uri: str, file_format: str) -> Iterator[Input]:
@@ -348,23 +349,17 @@ class InputReader:
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         with contextlib.closing(chunks):
-            stream = io.BufferedReader(ChunkStream(self._unzipped(chunks, location)))
+            stream = io.BufferedReader(ChunkStream(unzipped(chunks, location)))
             yield from json_lines_batches(
                 stream, str(location), columns, text_column=text, batch_bytes=CSV_BLOCK_BYTES
             )
-
-    @staticmethod
-    def _unzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
-        return gunzipped(chunks, location) if location.key.lower().endswith(".gz") else chunks
 
     def _csv_batches(
         self, location: S3Location, columns: list[str], header: bool, text: str | None
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         with contextlib.closing(chunks):
-            stream = io.BufferedReader(
-                ChunkStream(self._unzipped(chunks, location)), CSV_BLOCK_BYTES
-            )
+            stream = io.BufferedReader(ChunkStream(unzipped(chunks, location)), CSV_BLOCK_BYTES)
             # One block at a time: with threads the reader parses as many blocks ahead
             # as it has threads, and what a table holds is a sender's to choose.
             read = pa_csv.ReadOptions(

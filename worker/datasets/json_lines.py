@@ -30,6 +30,7 @@ from worker.message import PoisonMessage
 
 BATCH_ROWS = 2**16  # at most, and at most `batch_bytes` of lines
 BOM = b"\xef\xbb\xbf"
+ONE_A_LINE = "JSON lines hold an object a line (a .json key is read as JSON lines)"
 
 
 def json_lines_batches(
@@ -44,8 +45,6 @@ def json_lines_batches(
     (each once), `text_column` among them as `JSON_TEXT`; a line over `batch_bytes` is
     poison, and so is a column that no line of the first batch has."""
     columns = list(dict.fromkeys(columns))
-    if stream.peek(len(BOM))[: len(BOM)] == BOM:
-        stream.read(len(BOM))
     rows_before = 0
     ended = False
     while not ended:
@@ -82,6 +81,8 @@ def _lines(
         line = stream.readline(batch_bytes + 1)
         if not line:
             return values, rows, True
+        if rows_before == taken == 0:
+            line = line.removeprefix(BOM)
         taken += len(line)
         if len(line) > batch_bytes:
             raise PoisonMessage(
@@ -94,10 +95,12 @@ def _lines(
             record = orjson.loads(line)
         except orjson.JSONDecodeError as error:
             raise PoisonMessage(
-                f"table {where} row {rows_before + rows} is not JSON: {error}"
+                f"table {where} row {rows_before + rows} is not JSON ({error}): {ONE_A_LINE}"
             ) from error
         if not isinstance(record, dict):
-            raise PoisonMessage(f"table {where} row {rows_before + rows} is not a JSON object")
+            raise PoisonMessage(
+                f"table {where} row {rows_before + rows} is not a JSON object: {ONE_A_LINE}"
+            )
         for name in columns:
             values[name].append(record.get(name, _MISSING))
     return values, rows, False

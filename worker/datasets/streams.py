@@ -14,6 +14,11 @@ GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's way of asking for a gzip header
 COMPARED_BYTES = 2**20  # two streams compared this much at a time
 
 
+def unzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
+    """An object's bytes, inflated (`gunzipped`) where its key ends `.gz`."""
+    return gunzipped(chunks, location) if location.key.lower().endswith(".gz") else chunks
+
+
 def gunzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
     """A gzip file's bytes, inflated as they stream in (its members one after another);
     poison if it is not gzip or is cut short. (pyarrow's own gzip stream raises the
