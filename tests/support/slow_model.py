@@ -52,9 +52,14 @@ def _circles(count: int) -> torch.Tensor:
 
 def factory() -> nn.Module:
     """1 s per batch, or SLOW_MODEL_SECONDS_PER_BATCH, gated by SLOW_MODEL_GATE_FILE if
-    set. Stage children read them, and they fork from a server that keeps the
-    environment it started with: tests running the daemon in their own process use the
-    fixed speeds below instead."""
+    set; made only once the file SLOW_MODEL_HOLD_FILE names, if set, is gone (at most
+    `GATE_WAIT_S`), so a test holds a restarted inference process down. Stage children
+    read them, and they fork from a server that keeps the environment it started with:
+    tests running the daemon in their own process use the fixed speeds below instead."""
+    hold = os.environ.get("SLOW_MODEL_HOLD_FILE", "")
+    deadline = time.monotonic() + GATE_WAIT_S
+    while hold and Path(hold).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     return SlowUniform(
         float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "1")),
         gate=os.environ.get("SLOW_MODEL_GATE_FILE", ""),
