@@ -6,7 +6,7 @@
 # prof.tgz (a stacks file and a log for each process id, ps.txt naming them), the
 # bench's report and timeline into $OUT. py-spy's wheel travels with the others:
 #
-#   bench/gpu_session.sh wheels && pip download --no-deps --only-binary=:all: -d .whl py-spy
+#   bench/gpu_session.sh wheels
 #   run(command="bash bench/gpu_profile.sh", carry=[".whl"], timeout_s=240)
 #
 # LOCAL=1 (no install), SPY (py-spy's path) and BENCH_FLAGS (for --compile) try it
@@ -15,8 +15,7 @@
 # is sampled by a py-spy of its own.)
 set -u
 if [ -z "${LOCAL:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
+    mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 SPY=${SPY:-/tmp/site/bin/py-spy}

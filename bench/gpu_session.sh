@@ -14,10 +14,13 @@
 #
 #   bench/gpu_session.sh wheels
 #       here, where pip reaches PyPI: the project's dependencies that the device's image
-#       lacks (it has torch, torchvision, numpy, pillow, pyarrow, pytest, ...), as wheels
-#       for its Python 3.12, into .whl/, which git is told to ignore (.git/info/exclude)
+#       lacks or has too old (it has torch, torchvision, numpy, pillow, pytest, ...; its
+#       pyarrow 25 cannot read back a null fixed-size list, and the daemon refuses it),
+#       installed for its Python 3.12 and packed as .whl/site.tar.xz (git is told to
+#       ignore .whl/: .git/info/exclude); xz, and pyarrow without its Flight, its S3
+#       file system and its tests, keep it within the 64 MiB a call carries
 #   run(command="bench/gpu_session.sh", carry=[".whl"], timeout_s=600)
-#       there: installs them into /tmp/site and runs the checks (about 8 minutes)
+#       there: unpacks it into /tmp/site and runs the checks (about 8 minutes)
 set -uo pipefail
 
 # What the project and its gpu-marked tests import that the device's image does not have
@@ -25,7 +28,7 @@ set -uo pipefail
 WHEELS="structlog orjson pydantic pydantic-core annotated-types typing-inspection
 typing-extensions pydantic-settings python-dotenv prometheus-client boto3 botocore
 s3transfer jmespath moto responses xmltodict flask flask-cors itsdangerous blinker
-cryptography cffi pycparser py-partiql-parser obstore"
+cryptography cffi pycparser py-partiql-parser obstore tokenizers pyarrow py-spy"
 # Seconds each step may take (the lease's 15 minutes include the machine's start).
 TESTS_S=150
 EAGER_S=120
@@ -36,16 +39,24 @@ IMAGES=20000
 
 wheels() {
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
-    local pinned=()
+    local pinned=() site
     for name in $WHEELS; do
         version=$(.venv/bin/python -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
         pinned+=("$name${version:+==$version}")
     done
-    .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+    site=$(mktemp -d)
+    .venv/bin/python -m pip install -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux1_x86_64 -d .whl "${pinned[@]}"
-    du -sh .whl
+        --platform manylinux1_x86_64 --no-compile --target "$site" "${pinned[@]}" || return 1
+    # What nothing of pyarrow's that the project imports loads (readelf -d: NEEDED);
+    # its libraries' other names are copies in the wheel, for linking against them.
+    (cd "$site/pyarrow" && rm -rf tests include src _pyarrow_cpp_tests* ./*flight* ./*s3* \
+        libarrow*.so libarrow*.so.*.*)
+    rm -rf .whl && mkdir .whl
+    tar -C "$site" -cf - . | xz -T0 -6 >.whl/site.tar.xz
+    rm -rf "$site"
+    du -sh .whl/site.tar.xz
 }
 
 figures() {  # figures.json from what the steps have left so far
@@ -89,10 +100,8 @@ fi
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-fi
+mkdir -p /tmp/site
+tar -C /tmp/site -xJf .whl/site.tar.xz || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 began=$(date +%s)
 python3 -c 'import torch, torchvision; print(torch.__version__, torchvision.__version__,

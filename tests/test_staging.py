@@ -284,7 +284,7 @@ def test_on_a_gpu_a_batch_decoded_on_the_cpu_crosses_in_one_copy_each_way() -> N
     batch = torch.randint(0, 256, (16, *SHAPE), dtype=torch.uint8).pin_memory()
     infer(batch, [None] * 16)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profile:
+    with torch.profiler.profile(activities=activities, acc_events=True) as profile:
         rows = infer(batch, [None] * 16)
     copies = Counter(event.name for event in profile.events() if event.name.startswith("Memcpy"))
     assert sum(n for name, n in copies.items() if "HtoD" in name) == 1, copies

@@ -42,6 +42,7 @@ from worker.daemon.stages import build_pipeline
 from worker.daemon.supervisor import Supervisor
 from worker.datasets.arrays import ARRAYS_DIR, ArraySpool
 from worker.datasets.disk import DiskBudget
+from worker.datasets.pyarrow_support import check_pyarrow
 from worker.datasets.tables import Tables
 from worker.errors import CannotStart
 from worker.jobs.checkpoints import Checkpointer, Checkpoints
@@ -318,6 +319,7 @@ class Daemon:
         if self._breakages.too_many():  # restarted on a host that is to be replaced
             take_out_of_service(self._breakages, self._guard, self._metrics)
             return ExitCode.BROKEN
+        check_pyarrow()
         with contextlib.ExitStack() as running:
             running.enter_context(self._shutdown.signal_handlers())
             if self._settings.metrics_port:
