@@ -12,6 +12,7 @@ from worker.ports import S3Location
 
 GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib's way of asking for a gzip header
 COMPARED_BYTES = 2**20  # two streams compared this much at a time
+INFLATED_BYTES = 2**20  # the most a gzip stream yields at once
 
 
 def unzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
@@ -20,18 +21,24 @@ def unzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
 
 
 def gunzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
-    """A gzip file's bytes, inflated as they stream in (its members one after another);
-    poison if it is not gzip or is cut short. (pyarrow's own gzip stream raises the
-    OSError a local disk's failure raises too.)"""
+    """A gzip file's bytes, inflated as they stream in (its members one after another),
+    at most `INFLATED_BYTES` at a time however far a chunk inflates (deflate's 1,032
+    to 1); poison if it is not gzip or is cut short. (pyarrow's own gzip stream raises
+    the OSError a local disk's failure raises too.)"""
     inflate = zlib.decompressobj(wbits=GZIP_WBITS)
     try:
         for chunk in chunks:
             pending = chunk
-            while pending:
-                yield inflate.decompress(pending)
-                pending = inflate.unused_data
-                if pending:
+            while True:
+                inflated = inflate.decompress(pending, INFLATED_BYTES)
+                if inflated:
+                    yield inflated
+                pending = inflate.unconsumed_tail
+                if inflate.eof and inflate.unused_data:  # the next member
+                    pending = inflate.unused_data
                     inflate = zlib.decompressobj(wbits=GZIP_WBITS)
+                elif not pending and len(inflated) < INFLATED_BYTES:
+                    break  # the chunk is all in, and all that it inflates to is out
     except zlib.error as error:
         raise PoisonMessage(f"table {location} is not gzip: {error}") from error
     if not inflate.eof:
