@@ -28,7 +28,7 @@ set -uo pipefail
 WHEELS="structlog orjson pydantic pydantic-core annotated-types typing-inspection
 typing-extensions pydantic-settings python-dotenv prometheus-client boto3 botocore
 s3transfer jmespath moto responses xmltodict flask flask-cors itsdangerous blinker
-cryptography cffi pycparser py-partiql-parser obstore tokenizers pyarrow py-spy"
+cryptography cffi pycparser py-partiql-parser obstore pyarrow py-spy"
 # Seconds each step may take (the lease's 15 minutes include the machine's start).
 TESTS_S=150
 EAGER_S=120
@@ -39,24 +39,31 @@ IMAGES=20000
 
 wheels() {
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
-    local pinned=() site
+    local pinned=() site packed=""
     for name in $WHEELS; do
         version=$(.venv/bin/python -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
         pinned+=("$name${version:+==$version}")
     done
     site=$(mktemp -d)
-    .venv/bin/python -m pip install -q --no-deps --only-binary=:all: --python-version 3.12 \
+    if .venv/bin/python -m pip install -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        --platform manylinux1_x86_64 --no-compile --target "$site" "${pinned[@]}" || return 1
-    # What nothing of pyarrow's that the project imports loads (readelf -d: NEEDED);
-    # its libraries' other names are copies in the wheel, for linking against them.
-    (cd "$site/pyarrow" && rm -rf tests include src _pyarrow_cpp_tests* ./*flight* ./*s3* \
-        libarrow*.so libarrow*.so.*.*)
-    rm -rf .whl && mkdir .whl
-    tar -C "$site" -cf - . | xz -T0 -6 >.whl/site.tar.xz
+        --platform manylinux1_x86_64 --no-compile --target "$site" "${pinned[@]}" &&
+        # What nothing of pyarrow's that the project imports loads (readelf -d: NEEDED);
+        # its libraries' other names are copies in the wheel, for linking against them.
+        (cd "$site/pyarrow" && rm -rf tests include src _pyarrow_cpp_tests* ./*flight* \
+            ./*s3* libarrow*.so libarrow*.so.*.*) &&
+        rm -rf .whl && mkdir .whl &&
+        tar -C "$site" -cf - . | xz -T0 -6 >.whl/site.tar.xz; then
+        packed=ok
+    fi
     rm -rf "$site"
-    du -sh .whl/site.tar.xz
+    [ "$packed" = ok ] || { echo "wheels: packing failed" >&2; return 1; }
+    local size
+    size=$(stat -c %s .whl/site.tar.xz)
+    echo "$((size / 2**20)) MiB in .whl/site.tar.xz"
+    # The device tool carries at most 64 MiB a call.
+    [ "$size" -le $((64 * 2**20)) ] || { echo "wheels: over the 64 MiB a call carries" >&2; return 1; }
 }
 
 figures() {  # figures.json from what the steps have left so far
@@ -100,8 +107,8 @@ fi
 OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-mkdir -p /tmp/site
-tar -C /tmp/site -xJf .whl/site.tar.xz || exit 1
+# Python's own lzma: the image need not have an xz program for tar.
+python3 -m tarfile -e .whl/site.tar.xz /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 began=$(date +%s)
 python3 -c 'import torch, torchvision; print(torch.__version__, torchvision.__version__,

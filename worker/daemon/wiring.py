@@ -42,7 +42,6 @@ from worker.daemon.stages import build_pipeline
 from worker.daemon.supervisor import Supervisor
 from worker.datasets.arrays import ARRAYS_DIR, ArraySpool
 from worker.datasets.disk import DiskBudget
-from worker.datasets.pyarrow_support import check_pyarrow
 from worker.datasets.tables import Tables
 from worker.errors import CannotStart
 from worker.jobs.checkpoints import Checkpointer, Checkpoints
@@ -124,6 +123,8 @@ class Daemon:
         lanes = Lanes(source, shard_source) if shard_source is not None else None
         source = lanes or source
         _usable_directory(settings.log_dir, "--log-dir")
+        # Before a model is fetched: it refuses a pyarrow that cannot keep its results.
+        self._tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
         self._ledger = ledger = Ledger()
         self._metrics = metrics = Metrics()
         stall_after_s = (
@@ -176,7 +177,6 @@ class Daemon:
             "pid": os.getpid(),
             "version": __version__,
         }
-        self._tables = Tables(settings.parquet_file_bytes, settings.parquet_row_group_bytes)
         # Jobs' copies here (tars, listings, a merge's files): one disk budget, one spool.
         self._arrays, disk = (
             ArraySpool(settings.log_dir / ARRAYS_DIR),
@@ -319,7 +319,6 @@ class Daemon:
         if self._breakages.too_many():  # restarted on a host that is to be replaced
             take_out_of_service(self._breakages, self._guard, self._metrics)
             return ExitCode.BROKEN
-        check_pyarrow()
         with contextlib.ExitStack() as running:
             running.enter_context(self._shutdown.signal_handlers())
             if self._settings.metrics_port:

@@ -1,11 +1,13 @@
 """Whether the installed pyarrow can keep what Parquet results hold, checked at start.
 
 A failed item's row of an array field is a null fixed-size list (`worker.datasets.tables`).
-pyarrow 24 and earlier cannot write one to Parquet, and 25 writes a file it cannot
-read back ("Expected all lists to be of size=64 but index 2 had size=0"): each job
-whose results hold one would fail at its upload, be handed back and fail again. A
-worker installed from its package has pyarrow 26 or later; one put together by hand
-(a GPU image's own pyarrow on `PYTHONPATH`) is told so at start instead.
+No pyarrow before 26 keeps one through Parquet: 24 and earlier refuse to write one
+between other rows, and write one at the end into a file they cannot read back ("Expected
+all lists to be of size=64 but index 2 had size=0"), as 25 does wherever it is. Each job
+whose results hold one would fail at its upload or merge, be handed back and fail again
+(26 reads what the others wrote, so such a job ends once its workers have 26). A worker
+installed from its package has 26 or later; one put together by hand (a GPU image's own
+pyarrow on `PYTHONPATH`) is told so at start instead.
 """
 
 from __future__ import annotations

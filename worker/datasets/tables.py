@@ -41,6 +41,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import structlog
 
+from worker.datasets.pyarrow_support import check_pyarrow
 from worker.plugins.fields import ArrayLayouts
 from worker.ports import BlobStore, S3Location
 
@@ -114,6 +115,7 @@ class Tables:
     """Writes a job's results as Parquet files, with the columns its model's probe gave."""
 
     def __init__(self, file_bytes: int, row_group_bytes: int):
+        check_pyarrow()  # `CannotStart` on one that loses a failed item's null array row
         self._file_bytes = file_bytes
         self._row_group_bytes = row_group_bytes
         self._fields = pa.schema([])
