@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Where each process of the daemon spends its time on a GPU host, in one call of a GPU
 # session (the device tool): bench.gpu's compiled overlap run on 40,000 images (IMAGES),
-# every process of it sampled by py-spy (collapsed stacks, 200 Hz, active threads only,
+# every process of it sampled by py-spy (collapsed stacks, RATE a second: 50, since 37
+# samplers at 200 took the run to a third of its pace; active threads only,
 # not paused: --nonblocking) from when the daemon's processes are up until it ends;
 # prof.tgz (a stacks file and a log for each process id, ps.txt naming them), the
-# bench's report and timeline into $OUT. py-spy's wheel travels with the others:
+# bench's report and timeline into $OUT. py-spy travels in the packed site (.whl):
 #
 #   bench/gpu_session.sh wheels
 #   run(command="bash bench/gpu_profile.sh", carry=[".whl"], timeout_s=240)
@@ -40,7 +41,7 @@ pids="$(tree "$bench")"
 echo "children up after $(($(date +%s) - began)) s: $(echo $pids | wc -w) processes"
 ps -o pid,ppid,args -p "$(echo $pids | tr ' ' ,)" >/tmp/prof/ps.txt
 for p in $pids; do
-    timeout 190 "$SPY" record --pid "$p" --rate 200 --nonblocking --format raw \
+    timeout 190 "$SPY" record --pid "$p" --rate "${RATE:-50}" --nonblocking --format raw \
         --duration 180 -o "/tmp/prof/$p.txt" >"/tmp/prof/$p.log" 2>&1 &
 done
 wait "$bench"
