@@ -16,7 +16,7 @@
 # is sampled by a py-spy of its own.)
 set -u
 if [ -z "${LOCAL:-}" ]; then
-    python3 -m tarfile -e .whl/site.tar.xz /tmp/site || exit 1
+    python3 -m tarfile --filter data -e .whl/site.tar.xz /tmp/site || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 SPY=${SPY:-/tmp/site/bin/py-spy}

@@ -108,7 +108,7 @@ OUT=${OUT:-/tmp/gpu-session-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # Python's own lzma: the image need not have an xz program for tar.
-python3 -m tarfile -e .whl/site.tar.xz /tmp/site || exit 1
+python3 -m tarfile --filter data -e .whl/site.tar.xz /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 began=$(date +%s)
 python3 -c 'import torch, torchvision; print(torch.__version__, torchvision.__version__,
