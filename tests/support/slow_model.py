@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,9 +28,8 @@ class SlowUniform(nn.Module):
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
         if self.zeros_too or batch.any():
-            deadline = time.monotonic() + GATE_WAIT_S
-            while self.gate and not self.gate.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            if self.gate:
+                _wait_until(self.gate.exists)
             time.sleep(self.seconds_per_batch)
         return _circles(len(batch))
 
@@ -42,6 +42,14 @@ class SlowMeans(SlowUniform):
         super().forward(batch)
         means = batch.float().flatten(1).mean(1)
         return torch.stack([means, means / 2, means / 3, means / 4], 1)
+
+
+def _wait_until(condition: Callable[[], bool]) -> None:
+    """Until `condition()` holds, or `GATE_WAIT_S` has passed: then on either way (a
+    stage child, unlike a test, does not fail for it: `tests.support.timing`)."""
+    deadline = time.monotonic() + GATE_WAIT_S
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _circles(count: int) -> torch.Tensor:
@@ -57,9 +65,8 @@ def factory() -> nn.Module:
     read them, and they fork from a server that keeps the environment it started with:
     tests running the daemon in their own process use the fixed speeds below instead."""
     hold = os.environ.get("SLOW_MODEL_HOLD_FILE", "")
-    deadline = time.monotonic() + GATE_WAIT_S
-    while hold and Path(hold).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    if hold:
+        _wait_until(lambda: not Path(hold).exists())
     return SlowUniform(
         float(os.environ.get("SLOW_MODEL_SECONDS_PER_BATCH", "1")),
         gate=os.environ.get("SLOW_MODEL_GATE_FILE", ""),

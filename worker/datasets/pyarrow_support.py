@@ -29,8 +29,8 @@ def check_pyarrow() -> None:
     sink = io.BytesIO()
     try:
         pq.write_table(pa.table({"embedding": rows}), sink)
-        read = pq.read_table(io.BytesIO(sink.getvalue())).column("embedding")
-        failure = None if read.to_pylist() == [None] else f"it read back {read.to_pylist()}"
+        read = pq.read_table(io.BytesIO(sink.getvalue())).column("embedding").to_pylist()
+        failure = None if read == [None] else f"it read back {read}"
     except pa.ArrowException as error:
         failure = f"{type(error).__name__}: {error}"
     if failure is not None:
