@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -35,12 +37,15 @@ class DaemonRun:
 
 class DaemonProcess:
     """`python -m worker run ARGS` as a real subprocess in its own process group, with
-    its JSON log lines collected as they come so a test can act on them."""
+    its JSON log lines collected as they come so a test can act on them. Its temporary
+    files go to a directory of its own, removed when it is closed: a daemon killed
+    leaves its process server's socket directory behind (one in /tmp for each killed)."""
 
     def __init__(self, env: dict[str, str], args: list[str], cwd: Path = REPO):
+        self._temporary = tempfile.mkdtemp(prefix="daemon-")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", "run", *args],
-            env=env,
+            env={**env, "TMPDIR": self._temporary},
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -130,6 +135,7 @@ class DaemonProcess:
         for stream in (self.process.stdout, self.process.stderr):
             if stream is not None:
                 stream.close()
+        shutil.rmtree(self._temporary, ignore_errors=True)
         return leftovers
 
 
