@@ -8,7 +8,9 @@ that decodes nothing (nvJPEG decodes on the device there), jobs of 100, batches 
 GETs in flight over the store's mean latency (Little's law), the stand-in device's
 rate, and the same run with no latency at all. `longest_stall_ms` is the longest the
 device waits, between its first batch and its last, for the next: with inputs in
-flight all that time, a wait is the pipeline's doing.
+flight all that time, a wait is the pipeline's doing. The machine's CPU an image, with
+latency and without, says how near the run is to the CPU it has (two cores here hold
+16 processes reading and answering).
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, f
     its fetch efficiency, the device's longest wait, and the same run without latency;
     the first run's timeline in `out`/gpu-shaped."""
     jobs = [OVERLAP_JOB_SIZE] * max(1, images // OVERLAP_JOB_SIZE)
-    rates, stalls, hedged = [], [], []
+    rates, stalls, hedged, cpu = [], [], [], []
     for run in range(runs):
         objects = work_dir / f"gpu-shaped-{run}"
         daemon = run_daemon(
             jobs, LatentBlobStore(seed=run, directory=objects), work_dir, **SHAPED_SETTINGS
         )
         rates.append(daemon.items / daemon.wall_s)
+        cpu.append(daemon.source.machine_cpu_s / daemon.items)
         stalls.append(longest_stall_ms(daemon.timeline))
         hedged.append(
             _counted(daemon.timeline, "fetch hedged") / _counted(daemon.timeline, "fetch calls")
@@ -82,6 +85,11 @@ def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, f
         "longest_stall_ms": statistics.median(stalls),
         # GETs made again (the slowest, past the store's 95th percentile) of all made.
         "fetch_hedged_share": statistics.median(hedged),
+        # Every process's on this machine, from the first receive to the last delete.
+        "gpu_shaped_machine_cpu_ms_per_image": 1000 * statistics.median(cpu),
+        "gpu_shaped_no_latency_machine_cpu_ms_per_image": (
+            1000 * unhurried.source.machine_cpu_s / unhurried.items
+        ),
     }
 
 
