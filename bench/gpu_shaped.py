@@ -10,7 +10,9 @@ rate, and the same run with no latency at all. `longest_stall_ms` is the longest
 device waits, between its first batch and its last, for the next: with inputs in
 flight all that time, a wait is the pipeline's doing. The machine's CPU an image, with
 latency and without, says how near the run is to the CPU it has (two cores here hold
-16 processes reading and answering).
+16 processes reading and answering; every process's counts, so run it on a quiet
+machine). The steady rates leave out a run's two ends, which latency lengthens: the
+first batch waits for a listing and a GET, the last job for its uploads.
 """
 
 from __future__ import annotations
@@ -48,16 +50,18 @@ SHAPED_SETTINGS: dict[str, Any] = {
 
 def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, float]:
     """The daemon's images/s at an H100's pace with S3's latency (the median of `runs`),
-    its fetch efficiency, the device's longest wait, and the same run without latency;
-    the first run's timeline in `out`/gpu-shaped."""
+    its fetch efficiency, the device's longest wait, the share of GETs hedged, the
+    machine's CPU an image, and the steady rate; the same without latency; the first
+    run's timeline in `out`/gpu-shaped."""
     jobs = [OVERLAP_JOB_SIZE] * max(1, images // OVERLAP_JOB_SIZE)
-    rates, stalls, hedged, cpu = [], [], [], []
+    rates, steady, stalls, hedged, cpu = [], [], [], [], []
     for run in range(runs):
         objects = work_dir / f"gpu-shaped-{run}"
         daemon = run_daemon(
             jobs, LatentBlobStore(seed=run, directory=objects), work_dir, **SHAPED_SETTINGS
         )
         rates.append(daemon.items / daemon.wall_s)
+        steady.append(steady_images_per_s(daemon.timeline))
         cpu.append(daemon.source.machine_cpu_s / daemon.items)
         stalls.append(longest_stall_ms(daemon.timeline))
         hedged.append(
@@ -85,12 +89,29 @@ def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, f
         "longest_stall_ms": statistics.median(stalls),
         # GETs made again (the slowest, past the store's 95th percentile) of all made.
         "fetch_hedged_share": statistics.median(hedged),
-        # Every process's on this machine, from the first receive to the last delete.
+        # Every process's CPU on this machine, from the first receive to the last delete.
         "gpu_shaped_machine_cpu_ms_per_image": 1000 * statistics.median(cpu),
         "gpu_shaped_no_latency_machine_cpu_ms_per_image": (
             1000 * unhurried.source.machine_cpu_s / unhurried.items
         ),
+        "gpu_shaped_steady_images_per_s": statistics.median(steady),
+        "gpu_shaped_no_latency_steady_images_per_s": steady_images_per_s(unhurried.timeline),
     }
+
+
+def steady_images_per_s(timeline: Timeline, stage: str = "inference") -> float:
+    """Items a second through the stage from the batch that took the run past a tenth
+    of its items to the one that took it past nine tenths: its pace, less its two ends."""
+    ends = sorted(timeline.intervals(stage), key=lambda interval: interval.end_s)
+    total = sum(interval.items for interval in ends)
+    through, marks = 0, {}
+    for interval in ends:
+        through += interval.items
+        for share in (0.1, 0.9):
+            if share not in marks and through >= share * total:
+                marks[share] = (interval.end_s, through)
+    (start_s, start_items), (end_s, end_items) = marks[0.1], marks[0.9]
+    return (end_items - start_items) / (end_s - start_s)
 
 
 def _counted(timeline: Timeline, name: str) -> int:

@@ -539,11 +539,11 @@ def main(out: Path, quick: bool, only: list[str] | None = None) -> int:
 
 
 def _print_table(report: dict[str, Any]) -> None:
-    print(f"\n{'figure':<34}{'value':>10}   target")
+    print(f"\n{'figure':<48}{'value':>10}   target")
     for key, value in report.items():
         if isinstance(value, float):
             sign, target = TARGETS.get(key, ("", None))
             met = ""
             if target is not None:
                 met = "ok" if (value >= target if sign == ">=" else value <= target) else "MISSED"
-            print(f"{key:<34}{value:>10.3f}   {sign} {target if target is not None else ''} {met}")
+            print(f"{key:<48}{value:>10.3f}   {sign} {target if target is not None else ''} {met}")

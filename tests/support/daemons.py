@@ -39,19 +39,23 @@ class DaemonProcess:
     """`python -m worker run ARGS` as a real subprocess in its own process group, with
     its JSON log lines collected as they come so a test can act on them. Its temporary
     files go to a directory of its own, removed when it is closed: a daemon killed
-    leaves its process server's socket directory behind (one in /tmp for each killed)."""
+    leaves its process server's socket directory behind, and they piled up in /tmp."""
 
     def __init__(self, env: dict[str, str], args: list[str], cwd: Path = REPO):
         self._temporary = tempfile.mkdtemp(prefix="daemon-")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "worker", "run", *args],
-            env={**env, "TMPDIR": self._temporary},
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "worker", "run", *args],
+                env={**env, "TMPDIR": self._temporary},
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        except BaseException:
+            shutil.rmtree(self._temporary, ignore_errors=True)
+            raise
         self._lines: dict[str, list[str]] = {"stdout": [], "stderr": []}
         # Parsed once as they come: a test polls for events every 50 ms, and a busy
         # daemon's thousands of lines parsed at each poll cost its neighbours CPU.
