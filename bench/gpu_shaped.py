@@ -100,8 +100,9 @@ def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, f
 
 
 def steady_images_per_s(timeline: Timeline, stage: str = "inference") -> float:
-    """Items a second through the stage from the batch that took the run past a tenth
-    of its items to the one that took it past nine tenths: its pace, less its two ends."""
+    """Items a second through the stage from the batch that brought the run to a tenth
+    of its items to the one that brought it to nine tenths: its pace, less its two
+    ends. A ValueError if one batch (or none) holds both."""
     ends = sorted(timeline.intervals(stage), key=lambda interval: interval.end_s)
     total = sum(interval.items for interval in ends)
     through, marks = 0, {}
@@ -110,6 +111,8 @@ def steady_images_per_s(timeline: Timeline, stage: str = "inference") -> float:
         for share in (0.1, 0.9):
             if share not in marks and through >= share * total:
                 marks[share] = (interval.end_s, through)
+    if len(marks) < 2 or marks[0.1] == marks[0.9]:
+        raise ValueError(f"{stage}: too few batches for a steady rate ({len(ends)})")
     (start_s, start_items), (end_s, end_items) = marks[0.1], marks[0.9]
     return (end_items - start_items) / (end_s - start_s)
 
