@@ -155,22 +155,24 @@ def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
     assert not Breakages(tmp_path, limit=0, window_s=60, clock=lambda: now[0]).too_many()
 
 
-def test_a_daemon_stopped_while_its_modules_import_exits_0() -> None:
+def test_a_daemon_stopped_while_its_modules_import_exits_0(tmp_path: Path) -> None:
     """SIGTERM a moment after `python -m worker run` starts (its imports take a second
     or more, torch's among them, on a loaded machine several): it holds nothing yet, and
     exits 0, not killed by the signal (as an orchestrator stopping a task that is still
-    starting would see it); and so it does if its imports were done by then."""
+    starting would see it); and so it does if its imports were done by then. Its fork
+    server, started first, leaves nothing in the temporary directory."""
     process = subprocess.Popen(
         [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1"},
+        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(tmp_path)},
     )
     time.sleep(1)  # running `worker/__main__.py`, its imports likely under way
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 0, stderr[-2000:]
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_daemon_with_no_aws_region_says_so_in_one_line_and_exits_2() -> None:

@@ -30,6 +30,7 @@ from worker.client import (
     UnreadableOutput,
 )
 from worker.demo import DEMO_IMAGES, DEMO_SMALL_JOB_IMAGES, run_demo
+from worker.entry import exit_at_once
 from worker.errors import AccessDenied, CannotStart, TransientError
 from worker.jobs.joblog import configure_daemon_logging
 from worker.message import REQUEST_ID_PATTERN, TarMembers
@@ -254,11 +255,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)  # the exit status is decided
         # The daemon has released what it held and stopped its children, or given up
-        # waiting for them at its shutdown deadline: exit now, without waiting for
-        # threads stuck in a call (the interpreter would join them at exit).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # waiting for them at its shutdown deadline.
+        exit_at_once(code)
     if args.command == "enqueue":
         sys.exit(_enqueue(args))
     if args.command == "cancel":

@@ -4,9 +4,12 @@ ends a daemon cleanly, exit 0, as one during the rest of its start-up does
 (`worker.cli.main`): it holds nothing yet. So this module imports nothing heavy."""
 
 import gc
+import multiprocessing.util
 import os
+import shutil
 import signal
 import sys
+from typing import NoReturn
 
 # What the stage processes' fork server imports before it forks the first: what every
 # child runs (`worker.engine.child_handle.FORKSERVER_PRELOAD`), the daemon's set-ups
@@ -54,5 +57,15 @@ def _start_fork_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def exit_at_once(code: int) -> NoReturn:
+    """Leave now: not joining threads stuck in a call, as the interpreter would, nor
+    running its exit handlers, of which one is done here: the removal of the fork
+    server's socket directory (each stop left one in the temporary directory)."""
+    shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _stopped_while_importing(_signum: int, _frame: object) -> None:
-    os._exit(0)  # nothing to clean up, and no import's `except` may swallow the stop
+    exit_at_once(0)  # nothing else to clean up, and no import's `except` may swallow it

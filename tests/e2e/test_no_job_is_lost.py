@@ -123,6 +123,8 @@ def test_sigterm_finishes_or_releases_everything_within_the_grace_period(
     assert set(jobs) - done <= released and released
     assert aws.queue_depth(stack.queue_url) == (len(released), 0)
     assert daemon.events("daemon_stopped")[0]["reason"] == "signalled"
+    # Nor anything of its own in the temporary directory (its fork server's socket's).
+    assert not list(daemon.temporary_directory.iterdir())
 
 
 def test_second_signal_cuts_the_grace_period_short(

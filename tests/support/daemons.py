@@ -80,6 +80,11 @@ class DaemonProcess:
         return self.process.pid
 
     @property
+    def temporary_directory(self) -> Path:
+        """Where its temporary files go (its TMPDIR), until it is closed."""
+        return Path(self._temporary)
+
+    @property
     def stdout(self) -> str:
         return "".join(self._lines["stdout"])
 
