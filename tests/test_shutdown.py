@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -155,24 +157,47 @@ def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
     assert not Breakages(tmp_path, limit=0, window_s=60, clock=lambda: now[0]).too_many()
 
 
-def test_a_daemon_stopped_while_its_modules_import_exits_0(tmp_path: Path) -> None:
+def test_a_daemon_stopped_while_its_modules_import_exits_0() -> None:
     """SIGTERM a moment after `python -m worker run` starts (its imports take a second
     or more, torch's among them, on a loaded machine several): it holds nothing yet, and
     exits 0, not killed by the signal (as an orchestrator stopping a task that is still
-    starting would see it); and so it does if its imports were done by then. Its fork
-    server, started first, leaves nothing in the temporary directory."""
+    starting would see it); and so it does if its imports were done by then."""
     process = subprocess.Popen(
         [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(tmp_path)},
+        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1"},
     )
     time.sleep(1)  # running `worker/__main__.py`, its imports likely under way
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 0, stderr[-2000:]
-    assert not list(tmp_path.iterdir())
+
+
+def test_a_daemon_stopped_as_its_command_line_imports_leaves_no_fork_server_directory() -> None:
+    """Stopped once its fork server has started (first of all, for torch's seconds) and
+    while the command line's modules import, the daemon exits 0 at once, and leaves
+    nothing in its temporary directory: the server's socket directory, which the exit
+    handlers it skips would have removed, each stop left there."""
+    temporary = Path(tempfile.mkdtemp(prefix="daemon-"))  # short: a socket path has 108 bytes
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(temporary)},
+        )
+        deadline = time.monotonic() + 60
+        while not list(temporary.glob("pymp-*/listener-*")) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=180)
+        assert process.returncode == 0, stderr[-2000:]
+        assert not list(temporary.iterdir())
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 def test_a_daemon_with_no_aws_region_says_so_in_one_line_and_exits_2() -> None:

@@ -4,12 +4,9 @@ ends a daemon cleanly, exit 0, as one during the rest of its start-up does
 (`worker.cli.main`): it holds nothing yet. So this module imports nothing heavy."""
 
 import gc
-import multiprocessing.util
 import os
-import shutil
 import signal
 import sys
-from typing import NoReturn
 
 # What the stage processes' fork server imports before it forks the first: what every
 # child runs (`worker.engine.child_handle.FORKSERVER_PRELOAD`), the daemon's set-ups
@@ -28,6 +25,10 @@ FORK_SERVER_PRELOAD = (
     "worker.adapters.aws.s3",
     "worker.adapters.aws.obstore_reads",
 )
+# Where the fork server's socket is (a directory of its own in the temporary directory,
+# made as it starts): multiprocessing's exit handler removes it, which `exit_at_once`
+# skips, so it does that itself.
+_FORK_SERVER_DIRECTORY: list[str] = []
 
 
 def main() -> None:
@@ -51,20 +52,30 @@ def _start_fork_server() -> None:
     while this process imports the command line's modules, where it did so after them.
     Its children start with OpenMP's idle threads asleep (`process_context`)."""
     import multiprocessing.forkserver
+    import multiprocessing.util
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     multiprocessing.forkserver.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
+    # Made (and known) before the server's socket is put in it: a stop while the server
+    # starts finds it.
+    _FORK_SERVER_DIRECTORY.append(multiprocessing.util.get_temp_dir())
     multiprocessing.forkserver.ensure_running()
 
 
-def exit_at_once(code: int) -> NoReturn:
+def exit_at_once(code: int) -> None:
     """Leave now: not joining threads stuck in a call, as the interpreter would, nor
-    running its exit handlers, of which one is done here: the removal of the fork
-    server's socket directory (each stop left one in the temporary directory)."""
-    shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    running its exit handlers, of which one is done here (the removal of the fork
+    server's socket directory: each stop left one). Nothing here imports, and nothing
+    that fails here keeps it from leaving (it may run in a signal handler, mid-import)."""
+    try:
+        for directory in _FORK_SERVER_DIRECTORY:
+            for name in os.listdir(directory):
+                os.unlink(os.path.join(directory, name))
+            os.rmdir(directory)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def _stopped_while_importing(_signum: int, _frame: object) -> None:
