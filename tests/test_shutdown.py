@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from structlog.testing import capture_logs
@@ -162,17 +163,11 @@ def test_a_daemon_stopped_while_its_modules_import_exits_0() -> None:
     or more, torch's among them, on a loaded machine several): it holds nothing yet, and
     exits 0, not killed by the signal (as an orchestrator stopping a task that is still
     starting would see it); and so it does if its imports were done by then."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1"},
-    )
-    time.sleep(1)  # running `worker/__main__.py`, its imports likely under way
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=180)
-    assert process.returncode == 0, stderr[-2000:]
+    with _daemon_starting() as (process, _):
+        time.sleep(1)  # running `worker/__main__.py`, its imports likely under way
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=180)
+        assert process.returncode == 0, stderr[-2000:]
 
 
 def test_a_daemon_stopped_as_its_command_line_imports_leaves_no_fork_server_directory() -> None:
@@ -180,23 +175,35 @@ def test_a_daemon_stopped_as_its_command_line_imports_leaves_no_fork_server_dire
     while the command line's modules import, the daemon exits 0 at once, and leaves
     nothing in its temporary directory: the server's socket directory, which the exit
     handlers it skips would have removed, each stop left there."""
-    temporary = Path(tempfile.mkdtemp(prefix="daemon-"))  # short: a socket path has 108 bytes
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(temporary)},
-        )
+    with _daemon_starting() as (process, temporary):
         deadline = time.monotonic() + 60
-        while not list(temporary.glob("pymp-*/listener-*")) and time.monotonic() < deadline:
+        while not (sockets := list(temporary.glob("pymp-*/*"))):
+            assert time.monotonic() < deadline, "no fork server's socket within 60 s"
             time.sleep(0.005)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=180)
         assert process.returncode == 0, stderr[-2000:]
-        assert not list(temporary.iterdir())
+        assert sockets and not list(temporary.iterdir())
+
+
+@contextlib.contextmanager
+def _daemon_starting() -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """`python -m worker run` started, with a temporary directory of its own (short: a
+    socket's path has 108 bytes), removed after it, and the daemon, if still there."""
+    temporary = Path(tempfile.mkdtemp(prefix="daemon-"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(temporary)},
+    )
+    try:
+        yield process, temporary
     finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
         shutil.rmtree(temporary, ignore_errors=True)
 
 

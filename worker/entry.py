@@ -69,9 +69,12 @@ def exit_at_once(code: int) -> None:
     that fails here keeps it from leaving (it may run in a signal handler, mid-import)."""
     try:
         for directory in _FORK_SERVER_DIRECTORY:
-            for name in os.listdir(directory):
-                os.unlink(os.path.join(directory, name))
-            os.rmdir(directory)
+            try:
+                for name in os.listdir(directory):
+                    os.unlink(os.path.join(directory, name))
+                os.rmdir(directory)
+            except OSError:  # (gone already, or more put in it): the flushes still come
+                pass
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
