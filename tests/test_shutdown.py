@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from structlog.testing import capture_logs
 
+from tests.support.daemons import DaemonProcess
 from worker.daemon.host import BREAKAGES_FILE, Breakages
 from worker.daemon.shutdown import ExitCode, Shutdown
 from worker.jobs.ledger import Ledger
@@ -163,11 +162,10 @@ def test_a_daemon_stopped_while_its_modules_import_exits_0() -> None:
     or more, torch's among them, on a loaded machine several): it holds nothing yet, and
     exits 0, not killed by the signal (as an orchestrator stopping a task that is still
     starting would see it); and so it does if its imports were done by then."""
-    with _daemon_starting() as (process, _):
+    with contextlib.closing(DaemonProcess(STARTING_ENV, STARTING_ARGS)) as daemon:
         time.sleep(1)  # running `worker/__main__.py`, its imports likely under way
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=180)
-        assert process.returncode == 0, stderr[-2000:]
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(180) == 0, daemon.stderr[-2000:]
 
 
 def test_a_daemon_stopped_as_its_command_line_imports_leaves_no_fork_server_directory() -> None:
@@ -175,36 +173,20 @@ def test_a_daemon_stopped_as_its_command_line_imports_leaves_no_fork_server_dire
     while the command line's modules import, the daemon exits 0 at once, and leaves
     nothing in its temporary directory: the server's socket directory, which the exit
     handlers it skips would have removed, each stop left there."""
-    with _daemon_starting() as (process, temporary):
+    with contextlib.closing(DaemonProcess(STARTING_ENV, STARTING_ARGS)) as daemon:
+        temporary = daemon.temporary_directory
         deadline = time.monotonic() + 60
         while not (sockets := list(temporary.glob("pymp-*/*"))):
             assert time.monotonic() < deadline, "no fork server's socket within 60 s"
             time.sleep(0.005)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=180)
-        assert process.returncode == 0, stderr[-2000:]
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(180) == 0, daemon.stderr[-2000:]
         assert sockets and not list(temporary.iterdir())
 
 
-@contextlib.contextmanager
-def _daemon_starting() -> Iterator[tuple[subprocess.Popen[str], Path]]:
-    """`python -m worker run` started, with a temporary directory of its own (short: a
-    socket's path has 108 bytes), removed after it, and the daemon, if still there."""
-    temporary = Path(tempfile.mkdtemp(prefix="daemon-"))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "worker", "run", "--queue-url", "http://127.0.0.1:9/q"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(temporary)},
-    )
-    try:
-        yield process, temporary
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-        shutil.rmtree(temporary, ignore_errors=True)
+# A daemon on a queue nobody answers at: it holds nothing while it starts.
+STARTING_ENV = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1"}
+STARTING_ARGS = ["--queue-url", "http://127.0.0.1:9/q"]
 
 
 def test_a_daemon_with_no_aws_region_says_so_in_one_line_and_exits_2() -> None:
