@@ -26,6 +26,7 @@ from structlog.testing import capture_logs
 from stages.synthetic import samples
 from tests.support.faults import BREAK_MODEL_FILE, blank_png
 from tests.support.in_process import (
+    breaking_settings,
     draining_settings,
     job_file,
     run_until_drained,
@@ -39,9 +40,7 @@ from worker.daemon.shutdown import ExitCode
 from worker.daemon.wiring import Daemon
 from worker.engine import StageSetupTimeout
 from worker.errors import TransientError
-from worker.jobs.job import Job
 from worker.loops import intake, results
-from worker.loops.reporting import ProgressReporter
 from worker.plugins import PluginError
 from worker.ports import ByteRange, ReceivedMessage, S3Location
 from worker.retry import Backoff
@@ -487,22 +486,10 @@ def test_a_loop_that_raises_stops_the_daemon_and_gives_its_jobs_back(
 ) -> None:
     """A loop of the daemon that dies (here the progress reporter) does not leave a
     half-working daemon renewing leases: it stops as broken and releases what it held."""
-
-    def crash(self: ProgressReporter, job: Job) -> None:
-        raise RuntimeError("progress bug (test)")
-
-    monkeypatch.setattr(ProgressReporter, "_report", crash)
     source, blobs = InMemoryJobSource(), RecordingBlobs()
     [uri] = sample_images(blobs, 1)
     send_job(source, "held", [uri])
-    settings = Settings(
-        queue_url="q",
-        receive_wait_seconds=0,
-        log_dir=tmp_path,
-        metrics_port=0,
-        model="tests.support.slow_model:five_seconds",
-        progress_interval_seconds=0.5,
-    )
+    settings = breaking_settings(tmp_path, monkeypatch)
     daemon = Daemon(settings, source, blobs)
     assert daemon.run() is ExitCode.BROKEN
     assert "progress bug" in (daemon.health_problem() or "")

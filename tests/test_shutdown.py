@@ -12,11 +12,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 from tests.support.daemons import DaemonProcess
+from tests.support.in_process import breaking_settings, sample_images, send_job
+from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource, RecordingGuard
 from worker.daemon.host import BREAKAGES_FILE, Breakages
 from worker.daemon.shutdown import ExitCode, Shutdown
+from worker.daemon.wiring import Daemon
 from worker.jobs.ledger import Ledger
 from worker.ports import Notice, NoticeKind, ReceivedMessage
 from worker.telemetry.metrics import Metrics
@@ -155,6 +159,35 @@ def test_a_hosts_breakages_count_within_the_hour_and_a_limit_of_0_never_trips(
     breakages.note("and again")
     assert breakages.too_many()
     assert not Breakages(tmp_path, limit=0, window_s=60, clock=lambda: now[0]).too_many()
+
+
+class _SignalledAsTakenOut(RecordingGuard):
+    """A platform that takes seconds to answer, during which a second SIGTERM comes."""
+
+    def take_out_of_service(self) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the main thread's handler runs meanwhile
+        return super().take_out_of_service()
+
+
+def test_a_stop_signal_while_a_broken_daemon_takes_its_host_out_is_counted_not_passed_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that stops broken on a host over its breakages limit calls its platform
+    still under its own signal handlers: a SIGTERM meanwhile reaches them, not the
+    handler from before it ran (the command line's exits 0), and it stops broken."""
+    source, blobs = InMemoryJobSource(), InMemoryBlobStore()
+    send_job(source, "held", sample_images(blobs, 1))
+    settings = breaking_settings(tmp_path, monkeypatch, host_breakages_limit=1)
+    guard = _SignalledAsTakenOut()
+    passed_on: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, _frame: passed_on.append(signum))
+    try:
+        assert Daemon(settings, source, blobs, guard=guard).run() is ExitCode.BROKEN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert guard.out_of_service
+    assert passed_on == []
 
 
 def test_a_daemon_stopped_while_its_modules_import_exits_0() -> None:

@@ -11,12 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from stages.synthetic import samples
 from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon.shutdown import ExitCode
 from worker.daemon.wiring import Daemon
 from worker.datasets.inputs import Input, shard_line
+from worker.jobs.job import Job
 from worker.jobs.plan import INPUTS_SUFFIX, Plan, shard_file
+from worker.loops.reporting import ProgressReporter
 from worker.message import JobMessage, TarMembers, parse_job_message
 from worker.settings import Settings
 
@@ -67,16 +71,35 @@ def run_until_drained(
 
 def serving_settings(tmp_path: Path, **fields: object) -> Settings:
     """Settings for a daemon that serves until stopped: a tenth of a second a batch of
-    one item, and notices polled every 0.05 s."""
-    return Settings(
-        queue_url="q",
-        receive_wait_seconds=0,
-        log_dir=tmp_path,
-        metrics_port=0,
-        model="tests.support.slow_model:tenth_of_a_second",
-        batch_size=1,
-        notice_poll_seconds=0.05,
-        **fields,  # type: ignore[arg-type]
+    one item (unless `fields` name another model), and notices polled every 0.05 s."""
+    defaults: dict[str, object] = {
+        "queue_url": "q",
+        "receive_wait_seconds": 0,
+        "log_dir": tmp_path,
+        "metrics_port": 0,
+        "model": "tests.support.slow_model:tenth_of_a_second",
+        "batch_size": 1,
+        "notice_poll_seconds": 0.05,
+    }
+    return Settings(**{**defaults, **fields})  # type: ignore[arg-type]
+
+
+def breaking_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **fields: object
+) -> Settings:
+    """Settings for a daemon that breaks once it holds a job: its progress reporter
+    raises half a second in (a loop of the daemon that dies), while the job's batch
+    takes five seconds."""
+
+    def crash(self: ProgressReporter, job: Job) -> None:
+        raise RuntimeError("progress bug (test)")
+
+    monkeypatch.setattr(ProgressReporter, "_report", crash)
+    return serving_settings(
+        tmp_path,
+        model="tests.support.slow_model:five_seconds",
+        progress_interval_seconds=0.5,
+        **fields,
     )
 
 

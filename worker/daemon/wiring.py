@@ -345,11 +345,14 @@ class Daemon:
             reason = self._shutdown.wait()
             self._shutdown.let_held_jobs_finish()
             self._close_within_tail()
-        if self._shutdown.broken_cause is not None:
-            self._breakages.note(self._shutdown.broken_cause)
-            if self._breakages.too_many():
-                take_out_of_service(self._breakages, self._guard, self._metrics)
-        log.info("daemon_stopped", reason=reason.value, exit_code=reason.code)
+            # Still under the daemon's signal handlers: a second stop signal while the
+            # platform is called (seconds) is counted, where the handler they give back
+            # (the command line's, for a stop during its imports) would exit 0.
+            if self._shutdown.broken_cause is not None:
+                self._breakages.note(self._shutdown.broken_cause)
+                if self._breakages.too_many():
+                    take_out_of_service(self._breakages, self._guard, self._metrics)
+            log.info("daemon_stopped", reason=reason.value, exit_code=reason.code)
         return reason
 
     def _paused(self, generation: int, seconds: float) -> None:
