@@ -173,20 +173,22 @@ class _SignalledAsTakenOut(RecordingGuard):
 def test_a_stop_signal_while_a_broken_daemon_takes_its_host_out_is_counted_not_passed_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A daemon that stops broken on a host over its breakages limit calls its platform
-    still under its own signal handlers: a SIGTERM meanwhile reaches them, not the
-    handler from before it ran (the command line's exits 0), and it stops broken."""
+    """A daemon that stops broken on a host over its breakages limit, and one restarted
+    there, call their platform under their own signal handlers: a SIGTERM meanwhile
+    reaches them, not the handler from before they ran (the command line's exits 0),
+    and each stops broken."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     send_job(source, "held", sample_images(blobs, 1))
     settings = breaking_settings(tmp_path, monkeypatch, host_breakages_limit=1)
-    guard = _SignalledAsTakenOut()
     passed_on: list[int] = []
     before = signal.signal(signal.SIGTERM, lambda signum, _frame: passed_on.append(signum))
     try:
-        assert Daemon(settings, source, blobs, guard=guard).run() is ExitCode.BROKEN
+        for _ in ("broken", "restarted"):
+            guard = _SignalledAsTakenOut()
+            assert Daemon(settings, source, blobs, guard=guard).run() is ExitCode.BROKEN
+            assert guard.out_of_service
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert guard.out_of_service
     assert passed_on == []
 
 

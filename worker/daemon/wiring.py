@@ -317,7 +317,8 @@ class Daemon:
         shut down within `shutdown_tail_s` more than the time held jobs are given."""
         log.info("daemon_starting", settings=self._settings.model_dump(mode="json"))
         if self._breakages.too_many():  # restarted on a host that is to be replaced
-            take_out_of_service(self._breakages, self._guard, self._metrics)
+            with self._shutdown.signal_handlers():  # a stop meanwhile: still broken (below)
+                take_out_of_service(self._breakages, self._guard, self._metrics)
             return ExitCode.BROKEN
         with contextlib.ExitStack() as running:
             running.enter_context(self._shutdown.signal_handlers())
