@@ -19,7 +19,7 @@ from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.ledger import Ledger
-from worker.jobs.plan import shard_body
+from worker.jobs.plan import Plan, shard_body
 from worker.loops.notices import Notices, rejected_at
 from worker.message import parse_job_message
 from worker.ports import ReceivedMessage, S3Location
@@ -187,7 +187,7 @@ def test_a_new_run_of_a_rejected_request_too_big_for_one_worker_withdraws_it_as_
     assert job_file(blobs, "planned", "job.json")["items"] == 3
 
 
-def test_a_job_json_written_for_a_rejected_request_withdraws_its_rejection() -> None:
+def test_a_job_json_merged_for_a_rejected_request_withdraws_its_rejection() -> None:
     """A run of a rejected request that was never admitted as one (its watch redriven,
     which merges the job) withdraws the old rejected.json as its job.json is
     announced, at the latest."""
@@ -201,10 +201,51 @@ def test_a_job_json_written_for_a_rejected_request_withdraws_its_rejection() -> 
         ),
         frozenset(),
     )
-    notices = Notices(blobs, Checkpoints(blobs, Ledger()), Metrics(), notify=[])
+    plan = Plan(
+        job_id="watched",
+        request_digest="0123456789abcdef",
+        items=1,
+        shard_items=1,
+        model={"name": "m"},
+        params={},
+        received_at=0.0,
+        attempt=1,
+        format=spec.format,
+    )
+    ledger = Ledger()
+    watch = ledger.receive(ReceivedMessage("m-1", "{}", "m-1#handle", 1))
+    assert watch is not None
+    notices = Notices(blobs, Checkpoints(blobs, ledger), Metrics(), notify=[])
     finished = {"job_id": "watched", "status": "succeeded", "items": 1, "duration_s": 1.0}
-    assert notices.announce(spec, finished, "m-1")
+    assert notices.merged(spec, plan, finished, watch)
     assert _rejection(blobs, output) is None
+
+
+class _RejectedMeanwhile(InMemoryBlobStore):
+    """A store where, as the job's input is first read (after its admission), a delivery
+    of the same request beside this one leaves a rejected.json under its output."""
+
+    def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
+        if location.key.startswith("img/") and "meanwhile" not in self.__dict__:
+            self.meanwhile = True
+            rejection = {"job_id": "j", "request_id": "r-1", "reason": "r", "rejected_at": "t"}
+            self.objects["s3://bkt/out/j/rejected.json"] = json.dumps(rejection).encode()
+        return super().get(location, *args, **kwargs)
+
+
+def test_a_job_that_writes_its_job_json_withdraws_a_rejection_left_while_it_ran(
+    tmp_path: Path,
+) -> None:
+    """A rejection of the request written after the run was admitted (by a delivery
+    beside it) goes as the run writes its job.json: the job is done."""
+    blobs = _RejectedMeanwhile()
+    source, inputs = InMemoryJobSource(), sample_images(blobs, 1)
+    body = {"job_id": "j", "request_id": "r-1", "inputs": inputs, "output": "s3://bkt/out/j/"}
+    source.send(json.dumps(body))
+    run_until_drained(source, blobs, tmp_path)
+    assert blobs.meanwhile
+    assert job_file(blobs, "j", "job.json")["status"] == "succeeded"
+    assert _rejection(blobs, "s3://bkt/out/j/") is None
 
 
 def test_a_rejection_written_since_a_run_came_is_its_own_and_stays() -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from structlog.testing import capture_logs
@@ -51,6 +53,9 @@ class CountingBlobs(InMemoryBlobStore):
     def names(self, job_id: str) -> list[str]:
         prefix = f"s3://bkt/out/{job_id}/"
         return sorted(uri.removeprefix(prefix) for uri in self.objects if uri.startswith(prefix))
+
+
+OUTPUTS = ("results.jsonl", "job.log")  # a JSON Lines job's, besides job.json
 
 
 def _parts(blobs: CountingBlobs, job_id: str) -> list[str]:
@@ -161,6 +166,47 @@ def test_outputs_left_mixed_by_two_deliveries_are_redone_whole(tmp_path: Path) -
     recorded = job_file(blobs, "mixed", "job.json")["outputs"]
     listed = blobs.objects_under(S3Location.parse("s3://bkt/out/mixed/"))
     assert recorded == {name: listed[name] for name in ("results.jsonl", "job.log")}
+
+
+class _ReadsWatched(CountingBlobs):
+    """Can also act just before a chosen object is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_get: dict[str, Callable[[], None]] = {}
+
+    def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
+        act = self.before_get.pop(str(location), None)
+        if act is not None:
+            act()
+        return super().get(location, *args, **kwargs)
+
+
+def test_a_finish_writes_its_outputs_at_once_then_job_json_beside_the_withdrawal(
+    tmp_path: Path,
+) -> None:
+    """results.jsonl and job.log are written at once (each waits for the other to be
+    under way), job.json only once both are written, and the read of a rejected.json to
+    withdraw goes beside it: a finish takes two of S3's round trips, not four."""
+    source, blobs = InMemoryJobSource(), _ReadsWatched()
+    send_job(source, "meet", sample_images(blobs, 2))
+    output = "s3://bkt/out/meet/"
+    outputs, last = threading.Barrier(2, timeout=5), threading.Barrier(2, timeout=5)
+    written_before_job_json: list[bool] = []
+
+    def job_json() -> None:
+        written_before_job_json.append(all(output + name in blobs.objects for name in OUTPUTS))
+        last.wait()
+
+    blobs.before_put.update({output + name: outputs.wait for name in OUTPUTS})
+    blobs.before_put[output + "job.json"] = job_json
+    blobs.before_get[output + "rejected.json"] = last.wait
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path)
+    assert not outputs.broken and not last.broken
+    assert written_before_job_json == [True]
+    assert not [entry for entry in logs if entry["event"] == "job_upload_failed"]
+    assert job_file(blobs, "meet", "job.json")["status"] == "succeeded"
 
 
 def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> None:

@@ -49,9 +49,9 @@ class Notices:
         self._notify = notify
 
     def announce(self, spec: JobMessage, finished: dict[str, Any], message_id: str) -> bool:
-        """Count and log a job whose job.json (`finished`) this delivery wrote, and send
-        its notices; False if one was not sent (its message is to come back for it)."""
-        self.withdraw_rejection(spec)
+        """Count and log a job whose job.json (`finished`) this delivery wrote (and with
+        it withdrew any rejection: `withdraw_rejection`), and send its notices; False if
+        one was not sent (its message is to come back for it)."""
         self._metrics.jobs.labels(finished["status"]).inc()
         log.info(
             "job_finished",
@@ -73,6 +73,7 @@ class Notices:
         (`job`): the notices of the job.json this merge wrote (`merged`), or else of one
         written for the plan's request and not announced; False if one was not sent."""
         if merged is not None:
+            self.withdraw_rejection(spec)
             return self.announce(spec, merged, job.message.message_id)
         if not self._notify:
             return True

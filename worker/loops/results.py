@@ -31,6 +31,7 @@ from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.outcomes import Lifecycle
+from worker.jobs.plan import each_at_once
 from worker.jobs.summary import job_summary
 from worker.loops.notices import Notices
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
@@ -353,24 +354,42 @@ class Finisher:
     def _write(self, job: Job, lines: bytes, summary: dict[str, Any]) -> Written:
         """Each output on condition that it is as this delivery found it at admission (or
         as it last wrote it): a delivery that wrote first fences this one off. Then
-        job.json, naming the outputs it completes by their ETags, which it returns. Results
-        files an earlier delivery left beyond these then go."""
+        job.json, naming the outputs it completes by their ETags, which it returns, and
+        beside it any rejection of the request withdrawn. Results files an earlier
+        delivery left beyond these then go.
+
+        The outputs are written at once, then job.json with the withdrawal: a finish
+        takes two of S3's round trips, not four one after another (the job's end, and
+        a run's last). Two deliveries finishing at the same moment may each be fenced
+        off by one output of the other's; the message's next delivery writes the job."""
         assert job.log is not None and job.spec is not None
+        spec = job.spec
         if job.settled:  # before its Parquet files are made
             raise _Abandoned
         outputs = [*self._results(job, lines), ("job.log", job.log.lines(), NDJSON)]
-        for name, data, content_type in outputs:
-            self._put(job, name, data, content_type)
+        each_at_once(lambda output: self._put(job, *output), outputs)
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
-        self._put(job, "job.json", json.dumps(summary).encode() + b"\n", "application/json")
-        self._checkpoints.remove_stale(job.spec, job.output_etags, summary["outputs"])
+        job_json = json.dumps(summary).encode() + b"\n"
+        each_at_once(
+            lambda step: step(),
+            [
+                lambda: self._put(job, "job.json", job_json, "application/json"),
+                lambda: self.notices.withdraw_rejection(spec),
+            ],
+        )
+        self._checkpoints.remove_stale(spec, job.output_etags, summary["outputs"])
         return Written(summary)
 
     def _commit(self, job: Job, summary: dict[str, Any], lines: bytes) -> Written:
-        """A shard's commit (`Shards.commit`), and the merge it made, if it did."""
+        """A shard's commit (`Shards.commit`), and the merge it made, if it did: then any
+        rejection of the request is withdrawn."""
+        assert job.spec is not None
         if job.settled:
             raise _Abandoned
-        return self._shards.commit(job, summary, self._results(job, lines))
+        written = self._shards.commit(job, summary, self._results(job, lines))
+        if written.summary is not None:
+            self.notices.withdraw_rejection(job.spec)
+        return written
 
     def _put(self, job: Job, name: str, data: bytes | Path, content_type: str) -> None:
         assert job.spec is not None
