@@ -19,7 +19,7 @@ from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job
 from worker.jobs.ledger import Ledger
-from worker.jobs.plan import Plan, shard_body
+from worker.jobs.plan import shard_body
 from worker.loops.notices import Notices, rejected_at
 from worker.message import parse_job_message
 from worker.ports import ReceivedMessage, S3Location
@@ -192,33 +192,16 @@ def test_a_job_json_merged_for_a_rejected_request_withdraws_its_rejection() -> N
     which merges the job) withdraws the old rejected.json as its job.json is
     announced, at the latest."""
     blobs = InMemoryBlobStore()
-    output = "s3://bkt/out/watched/"
-    rejection = {"job_id": "watched", "request_id": "r-1", "reason": "r", "rejected_at": "t"}
-    blobs.objects[f"{output}rejected.json"] = json.dumps(rejection).encode()
-    spec = parse_job_message(
-        json.dumps(
-            {"job_id": "watched", "request_id": "r-1", "inputs": ["s3://bkt/a"], "output": output}
-        ),
-        frozenset(),
-    )
-    plan = Plan(
-        job_id="watched",
-        request_digest="0123456789abcdef",
-        items=1,
-        shard_items=1,
-        model={"name": "m"},
-        params={},
-        received_at=0.0,
-        attempt=1,
-        format=spec.format,
-    )
+    spec, plan = planned(blobs, "watched", ["s3://bkt/a"], {"name": "m"})
+    rejection = {"job_id": "watched", "request_id": spec.request_id, "reason": "r"}
+    blobs.objects[f"{spec.output}rejected.json"] = json.dumps(rejection).encode()
     ledger = Ledger()
     watch = ledger.receive(ReceivedMessage("m-1", "{}", "m-1#handle", 1))
     assert watch is not None
     notices = Notices(blobs, Checkpoints(blobs, ledger), Metrics(), notify=[])
     finished = {"job_id": "watched", "status": "succeeded", "items": 1, "duration_s": 1.0}
     assert notices.merged(spec, plan, finished, watch)
-    assert _rejection(blobs, output) is None
+    assert _rejection(blobs, spec.output) is None
 
 
 class _RejectedMeanwhile(InMemoryBlobStore):
