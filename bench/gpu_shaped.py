@@ -12,7 +12,8 @@ flight all that time, a wait is the pipeline's doing. The machine's CPU an image
 latency and without, says how near the run is to the CPU it has (two cores here hold
 16 processes reading and answering; every process's counts, so run it on a quiet
 machine). The steady rates leave out a run's two ends, which latency lengthens: the
-first batch waits for a listing and a GET, the last job for its uploads.
+first batch waits for a listing and a GET, the last job for its uploads (the ending:
+from the last batch to the last ack).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, f
     machine's CPU an image, and the steady rate; the same without latency; the first
     run's timeline in `out`/gpu-shaped."""
     jobs = [OVERLAP_JOB_SIZE] * max(1, images // OVERLAP_JOB_SIZE)
-    rates, steady, stalls, hedged, cpu = [], [], [], [], []
+    rates, steady, stalls, hedged, cpu, ends = [], [], [], [], [], []
     for run in range(runs):
         objects = work_dir / f"gpu-shaped-{run}"
         daemon = run_daemon(
@@ -64,6 +65,7 @@ def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, f
         steady.append(steady_images_per_s(daemon.timeline))
         cpu.append(daemon.source.machine_cpu_s / daemon.items)
         stalls.append(longest_stall_ms(daemon.timeline))
+        ends.append(ending_ms(daemon.timeline, daemon.source.last_ack_s))
         hedged.append(
             _counted(daemon.timeline, "fetch hedged") / _counted(daemon.timeline, "fetch calls")
         )
@@ -96,7 +98,18 @@ def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, f
         ),
         "gpu_shaped_steady_images_per_s": statistics.median(steady),
         "gpu_shaped_no_latency_steady_images_per_s": steady_images_per_s(unhurried.timeline),
+        # From the device's last batch to the last job acked: its uploads.
+        "gpu_shaped_ending_ms": statistics.median(ends),
+        "gpu_shaped_no_latency_ending_ms": ending_ms(
+            unhurried.timeline, unhurried.source.last_ack_s
+        ),
     }
+
+
+def ending_ms(timeline: Timeline, last_ack_s: float, stage: str = "inference") -> float:
+    """How long the run went on after the stage's last call ended (`last_ack_s`, when
+    its last message was acked, on the timeline's clock: `time.perf_counter`)."""
+    return 1000 * (last_ack_s - max(interval.end_s for interval in timeline.intervals(stage)))
 
 
 def steady_images_per_s(timeline: Timeline, stage: str = "inference") -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu_shaped import longest_stall_ms, steady_images_per_s
+from bench.gpu_shaped import ending_ms, longest_stall_ms, steady_images_per_s
 from worker.telemetry.timeline import Interval, Timeline
 
 
@@ -47,3 +47,10 @@ def test_the_longest_stall_is_the_longest_gap_between_busy_spans() -> None:
     (a call's start less the one before's end would read 1.2 s)."""
     timeline = Recorded([batch(1.0, 3.0), batch(1.5, 2.0), batch(3.2, 3.4), batch(3.5, 4.0)])
     assert longest_stall_ms(timeline) == pytest.approx(200.0)
+
+
+def test_the_ending_runs_from_the_last_batch_to_the_last_ack() -> None:
+    """The last batch to end (not the last to start) ends at 4.0 s; the last message is
+    acked at 4.25 s: the run's ending is 250 ms."""
+    timeline = Recorded([batch(1.0, 4.0), batch(3.5, 3.75)])
+    assert ending_ms(timeline, last_ack_s=4.25) == pytest.approx(250.0)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from structlog.testing import capture_logs
 
 from tests.support.in_process import (
@@ -27,9 +28,11 @@ from worker.adapters.fakes import InMemoryBlobStore, InMemoryJobSource
 from worker.daemon.shutdown import ExitCode
 from worker.daemon.wiring import Daemon
 from worker.jobs.checkpoints import CHECKPOINT_PREFIX
+from worker.loops import results
 from worker.loops.admission import WAITED_FOR_THE_REPLACED
 from worker.message import CANCEL_MARKER
 from worker.ports import S3Location
+from worker.retry import Backoff
 
 
 class CountingBlobs(InMemoryBlobStore):
@@ -207,6 +210,39 @@ def test_a_finish_writes_its_outputs_at_once_then_job_json_beside_the_withdrawal
     assert written_before_job_json == [True]
     assert not [entry for entry in logs if entry["event"] == "job_upload_failed"]
     assert job_file(blobs, "meet", "job.json")["status"] == "succeeded"
+
+
+def test_a_rejection_left_beside_a_run_stays_until_its_job_json_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rejection of the request written while the run went on (by a delivery beside
+    it that dead-lettered the message) is left in place while the run's job.json cannot
+    be written (here S3 refuses it, every try): no job.json and no rejection would leave
+    the producer waiting. The run is tried again later; its next delivery, which came
+    after the rejection, withdraws it as it is admitted and finishes the job."""
+    monkeypatch.setattr(results, "FINISH_BACKOFF", Backoff(base_s=0.0, cap_s=0.0))
+    source, blobs = InMemoryJobSource(), CountingBlobs()
+    send_job(source, "late", sample_images(blobs, 2))
+    output = "s3://bkt/out/late/"
+    rejection = {"job_id": "late", "request_id": None, "reason": "r", "rejected_at": "t"}
+    refusals = [results.FINISH_ATTEMPTS]
+
+    def refused() -> None:
+        blobs.objects[output + "rejected.json"] = json.dumps(rejection).encode()
+        refusals[0] -= 1
+        if refusals[0]:
+            blobs.before_put[output + "job.json"] = refused
+        raise ConnectionError("S3 refuses job.json (test)")
+
+    blobs.before_put[output + "job.json"] = refused
+    with capture_logs() as logs:
+        run_until_drained(source, blobs, tmp_path, retry_delay_seconds=0)
+    events = [entry["event"] for entry in logs]
+    second_delivery = events.index("job_received", events.index("job_released"))
+    assert "rejection_withdrawn" not in events[:second_delivery]
+    assert "rejection_withdrawn" in events[second_delivery:]
+    assert job_file(blobs, "late", "job.json")["status"] == "succeeded"
+    assert output + "rejected.json" not in blobs.objects
 
 
 def test_a_job_stopped_without_moving_is_released_and_counts(tmp_path: Path) -> None:

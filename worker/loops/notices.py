@@ -106,11 +106,17 @@ class Notices:
         """Remove the `rejected.json` an earlier run of this same request left (its
         message redriven from the DLQ), as a new run of it is admitted (`since`: when
         its delivery came, less the clocks' skew; one written since is this run's own,
-        by a delivery beside it) or writes its job.json (any: the job is done): the
-        producer's wait follows the new run, where it raised at once with the old
+        by a delivery beside it) or has written its job.json (any: the job is done):
+        the producer's wait follows the new run, where it raised at once with the old
         reason. One naming another request (or job) is left: it is that request's
         answer. Never raises: a rejection left answers for the request only until its
         job.json, which the client reads first."""
+        if self.rejection_to_withdraw(spec, since):
+            self.remove_rejection(spec)
+
+    def rejection_to_withdraw(self, spec: JobMessage, since: float | None = None) -> bool:
+        """Whether `withdraw_rejection` would remove a rejected.json now (a GET): read
+        beside a job.json's write, and removed once that has landed."""
         location = spec.output_location(REJECTED)
         try:
             rejection = json.loads(self._blobs.get(location, MAX_MARKER_BYTES))
@@ -118,13 +124,19 @@ class Notices:
                 spec.job_id,
                 spec.request_id,
             ):
-                return
-            if since is not None and rejected_at(rejection) >= since:
-                return  # this run's own
-            self._blobs.delete([location])
-            log.info("rejection_withdrawn", job_id=spec.job_id, request_id=spec.request_id)
+                return False
+            return since is None or rejected_at(rejection) < since  # else this run's own
         except (MissingObject, ObjectTooLarge, ValueError, AttributeError, KeyError, TypeError):
-            return  # none, or none of a rejection's
+            return False  # none, or none of a rejection's
+        except Exception as error:
+            log.warning("rejection_not_withdrawn", job_id=spec.job_id, error=repr(error))
+            return False
+
+    def remove_rejection(self, spec: JobMessage) -> None:
+        """Delete the request's rejected.json (`rejection_to_withdraw` said so); never raises."""
+        try:
+            self._blobs.delete([spec.output_location(REJECTED)])
+            log.info("rejection_withdrawn", job_id=spec.job_id, request_id=spec.request_id)
         except Exception as error:
             log.warning("rejection_not_withdrawn", job_id=spec.job_id, error=repr(error))
 

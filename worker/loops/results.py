@@ -358,10 +358,12 @@ class Finisher:
         beside it any rejection of the request withdrawn. Results files an earlier
         delivery left beyond these then go.
 
-        The outputs are written at once, then job.json with the withdrawal: a finish
-        takes two of S3's round trips, not four one after another (the job's end, and
-        a run's last). Two deliveries finishing at the same moment may each be fenced
-        off by one output of the other's; the message's next delivery writes the job."""
+        The outputs are written at once, then job.json while a rejection is looked
+        for, removed only once job.json has landed (a delivery fenced off, or stopped,
+        leaves one written beside it in place): a finish takes two of S3's round trips,
+        not four one after another (the job's end, and a run's last). Two deliveries
+        finishing at the same moment may each be fenced off by one output of the
+        other's; the message's next delivery writes the job."""
         assert job.log is not None and job.spec is not None
         spec = job.spec
         if job.settled:  # before its Parquet files are made
@@ -370,13 +372,15 @@ class Finisher:
         each_at_once(lambda output: self._put(job, *output), outputs)
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         job_json = json.dumps(summary).encode() + b"\n"
-        each_at_once(
+        _, rejected = each_at_once(
             lambda step: step(),
             [
                 lambda: self._put(job, "job.json", job_json, "application/json"),
-                lambda: self.notices.withdraw_rejection(spec),
+                lambda: self.notices.rejection_to_withdraw(spec),
             ],
         )
+        if rejected:
+            self.notices.remove_rejection(spec)
         self._checkpoints.remove_stale(spec, job.output_etags, summary["outputs"])
         return Written(summary)
 
