@@ -218,8 +218,8 @@ def test_a_rejection_left_beside_a_run_stays_until_its_job_json_lands(
     """A rejection of the request written while the run went on (by a delivery beside
     it that dead-lettered the message) is left in place while the run's job.json cannot
     be written (here S3 refuses it, every try): no job.json and no rejection would leave
-    the producer waiting. The run is tried again later; its next delivery, which came
-    after the rejection, withdraws it as it is admitted and finishes the job."""
+    the producer waiting. The run is tried again later; its next delivery finishes the
+    job and withdraws the rejection once its job.json has landed."""
     monkeypatch.setattr(results, "FINISH_BACKOFF", Backoff(base_s=0.0, cap_s=0.0))
     source, blobs = InMemoryJobSource(), CountingBlobs()
     send_job(source, "late", sample_images(blobs, 2))

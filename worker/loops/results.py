@@ -51,6 +51,9 @@ PARQUET_DIR = "parquet"  # in the job's directory of array files
 # A finish whose writes failed (each after its own retries) is tried this many times in
 # all, the lease kept meanwhile, before the job is released for a later delivery.
 FINISH_ATTEMPTS = 3
+# A whole job's outputs written at a time: results.jsonl and job.log together; a job of
+# many Parquet or array files holds a part (64 MiB) of each in memory as it writes it.
+OUTPUTS_AT_ONCE = 2
 FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
 
 
@@ -369,7 +372,7 @@ class Finisher:
         if job.settled:  # before its Parquet files are made
             raise _Abandoned
         outputs = [*self._results(job, lines), ("job.log", job.log.lines(), NDJSON)]
-        each_at_once(lambda output: self._put(job, *output), outputs)
+        each_at_once(lambda output: self._put(job, *output), outputs, OUTPUTS_AT_ONCE)
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         job_json = json.dumps(summary).encode() + b"\n"
         _, rejected = each_at_once(
