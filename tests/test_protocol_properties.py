@@ -342,7 +342,7 @@ def protocol(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     finish tried again at once; the daemons' logs kept out of the test's output."""
     for module in (shards, claims, stragglers):
         monkeypatch.setattr(module, "time", CLOCK)
-    for module in (shards, merging, stragglers, planning, results):
+    for module in (shards, merging, stragglers, planning):
         monkeypatch.setattr(module, "each_at_once", one_after_another)
     monkeypatch.setattr(results, "FINISH_BACKOFF", Backoff(base_s=0.0, cap_s=0.0))
     with structlog.testing.capture_logs():

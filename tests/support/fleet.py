@@ -71,12 +71,9 @@ class ModelClock:
 CLOCK = ModelClock()
 
 
-def one_after_another(
-    function: Callable[[Any], Any], arguments: Iterable[Any], at_once: int = 1
-) -> list[Any]:
-    """`each_at_once` one call at a time (whatever `at_once` it is given), in order:
-    calls side by side would make the order in which they reach the store the
-    threads', not the test's."""
+def one_after_another(function: Callable[[Any], Any], arguments: Iterable[Any]) -> list[Any]:
+    """`each_at_once` one call at a time, in order: calls side by side would make the
+    order in which they reach the store the threads', not the test's."""
     return [function(argument) for argument in arguments]
 
 

@@ -232,17 +232,15 @@ def read_commit(blobs: BlobStore, marker: S3Location) -> Commit:
         raise PoisonMessage(f"commit marker {marker} is not one: {error}") from error
 
 
-def each_at_once(
-    function: Callable[[Any], T], arguments: Iterable[Any], at_once: int = S3_THREADS
-) -> list[T]:
-    """`function` of each argument, `at_once` at a time, taking arguments only as
+def each_at_once(function: Callable[[Any], T], arguments: Iterable[Any]) -> list[T]:
+    """`function` of each argument, `S3_THREADS` at a time, taking arguments only as
     threads free up (a planner's stream of shards is never held whole); raises the
     first error."""
     results: list[T] = []
-    with ThreadPoolExecutor(at_once, thread_name_prefix="s3-calls") as pool:
+    with ThreadPoolExecutor(S3_THREADS, thread_name_prefix="s3-calls") as pool:
         pending: deque[Future[T]] = deque()
         for argument in arguments:
-            if len(pending) == at_once:
+            if len(pending) == S3_THREADS:
                 results.append(pending.popleft().result())
             pending.append(pool.submit(function, argument))
         results.extend(future.result() for future in pending)

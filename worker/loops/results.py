@@ -7,8 +7,9 @@ import functools
 import json
 import threading
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import structlog
@@ -31,7 +32,6 @@ from worker.errors import PreconditionFailed
 from worker.jobs.checkpoints import Checkpoints
 from worker.jobs.job import Job, JobState, Result
 from worker.jobs.outcomes import Lifecycle
-from worker.jobs.plan import each_at_once
 from worker.jobs.summary import job_summary
 from worker.loops.notices import Notices
 from worker.plugins import POSTPROCESS_STAGE, Postprocessor
@@ -43,6 +43,9 @@ from worker.sharding.shards import Shards
 
 log = structlog.get_logger()
 
+T = TypeVar("T")
+U = TypeVar("U")
+
 # An input that could not be read for now (its call's retries spent) is tried this many
 # times in all per delivery, fed again after these delays, before its job is released.
 INPUT_RETRIES = 4
@@ -51,9 +54,10 @@ PARQUET_DIR = "parquet"  # in the job's directory of array files
 # A finish whose writes failed (each after its own retries) is tried this many times in
 # all, the lease kept meanwhile, before the job is released for a later delivery.
 FINISH_ATTEMPTS = 3
-# A whole job's outputs written at a time: results.jsonl and job.log together; a job of
-# many Parquet or array files holds a part (64 MiB) of each in memory as it writes it.
-OUTPUTS_AT_ONCE = 2
+# Threads a finisher keeps for what a finish does beside its own calls (its second
+# output, the rejection's lookup): started for each finish instead, they cost a job of
+# one item a millisecond more. More finishes at once than these wait for one.
+BESIDE_THREADS = 32
 FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
 
 
@@ -220,6 +224,9 @@ class Finisher:
         # Never full: it holds at most the jobs held, and it is sized for all of them.
         self._queue: Channel[Job] = Channel(capacity)
         self._closed = threading.Event()
+        # Never shut down: a finish under way at shutdown still uses it. Its threads,
+        # idle, end once it is collected.
+        self._beside = futures.ThreadPoolExecutor(BESIDE_THREADS, "finish-beside")
 
     def submit(self, job: Job) -> None:
         self._queue.put(job)
@@ -372,20 +379,33 @@ class Finisher:
         if job.settled:  # before its Parquet files are made
             raise _Abandoned
         outputs = [*self._results(job, lines), ("job.log", job.log.lines(), NDJSON)]
-        each_at_once(lambda output: self._put(job, *output), outputs, OUTPUTS_AT_ONCE)
+        # Two at a time: a job of many Parquet or array files holds a part (64 MiB) of
+        # each in memory as it writes it.
+        self._together(
+            functools.partial(self._put_each, job, outputs[0::2]),
+            functools.partial(self._put_each, job, outputs[1::2]),
+        )
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         job_json = json.dumps(summary).encode() + b"\n"
-        _, rejected = each_at_once(
-            lambda step: step(),
-            [
-                lambda: self._put(job, "job.json", job_json, "application/json"),
-                lambda: self.notices.rejection_to_withdraw(spec),
-            ],
+        _, rejected = self._together(
+            functools.partial(self._put, job, "job.json", job_json, "application/json"),
+            functools.partial(self.notices.rejection_to_withdraw, spec),
         )
         if rejected:
             self.notices.remove_rejection(spec)
         self._checkpoints.remove_stale(spec, job.output_etags, summary["outputs"])
         return Written(summary)
+
+    def _together(self, own: Callable[[], T], beside: Callable[[], U]) -> tuple[T, U]:
+        """`own()` on this thread while `beside()` runs on one of the threads kept for
+        it; both have ended when this returns or raises (own's error first)."""
+        other = self._beside.submit(beside)
+        try:
+            mine = own()
+        except BaseException:
+            futures.wait([other])
+            raise
+        return mine, other.result()
 
     def _commit(self, job: Job, summary: dict[str, Any], lines: bytes) -> Written:
         """A shard's commit (`Shards.commit`), and the merge it made, if it did: then any
@@ -397,6 +417,10 @@ class Finisher:
         if written.summary is not None:
             self.notices.withdraw_rejection(job.spec)
         return written
+
+    def _put_each(self, job: Job, outputs: list[Output]) -> None:
+        for name, data, content_type in outputs:
+            self._put(job, name, data, content_type)
 
     def _put(self, job: Job, name: str, data: bytes | Path, content_type: str) -> None:
         assert job.spec is not None
