@@ -54,9 +54,10 @@ PARQUET_DIR = "parquet"  # in the job's directory of array files
 # A finish whose writes failed (each after its own retries) is tried this many times in
 # all, the lease kept meanwhile, before the job is released for a later delivery.
 FINISH_ATTEMPTS = 3
-# Threads a finisher keeps for what a finish does beside its own calls (its second
-# output, the rejection's lookup): started for each finish instead, they cost a job of
-# one item a millisecond more. More finishes at once than these wait for one.
+# Threads a finisher keeps for what a finish does beside its own calls (its other
+# outputs, the rejection's lookup), one for each thread finishing jobs (the daemon
+# starts at most 32): started for each finish instead, they cost a job of one item a
+# millisecond more.
 BESIDE_THREADS = 32
 FINISH_BACKOFF = Backoff(base_s=0.5, cap_s=5.0)
 
@@ -336,10 +337,10 @@ class Finisher:
         return b"".join(result.line for result in job.results if result is not None)
 
     def _results(self, job: Job, lines: bytes) -> list[Output]:
-        """(name, content or the local file of it, content type) of each results file,
-        in the order they are written: the array files and results.jsonl that refers to
-        them, or the Parquet files (a shard's named by its number); then, for a job of
-        an OpenAI batch file, that API's output and error files."""
+        """(name, content or the local file of it, content type) of each results file:
+        the array files and results.jsonl that refers to them, or the Parquet files (a
+        shard's named by its number); then, for a job of an OpenAI batch file, that
+        API's output and error files. (job.json, written after them all, names them.)"""
         assert job.spec is not None and job.arrays is not None
         arrays = job.arrays.files()
         if job.spec.format == JSON_LINES:
@@ -381,9 +382,10 @@ class Finisher:
         outputs = [*self._results(job, lines), ("job.log", job.log.lines(), NDJSON)]
         # Two at a time: a job of many Parquet or array files holds a part (64 MiB) of
         # each in memory as it writes it.
+        failed = threading.Event()  # the other half writes no more once one fails
         self._together(
-            functools.partial(self._put_each, job, outputs[0::2]),
-            functools.partial(self._put_each, job, outputs[1::2]),
+            functools.partial(self._put_each, job, outputs[0::2], failed),
+            functools.partial(self._put_each, job, outputs[1::2], failed),
         )
         summary["outputs"] = {name: job.output_etags[name] for name, _, _ in outputs}
         job_json = json.dumps(summary).encode() + b"\n"
@@ -418,9 +420,17 @@ class Finisher:
             self.notices.withdraw_rejection(job.spec)
         return written
 
-    def _put_each(self, job: Job, outputs: list[Output]) -> None:
+    def _put_each(self, job: Job, outputs: list[Output], failed: threading.Event) -> None:
+        """Each of `outputs` in turn, until one fails here or `failed` says one did
+        elsewhere (a job of many files fenced off on one stops writing the rest)."""
         for name, data, content_type in outputs:
-            self._put(job, name, data, content_type)
+            if failed.is_set():
+                return
+            try:
+                self._put(job, name, data, content_type)
+            except BaseException:
+                failed.set()
+                raise
 
     def _put(self, job: Job, name: str, data: bytes | Path, content_type: str) -> None:
         assert job.spec is not None
