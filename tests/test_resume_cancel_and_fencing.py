@@ -36,11 +36,18 @@ from worker.retry import Backoff
 
 
 class CountingBlobs(InMemoryBlobStore):
-    """Can act just before a chosen object is written."""
+    """Can act just before a chosen object is written, or read."""
 
     def __init__(self) -> None:
         super().__init__()
         self.before_put: dict[str, Callable[[], None]] = {}
+        self.before_get: dict[str, Callable[[], None]] = {}
+
+    def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
+        act = self.before_get.pop(str(location), None)
+        if act is not None:
+            act()
+        return super().get(location, *args, **kwargs)
 
     def put(
         self, location: S3Location, data: bytes, content_type: str, *, expect: str | None = None
@@ -168,21 +175,7 @@ def test_outputs_left_mixed_by_two_deliveries_are_redone_whole(tmp_path: Path) -
     assert [r["input"] for r in job_file(blobs, "mixed", "results.jsonl")] == uris
     recorded = job_file(blobs, "mixed", "job.json")["outputs"]
     listed = blobs.objects_under(S3Location.parse("s3://bkt/out/mixed/"))
-    assert recorded == {name: listed[name] for name in ("results.jsonl", "job.log")}
-
-
-class _ReadsWatched(CountingBlobs):
-    """Can also act just before a chosen object is read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.before_get: dict[str, Callable[[], None]] = {}
-
-    def get(self, location: S3Location, *args: Any, **kwargs: Any) -> bytes:
-        act = self.before_get.pop(str(location), None)
-        if act is not None:
-            act()
-        return super().get(location, *args, **kwargs)
+    assert recorded == {name: listed[name] for name in OUTPUTS}
 
 
 def test_a_finish_writes_its_outputs_at_once_then_job_json_beside_the_withdrawal(
@@ -191,7 +184,7 @@ def test_a_finish_writes_its_outputs_at_once_then_job_json_beside_the_withdrawal
     """results.jsonl and job.log are written at once (each waits for the other to be
     under way), job.json only once both are written, and the read of a rejected.json to
     withdraw goes beside it: a finish takes two of S3's round trips, not four."""
-    source, blobs = InMemoryJobSource(), _ReadsWatched()
+    source, blobs = InMemoryJobSource(), CountingBlobs()
     send_job(source, "meet", sample_images(blobs, 2))
     output = "s3://bkt/out/meet/"
     outputs, last = threading.Barrier(2, timeout=5), threading.Barrier(2, timeout=5)
