@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 
 from tests.support.faults import png_bytes
 from tests.support.in_process import (
+    assert_same_results,
     draining_settings,
     job_file,
     planned,
@@ -59,24 +60,6 @@ def _send(source: InMemoryJobSource, job_id: str, inputs: list[str], **fields: A
     source.send(json.dumps(body))
 
 
-def _scores_apart(lines: list[dict[str, Any]]) -> tuple[list[Any], list[float]]:
-    """Result lines without their scores, and the scores: a score's last digit depends
-    on which inputs shared its batch (the kernels sum in another order), and a job run
-    whole is batched otherwise than its shards are."""
-    scores: list[float] = []
-
-    def without(value: Any) -> Any:
-        if isinstance(value, dict):
-            if "score" in value:
-                scores.append(value["score"])
-            return {key: without(item) for key, item in value.items() if key != "score"}
-        if isinstance(value, list):
-            return [without(item) for item in value]
-        return value
-
-    return without(lines), scores
-
-
 def _names_under(blobs: InMemoryBlobStore, job_id: str) -> set[str]:
     prefix = f"s3://bkt/out/{job_id}/"
     return {uri.removeprefix(prefix) for uri in blobs.objects if uri.startswith(prefix)}
@@ -94,10 +77,9 @@ def test_a_sharded_job_ends_as_its_unsharded_run_does(tmp_path: Path) -> None:
     run_until_drained(source, blobs, tmp_path)
 
     whole, split = job_file(blobs, "whole", "job.json"), job_file(blobs, "split", "job.json")
-    split_lines, split_scores = _scores_apart(job_file(blobs, "split", "results.jsonl"))
-    whole_lines, whole_scores = _scores_apart(job_file(blobs, "whole", "results.jsonl"))
-    assert split_lines == whole_lines
-    assert split_scores == pytest.approx(whole_scores, abs=1e-5)
+    assert_same_results(
+        job_file(blobs, "split", "results.jsonl"), job_file(blobs, "whole", "results.jsonl")
+    )
     assert split["shards"] == {"count": 5, "attempts": 5}
     own = RUN_FIELDS | {"job_id"}
     assert {key: value for key, value in split.items() if key not in own | {"shards"}} == {
