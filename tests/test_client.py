@@ -129,7 +129,7 @@ def test_a_job_sent_is_followed_and_read_back_the_same_in_either_format(
 ) -> None:
     """Two jobs of the same inputs (one missing), one in each format, run by the daemon:
     `wait` gives each job.json, `lines` the same records in input order (the missing
-    input's with its error; scores but for their batches' last digit), and `batches`
+    input's with its error; scores but for their batches' last digits), and `batches`
     the same rows."""
     jobs = Jobs(queue, blobs)
     inputs = [*sample_images(blobs, 4), "s3://bkt/img/missing"]

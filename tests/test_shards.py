@@ -67,7 +67,7 @@ def _names_under(blobs: InMemoryBlobStore, job_id: str) -> set[str]:
 
 def test_a_sharded_job_ends_as_its_unsharded_run_does(tmp_path: Path) -> None:
     """23 inputs in shards of 5: five shard messages, and then the same results.jsonl
-    (lines, order, scores but for their batches' last digit) and job.json (fields,
+    (lines, order, scores but for their batches' last digits) and job.json (fields,
     plus `shards`) as the job run whole; nothing of the shards is left but plan.json."""
     source, blobs = InMemoryJobSource(), InMemoryBlobStore()
     inputs = sample_images(blobs, 23)

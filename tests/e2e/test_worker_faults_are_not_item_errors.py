@@ -86,12 +86,13 @@ def test_a_model_that_breaks_opens_the_circuit_and_fails_no_job(
     done = {job for job in jobs if "job.json" in aws.names(job_output(stack, job))}
     assert all(aws.summary(job_output(stack, job))["status"] == "succeeded" for job in done)
     # A job settled as its finish's writes were in flight may have its results.jsonl
-    # and no job.json (no result: its next delivery writes over it); no line of any is
-    # an error.
-    written = [job for job in jobs if "results.jsonl" in aws.names(job_output(stack, job))]
-    assert all(
-        "error" not in line for job in written for line in aws.results(job_output(stack, job))
-    )
+    # and no job.json (no result: its next delivery writes over it). Any results.jsonl
+    # is whole: every input of its job labelled, none an error.
+    for job, inputs in jobs.items():
+        if "results.jsonl" in aws.names(job_output(stack, job)):
+            results = aws.results(job_output(stack, job))
+            assert [line["input"] for line in results] == inputs
+            assert all("label" in line and "error" not in line for line in results)
     # A job whose job.json was written just before the circuit opened may not have been
     # deleted: its next delivery acks it unread. Every other job is back in the queue.
     acked = {event["job_id"] for event in daemon.events("job_finished")}

@@ -1,6 +1,6 @@
 """The daemon in the test's own process against the in-memory fakes
-(`worker.adapters.fakes`): sample images, jobs sent, settings, runs, and the files a job
-left under its output."""
+(`worker.adapters.fakes`): sample images, jobs sent, settings, runs, the files a job
+left under its output, and two runs' results compared."""
 
 from __future__ import annotations
 
@@ -52,30 +52,24 @@ def job_file(blobs: InMemoryBlobStore, job_id: str, name: str) -> Any:
 
 
 def assert_same_results(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
-    """The same result lines, their scores but for the last digits: a score's last digit
-    depends on which inputs shared its batch (the kernels sum in another order), and
-    two runs of the same inputs may batch them otherwise (shards, formats, jobs run
+    """The same result lines, their scores but for the last digits: a score's last digits
+    depend on which inputs shared its batch (the kernels sum in another order), and two
+    runs of the same inputs may batch them otherwise (shards, formats, jobs run
     together)."""
-    got_lines, got_scores = _scores_apart(got)
-    expected_lines, expected_scores = _scores_apart(expected)
-    assert got_lines == expected_lines
-    assert got_scores == pytest.approx(expected_scores, abs=1e-5)
+    assert got == _scores_near(expected)
 
 
-def _scores_apart(lines: list[dict[str, Any]]) -> tuple[list[Any], list[float]]:
-    """Result lines without their scores, and the scores, in order."""
-    scores: list[float] = []
-
-    def without(value: Any) -> Any:
-        if isinstance(value, dict):
-            if "score" in value:
-                scores.append(value["score"])
-            return {key: without(item) for key, item in value.items() if key != "score"}
-        if isinstance(value, list):
-            return [without(item) for item in value]
-        return value
-
-    return without(lines), scores
+def _scores_near(value: Any) -> Any:
+    """`value` with each score (nested ones too) one that compares equal to any within
+    1e-5 of it."""
+    if isinstance(value, dict):
+        return {
+            key: pytest.approx(item, abs=1e-5) if key == "score" else _scores_near(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_scores_near(item) for item in value]
+    return value
 
 
 def draining_settings(tmp_path: Path, **fields: Any) -> Settings:
