@@ -28,6 +28,7 @@ from bench.harness import (
     OVERLAP_JOB_SIZE,
     S3_MEDIAN_MS,
     S3_P99_MS,
+    DaemonRun,
     LatentBlobStore,
     run_daemon,
 )
@@ -50,59 +51,70 @@ SHAPED_SETTINGS: dict[str, Any] = {
 
 
 def gpu_shaped(work_dir: Path, images: int, runs: int, out: Path) -> dict[str, float]:
-    """The daemon's images/s at an H100's pace with S3's latency (the median of `runs`),
-    its fetch efficiency, the device's longest wait, the share of GETs hedged, the
-    machine's CPU an image, and the steady rate; the same without latency; the first
-    run's timeline in `out`/gpu-shaped."""
+    """The daemon's images/s at an H100's pace with S3's latency, its fetch efficiency,
+    the device's longest wait, the share of GETs hedged, the machine's CPU an image, and
+    the steady rate; the same without latency; each the median of `runs`, a run with
+    latency and one without taken in turn, so that both medians cover the same stretch
+    of the machine's drifting pace; the first run with latency's timeline in
+    `out`/gpu-shaped."""
     jobs = [OVERLAP_JOB_SIZE] * max(1, images // OVERLAP_JOB_SIZE)
-    rates, steady, stalls, hedged, cpu, ends = [], [], [], [], [], []
+    with_latency_runs: list[dict[str, float]] = []
+    no_latency_runs: list[dict[str, float]] = []
     for run in range(runs):
-        objects = work_dir / f"gpu-shaped-{run}"
-        daemon = run_daemon(
-            jobs, LatentBlobStore(seed=run, directory=objects), work_dir, **SHAPED_SETTINGS
-        )
-        rates.append(daemon.items / daemon.wall_s)
-        steady.append(steady_images_per_s(daemon.timeline))
-        cpu.append(daemon.source.machine_cpu_s / daemon.items)
-        stalls.append(longest_stall_ms(daemon.timeline))
-        ends.append(ending_ms(daemon.timeline, daemon.source.last_ack_s))
-        hedged.append(
-            _counted(daemon.timeline, "fetch hedged") / _counted(daemon.timeline, "fetch calls")
+        latent_store = LatentBlobStore(seed=run, directory=work_dir / f"gpu-shaped-{run}")
+        daemon = run_daemon(jobs, latent_store, work_dir, **SHAPED_SETTINGS)
+        with_latency_runs.append(
+            {
+                **_figures(daemon),
+                "hedged": _counted(daemon.timeline, "fetch hedged")
+                / _counted(daemon.timeline, "fetch calls"),
+                "stall_ms": longest_stall_ms(daemon.timeline),
+            }
         )
         if run == 0:
             title = f"gpu-shaped: {daemon.items} images, an H100's pace, S3's latency"
             daemon.timeline.write(out / "gpu-shaped", title)
-    unhurried = run_daemon(
-        jobs, InMemoryBlobStore(work_dir / "gpu-shaped-no-latency"), work_dir, **SHAPED_SETTINGS
-    )
-    no_latency = unhurried.items / unhurried.wall_s
+        instant_store = InMemoryBlobStore(work_dir / f"gpu-shaped-no-latency-{run}")
+        no_latency_runs.append(
+            _figures(run_daemon(jobs, instant_store, work_dir, **SHAPED_SETTINGS))
+        )
+    with_latency, no_latency = _medians(with_latency_runs), _medians(no_latency_runs)
     bounds = {
         "little": SHAPED_IN_FLIGHT / (mean_latency_ms(S3_MEDIAN_MS, S3_P99_MS) / 1000),
         "device": SHAPED_BATCH / ((H100_BASE_MS + H100_PER_ITEM_MS * SHAPED_BATCH) / 1000),
-        "no_latency": no_latency,
+        "no_latency": no_latency["images_per_s"],
     }
-    rate = statistics.median(rates)
     return {
-        "gpu_shaped_images_per_s": rate,
-        "gpu_shaped_no_latency_images_per_s": no_latency,
+        "gpu_shaped_images_per_s": with_latency["images_per_s"],
+        "gpu_shaped_no_latency_images_per_s": no_latency["images_per_s"],
         "gpu_shaped_littles_law_images_per_s": bounds["little"],
         "gpu_shaped_device_images_per_s": bounds["device"],
-        "fetch_efficiency": rate / min(bounds.values()),
-        "longest_stall_ms": statistics.median(stalls),
+        "fetch_efficiency": with_latency["images_per_s"] / min(bounds.values()),
+        "longest_stall_ms": with_latency["stall_ms"],
         # GETs made again (the slowest, past the store's 95th percentile) of all made.
-        "fetch_hedged_share": statistics.median(hedged),
+        "fetch_hedged_share": with_latency["hedged"],
         # Every process's CPU on this machine, from the first receive to the last delete.
-        "gpu_shaped_machine_cpu_ms_per_image": 1000 * statistics.median(cpu),
-        "gpu_shaped_no_latency_machine_cpu_ms_per_image": (
-            1000 * unhurried.source.machine_cpu_s / unhurried.items
-        ),
-        "gpu_shaped_steady_images_per_s": statistics.median(steady),
-        "gpu_shaped_no_latency_steady_images_per_s": steady_images_per_s(unhurried.timeline),
+        "gpu_shaped_machine_cpu_ms_per_image": with_latency["machine_cpu_ms_per_image"],
+        "gpu_shaped_no_latency_machine_cpu_ms_per_image": no_latency["machine_cpu_ms_per_image"],
+        "gpu_shaped_steady_images_per_s": with_latency["steady_images_per_s"],
+        "gpu_shaped_no_latency_steady_images_per_s": no_latency["steady_images_per_s"],
         # From the device's last batch to the last job acked: its uploads.
-        "gpu_shaped_ending_ms": statistics.median(ends),
-        "gpu_shaped_no_latency_ending_ms": ending_ms(
-            unhurried.timeline, unhurried.source.last_ack_s
-        ),
+        "gpu_shaped_ending_ms": with_latency["ending_ms"],
+        "gpu_shaped_no_latency_ending_ms": no_latency["ending_ms"],
+    }
+
+
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {name: statistics.median(figures[name] for figures in runs) for name in runs[0]}
+
+
+def _figures(daemon: DaemonRun) -> dict[str, float]:
+    """What a run gives, with latency or without."""
+    return {
+        "images_per_s": daemon.items / daemon.wall_s,
+        "machine_cpu_ms_per_image": 1000 * daemon.source.machine_cpu_s / daemon.items,
+        "steady_images_per_s": steady_images_per_s(daemon.timeline),
+        "ending_ms": ending_ms(daemon.timeline, daemon.source.last_ack_s),
     }
 
 
