@@ -8,8 +8,9 @@ import datetime
 import gzip
 import io
 import json
+import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -18,9 +19,9 @@ import pytest
 
 from tests.support.hostile import gzipped_rows, megabyte_uri
 from worker.adapters.fakes import FAKE_LIST_PAGE, InMemoryBlobStore
-from worker.datasets.inputs import MAX_ID_BYTES, Input, InputReader
+from worker.datasets.inputs import CSV_BLOCK_BYTES, MAX_ID_BYTES, Input, InputReader
 from worker.message import PoisonMessage, parse_job_message
-from worker.ports import S3_MAX_KEY_BYTES
+from worker.ports import S3_MAX_KEY_BYTES, S3Location
 
 NO_LIMIT: frozenset[str] = frozenset()
 
@@ -376,3 +377,39 @@ def test_a_json_lines_table_whose_ids_are_its_uris_lists_each_row_once() -> None
     blobs.objects["s3://tbl/t.jsonl"] = "".join(json.dumps(line) + "\n" for line in lines).encode()
     listed = _read(blobs, table={"uri": "s3://tbl/t.jsonl", "id_column": "uri"})
     assert listed == [("s3://pix/a.jpg", "s3://pix/a.jpg"), ("s3://pix/b.jpg", "s3://pix/b.jpg")]
+
+
+class _SlowAfter(InMemoryBlobStore):
+    """Serves an object's first `fast` chunks at once and each later one after `wait_s`,
+    noting when each of those reads ended."""
+
+    def __init__(self, fast: int, wait_s: float):
+        super().__init__(chunk_bytes=2**18)
+        self._fast, self._wait_s = fast, wait_s
+        self.slow_reads_ended: list[float] = []
+
+    def chunks(
+        self, location: S3Location, max_bytes: int, *, expect: str | None = None
+    ) -> Generator[bytes]:
+        for number, chunk in enumerate(super().chunks(location, max_bytes, expect=expect)):
+            if number >= self._fast:
+                time.sleep(self._wait_s)
+                self.slow_reads_ended.append(time.monotonic())
+            yield chunk
+
+
+def test_a_refused_csv_table_is_read_no_further_once_its_refusal_returns() -> None:
+    """pyarrow reads a CSV's next block ahead on a thread of its own. A table refused at
+    its first row, while that thread waits for the object's next chunks, returns once
+    the read under way has ended, and no read starts after: nothing is left reading
+    (or inflating) a sender's object."""
+    uri = f"s3://pix/{OVER_A_KEY}"
+    rows = 4 * CSV_BLOCK_BYTES // len(uri)
+    blobs = _SlowAfter(fast=CSV_BLOCK_BYTES // 2**18, wait_s=0.3)
+    blobs.objects["s3://tbl/long.csv"] = ("uri\n" + f"{uri}\n" * rows).encode()
+    with pytest.raises(PoisonMessage, match="row 1: a key over S3's limit"):
+        _read(blobs, table={"uri": "s3://tbl/long.csv"})
+    returned = time.monotonic()
+    assert blobs.slow_reads_ended, "pyarrow read nothing ahead: the test shows nothing"
+    time.sleep(1)  # a read still under way (the first of them) would end meanwhile
+    assert max(blobs.slow_reads_ended) <= returned

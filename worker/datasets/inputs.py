@@ -358,8 +358,12 @@ class InputReader:
         self, location: S3Location, columns: list[str], header: bool, text: str | None
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
-        with contextlib.closing(chunks):
-            stream = io.BufferedReader(ChunkStream(unzipped(chunks, location)), CSV_BLOCK_BYTES)
+        stream = io.BufferedReader(ChunkStream(unzipped(chunks, location)), CSV_BLOCK_BYTES)
+        # The stream is closed first: pyarrow reads the next block ahead on a thread of
+        # its own, and closing waits for that read (the buffer's lock), so no thread is
+        # still inflating the object, or reading its source, once this ends (a refused
+        # table's too).
+        with contextlib.closing(chunks), stream:
             # One block at a time: with threads the reader parses as many blocks ahead
             # as it has threads, and what a table holds is a sender's to choose.
             read = pa_csv.ReadOptions(
