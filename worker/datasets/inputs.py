@@ -359,13 +359,13 @@ class InputReader:
     ) -> Iterator[pa.RecordBatch]:
         chunks = self._blobs.chunks(location, self._max_file_bytes)
         stream = io.BufferedReader(ChunkStream(unzipped(chunks, location)), CSV_BLOCK_BYTES)
-        # The stream is closed first: pyarrow reads the next block ahead on a thread of
-        # its own, and closing waits for that read (the buffer's lock), so no thread is
-        # still inflating the object, or reading its source, once this ends (a refused
-        # table's too).
+        # The stream is closed first: pyarrow reads blocks ahead on a thread of its own
+        # (up to 32), and closing the stream waits for a read under way and refuses the
+        # next (`ChunkStream`), so once this ends nothing reads or inflates the object
+        # any more, a refused table's included.
         with contextlib.closing(chunks), stream:
-            # One block at a time: with threads the reader parses as many blocks ahead
-            # as it has threads, and what a table holds is a sender's to choose.
+            # Parsed a block at a time: with threads the reader parses as many blocks
+            # ahead as it has threads, and what a table holds is a sender's to choose.
             read = pa_csv.ReadOptions(
                 block_size=CSV_BLOCK_BYTES,
                 column_names=None if header else columns,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import io
+import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 from worker.message import PoisonMessage
@@ -46,25 +47,40 @@ def gunzipped(chunks: Iterator[bytes], location: S3Location) -> Iterator[bytes]:
 
 
 class ChunkStream(io.RawIOBase):
-    """A file-like reader of an object's pieces as they stream in."""
+    """A file-like reader of an object's pieces as they stream in. It may be read on
+    another thread (pyarrow reads ahead on threads of its own, and a buffered reader's
+    close does not hold off a read that checked before it): closing waits for a read
+    under way and closes the pieces (a generator), and a read after it finds the
+    stream closed, touching them no more."""
 
     def __init__(self, chunks: Iterator[bytes]):
+        super().__init__()
         self._chunks = chunks
         self._pending = memoryview(b"")
+        self._reading = threading.Lock()
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        while not self._pending:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._pending = memoryview(chunk)
-        size = min(len(buffer), len(self._pending))
-        buffer[:size] = self._pending[:size]
-        self._pending = self._pending[size:]
-        return size
+        with self._reading:
+            if self.closed:
+                raise ValueError("read of a closed stream")
+            while not self._pending:
+                chunk = next(self._chunks, None)
+                if chunk is None:
+                    return 0
+                self._pending = memoryview(chunk)
+            size = min(len(buffer), len(self._pending))
+            buffer[:size] = self._pending[:size]
+            self._pending = self._pending[size:]
+            return size
+
+    def close(self) -> None:
+        with self._reading:
+            if isinstance(self._chunks, Generator):
+                self._chunks.close()
+            super().close()
 
 
 def same_bytes(first: Iterable[bytes], second: Iterable[bytes]) -> bool:
