@@ -78,9 +78,11 @@ class ChunkStream(io.RawIOBase):
 
     def close(self) -> None:
         with self._reading:
-            if isinstance(self._chunks, Generator):
-                self._chunks.close()
-            super().close()
+            try:
+                if isinstance(self._chunks, Generator):
+                    self._chunks.close()
+            finally:
+                super().close()
 
 
 def same_bytes(first: Iterable[bytes], second: Iterable[bytes]) -> bool:
