@@ -49,16 +49,28 @@ def test_a_job_stopped_by_sigterm_resumes_without_spending_a_receive(
     stack = aws.stack(max_receive_count=1)
     uris = list(upload_samples(aws.s3, stack.bucket, 40, seed=21))
     send_jobs(aws, stack, {"long": uris})
-    args = daemon_args(stack, tmp_path, *slow_model_flags(1), "--grace-seconds", "0")
+    # Its intake receives again only once fewer than 8 items are outstanding (prefetch:
+    # 4 batches of 1, and 4 fetched at once), 33 results in.
+    args = daemon_args(
+        stack,
+        tmp_path,
+        *slow_model_flags(1),
+        *("--grace-seconds", "0", "--fetch-concurrency", "4"),
+        *("--progress-interval-seconds", "0.2"),
+    )
     first, again = FaultProxy(aws.endpoint), FaultProxy(aws.endpoint)
     tenth = {"SLOW_MODEL_SECONDS_PER_BATCH": "0.1"}  # each daemon's model (not 1 s a batch)
     with first.serving() as first_url:
         daemon = start_daemon(args, env={**aws.with_endpoint(first_url).env, **tenth})
         daemon.wait_for("job_received")
-        # Some results to hand over (with none, the job is released, not continued), and
-        # past the intake's last receive: a receive in flight as the daemon stops takes
-        # the continuation it sends, and gives it back, a receive spent (docs/failures.md).
-        time.sleep(2.5)
+        received = time.monotonic()
+        # Stopped with some results to hand over (with none, the job is released, not
+        # continued), as its progress.json says however loaded the machine, and past
+        # the receive its intake began as the job came (a 1 s wait): a receive in flight
+        # as the daemon stops takes the continuation it sends and gives it back, a
+        # receive spent (docs/failures.md).
+        wait_until(lambda: _finished(aws, job_output(stack, "long")) >= 3)
+        time.sleep(max(0.0, received + 2 - time.monotonic()))
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(30) == 0, daemon.stderr[-3000:]
     output = job_output(stack, "long")
