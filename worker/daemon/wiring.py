@@ -404,9 +404,11 @@ class Daemon:
         closing = threading.Thread(target=self._close, name="shutdown", daemon=True)
         closing.start()
         closing.join(self.shutdown_tail_s)
-        # Meanwhile a long poll still under way may have brought messages: the intake
-        # releases them once it sees the ledger closed.
-        self._supervisor.join("intake", max(0.0, deadline - time.monotonic()))
+        # Meanwhile a long poll still under way (either lane's) may have brought
+        # messages: the intake releases them once it sees the ledger closed. One left
+        # unjoined would leave what its poll brings leased to a daemon gone.
+        for lane in ("intake", "shards-intake"):
+            self._supervisor.join(lane, max(0.0, deadline - time.monotonic()))
         if closing.is_alive():
             log.error("shutdown_deadline_passed", tail_s=self.shutdown_tail_s)
 
