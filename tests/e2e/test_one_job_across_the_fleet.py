@@ -84,7 +84,10 @@ def _run_across_the_fleet(
     queues = (stack.queue_url, stack.shard_queue_url)
     readings = 0
     while True:
-        assert time.monotonic() < deadline, f"not merged: {aws.names(output)[:20]}"
+        assert time.monotonic() < deadline, (
+            f"not merged, or messages left: {aws.names(output)[:20]}",
+            [aws.queue_depth(queue) for queue in queues],
+        )
         done = "job.json" in aws.names(output) and all(map(aws.queue_empty, queues))
         readings = readings + 1 if done else 0
         if readings == 2:
