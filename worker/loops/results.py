@@ -370,9 +370,9 @@ class Finisher:
         delivery left beyond these then go.
 
         The outputs are written two at a time, then job.json while a rejection is
-        looked for, removed only once job.json has landed (a delivery fenced off, or stopped,
-        leaves one written beside it in place): a finish takes two of S3's round trips,
-        not four one after another (the job's end, and a run's last). Two deliveries
+        looked for, removed only once job.json has landed (a delivery fenced off, or
+        stopped, leaves one written beside it in place): a finish takes two of S3's round
+        trips, not four one after another (the job's end, and a run's last). Two deliveries
         finishing at the same moment may each be fenced off by one output of the
         other's; the message's next delivery writes the job."""
         assert job.log is not None and job.spec is not None
